@@ -1,0 +1,26 @@
+"""fused_rl: fused-kernel policy losses (GRPO, PPO and variants) for RL fine-tuning of LLMs.
+
+Public API: :class:`PolicyLossConfig`, :func:`token_logprobs`, :func:`policy_loss`,
+:func:`linear_policy_loss`, the :mod:`fused_rl.reference` twins, and :mod:`fused_rl.advantages`.
+"""
+
+from . import advantages, reference
+from .backends import available_backends
+from .config import IGNORE_INDEX, PRESETS, PolicyLossConfig
+from .ops import linear_policy_loss, policy_loss, token_logprobs
+from .outputs import PolicyLossOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PolicyLossConfig",
+    "PolicyLossOutput",
+    "PRESETS",
+    "IGNORE_INDEX",
+    "token_logprobs",
+    "policy_loss",
+    "linear_policy_loss",
+    "reference",
+    "advantages",
+    "available_backends",
+]

@@ -1,0 +1,115 @@
+"""Advantage estimators. Rewards of one prompt's ``G`` samples are consecutive: ``rewards[g*G:(g+1)*G]``.
+
+* :func:`grpo`  ``A_i = (R_i - mean(R)) / (std(R) + eps)`` with the *population* std (``scale=False``:
+  ``A_i = R_i - mean(R)``, Dr. GRPO's centring only). Its expectation at an on-policy point is
+  ``(1 - 1/G)`` times the true gradient (the group mean contains the sample's own reward).
+* :func:`rloo`  ``A_i = R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean(R))`` (unbiased).
+* :func:`kimi_length_reward` Kimi k1.5's length term
+  ``lambda_i = 1/2 - (T_i - T_min)/(T_max - T_min)``: ``lambda_i`` if correct, ``min(0, lambda_i)`` if
+  not, 0 for a group whose lengths are all equal.
+* :func:`gae`   generalized advantage estimation over per-token rewards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _groups(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if x.dim() != 1 or x.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D tensor (groups of consecutive samples), got shape "
+                         f"{tuple(x.shape)}")
+    if x.numel() % group_size:
+        raise ValueError(f"{name} has {x.numel()} entries, not a multiple of group_size={group_size}")
+    return x.reshape(-1, group_size)
+
+
+def _float_groups(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    g = _groups(x, group_size, name)
+    g = g.to(torch.float64 if g.dtype == torch.float64 else torch.float32)
+    if not torch.isfinite(g).all():
+        raise ValueError(f"{name} contain NaN or inf")
+    return g
+
+
+def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages ``(R_i - mean) / (std_pop + eps)`` per group (``scale=False``: ``R_i - mean``).
+
+    ``[1, 0, 0, 0] -> [sqrt(3), -1/sqrt(3), -1/sqrt(3), -1/sqrt(3)]``; equal rewards -> zeros.
+    """
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    r = _float_groups(rewards, group_size, "rewards")
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale:
+        centred = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Leave-one-out advantages ``R_i - sum_{j != i} R_j / (G - 1)``; needs ``G >= 2``."""
+    if group_size < 2:
+        raise ValueError(f"rloo needs group_size >= 2, got {group_size!r}")
+    r = _float_groups(rewards, group_size, "rewards")
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - baseline).reshape(-1)
+
+
+def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Kimi k1.5 (Sec. 2.3.3) length reward, unweighted: for lengths 100 / 300 / 500 in a group spanning
+    100..500 it is +0.5 / 0 / -0.5 when correct and 0 / 0 / -0.5 when not."""
+    t = _float_groups(lengths, group_size, "lengths")
+    c = _groups(correct, group_size, "correct")
+    if c.shape != t.shape:
+        raise ValueError("correct must have the shape of lengths")
+    if c.dtype != torch.bool:
+        if not ((c == 0) | (c == 1)).all():
+            raise ValueError("correct must be boolean or 0/1")
+        c = c != 0
+    t_min = t.min(dim=1, keepdim=True).values
+    t_max = t.max(dim=1, keepdim=True).values
+    span = t_max - t_min
+    lam = 0.5 - (t - t_min) / torch.where(span > 0, span, torch.ones_like(span))
+    reward = torch.where(c.to(t.device), lam, lam.clamp(max=0.0))
+    return torch.where(span > 0, reward, torch.zeros_like(reward)).reshape(-1)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over ``(B, T)`` per-token rewards and values with ``mask`` marking response tokens.
+
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` (``V`` after the last response token is 0) and
+    ``A_t = delta_t + gamma lam A_{t+1}``; masked positions are skipped (they neither receive nor pass on
+    advantage), so left and right padding both work. With ``gamma = lam = 1``,
+    ``A_t = sum_{k >= t} r_k - V_t``. Returns ``(advantages, returns = advantages + values)``, zero
+    where masked.
+    """
+    for x, name in ((rewards, "rewards"), (values, "values"), (mask, "mask")):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"{name} must be a (B, T) tensor")
+    if rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must have one shape")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must be in [0, 1], got {gamma!r}, {lam!r}")
+    m = mask.bool()
+    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    r = torch.where(m, rewards.to(dtype), 0.0)
+    v = torch.where(m, values.detach().to(dtype), 0.0)
+    if not (torch.isfinite(r).all() and torch.isfinite(v).all()):
+        raise ValueError("rewards and values must be finite where mask is set")
+    adv = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_adv = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        mt = m[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a_t = delta + gamma * lam * next_adv
+        adv[:, t] = torch.where(mt, a_t, 0.0)
+        next_value = torch.where(mt, v[:, t], next_value)
+        next_adv = torch.where(mt, a_t, next_adv)
+    return adv, torch.where(m, adv + v, 0.0)

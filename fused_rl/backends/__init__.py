@@ -1,0 +1,88 @@
+"""Backend registry and selection.
+
+``backend=`` accepts ``"auto"`` or a registered name. ``"auto"`` walks :data:`AUTO_ORDER` for the
+tensor's device and takes the first available backend (never the reference); an explicitly named
+backend that cannot run raises instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import Backend
+from .reference import ReferenceBackend
+from .torch_chunked import TorchBackend
+
+BACKEND_NAMES = ("auto", "reference", "torch", "triton", "cpu", "cuda")
+
+#: Preference of ``backend="auto"`` per device type, fastest first.
+AUTO_ORDER = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
+
+_REGISTRY: dict[str, Backend] = {}
+_MISSING: dict[str, str] = {}
+
+
+def register(backend: Backend) -> None:
+    _REGISTRY[backend.name] = backend
+    _MISSING.pop(backend.name, None)
+
+
+def register_missing(name: str, reason: str) -> None:
+    """Record that ``name`` could not be loaded in this environment, and why."""
+    if name not in _REGISTRY:
+        _MISSING[name] = reason
+
+
+def _load_optional() -> None:
+    """Import the backends whose dependencies are optional; each registers itself or records why not."""
+    import importlib
+
+    for module in ("fused_rl.backends.triton", "fused_rl.backends.native"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # the module exists but a dependency is missing: it says which
+                raise
+
+
+register(ReferenceBackend())
+register(TorchBackend())
+_load_optional()
+for _name in ("triton", "cpu", "cuda"):
+    register_missing(_name, f"backend {_name!r} is not built into this installation")
+
+
+def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> Backend:
+    """The backend to use for tensors on ``device`` (and of ``dtype``)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "auto":
+        for candidate in AUTO_ORDER.get(device.type, ("torch",)):
+            be = _REGISTRY.get(candidate)
+            if be is not None and be.unavailable_reason(device) is None and (dtype is None or dtype in be.dtypes):
+                return be
+        return _REGISTRY["torch"]
+    be = _REGISTRY.get(name)
+    if be is None:
+        raise RuntimeError(f"backend {name!r} is unavailable: {_MISSING.get(name, 'not registered')}")
+    reason = be.unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(f"backend {name!r} cannot run on {device}: {reason}")
+    if dtype is not None and dtype not in be.dtypes:
+        raise ValueError(f"backend {name!r} does not support {dtype}; supported: {be.dtypes}")
+    return be
+
+
+def available_backends(device: torch.device) -> dict[str, Optional[str]]:
+    """Every known backend name -> ``None`` if usable on ``device``, else the reason it is not."""
+    out: dict[str, Optional[str]] = {}
+    for name in BACKEND_NAMES[1:]:
+        be = _REGISTRY.get(name)
+        out[name] = _MISSING.get(name, "not registered") if be is None else be.unavailable_reason(device)
+    return out
+
+
+__all__ = ["Backend", "BACKEND_NAMES", "AUTO_ORDER", "register", "register_missing", "get_backend",
+           "available_backends"]

@@ -1,0 +1,53 @@
+"""The slow, obviously correct backend: a full-precision ``log_softmax`` over the whole vocabulary.
+
+It materializes ``(B, T, V)`` fp32 log-probs (fp64 for fp64 input) and lets torch autograd do the
+backward; every other backend is tested against it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import IGNORE_INDEX, PolicyLossConfig
+from ..outputs import PolicyLossOutput
+from ..validation import PolicyInputs
+from .base import Backend
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def full_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                        return_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``logp = log_softmax(z / tau)[target]`` and ``H = -sum_j p_j log p_j`` (``0 log 0 = 0``)."""
+    z = logits.to(compute_dtype(logits.dtype)) / temperature
+    logp_all = F.log_softmax(z, dim=-1)
+    ignored = targets == IGNORE_INDEX
+    safe_targets = torch.where(ignored, torch.zeros_like(targets), targets).long()
+    logp = logp_all.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
+    zero = torch.zeros_like(logp)
+    logp = torch.where(ignored, zero, logp)
+    entropy = None
+    if return_entropy:
+        finite_logp = torch.where(torch.isfinite(logp_all), logp_all, torch.zeros_like(logp_all))
+        entropy = torch.where(ignored, zero, -(logp_all.exp() * finite_logp).sum(-1))
+    return logp, entropy
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+    def token_logprobs(self, logits, targets, temperature, return_entropy):
+        return full_token_logprobs(logits, targets, temperature, return_entropy)
+
+    def linear_policy_loss(self, hidden, weight, bias, inputs: PolicyInputs, config: PolicyLossConfig,
+                           compute_entropy: bool) -> PolicyLossOutput:
+        """Materialize ``logits = hidden @ weight.T + bias`` in full precision, then :meth:`policy_loss`."""
+        dtype = compute_dtype(hidden.dtype)
+        logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        return self.policy_loss(logits, inputs, config, compute_entropy)

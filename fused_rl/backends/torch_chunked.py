@@ -1,0 +1,156 @@
+"""Chunked torch backend: the vocabulary work in row chunks, never holding more than a chunk of
+fp32 probabilities. Runs on any device; it is the fallback where no compiled kernel is available.
+
+Forward per row (``z = logits / tau``):  ``m = max z``, ``s = sum exp(z - m)``, ``lse = m + log s``,
+``logp = z_target - lse``, ``E[z] = sum p z``, ``H = lse - E[z]``.
+Backward per row: ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``.
+
+Both halves are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` sees
+two opaque calls instead of unrolling the chunk loop.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from ..config import IGNORE_INDEX
+from .base import Backend
+
+#: Elements of one fp32 chunk (8 MiB); a few such temporaries are alive at once.
+CHUNK_ELEMENTS = 1 << 21
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_blocks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first_row, (n, V) view)`` blocks covering the leading dims in row-major order, without copying
+    whenever the rows of each leading index are evenly strided (true for slices like ``logits[:, :-1]``)."""
+    vocab = logits.shape[-1]
+    try:
+        yield 0, logits.view(-1, vocab)
+        return
+    except RuntimeError:
+        pass
+    if logits.dim() == 3:
+        for b in range(logits.shape[0]):
+            yield b * logits.shape[1], logits[b]
+    else:
+        yield 0, logits.reshape(-1, vocab)
+
+
+def _chunks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    rows = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    for first, block in _row_blocks(logits):
+        for start in range(0, block.shape[0], rows):
+            yield first + start, block[start:start + rows]
+
+
+@torch.library.custom_op("fused_rl::torch_token_stats", mutates_args=())
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns flat ``(logp, entropy, lse)`` of length ``N = prod(logits.shape[:-1])`` (``entropy``
+    empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``."""
+    cdtype = _compute_dtype(logits.dtype)
+    flat_targets = targets.reshape(-1)
+    n = flat_targets.numel()
+    logp = torch.empty(n, dtype=cdtype, device=logits.device)
+    lse = torch.empty(n, dtype=cdtype, device=logits.device)
+    entropy = torch.empty(n if with_entropy else 0, dtype=cdtype, device=logits.device)
+    for start, chunk in _chunks(logits):
+        stop = start + chunk.shape[0]
+        t = flat_targets[start:stop]
+        ignored = t == IGNORE_INDEX
+        z = chunk.to(cdtype) / temperature
+        m = z.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(z - m)
+        s = e.sum(dim=-1)
+        row_lse = m.squeeze(-1) + torch.log(s)
+        zt = z.gather(-1, torch.where(ignored, 0, t).long().unsqueeze(-1)).squeeze(-1)
+        zero = torch.zeros_like(zt)
+        logp[start:stop] = torch.where(ignored, zero, zt - row_lse)
+        lse[start:stop] = row_lse
+        if with_entropy:
+            ez = (e * torch.where(e > 0, z, torch.zeros_like(z))).sum(dim=-1) / s
+            entropy[start:stop] = torch.where(ignored, zero, row_lse - ez)
+    return logp, entropy, lse
+
+
+@token_stats.register_fake
+def _(logits, targets, temperature, with_entropy):
+    n = targets.numel()
+    cdtype = _compute_dtype(logits.dtype)
+    return (logits.new_empty(n, dtype=cdtype), logits.new_empty(n if with_entropy else 0, dtype=cdtype),
+            logits.new_empty(n, dtype=cdtype))
+
+
+@torch.library.custom_op("fused_rl::torch_token_grad", mutates_args=())
+def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
+               entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+               temperature: float) -> torch.Tensor:
+    """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``E[z] = lse - H``;
+    contiguous, in the logits dtype."""
+    cdtype = _compute_dtype(logits.dtype)
+    vocab = logits.shape[-1]
+    flat_targets = targets.reshape(-1)
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    out_rows = out.view(-1, vocab)
+    for start, chunk in _chunks(logits):
+        stop = start + chunk.shape[0]
+        t = flat_targets[start:stop]
+        ignored = (t == IGNORE_INDEX).unsqueeze(-1)
+        z = chunk.to(cdtype) / temperature
+        row_lse = lse[start:stop].unsqueeze(-1)
+        p = torch.exp(z - row_lse)
+        gl = torch.where(ignored, 0.0, g_logp[start:stop].to(cdtype).unsqueeze(-1))
+        g = -gl * p
+        g.scatter_add_(-1, torch.where(ignored.squeeze(-1), 0, t).long().unsqueeze(-1), gl)
+        if g_entropy is not None and entropy is not None:
+            ge = torch.where(ignored, 0.0, g_entropy[start:stop].to(cdtype).unsqueeze(-1))
+            ez = row_lse - entropy[start:stop].unsqueeze(-1)
+            g += ge * torch.where(p > 0, p * (ez - z), torch.zeros_like(p))
+        out_rows[start:stop] = (g / temperature).to(logits.dtype)
+    return out
+
+
+@token_grad.register_fake
+def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, targets, temperature, with_entropy = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, targets, entropy, lse)
+    ctx.temperature = temperature
+    ctx.with_entropy = with_entropy
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, g_logp, g_entropy, g_lse):
+    logits, targets, entropy, lse = ctx.saved_tensors
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if not ctx.with_entropy:
+        entropy = g_entropy = None
+    dlogits = token_grad(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature)
+    return dlogits, None, None, None
+
+
+token_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+class TorchBackend(Backend):
+    """Chunked eager torch on any device (the portable fallback)."""
+
+    name = "torch"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+    def token_logprobs(self, logits, targets, temperature, return_entropy):
+        logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
+        lead = targets.shape
+        return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)

@@ -1,0 +1,123 @@
+"""Public entry points: validate once, pick a backend, run it.
+
+Shape convention: ``logits[b, t]`` scores ``targets[b, t]``. With a Hugging Face causal LM whose
+``logits[:, i]`` predicts token ``i + 1``, pass ``logits[:, P-1:-1]`` and ``targets = input_ids[:, P:]``
+for a prompt of length ``P`` (the slice is a view; no copy is made).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backends import get_backend
+from .backends.reference import compute_dtype
+from .config import PolicyLossConfig
+from .loss_math import Normalizer
+from .outputs import PolicyLossOutput
+from .validation import check_logits, prepare_policy_inputs, token_logprobs_checks
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str = "auto",
+    check_inputs: bool = True,
+):
+    """Log-probs ``log softmax(logits / temperature)[targets]`` of shape ``targets.shape``, fp32 (fp64
+    for fp64 logits), differentiable w.r.t. ``logits``; with ``return_entropy`` also
+    ``H = -sum_j p_j log p_j`` per position, differentiable too. ``targets == -100`` gives 0.
+
+    ``logits``: ``(..., V)`` fp32 / bf16 / fp16 (fp64 on the reference and torch backends), unit
+    stride along ``V``; ``targets``: int32 / int64 ``(...)``.
+    """
+    token_logprobs_checks(logits, targets, temperature, check_inputs)
+    be = get_backend(backend, logits.device, logits.dtype)
+    logp, entropy = be.token_logprobs(logits, targets, float(temperature), bool(return_entropy))
+    return (logp, entropy) if return_entropy else logp
+
+
+def policy_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    config: Optional[PolicyLossConfig] = None,
+    token_normalizer: Normalizer = None,
+    backend: str = "auto",
+    compute_entropy: bool = True,
+    check_inputs: bool = True,
+) -> PolicyLossOutput:
+    """The policy loss of ``config`` (default ``PolicyLossConfig()``) from vocabulary logits.
+
+    ``logits (B, T, V)``, ``targets / mask / old_logprobs / ref_logprobs (B, T)``, ``advantages (B,)``
+    or ``(B, T)``. ``old_logprobs=None`` means on-policy (ratio 1, gradient of ``logp``).
+    ``token_normalizer`` replaces the token count of ``agg="token-mean"`` (TRL's
+    ``num_items_in_batch``). ``check_inputs`` runs the value checks (one host sync).
+    See :class:`fused_rl.PolicyLossConfig` for the formulas.
+    """
+    config = PolicyLossConfig() if config is None else config
+    check_logits(logits)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
+    be = get_backend(backend, logits.device, logits.dtype)
+    inputs = prepare_policy_inputs(
+        tuple(logits.shape), logits.device, targets, advantages, mask,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
+        token_normalizer=token_normalizer, compute_dtype=compute_dtype(logits.dtype), check_inputs=check_inputs)
+    return be.policy_loss(logits, inputs, config, compute_entropy)
+
+
+def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    for x, name in ((hidden, "hidden"), (weight, "weight")):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating torch.Tensor")
+    if hidden.dim() != 3 or hidden.numel() == 0:
+        raise ValueError(f"hidden must have non-empty shape (B, T, H), got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.shape[0] == 0:
+        raise ValueError(f"weight must have shape (V, H={hidden.shape[2]}), got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(getattr(bias, 'shape', ()))}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise ValueError("bias must have the dtype and device of hidden")
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    config: Optional[PolicyLossConfig] = None,
+    token_normalizer: Normalizer = None,
+    backend: str = "auto",
+    compute_entropy: bool = True,
+    check_inputs: bool = True,
+) -> PolicyLossOutput:
+    """``policy_loss`` of the logits ``hidden @ weight.T + bias`` without materializing them (fused
+    backends); ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``. Gradients flow to all three."""
+    config = PolicyLossConfig() if config is None else config
+    _check_linear(hidden, weight, bias)
+    be = get_backend(backend, hidden.device, hidden.dtype)
+    batch, length, _ = hidden.shape
+    inputs = prepare_policy_inputs(
+        (batch, length, weight.shape[0]), hidden.device, targets, advantages, mask,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
+        token_normalizer=token_normalizer, compute_dtype=compute_dtype(hidden.dtype), check_inputs=check_inputs)
+    return be.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy)

@@ -1,0 +1,207 @@
+"""Input checks shared by every backend and the reference.
+
+Two kinds of checks:
+
+* **structural** (shapes, dtypes, devices, strides): free, always on;
+* **value** checks (target range, 0/1 mask, finite advantages / log-probs, positive normalizer):
+  they need the data, so they are batched into one boolean vector and read back with a single
+  host synchronization. ``check_inputs=False`` skips them, and they are skipped automatically
+  while ``torch.compile`` traces (a data-dependent branch would break the graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import IGNORE_INDEX, PolicyLossConfig
+from .loss_math import Normalizer
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def _is_compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except AttributeError:  # torch < 2.3
+        return False
+
+
+def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+    """Floating ``(..., V)`` tensor, non-empty, unit stride along the vocabulary."""
+    if not isinstance(logits, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in LOGIT_DTYPES:
+        _fail(f"{name} must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if logits.dim() < 2:
+        _fail(f"{name} must have shape (..., V), got {tuple(logits.shape)}")
+    if logits.numel() == 0:
+        _fail(f"{name} is empty: shape {tuple(logits.shape)}")
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        _fail(f"{name} must be contiguous along the vocabulary (stride(-1) == 1), got strides {logits.stride()}; "
+              "call .contiguous() (rows may have any stride)")
+    if logits.shape[-1] >= 2**31:
+        _fail(f"{name}: vocabulary size {logits.shape[-1]} does not fit int32")
+
+
+def check_targets(targets: torch.Tensor, logits: torch.Tensor, name: str = "targets") -> None:
+    if not isinstance(targets, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype not in INDEX_DTYPES:
+        _fail(f"{name} must be int32 or int64 token ids, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        _fail(f"{name} must have shape {tuple(logits.shape[:-1])} (logits without the vocab dim), "
+              f"got {tuple(targets.shape)}")
+    if targets.device != logits.device:
+        _fail(f"{name} is on {targets.device} but logits are on {logits.device}")
+
+
+def target_range_ok(targets: torch.Tensor, vocab: int, where: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """0-dim bool: every target is in ``[0, vocab)`` or equals ``IGNORE_INDEX`` (only where ``where``)."""
+    ok = ((targets >= 0) & (targets < vocab)) | (targets == IGNORE_INDEX)
+    if where is not None:
+        ok = ok | ~where
+    return ok.all()
+
+
+def run_value_checks(checks: list[tuple[str, torch.Tensor]]) -> None:
+    """Evaluate all 0-dim bool checks with one host sync; raise naming every failed one."""
+    if not checks:
+        return
+    flags = torch.stack([c.reshape(()) for _, c in checks]).cpu().tolist()
+    failed = [msg for (msg, _), ok in zip(checks, flags) if not ok]
+    if failed:
+        _fail("; ".join(failed))
+
+
+def token_logprobs_checks(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          check_inputs: bool) -> None:
+    check_logits(logits)
+    check_targets(targets, logits)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+            or temperature == float("inf"):
+        _fail(f"temperature must be a finite number > 0, got {temperature!r}")
+    if check_inputs and not _is_compiling():
+        run_value_checks([(f"targets must be in [0, {logits.shape[-1]}) or {IGNORE_INDEX}",
+                           target_range_ok(targets, logits.shape[-1]))])
+
+
+@dataclass
+class PolicyInputs:
+    """Normalized per-token inputs of the loss, all ``(B, T)`` on the logits' device.
+
+    ``mask`` is boolean and already excludes ``IGNORE_INDEX`` targets; ``advantages``, ``old`` and
+    ``ref`` are fp32 (fp64 if the logits are fp64); ``targets`` keep their dtype.
+    """
+
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old: Optional[torch.Tensor]
+    ref: Optional[torch.Tensor]
+    token_normalizer: Normalizer
+
+
+def _check_per_token(x: Optional[torch.Tensor], name: str, shape: tuple, device: torch.device,
+                     allow_seq: bool = False) -> None:
+    if x is None:
+        return
+    if not isinstance(x, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device != device:
+        _fail(f"{name} is on {x.device} but logits are on {device}")
+    ok_shapes = [shape, shape[:1]] if allow_seq else [shape]
+    if tuple(x.shape) not in ok_shapes:
+        want = " or ".join(str(s) for s in ok_shapes)
+        _fail(f"{name} must have shape {want}, got {tuple(x.shape)}")
+
+
+def prepare_policy_inputs(
+    logits_shape: tuple,
+    device: torch.device,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_logprobs: Optional[torch.Tensor],
+    ref_logprobs: Optional[torch.Tensor],
+    config: PolicyLossConfig,
+    token_normalizer: Normalizer,
+    compute_dtype: torch.dtype,
+    check_inputs: bool,
+) -> PolicyInputs:
+    """Validate the per-token arguments of ``policy_loss`` and bring them to one form.
+
+    ``logits_shape`` is ``(B, T, V)`` (for the linear loss: ``(B, T, vocab)`` of the virtual logits).
+    """
+    if len(logits_shape) != 3:
+        _fail(f"logits must have shape (B, T, V), got {tuple(logits_shape)}")
+    batch, length, vocab = logits_shape
+    shape = (batch, length)
+    if not isinstance(config, PolicyLossConfig):
+        _fail(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in INDEX_DTYPES:
+        _fail(f"targets must be an int32 or int64 tensor, got {getattr(targets, 'dtype', type(targets).__name__)}")
+    _check_per_token(targets, "targets", shape, device)
+    if advantages is None:
+        _fail("advantages are required")
+    _check_per_token(advantages, "advantages", shape, device, allow_seq=True)
+    if not advantages.is_floating_point():
+        _fail(f"advantages must be a floating tensor, got {advantages.dtype}")
+    if mask is None:
+        _fail("mask is required (use torch.ones_like(targets, dtype=torch.bool) for no padding)")
+    _check_per_token(mask, "mask", shape, device)
+    if mask.is_complex():
+        _fail(f"mask must be boolean or 0/1 numbers, got {mask.dtype}")
+    for x, name in ((old_logprobs, "old_logprobs"), (ref_logprobs, "ref_logprobs")):
+        _check_per_token(x, name, shape, device)
+        if x is not None and not x.is_floating_point():
+            _fail(f"{name} must be a floating tensor, got {x.dtype}")
+    if config.kl is not None and ref_logprobs is None:
+        _fail(f"config.kl={config.kl!r} needs ref_logprobs")
+    if token_normalizer is not None:
+        if config.agg != "token-mean":
+            _fail(f"token_normalizer only applies to agg='token-mean', not {config.agg!r}")
+        if isinstance(token_normalizer, torch.Tensor):
+            if token_normalizer.numel() != 1:
+                _fail(f"token_normalizer must be a scalar, got shape {tuple(token_normalizer.shape)}")
+            token_normalizer = token_normalizer.reshape(()).to(device=device, dtype=torch.float32)
+        elif isinstance(token_normalizer, bool) or not isinstance(token_normalizer, (int, float)) \
+                or not 0 < token_normalizer < float("inf"):
+            _fail(f"token_normalizer must be a positive finite number or tensor, got {token_normalizer!r}")
+
+    bool_mask = mask if mask.dtype == torch.bool else mask != 0
+    valid = bool_mask & (targets != IGNORE_INDEX)
+    if check_inputs and not _is_compiling():
+        checks = [(f"targets must be in [0, {vocab}) (or {IGNORE_INDEX}) where mask is set",
+                   target_range_ok(targets, vocab, bool_mask))]
+        if mask.dtype != torch.bool:
+            checks.append(("mask must contain only 0 and 1", ((mask == 0) | (mask == 1)).all()))
+        adv_where = valid if advantages.dim() == 2 else valid.any(dim=1)
+        checks.append(("advantages contain NaN or inf", (torch.isfinite(advantages) | ~adv_where).all()))
+        for x, name in ((old_logprobs, "old_logprobs"), (ref_logprobs, "ref_logprobs")):
+            if x is not None:
+                checks.append((f"{name} contain NaN or inf where mask is set", (torch.isfinite(x) | ~valid).all()))
+        if isinstance(token_normalizer, torch.Tensor):
+            checks.append(("token_normalizer must be positive and finite",
+                           torch.isfinite(token_normalizer) & (token_normalizer > 0)))
+        run_value_checks(checks)
+
+    adv = advantages.to(compute_dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1).expand(batch, length)
+    return PolicyInputs(
+        targets=targets,
+        advantages=adv,
+        mask=valid,
+        old=None if old_logprobs is None else old_logprobs.detach().to(compute_dtype),
+        ref=None if ref_logprobs is None else ref_logprobs.detach().to(compute_dtype),
+        token_normalizer=token_normalizer,
+    )
