@@ -53,6 +53,7 @@ def policy_loss(
     token_normalizer: Normalizer = None,
     backend: str = "auto",
     compute_entropy: bool = True,
+    inplace: bool = False,
     check_inputs: bool = True,
 ) -> PolicyLossOutput:
     """The policy loss of ``config`` (default ``PolicyLossConfig()``) from vocabulary logits.
@@ -61,6 +62,8 @@ def policy_loss(
     or ``(B, T)``. ``old_logprobs=None`` means on-policy (ratio 1, gradient of ``logp``).
     ``token_normalizer`` replaces the token count of ``agg="token-mean"`` (TRL's
     ``num_items_in_batch``). ``check_inputs`` runs the value checks (one host sync).
+    ``inplace=True`` lets a single-pass backend write the gradient over ``logits`` (which must not be
+    used afterwards); backends without a single-pass kernel ignore it.
     See :class:`fused_rl.PolicyLossConfig` for the formulas.
     """
     config = PolicyLossConfig() if config is None else config
@@ -72,7 +75,7 @@ def policy_loss(
         tuple(logits.shape), logits.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
         token_normalizer=token_normalizer, compute_dtype=compute_dtype(logits.dtype), check_inputs=check_inputs)
-    return be.policy_loss(logits, inputs, config, compute_entropy)
+    return be.policy_loss(logits, inputs, config, compute_entropy, inplace)
 
 
 def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:

@@ -39,8 +39,10 @@ class Backend:
         raise NotImplementedError
 
     def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
-                    compute_entropy: bool) -> PolicyLossOutput:
-        """``token_logprobs`` then the shared loss math; masked rows are not read (target ignored)."""
+                    compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
+        """``token_logprobs`` then the shared loss math; masked rows are not read (target ignored).
+
+        ``inplace`` is a permission, not a request: this two-pass composition does not use it."""
         targets = torch.where(inputs.mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX))
         want_entropy = compute_entropy or config.needs_entropy_grad
         logp, entropy = self.token_logprobs(logits, targets, config.temperature, want_entropy)

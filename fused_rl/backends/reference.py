@@ -50,4 +50,4 @@ class ReferenceBackend(Backend):
         """Materialize ``logits = hidden @ weight.T + bias`` in full precision, then :meth:`policy_loss`."""
         dtype = compute_dtype(hidden.dtype)
         logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-        return self.policy_loss(logits, inputs, config, compute_entropy)
+        return self.policy_loss(logits, inputs, config, compute_entropy, inplace=False)
