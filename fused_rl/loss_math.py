@@ -104,6 +104,42 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     return -a * logp  # reinforce
 
 
+def per_token_loss(
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: PolicyLossConfig,
+    *,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(l, r, kl)``: per-token loss ``l_t = pg_t + beta * kl_t - entropy_coef * H_t`` (0 where masked),
+    the importance ratio and the KL estimate (``None`` without ``config.kl``).
+
+    Each row ``b`` depends only on row ``b`` of the inputs (gspo's ratio included), so callers may
+    evaluate it on any subset of whole sequences. Shapes ``(B, T)``; ``mask`` boolean.
+    """
+    zeros = torch.zeros_like(logp)
+    old = logp.detach() if old_logprobs is None else old_logprobs
+    a = torch.where(mask, advantages, zeros)
+    ratio = importance_ratio(logp, old, mask, config)
+    safe_logp = torch.where(mask, logp, zeros)
+    loss = policy_gradient_loss(safe_logp, ratio, a, config)
+    kl = None
+    if config.kl is not None:
+        if ref_logprobs is None:
+            raise ValueError(f"config.kl={config.kl!r} needs ref_logprobs")
+        kl = torch.where(mask, kl_estimator(safe_logp, torch.where(mask, ref_logprobs, zeros), config.kl), zeros)
+        if config.beta != 0.0:
+            loss = loss + config.beta * kl
+    if config.entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("config.entropy_coef != 0 needs the entropy")
+        loss = loss - config.entropy_coef * torch.where(mask, entropy, zeros)
+    return torch.where(mask, loss, zeros), ratio, kl
+
+
 def compute_policy_loss(
     logp: torch.Tensor,
     advantages: torch.Tensor,
@@ -115,43 +151,28 @@ def compute_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     token_normalizer: Normalizer = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss and metrics from per-token log-probs.
+    """Loss and metrics from per-token log-probs: ``loss = sum_t w_t l_t`` with ``l`` from
+    :func:`per_token_loss` and ``w`` from :func:`aggregation_weights`.
 
-    ``l_t = pg_t + beta * kl_t - entropy_coef * H_t`` and ``loss = sum_t w_t l_t`` over masked
-    tokens. Shapes: all ``(B, T)``; ``advantages`` already broadcast; ``mask`` boolean. Metrics are
+    Shapes: all ``(B, T)``; ``advantages`` already broadcast; ``mask`` boolean. Metrics are
     detached 0-dim fp32 tensors averaged over masked tokens (no host sync).
     """
-    zeros = torch.zeros_like(logp)
-    old = logp.detach() if old_logprobs is None else old_logprobs
-    a = torch.where(mask, advantages, zeros)
-    ratio = importance_ratio(logp, old, mask, config)
-    safe_logp = torch.where(mask, logp, zeros)
-    per_token = policy_gradient_loss(safe_logp, ratio, a, config)
-
-    kl = None
-    if config.kl is not None:
-        if ref_logprobs is None:
-            raise ValueError(f"config.kl={config.kl!r} needs ref_logprobs")
-        kl = torch.where(mask, kl_estimator(safe_logp, torch.where(mask, ref_logprobs, zeros), config.kl), zeros)
-        if config.beta != 0.0:
-            per_token = per_token + config.beta * kl
-    if config.entropy_coef != 0.0:
-        if entropy is None:
-            raise ValueError("config.entropy_coef != 0 needs the entropy")
-        per_token = per_token - config.entropy_coef * torch.where(mask, entropy, zeros)
-
+    loss_t, ratio, kl = per_token_loss(logp, advantages, mask, config, old_logprobs=old_logprobs,
+                                       ref_logprobs=ref_logprobs, entropy=entropy)
     weights = aggregation_weights(mask, config, token_normalizer).to(logp.dtype)
-    loss = (torch.where(mask, per_token, zeros) * weights).sum()
-    return loss, _metrics(ratio.detach(), a, mask, config, kl, entropy)
+    loss = (loss_t * weights).sum()
+    return loss, metrics(ratio, advantages, mask, config, kl, entropy)
 
 
-def _metrics(ratio: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig,
-             kl: Optional[torch.Tensor], entropy: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig,
+            kl: Optional[torch.Tensor], entropy: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Masked means: clip fractions follow TRL (``low``: ``r < 1-clip_low`` and ``A < 0``; ``high``:
     ``r > 1+clip_high`` and ``A > 0``); cispo's ``high`` counts every truncated weight ``r > 1+clip_high``;
     ``dual``: tokens where the dual-clip cap ``-c A`` is the active value."""
     m = mask.to(torch.float32)
     count = m.sum().clamp(min=1.0)
+    ratio = ratio.detach()
+    a = torch.where(mask, advantages, torch.zeros_like(advantages))
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return (torch.where(mask, x.detach().to(torch.float32), torch.zeros_like(m))).sum() / count

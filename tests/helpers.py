@@ -1,0 +1,134 @@
+"""Shared test inputs and comparisons against the reference.
+
+Every backend test draws its inputs here so that all of them see the hard cases: vocabularies that
+are not a multiple of any block, peaked rows (one logit far above the rest), all-negative rows
+(``randn - 30``: a kernel whose running max starts at 0 gets these wrong), all-masked rows,
+length-1 responses, and ``IGNORE_INDEX`` targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import fused_rl
+from fused_rl import PolicyLossConfig
+
+LOGIT_KINDS = ("randn", "peaked", "negative")
+
+#: (atol, rtol) for backend-vs-reference comparisons per input dtype. bf16/fp16 backends are compared
+#: with the fp32 reference evaluated on the *same* rounded inputs, so only accumulation error remains.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 2e-4),
+    torch.bfloat16: (2e-3, 2e-3),
+    torch.float16: (2e-3, 2e-3),
+}
+#: Gradients of bf16/fp16 logits are rounded to that dtype once: 2^-8 / 2^-11 relative error.
+GRAD_TOLERANCES = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (1e-6, 1e-4),
+    torch.bfloat16: (1e-4, 8e-3),
+    torch.float16: (1e-5, 1e-3),
+}
+
+
+def make_logits(shape, kind: str = "randn", dtype=torch.float32, generator: Optional[torch.Generator] = None,
+                scale: float = 2.0) -> torch.Tensor:
+    """Random logits of ``shape (..., V)``: ``randn * scale``, ``peaked`` (one entry +25 per row), or
+    ``negative`` (``randn - 30``, every logit far below 0)."""
+    x = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
+    if kind == "peaked":
+        idx = torch.randint(0, shape[-1], shape[:-1] + (1,), generator=generator)
+        x.scatter_add_(-1, idx, torch.full(idx.shape, 25.0))
+    elif kind == "negative":
+        x = x - 30.0
+    elif kind != "randn":
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+@dataclass
+class PolicyCase:
+    logits: torch.Tensor
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old: Optional[torch.Tensor]
+    ref: Optional[torch.Tensor]
+
+    def kwargs(self) -> dict:
+        return dict(old_logprobs=self.old, ref_logprobs=self.ref)
+
+
+def make_case(batch: int = 4, length: int = 6, vocab: int = 1000, *, kind: str = "randn",
+              dtype=torch.float32, seed: int = 0, per_token_adv: bool = False, off_policy: bool = True,
+              with_ref: bool = True, ignore_some: bool = True, spread: float = 0.3) -> PolicyCase:
+    """A ragged batch: row 0 fully masked (when ``batch > 2``), row 1 a length-1 response, the rest
+    random right padding, a few ``IGNORE_INDEX`` targets. ``old`` / ``ref`` are the reference log-probs
+    perturbed by ``spread`` so ratios land on both sides of the clip range."""
+    g = torch.Generator().manual_seed(seed)
+    logits = make_logits((batch, length, vocab), kind, dtype, g)
+    targets = torch.randint(0, vocab, (batch, length), generator=g)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    if batch > 2:
+        lengths[0] = 0
+        lengths[1] = 1
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    if ignore_some and batch * length > 4:
+        targets[-1, -1] = fused_rl.IGNORE_INDEX
+    adv_shape = (batch, length) if per_token_adv else (batch,)
+    advantages = torch.randn(adv_shape, generator=g)
+    with torch.no_grad():
+        lp = fused_rl.reference.token_logprobs(logits, targets, check_inputs=False)
+    old = lp + spread * torch.randn(lp.shape, generator=g) if off_policy else None
+    ref = lp + spread * torch.randn(lp.shape, generator=g) if with_ref else None
+    return PolicyCase(logits, targets, advantages, mask, old, ref)
+
+
+#: A spread of configs covering every policy_loss x kl x agg option at least once.
+CONFIGS = [
+    PolicyLossConfig(),
+    PolicyLossConfig(clip_low=0.1, clip_high=0.3, dual_clip=3.0, kl="k3", beta=0.05, entropy_coef=0.01),
+    PolicyLossConfig(policy_loss="gspo", clip_low=0.05, clip_high=0.1, agg="seq-mean-token-mean"),
+    PolicyLossConfig(policy_loss="cispo", clip_high=0.2, kl="k1", beta=0.1, agg="seq-mean-token-sum"),
+    PolicyLossConfig(policy_loss="reinforce", kl="k2", beta=0.2, agg="seq-mean-token-sum-norm", max_len=9),
+    PolicyLossConfig(kl="abs", beta=0.1, agg="seq-mean-token-mean", temperature=0.7, entropy_coef=-0.02),
+    PolicyLossConfig(kl="low_var_kl", beta=0.3, temperature=1.3),
+]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
+                 grad: bool = False) -> None:
+    atol, rtol = (GRAD_TOLERANCES if grad else TOLERANCES)[dtype]
+    torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def compare_policy_loss(backend: str, case: PolicyCase, config: PolicyLossConfig, *,
+                        token_normalizer=None, **backend_kwargs) -> None:
+    """Loss, logprobs, entropy, metrics and dlogits of ``backend`` against the fp32 reference on the
+    same (possibly bf16) logits."""
+    dtype = case.logits.dtype
+    ref_logits = case.logits.detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
+    ref_logits.requires_grad_(True)
+    expected = fused_rl.reference.policy_loss(ref_logits, case.targets, case.advantages, case.mask,
+                                              config=config, token_normalizer=token_normalizer, **case.kwargs())
+    expected.loss.backward()
+    logits = case.logits.detach().clone().requires_grad_(True)
+    got = fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=config,
+                               token_normalizer=token_normalizer, backend=backend, **case.kwargs(),
+                               **backend_kwargs)
+    got.loss.backward()
+    assert_close(got.loss, expected.loss, dtype, "loss")
+    assert_close(got.logprobs, expected.logprobs, dtype, "logprobs")
+    if expected.entropy is not None:
+        assert got.entropy is not None
+        assert_close(got.entropy, expected.entropy, dtype, "entropy")
+    assert set(got.metrics) == set(expected.metrics)
+    for name, value in expected.metrics.items():
+        assert_close(got.metrics[name], value, dtype, f"metric {name}")
+    assert logits.grad is not None and logits.grad.dtype == dtype
+    assert torch.isfinite(logits.grad).all()
+    assert_close(logits.grad, ref_logits.grad, dtype, "dlogits", grad=True)
