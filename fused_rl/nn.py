@@ -20,7 +20,7 @@ import torch
 
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
-from .ops import linear_policy_loss, policy_loss, token_logprobs
+from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
 
 #: TRL / Liger ``loss_type`` values fused_rl computes exactly.
@@ -177,8 +177,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     raises). Not supported (raise): ``loss_type`` sapo/vespo/luspo, ``delta``, ``use_bias_correction_kl``
     with ``beta != 0``, a ``vllm_is_ratio`` tensor. With ``use_ref_model=False`` the KL term is the
     KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
-    compute the reference log-probs under ``no_grad`` in chunks of ``ref_chunk_rows`` rows
-    (those chunk logits are materialized, without gradient).
+    compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
 
     Extra keyword arguments: ``backend`` (default ``"auto"``), ``check_inputs``.
     """
@@ -206,7 +205,6 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         *,
         backend: str = "auto",
         check_inputs: bool = True,
-        ref_chunk_rows: int = 1024,
     ) -> None:
         super().__init__()
         self.beta = float(beta)
@@ -223,7 +221,6 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.use_bias_correction_kl = use_bias_correction_kl
         self.backend = backend
         self.check_inputs = check_inputs
-        self.ref_chunk_rows = int(ref_chunk_rows)
         # A KL to the current policy itself (use_ref_model=False) is 0 with zero gradient: beta drops out.
         kl_beta = self.beta if use_ref_model else 0.0
         self.config = grpo_policy_loss_config(
@@ -234,16 +231,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     @torch.no_grad()
     def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],
                       targets: torch.Tensor) -> torch.Tensor:
-        batch, length, hidden = ref_input.shape
-        flat = ref_input.reshape(-1, hidden)
-        flat_targets = targets.reshape(-1)
-        out = []
-        for start in range(0, flat.shape[0], self.ref_chunk_rows):
-            rows = slice(start, start + self.ref_chunk_rows)
-            logits = torch.nn.functional.linear(flat[rows], ref_weight, ref_bias)
-            out.append(token_logprobs(logits, flat_targets[rows], temperature=self.temperature, backend=self.backend,
-                                      check_inputs=self.check_inputs))
-        return torch.cat(out).reshape(batch, length)
+        return linear_token_logprobs(ref_input.detach(), ref_weight.detach(),
+                                     targets, bias=None if ref_bias is None else ref_bias.detach(),
+                                     temperature=self.temperature, backend=self.backend,
+                                     check_inputs=self.check_inputs)
 
     def forward(
         self,

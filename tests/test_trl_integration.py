@@ -20,8 +20,8 @@ datasets = pytest.importorskip("datasets")
 from fused_rl.integrations.trl import FusedGRPOTrainer, patch_grpo_trainer, unsupported_options  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz "
-#: Backend of the fused trainer: the chunked torch fused-linear path when it exists, else the reference.
-LINEAR_BACKEND = os.environ.get("FUSED_RL_TEST_LINEAR_BACKEND", "reference")
+#: Backend of the fused trainer: the shipped default ("auto": the chunked torch fused-linear path on CPU).
+LINEAR_BACKEND = os.environ.get("FUSED_RL_TEST_LINEAR_BACKEND", "auto")
 
 
 @pytest.fixture(scope="module", autouse=True)
