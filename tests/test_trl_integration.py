@@ -183,6 +183,31 @@ def test_patch_function_matches_stock(model_dir, tmp_path, fused_calls):
     assert_same_training(stock, patched)
 
 
+ALIAS_BUG = pytest.mark.xfail(
+    raises=RuntimeError, strict=False,
+    reason="torch_linear (branch linear) returns one shared empty tensor for every unneeded gradient, which "
+           "torch.library rejects as aliased outputs: every no-grad call (TRL evaluation) fails")
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param(LINEAR_BACKEND, marks=ALIAS_BUG)])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # both normalizer branches, in eval mode
+def test_eval_loss_matches_stock(model_dir, tmp_path, fused_calls, loss_type, backend):
+    from datasets import Dataset
+
+    results = []
+    for cls in (trl.GRPOTrainer, FusedGRPOTrainer):
+        kwargs = _trainer(model_dir, tmp_path, loss_type=loss_type, beta=0.04, use_bias_correction_kl=False,
+                          per_device_eval_batch_size=4, seed=3)
+        kwargs["eval_dataset"] = Dataset.from_dict({"prompt": ["abc", "hello"]})
+        if cls is FusedGRPOTrainer:
+            kwargs["fused_backend"] = backend
+        results.append(cls(**kwargs).evaluate())
+    assert fused_calls, "the fused loss was not used in evaluation"
+    stock, fused = results
+    for key in ("eval_loss", "eval_kl", "eval_entropy", "eval_clip_ratio/region_mean"):
+        assert math.isclose(fused[key], stock[key], rel_tol=1e-5, abs_tol=1e-7), (key, fused[key], stock[key])
+
+
 def test_clipping_is_exercised(model_dir, tmp_path):
     """The off-policy cases are only meaningful if some ratios leave the clip range."""
     logs, _, _ = run(model_dir, FusedGRPOTrainer, tmp_path, **CASES["dapo-beta0-iter2"])
