@@ -119,6 +119,11 @@ def test_unsupported_raise(kwargs, needle):
         policy_loss_config_from_verl(response_length=4, batch_size=2, **kwargs)
 
 
+def test_rollout_is_weights_raise():
+    with pytest.raises(NotImplementedError, match="rollout_is_weights"):
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", CONFIG, torch.ones_like(OLD))
+
+
 def test_dual_clip_c_must_exceed_one():
     with pytest.raises(ValueError, match="clip_ratio_c"):
         compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", {"clip_ratio_c": 1.0})

@@ -49,8 +49,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError("fused_rl.integrations.trl needs TRL (pip install 'trl>=1.16')") from exc
 
-#: Keyword that makes the patched model forward return the body's last hidden state.
-HIDDEN_STATES_FLAG = "fused_rl_hidden_states"
+#: Keyword of the patched model forward: a callable ``(last_hidden_state, lm_head) -> result``.
+FUSED_HEAD_KWARG = "fused_rl_head"
 
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
                     "num_tiles", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -103,11 +103,14 @@ def _base_model(model):
     return model.get_base_model() if _is_peft_model(model) else model
 
 
-def _add_hidden_states_forward(model) -> None:
-    """Wrap ``model.forward``: with ``fused_rl_hidden_states=True`` it runs only the body (as TRL's own
-    fused head does, through ``model.base_model``) and returns ``last_hidden_state`` ``(B, L, H)``;
-    otherwise it is the previous forward, so generation and TRL's log-prob passes are unchanged."""
-    if getattr(model, "_fused_rl_hidden_states_forward", False):
+def _add_fused_head_forward(model) -> None:
+    """Wrap ``model.forward``: called with ``fused_rl_head=fn`` it runs only the body (through
+    ``model.base_model``, as TRL's own fused head does) and returns ``fn(last_hidden_state, lm_head)``;
+    otherwise it is the previous forward, so generation and TRL's log-prob passes are unchanged.
+
+    The loss is computed inside the model's forward (not after it) so that wrappers which only see
+    parameters used in the forward (DDP ``find_unused_parameters``, FSDP unsharding) see the ``lm_head``."""
+    if getattr(model, "_fused_rl_head_forward", False):
         return
     previous = model.forward
     text_config = model.config.get_text_config()
@@ -117,13 +120,15 @@ def _add_hidden_states_forward(model) -> None:
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, **kwargs):
-        if not kwargs.pop(HIDDEN_STATES_FLAG, False):
+        head = kwargs.pop(FUSED_HEAD_KWARG, None)
+        if head is None:
             return previous(*args, **kwargs)
         kwargs["use_cache"] = False
-        return getattr(self, backbone_attr)(*args, **kwargs).last_hidden_state
+        hidden = getattr(self, backbone_attr)(*args, **kwargs).last_hidden_state
+        return head(hidden, self.get_output_embeddings())
 
     model.forward = types.MethodType(forward, model)
-    model._fused_rl_hidden_states_forward = True
+    model._fused_rl_head_forward = True
 
 
 def _install(trainer: GRPOTrainer, backend: str) -> None:
@@ -136,7 +141,7 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
         trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, beta=trainer.beta,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length, temperature=trainer.temperature)
-    _add_hidden_states_forward(_base_model(trainer.model))
+    _add_fused_head_forward(_base_model(trainer.model))
 
 
 def patch_grpo_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
@@ -172,18 +177,6 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     bool_mask = mask.bool()
 
-    with self.accelerator.autocast():
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, **{HIDDEN_STATES_FLAG: True})
-    # hidden[:, i] predicts input_ids[:, i + 1]: the completion tokens are predicted by P-1 .. P+C-2.
-    hidden = hidden[:, prompt_len - 1: prompt_len - 1 + completion_len]
-    lm_head = _base_model(self.model).get_output_embeddings()
-    weight, bias = _full_tensor(lm_head.weight), _full_tensor(lm_head.bias)
-    hidden = hidden.to(weight.device)
-    if self.args.cast_lm_head_to_fp32:
-        hidden = hidden.float()
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
-
     advantages = inputs["advantages"]
     old = inputs.get("old_per_token_logps")
     ref = inputs["ref_per_token_logps"] if self.beta != 0.0 else None
@@ -196,10 +189,22 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
 
-    with torch.autocast(hidden.device.type, enabled=False):
-        out = linear_policy_loss(hidden, weight, completion_ids, advantages, bool_mask, bias=bias, old_logprobs=old,
-                                 ref_logprobs=ref, config=config, token_normalizer=normalizer,
-                                 backend=self._fused_rl_backend, compute_entropy=True)
+    def head(hidden: torch.Tensor, lm_head: torch.nn.Module):
+        # hidden[:, i] predicts input_ids[:, i + 1]: the completion tokens are predicted by P-1 .. P+C-2.
+        hidden = hidden[:, prompt_len - 1: prompt_len - 1 + completion_len]
+        weight, bias = _full_tensor(lm_head.weight), _full_tensor(lm_head.bias)
+        hidden = hidden.to(weight.device)
+        if self.args.cast_lm_head_to_fp32:
+            hidden = hidden.float()
+        if hidden.dtype != weight.dtype:
+            hidden = hidden.to(weight.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return linear_policy_loss(hidden, weight, completion_ids, advantages, bool_mask, bias=bias,
+                                      old_logprobs=old, ref_logprobs=ref, config=config, token_normalizer=normalizer,
+                                      backend=self._fused_rl_backend, compute_entropy=True)
+
+    with self.accelerator.autocast():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **{FUSED_HEAD_KWARG: head})
     loss = out.loss if normalizer is not None else out.loss / accumulation
     _log_trl_metrics(self, mode, out, advantages, mask, bool_mask, old, ref)
     return loss
@@ -263,4 +268,4 @@ class FusedGRPOTrainer(GRPOTrainer):
         return _fused_compute_loss(self, model, inputs)
 
 
-__all__ = ["FusedGRPOTrainer", "patch_grpo_trainer", "unsupported_options", "HIDDEN_STATES_FLAG"]
+__all__ = ["FusedGRPOTrainer", "patch_grpo_trainer", "unsupported_options", "FUSED_HEAD_KWARG"]

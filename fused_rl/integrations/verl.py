@@ -144,6 +144,7 @@ def compute_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
     *,
     loss_mode: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,7 +155,11 @@ def compute_policy_loss(
     or ``r < 1-clip_low, A < 0``); ``pg_clipfrac_lower``: where the dual-clip cap ``-c A`` binds
     (``A < 0, r > c``; vanilla only, else 0); ``ppo_kl``: masked mean of ``old_log_prob - log_prob``.
     The loss mode comes from ``config.policy_loss.loss_mode`` (or ``loss_mode``), default ``"vanilla"``.
+    ``rollout_is_weights`` (newer verl's rollout importance-sampling correction) is not supported yet.
     """
+    if rollout_is_weights is not None:
+        raise NotImplementedError("verl rollout_is_weights (rollout importance-sampling correction) is not "
+                                  "supported by fused_rl yet")
     batch, length = log_prob.shape
     mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
     cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
