@@ -110,6 +110,8 @@ CASES = {
     "dapo-beta0": dict(loss_type="dapo", beta=0.0),
     "dapo-beta0-iter2": dict(loss_type="dapo", beta=0.0, num_iterations=2, epsilon=0.05, epsilon_high=0.08),
     "dapo-beta": dict(loss_type="dapo", beta=0.04, num_iterations=2, epsilon=0.05, epsilon_high=0.08),
+    # steps_per_generation 4 > accumulation 2: dapo's normalizer rescales num_items_in_batch by 2 / 4
+    "dapo-beta-spg4": dict(loss_type="dapo", beta=0.04, steps_per_generation=4, epsilon=0.05),
     "cispo-iter2": dict(loss_type="cispo", beta=0.0, num_iterations=2, epsilon_high=1.02),
     "gspo-seq-iter2": dict(loss_type="grpo", beta=0.02, num_iterations=2, importance_sampling_level="sequence",
                            epsilon=0.01, epsilon_high=0.01),
