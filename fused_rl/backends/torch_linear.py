@@ -32,9 +32,9 @@ so ``torch.compile`` sees one opaque call per operation.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
-import json
 from functools import lru_cache
 from typing import Iterator, Optional
 
@@ -161,19 +161,39 @@ def _tile_inputs(tile: _Tile, hidden_flat, targets_flat, valid_flat, cdtype):
     return h.to(cdtype), t.long(), ok
 
 
-def _tile_stats(h, t, weight_c, bias_c, inv_tau: float):
-    """Shifted tempered logits ``zs = z - m`` and ``p`` (both ``(n, V)``), ``logp``, ``H`` and
-    ``E_p[zs]`` of the tile (``(n,)``)."""
-    zs = torch.mm(h, weight_c.t()) if bias_c is None else torch.addmm(bias_c, h, weight_c.t())
+class _Workspace:
+    """The two ``(n_tile, V)`` buffers every tile reuses (allocated once per call: no allocator churn,
+    no fresh pages to fault in per tile, and a peak that does not depend on the allocator)."""
+
+    def __init__(self, n_tile: int, vocab: int, dtype, device):
+        self.shape, self.dtype, self.device = (n_tile, vocab), dtype, device
+        self.bufs = None
+
+    def get(self, n: int):
+        if self.bufs is None:
+            self.bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(2)]
+        return self.bufs[0][:n], self.bufs[1][:n]
+
+
+def _tile_stats(h, t, weight_c, bias_c, inv_tau: float, with_entropy: bool, ws: _Workspace):
+    """Shifted tempered logits ``zs = z - m`` and ``p`` (both ``(n, V)`` views of the workspace),
+    ``logp``, ``H`` and ``E_p[zs]`` of the tile (``(n,)``; the last two ``None`` without ``with_entropy``)."""
+    zs, p = ws.get(h.shape[0])
+    if bias_c is None:
+        torch.mm(h, weight_c.t(), out=zs)
+    else:
+        torch.addmm(bias_c, h, weight_c.t(), out=zs)
     if inv_tau != 1.0:
         zs.mul_(inv_tau)
     m = zs.amax(dim=-1, keepdim=True)
     zs.sub_(m)
-    p = torch.exp(zs)
+    torch.exp(zs, out=p)
     s = p.sum(dim=-1, keepdim=True)
     p.div_(s)
     log_s = torch.log(s).squeeze(-1)
     logp = zs.gather(-1, t.unsqueeze(-1)).squeeze(-1) - log_s
+    if not with_entropy:
+        return zs, p, logp, None, None
     ez = torch.bmm(p.unsqueeze(1), zs.unsqueeze(2)).reshape(-1)
     return zs, p, logp, log_s - ez, ez
 
@@ -213,10 +233,9 @@ class _Grads:
             self.b.add_(dz.sum(dim=0))
 
     def results(self, hidden, weight):
-        empty = hidden.new_empty(0)
-        return (empty if self.h is None else self.h.view(hidden.shape),
-                empty if self.w is None else self.w.to(weight.dtype),
-                empty if self.b is None else self.b.to(weight.dtype))
+        return (hidden.new_empty(0) if self.h is None else self.h.view(hidden.shape),
+                weight.new_empty(0) if self.w is None else self.w.to(weight.dtype),
+                weight.new_empty(0) if self.b is None else self.b.to(weight.dtype))
 
 
 def _prepare(hidden, weight, bias):
@@ -227,13 +246,18 @@ def _prepare(hidden, weight, bias):
 
 
 # ------------------------------------------------------------------------------- fused policy loss
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
+
+
 @lru_cache(maxsize=64)
-def _config_from_json(text: str) -> PolicyLossConfig:
-    return PolicyLossConfig(**json.loads(text))
+def _config_from_literal(text: str) -> PolicyLossConfig:
+    return PolicyLossConfig(**dict(zip(_CONFIG_FIELDS, ast.literal_eval(text))))
 
 
-def config_to_json(config: PolicyLossConfig) -> str:
-    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+def config_literal(config: PolicyLossConfig) -> str:
+    """The config as the literal of its field tuple (a string argument of the custom op, traceable
+    by dynamo, unlike ``json.dumps``)."""
+    return repr(tuple(getattr(config, name) for name in _CONFIG_FIELDS))
 
 
 @contextlib.contextmanager
@@ -295,12 +319,12 @@ def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, 
 def linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
-    ref: Optional[torch.Tensor], config_json: str, with_entropy: bool, need_h: bool, need_w: bool,
+    ref: Optional[torch.Tensor], config_literal: str, with_entropy: bool, need_h: bool, need_w: bool,
     need_b: bool, n_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias)``; each
     gradient is empty unless its ``need_*`` flag is set. ``weights`` are the aggregation weights."""
-    config = _config_from_json(config_json)
+    config = _config_from_literal(config_literal)
     batch, length, _ = hidden.shape
     cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
     inv_tau = 1.0 / config.temperature
@@ -311,16 +335,18 @@ def linear_policy_loss_op(
     logp = torch.zeros(batch * length, dtype=cdtype, device=hidden.device)
     entropy = torch.zeros(batch * length if want_ent else 0, dtype=cdtype, device=hidden.device)
     grads = _Grads(hidden, weight, need_h, need_w, need_b, cdtype)
+    ws = _Workspace(min(n_tile, batch * length), weight.shape[0], cdtype, hidden.device)
     loss = torch.zeros((), dtype=cdtype, device=hidden.device)
     for group in _groups(valid, n_tile, config.is_sequence_level):
         one_pass = len(group) == 1
         kept, lp_parts, ent_parts = [], [], []
         for tile in group:
             h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-            zs, p, lp, ent, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau)
+            zs, p, lp, ent, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, want_ent, ws)
             if ok is not None:
                 zero = torch.zeros_like(lp)
-                lp, ent = torch.where(ok, lp, zero), torch.where(ok, ent, zero)
+                lp = torch.where(ok, lp, zero)
+                ent = None if ent is None else torch.where(ok, ent, zero)
             lp_parts.append(lp)
             ent_parts.append(ent)
             kept.append((h, t, ok, zs, p, ez) if one_pass else None)
@@ -337,22 +363,19 @@ def linear_policy_loss_op(
         for tile, state, (g_lp, g_ent) in zip(group, kept, coeffs):
             if state is None:  # second pass of a long sequence: recompute the tile
                 h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-                zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau)
+                zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, config.needs_entropy_grad, ws)
             else:
                 h, t, ok, zs, p, ez = state
-            dz = _tile_dlogits(zs, p, ez, t, g_lp, g_ent, inv_tau)
-            del p
-            grads.add(tile, dz, h, weight_c, ok)
-            del zs, dz
-        kept.clear()
+            grads.add(tile, _tile_dlogits(zs, p, ez, t, g_lp, g_ent, inv_tau), h, weight_c, ok)
+        del kept, state
     gh, gw, gb = grads.results(hidden, weight)
     return (loss, logp.view(batch, length), entropy.view(batch, length) if want_ent else entropy, gh, gw, gb)
 
 
 @linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_json, with_entropy, need_h,
+def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_literal, with_entropy, need_h,
       need_w, need_b, n_tile):
-    config = _config_from_json(config_json)
+    config = _config_from_literal(config_literal)
     batch, length, _ = hidden.shape
     cdtype = _compute_dtype(hidden.dtype)
     want_ent = with_entropy or config.needs_entropy_grad
@@ -396,7 +419,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes)
     loss, logp, entropy, _, _, _ = linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
-        config_to_json(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
+        config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
         _needs_grad(bias), n_tile)
     entropy = entropy if want_ent else None
     _, ratio, kl = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
@@ -423,12 +446,14 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
     logp = torch.zeros(batch * length, dtype=cdtype, device=hidden.device)
     entropy = torch.zeros(batch * length if with_entropy else 0, dtype=cdtype, device=hidden.device)
+    ws = _Workspace(min(n_tile, batch * length), weight.shape[0], cdtype, hidden.device)
     for tile in _token_groups(valid, n_tile):
         h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-        zs, p, lp, ent, _ = _tile_stats(h, t, weight_c, bias_c, 1.0 / temperature)
+        zs, p, lp, ent, _ = _tile_stats(h, t, weight_c, bias_c, 1.0 / temperature, with_entropy, ws)
         del zs, p
         if ok is not None:
-            lp, ent = torch.where(ok, lp, torch.zeros_like(lp)), torch.where(ok, ent, torch.zeros_like(ent))
+            lp = torch.where(ok, lp, torch.zeros_like(lp))
+            ent = None if ent is None else torch.where(ok, ent, torch.zeros_like(ent))
         logp[tile.idx] = lp
         if with_entropy:
             entropy[tile.idx] = ent
@@ -456,18 +481,16 @@ def linear_token_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     gl_flat = g_logp.reshape(-1).to(cdtype)
     ge_flat = None if g_entropy is None else g_entropy.reshape(-1).to(cdtype)
     grads = _Grads(hidden, weight, need_h, need_w, need_b, cdtype)
+    ws = _Workspace(min(n_tile, targets.numel()), weight.shape[0], cdtype, hidden.device)
     for tile in _token_groups(valid, n_tile):
         h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-        zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau)
+        zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, ge_flat is not None, ws)
         gl = gl_flat[tile.idx]
         ge = None if ge_flat is None else ge_flat[tile.idx]
         if ok is not None:
             gl = torch.where(ok, gl, torch.zeros_like(gl))
             ge = None if ge is None else torch.where(ok, ge, torch.zeros_like(ge))
-        dz = _tile_dlogits(zs, p, ez, t, gl, ge, inv_tau)
-        del p
-        grads.add(tile, dz, h, weight_c, ok)
-        del zs, dz
+        grads.add(tile, _tile_dlogits(zs, p, ez, t, gl, ge, inv_tau), h, weight_c, ok)
     return grads.results(hidden, weight)
 
 
