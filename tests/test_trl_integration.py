@@ -185,13 +185,7 @@ def test_patch_function_matches_stock(model_dir, tmp_path, fused_calls):
     assert_same_training(stock, patched)
 
 
-ALIAS_BUG = pytest.mark.xfail(
-    raises=RuntimeError, strict=False,
-    reason="torch_linear (branch linear) returns one shared empty tensor for every unneeded gradient, which "
-           "torch.library rejects as aliased outputs: every no-grad call (TRL evaluation) fails")
-
-
-@pytest.mark.parametrize("backend", ["reference", pytest.param(LINEAR_BACKEND, marks=ALIAS_BUG)])
+@pytest.mark.parametrize("backend", ["reference", LINEAR_BACKEND])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # both normalizer branches, in eval mode
 def test_eval_loss_matches_stock(model_dir, tmp_path, fused_calls, loss_type, backend):
     from datasets import Dataset
