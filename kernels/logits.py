@@ -31,159 +31,175 @@ IGNORE_INDEX = -100
 
 #: Upper bound of BLOCK_V (None: the heuristic of :func:`block_config`). Tests set a small value.
 MAX_BLOCK_V: Optional[int] = None
+#: Elements of one ``BLOCK_N x BLOCK_V`` tile: small vocabularies get several rows per program.
+TILE_ELEMENTS = 4096
 
 
-def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int]:
-    """``(BLOCK_V, num_warps)``: blocks of up to 8192 elements for 2-byte logits and 4096 for fp32
-    (16 KiB per block load, 16-32 elements per thread), i.e. 19 / 38 blocks per row at V = 151936;
-    4 warps up to 1024 elements, 8 up to 4096, 16 above."""
+def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 8192 vocabulary entries for 2-byte logits and
+    4096 for fp32 (16 KiB per row block load, 16-32 elements per thread), i.e. 19 / 38 blocks per row at
+    V = 151936 with one row per program; ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per
+    program for small vocabularies; 4 warps up to 1024 elements per tile, 8 up to 4096, 16 above."""
     cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else (8192 if dtype.itemsize <= 2 else 4096)
-    block = min(triton.next_power_of_2(vocab), triton.next_power_of_2(cap))
-    block = max(block, 16)
-    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
-    return block, warps
+    block = max(min(triton.next_power_of_2(vocab), triton.next_power_of_2(cap)), 16)
+    rows = max(1, TILE_ELEMENTS // block)
+    tile = rows * block
+    warps = 4 if tile <= 1024 else (8 if tile <= 4096 else 16)
+    return rows, block, warps
 
 
 @triton.jit
-def _row_offset(row, T, s0, s1):
-    b = row // T
-    t = row - b * T
+def _row_offset(rows, T, s0, s1):
+    b = rows // T
+    t = rows - b * T
     return b * s0 + t * s1
 
 
 @triton.jit
-def _row_stats(x_row, tgt, valid, V, temperature, BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
-    """``(lse, logp, H)`` of one row (garbage where not ``valid``; the caller masks)."""
-    m = float("-inf")
-    s = 0.0
-    q = 0.0
-    v_lim = tl.where(valid, V, 0)  # an ignored row loads nothing
+def _rows(N, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < N
+
+
+@triton.jit
+def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.constexpr,
+               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
+    """``(lse, logp, H)`` of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where not ``valid``;
+    the caller masks). Ignored rows load nothing."""
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    q = tl.zeros([BLOCK_N], tl.float32)
+    v_lim = tl.where(valid, V, 0)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(x_row + cols, mask=cols < v_lim, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=cols[None, :] < v_lim[:, None],
+                    other=float("-inf")).to(tl.float32)
         z = x / temperature
-        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
-        e = tl.exp(z - m_safe)
+        e = tl.exp(z - m_safe[:, None])
         if WITH_ENT:
-            zc = tl.where(e > 0.0, z - m_safe, 0.0)
+            zc = tl.where(e > 0.0, z - m_safe[:, None], 0.0)
             shift = tl.where(s > 0.0, m - m_safe, 0.0)
-            q = alpha * (q + shift * s) + tl.sum(e * zc, axis=0)
-        s = alpha * s + tl.sum(e, axis=0)
+            q = alpha * (q + shift * s) + tl.sum(e * zc, axis=1)
+        s = alpha * s + tl.sum(e, axis=1)
         m = m_new
     m_fin = tl.where(m == float("-inf"), 0.0, m)
     s = tl.where(s > 0.0, s, 1.0)  # ignored rows (nothing loaded): finite garbage, masked by the caller
     log_s = tl.log(s)
     lse = m_fin + log_s
-    zt = tl.load(x_row + tl.where(valid, tgt, 0)).to(tl.float32) / temperature  # in-row address even if ignored
+    # in-row address even for ignored rows; rows past N (valid is False there too) load nothing
+    zt = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32)
+    zt = zt / temperature
     logp = zt - lse
-    ent = 0.0
+    ent = tl.zeros([BLOCK_N], tl.float32)
     if WITH_ENT:
         ent = log_s - q / s
     return lse, logp, ent
 
 
 @triton.jit
-def _row_grad(x_row, out_row, tgt, valid, V, temperature, lse, ez, g_logp, g_h,
+def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, lse, ez, g_logp, g_h,
               BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
-    """Writes ``(g_logp (onehot - p) + g_h p (ez - z)) / tau`` over the row (zeros if not ``valid``)."""
-    v_lim = tl.where(valid, V, 0)  # an ignored row loads nothing (and stores zeros)
+    """Writes ``(g_logp (onehot - p) + g_h p (ez - z)) / tau`` over the rows (zeros where not ``valid``)."""
+    v_lim = tl.where(valid, V, 0)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        inb = cols < V
-        x = tl.load(x_row + cols, mask=cols < v_lim, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=cols[None, :] < v_lim[:, None],
+                    other=float("-inf")).to(tl.float32)
         z = x / temperature
-        p = tl.exp(z - lse)
-        g = tl.where(cols == tgt, g_logp, 0.0) - g_logp * p
+        p = tl.exp(z - lse[:, None])
+        g = tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0) - g_logp[:, None] * p
         if GRAD_ENT:
-            g += g_h * tl.where(p > 0.0, p * (ez - z), 0.0)
-        g = tl.where(valid, g / temperature, 0.0)
-        tl.store(out_row + cols, g.to(out_row.dtype.element_ty), mask=inb)
+            g += g_h[:, None] * tl.where(p > 0.0, p * (ez[:, None] - z), 0.0)
+        g = tl.where(valid[:, None], g / temperature, 0.0)
+        tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
+                 mask=in_rows[:, None] & (cols[None, :] < V))
 
 
 @triton.jit
-def _stats_kernel(x_ptr, xs0, xs1, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr, temperature,
-                  BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    tgt = tl.load(tgt_ptr + row).to(tl.int32)
+def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr, temperature,
+                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
+    rows, in_rows = _rows(N, BLOCK_N)
+    tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
     valid = tgt != IGNORE_INDEX
-    x_row = x_ptr + _row_offset(row, T, xs0, xs1)
-    lse, logp, ent = _row_stats(x_row, tgt, valid, V, temperature, BLOCK_V, WITH_ENT)
-    tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
-    tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+    lse, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V, temperature,
+                                BLOCK_N, BLOCK_V, WITH_ENT)
+    tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
+    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=in_rows)
     if WITH_ENT:
-        tl.store(ent_ptr + row, tl.where(valid, ent, 0.0))
+        tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=in_rows)
 
 
 @triton.jit
-def _grad_kernel(x_ptr, xs0, xs1, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, glogp_ptr, ent_ptr, gent_ptr,
-                 temperature, BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    tgt = tl.load(tgt_ptr + row).to(tl.int32)
+def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, glogp_ptr, ent_ptr, gent_ptr,
+                 temperature, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
+    rows, in_rows = _rows(N, BLOCK_N)
+    tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
     valid = tgt != IGNORE_INDEX
-    lse = tl.load(lse_ptr + row)
-    g_logp = tl.load(glogp_ptr + row).to(tl.float32)
-    ez = 0.0
-    g_h = 0.0
+    lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+    g_logp = tl.load(glogp_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    ez = tl.zeros([BLOCK_N], tl.float32)
+    g_h = tl.zeros([BLOCK_N], tl.float32)
     if GRAD_ENT:
-        ez = lse - tl.load(ent_ptr + row)
-        g_h = tl.load(gent_ptr + row).to(tl.float32)
-    _row_grad(x_ptr + _row_offset(row, T, xs0, xs1), out_ptr + _row_offset(row, T, os0, os1), tgt, valid, V,
-              temperature, lse, ez, g_logp, g_h, BLOCK_V, GRAD_ENT)
+        ez = lse - tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
+        g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
+              valid, V, temperature, lse, ez, g_logp, g_h, BLOCK_V, GRAD_ENT)
 
 
 @triton.jit
-def _policy_kernel(x_ptr, xs0, xs1, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, out_ptr, os0, os1,
+def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, out_ptr, os0, os1,
                    logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr,
                    temperature, clip_low, clip_high, dual_clip, beta, entropy_coef,
                    POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, KL: tl.constexpr, ADD_KL: tl.constexpr,
                    ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr,
-                   WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    tgt = tl.load(tgt_ptr + row).to(tl.int32)
+                   WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows, in_rows = _rows(N, BLOCK_N)
+    tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
     valid = tgt != IGNORE_INDEX
-    x_row = x_ptr + _row_offset(row, T, xs0, xs1)
-    lse, logp, ent = _row_stats(x_row, tgt, valid, V, temperature, BLOCK_V, WITH_ENT)
+    x_off = _row_offset(rows, T, xs0, xs1)
+    lse, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V, WITH_ENT)
     logp = tl.where(valid, logp, 0.0)
-    if WITH_ENT:
-        ent = tl.where(valid, ent, 0.0)
-    adv = tl.load(adv_ptr + row)
-    w = tl.load(w_ptr + row)
-    old = 0.0
-    ref = 0.0
+    ent = tl.where(valid, ent, 0.0)
+    adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
+    w = tl.load(w_ptr + rows, mask=in_rows, other=0.0)
+    old = logp
+    ref = logp
     if not ON_POLICY:
-        old = tl.load(old_ptr + row)
+        old = tl.load(old_ptr + rows, mask=in_rows, other=0.0)
     if KL != 0:
-        ref = tl.load(ref_ptr + row)
+        ref = tl.load(ref_ptr + rows, mask=in_rows, other=0.0)
     loss, dlogp, dh, ratio, kl = token_epilogue(logp, ent, old, ref, adv, valid, clip_low, clip_high, dual_clip,
                                                 beta, entropy_coef, POLICY, HAS_DUAL, KL, ADD_KL, ADD_ENT,
                                                 ON_POLICY)
-    tl.store(logp_ptr + row, logp)
+    tl.store(logp_ptr + rows, logp, mask=in_rows)
     if WITH_ENT:
-        tl.store(ent_ptr + row, ent)
-    tl.store(loss_ptr + row, w * loss)
-    tl.store(ratio_ptr + row, ratio)
+        tl.store(ent_ptr + rows, ent, mask=in_rows)
+    tl.store(loss_ptr + rows, w * loss, mask=in_rows)
+    tl.store(ratio_ptr + rows, ratio, mask=in_rows)
     if KL != 0:
-        tl.store(kl_ptr + row, kl)
+        tl.store(kl_ptr + rows, kl, mask=in_rows)
     if WRITE_GRAD:
-        _row_grad(x_row, out_ptr + _row_offset(row, T, os0, os1), tgt, valid, V, temperature, lse, lse - ent,
-                  w * dlogp, w * dh, BLOCK_V, ADD_ENT)
+        _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
+                  lse, lse - ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT)
 
 
 @triton.jit
-def _scale_kernel(x_ptr, s0, s1, T, V, g_ptr, BLOCK_V: tl.constexpr):
-    """Row ``n`` of ``x`` (``(B, T, V)``, any row strides) ``*= g`` in place, ``g`` a 0-dim tensor read
-    on the device: no host sync, and no memory traffic at all when ``g == 1``."""
+def _scale_kernel(x_ptr, s0, s1, N, T, V, g_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Rows of ``x`` (``(B, T, V)``, any row strides) ``*= g`` in place, ``g`` a 0-dim tensor read on the
+    device: no host sync, and no memory traffic at all when ``g == 1``."""
     g = tl.load(g_ptr).to(tl.float32)
     if g != 1.0:
-        row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + _row_offset(row, T, s0, s1)
+        rows, in_rows = _rows(N, BLOCK_N)
+        off = _row_offset(rows, T, s0, s1)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
-            m = cols < V
-            x = tl.load(x_row + cols, mask=m).to(tl.float32)
-            tl.store(x_row + cols, (x * g).to(x_row.dtype.element_ty), mask=m)
+            m = in_rows[:, None] & (cols[None, :] < V)
+            ptrs = x_ptr + off[:, None] + cols[None, :]
+            x = tl.load(ptrs, mask=m).to(tl.float32)
+            tl.store(ptrs, (x * g).to(x_ptr.dtype.element_ty), mask=m)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -204,13 +220,14 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     x = as_rows(logits)
     B, T, V = x.shape
     n = B * T
-    tgt = targets.reshape(-1)
+    tgt = targets.reshape(-1).contiguous()
     logp = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
-    block, warps = block_config(V, x.dtype)
-    _stats_kernel[(n,)](x, x.stride(0), x.stride(1), T, V, tgt, logp, ent if with_entropy else logp, lse,
-                        float(temperature), BLOCK_V=block, WITH_ENT=bool(with_entropy), num_warps=warps)
+    bn, block, warps = block_config(V, x.dtype)
+    _stats_kernel[(triton.cdiv(n, bn),)](
+        x, x.stride(0), x.stride(1), n, T, V, tgt, logp, ent if with_entropy else logp, lse, float(temperature),
+        BLOCK_N=bn, BLOCK_V=block, WITH_ENT=bool(with_entropy), num_warps=warps)
     return logp, ent, lse
 
 
@@ -220,13 +237,14 @@ def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, ou
     B, T, V = x.shape
     o = torch.empty((B, T, V), dtype=x.dtype, device=x.device) if out is None else as_rows(out)
     grad_ent = entropy is not None and g_entropy is not None
-    block, warps = block_config(V, x.dtype)
+    bn, block, warps = block_config(V, x.dtype)
     g_logp = g_logp.reshape(-1).contiguous()
     ent = entropy.reshape(-1).contiguous() if grad_ent else lse
     g_ent = g_entropy.reshape(-1).contiguous() if grad_ent else g_logp
-    _grad_kernel[(B * T,)](x, x.stride(0), x.stride(1), T, V, targets.reshape(-1), o, o.stride(0), o.stride(1),
-                           lse, g_logp, ent, g_ent, float(temperature), BLOCK_V=block, GRAD_ENT=grad_ent,
-                           num_warps=warps)
+    _grad_kernel[(triton.cdiv(B * T, bn),)](
+        x, x.stride(0), x.stride(1), B * T, T, V, targets.reshape(-1).contiguous(), o, o.stride(0), o.stride(1),
+        lse, g_logp, ent, g_ent, float(temperature), BLOCK_N=bn, BLOCK_V=block, GRAD_ENT=grad_ent,
+        num_warps=warps)
     return o.view(logits.shape) if out is None else out
 
 
@@ -245,13 +263,13 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
     ent = new(n if with_entropy else 0)
     kl = new(n if epilogue["KL"] != 0 else 0)
     o = as_rows(out) if write_grad else x
-    block, warps = block_config(V, x.dtype)
-    _policy_kernel[(n,)](
-        x, x.stride(0), x.stride(1), T, V, targets, advantages, weights,
+    bn, block, warps = block_config(V, x.dtype)
+    _policy_kernel[(triton.cdiv(n, bn),)](
+        x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
         advantages if old is None else old, advantages if ref is None else ref,
         o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
         kl if epilogue["KL"] != 0 else logp, float(temperature),
-        WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_V=block, num_warps=warps, **epilogue)
+        WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps, **epilogue)
     return logp, ent, loss, ratio, kl
 
 
@@ -259,6 +277,7 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
     """In-place ``x *= g`` for ``(..., V)`` ``x`` with any row strides; ``g`` a one-element tensor."""
     r = as_rows(x)
     B, T, V = r.shape
-    block, warps = block_config(V, r.dtype)
-    _scale_kernel[(B * T,)](r, r.stride(0), r.stride(1), T, V, g.reshape(()).to(torch.float32), BLOCK_V=block,
-                            num_warps=warps)
+    bn, block, warps = block_config(V, r.dtype)
+    _scale_kernel[(triton.cdiv(B * T, bn),)](r, r.stride(0), r.stride(1), B * T, T, V,
+                                             g.reshape(()).to(torch.float32), BLOCK_N=bn, BLOCK_V=block,
+                                             num_warps=warps)
