@@ -31,6 +31,10 @@ IGNORE_INDEX = -100
 
 #: Upper bound of BLOCK_V (None: the heuristic of :func:`block_config`). Tests set a small value.
 MAX_BLOCK_V: Optional[int] = None
+#: Cap on the number of programs (grid axis 0); each program loops over row tiles ``pid, pid + grid, ...``.
+#: None: one program per tile. A cap of a few programs per SM bounds the rows in flight, so the second
+#: read of a row (the gradient loop) can hit L2; ``bench/gpu_logits_bench.py`` measures both.
+MAX_PROGRAMS: Optional[int] = None
 #: Elements of one ``BLOCK_N x BLOCK_V`` tile: small vocabularies get several rows per program.
 TILE_ELEMENTS = 4096
 
@@ -56,8 +60,8 @@ def _row_offset(rows, T, s0, s1):
 
 
 @triton.jit
-def _rows(N, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _rows(tile, N, BLOCK_N: tl.constexpr):
+    rows = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # < N + BLOCK_N: fits int32 before the cast
     return rows, rows < N
 
 
@@ -121,32 +125,34 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
 @triton.jit
 def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr, temperature,
                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
-    rows, in_rows = _rows(N, BLOCK_N)
-    tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
-    valid = tgt != IGNORE_INDEX
-    lse, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V, temperature,
-                                BLOCK_N, BLOCK_V, WITH_ENT)
-    tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
-    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=in_rows)
-    if WITH_ENT:
-        tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=in_rows)
+    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        rows, in_rows = _rows(tile, N, BLOCK_N)
+        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        valid = tgt != IGNORE_INDEX
+        lse, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V, temperature,
+                                    BLOCK_N, BLOCK_V, WITH_ENT)
+        tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
+        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=in_rows)
+        if WITH_ENT:
+            tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=in_rows)
 
 
 @triton.jit
 def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, glogp_ptr, ent_ptr, gent_ptr,
                  temperature, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
-    rows, in_rows = _rows(N, BLOCK_N)
-    tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
-    valid = tgt != IGNORE_INDEX
-    lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
-    g_logp = tl.load(glogp_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-    ez = tl.zeros([BLOCK_N], tl.float32)
-    g_h = tl.zeros([BLOCK_N], tl.float32)
-    if GRAD_ENT:
-        ez = lse - tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
-        g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-    _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
-              valid, V, temperature, lse, ez, g_logp, g_h, BLOCK_V, GRAD_ENT)
+    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        rows, in_rows = _rows(tile, N, BLOCK_N)
+        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        valid = tgt != IGNORE_INDEX
+        lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+        g_logp = tl.load(glogp_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+        ez = tl.zeros([BLOCK_N], tl.float32)
+        g_h = tl.zeros([BLOCK_N], tl.float32)
+        if GRAD_ENT:
+            ez = lse - tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
+            g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+        _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
+                  valid, V, temperature, lse, ez, g_logp, g_h, BLOCK_V, GRAD_ENT)
 
 
 @triton.jit
@@ -156,34 +162,36 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
                    POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, KL: tl.constexpr, ADD_KL: tl.constexpr,
                    ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr,
                    WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    rows, in_rows = _rows(N, BLOCK_N)
-    tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
-    valid = tgt != IGNORE_INDEX
-    x_off = _row_offset(rows, T, xs0, xs1)
-    lse, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V, WITH_ENT)
-    logp = tl.where(valid, logp, 0.0)
-    ent = tl.where(valid, ent, 0.0)
-    adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
-    w = tl.load(w_ptr + rows, mask=in_rows, other=0.0)
-    old = logp
-    ref = logp
-    if not ON_POLICY:
-        old = tl.load(old_ptr + rows, mask=in_rows, other=0.0)
-    if KL != 0:
-        ref = tl.load(ref_ptr + rows, mask=in_rows, other=0.0)
-    loss, dlogp, dh, ratio, kl = token_epilogue(logp, ent, old, ref, adv, valid, clip_low, clip_high, dual_clip,
-                                                beta, entropy_coef, POLICY, HAS_DUAL, KL, ADD_KL, ADD_ENT,
-                                                ON_POLICY)
-    tl.store(logp_ptr + rows, logp, mask=in_rows)
-    if WITH_ENT:
-        tl.store(ent_ptr + rows, ent, mask=in_rows)
-    tl.store(loss_ptr + rows, w * loss, mask=in_rows)
-    tl.store(ratio_ptr + rows, ratio, mask=in_rows)
-    if KL != 0:
-        tl.store(kl_ptr + rows, kl, mask=in_rows)
-    if WRITE_GRAD:
-        _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
-                  lse, lse - ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT)
+    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        rows, in_rows = _rows(tile, N, BLOCK_N)
+        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        valid = tgt != IGNORE_INDEX
+        x_off = _row_offset(rows, T, xs0, xs1)
+        lse, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
+                                    WITH_ENT)
+        logp = tl.where(valid, logp, 0.0)
+        ent = tl.where(valid, ent, 0.0)
+        adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
+        w = tl.load(w_ptr + rows, mask=in_rows, other=0.0)
+        old = logp
+        ref = logp
+        if not ON_POLICY:
+            old = tl.load(old_ptr + rows, mask=in_rows, other=0.0)
+        if KL != 0:
+            ref = tl.load(ref_ptr + rows, mask=in_rows, other=0.0)
+        loss, dlogp, dh, ratio, kl = token_epilogue(logp, ent, old, ref, adv, valid, clip_low, clip_high,
+                                                    dual_clip, beta, entropy_coef, POLICY, HAS_DUAL, KL, ADD_KL,
+                                                    ADD_ENT, ON_POLICY)
+        tl.store(logp_ptr + rows, logp, mask=in_rows)
+        if WITH_ENT:
+            tl.store(ent_ptr + rows, ent, mask=in_rows)
+        tl.store(loss_ptr + rows, w * loss, mask=in_rows)
+        tl.store(ratio_ptr + rows, ratio, mask=in_rows)
+        if KL != 0:
+            tl.store(kl_ptr + rows, kl, mask=in_rows)
+        if WRITE_GRAD:
+            _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
+                      lse, lse - ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT)
 
 
 @triton.jit
@@ -192,17 +200,23 @@ def _scale_kernel(x_ptr, s0, s1, N, T, V, g_ptr, BLOCK_N: tl.constexpr, BLOCK_V:
     device: no host sync, and no memory traffic at all when ``g == 1``."""
     g = tl.load(g_ptr).to(tl.float32)
     if g != 1.0:
-        rows, in_rows = _rows(N, BLOCK_N)
-        off = _row_offset(rows, T, s0, s1)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            m = in_rows[:, None] & (cols[None, :] < V)
-            ptrs = x_ptr + off[:, None] + cols[None, :]
-            x = tl.load(ptrs, mask=m).to(tl.float32)
-            tl.store(ptrs, (x * g).to(x_ptr.dtype.element_ty), mask=m)
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            rows, in_rows = _rows(tile, N, BLOCK_N)
+            off = _row_offset(rows, T, s0, s1)
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                m = in_rows[:, None] & (cols[None, :] < V)
+                ptrs = x_ptr + off[:, None] + cols[None, :]
+                x = tl.load(ptrs, mask=m).to(tl.float32)
+                tl.store(ptrs, (x * g).to(x_ptr.dtype.element_ty), mask=m)
 
 
 # --------------------------------------------------------------------------- launchers
+def _grid(rows: int, block_n: int) -> tuple[int]:
+    tiles = triton.cdiv(rows, block_n)
+    return (tiles if MAX_PROGRAMS is None else max(1, min(tiles, MAX_PROGRAMS)),)
+
+
 def as_rows(logits: torch.Tensor) -> torch.Tensor:
     """A ``(B, T, V)`` view of ``(..., V)`` logits (a copy only if the leading dims cannot be viewed so)."""
     if logits.dim() == 3:
@@ -225,7 +239,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
     bn, block, warps = block_config(V, x.dtype)
-    _stats_kernel[(triton.cdiv(n, bn),)](
+    _stats_kernel[_grid(n, bn)](
         x, x.stride(0), x.stride(1), n, T, V, tgt, logp, ent if with_entropy else logp, lse, float(temperature),
         BLOCK_N=bn, BLOCK_V=block, WITH_ENT=bool(with_entropy), num_warps=warps)
     return logp, ent, lse
@@ -241,7 +255,7 @@ def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, ou
     g_logp = g_logp.reshape(-1).contiguous()
     ent = entropy.reshape(-1).contiguous() if grad_ent else lse
     g_ent = g_entropy.reshape(-1).contiguous() if grad_ent else g_logp
-    _grad_kernel[(triton.cdiv(B * T, bn),)](
+    _grad_kernel[_grid(B * T, bn)](
         x, x.stride(0), x.stride(1), B * T, T, V, targets.reshape(-1).contiguous(), o, o.stride(0), o.stride(1),
         lse, g_logp, ent, g_ent, float(temperature), BLOCK_N=bn, BLOCK_V=block, GRAD_ENT=grad_ent,
         num_warps=warps)
@@ -264,12 +278,13 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
     kl = new(n if epilogue["KL"] != 0 else 0)
     o = as_rows(out) if write_grad else x
     bn, block, warps = block_config(V, x.dtype)
-    _policy_kernel[(triton.cdiv(n, bn),)](
+    _policy_kernel[_grid(n, bn)](
         x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
         advantages if old is None else old, advantages if ref is None else ref,
         o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
         kl if epilogue["KL"] != 0 else logp, float(temperature),
-        WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps, **epilogue)
+        WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,
+        **epilogue)
     return logp, ent, loss, ratio, kl
 
 
@@ -278,6 +293,6 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
     r = as_rows(x)
     B, T, V = r.shape
     bn, block, warps = block_config(V, r.dtype)
-    _scale_kernel[(triton.cdiv(B * T, bn),)](r, r.stride(0), r.stride(1), B * T, T, V,
+    _scale_kernel[_grid(B * T, bn)](r, r.stride(0), r.stride(1), B * T, T, V,
                                              g.reshape(()).to(torch.float32), BLOCK_N=bn, BLOCK_V=block,
                                              num_warps=warps)

@@ -122,8 +122,11 @@ def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_vocab_4099_sliced_view_int32_targets_temperature(device):
-    """V = 4099 (partial last block), a non-contiguous ``logits[:, :-1]`` view (no copy), int32 targets."""
+def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, small_blocks):
+    """V = 4099 (partial last block), a non-contiguous ``logits[:, :-1]`` view (no copy), int32 targets,
+    and a capped grid: 2 programs loop over the row tiles."""
+    monkeypatch.setattr(small_blocks, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(small_blocks, "TILE_ELEMENTS", 512)  # 2 rows of 256 per tile: 8 tiles for 15 rows
     case = make_case(batch=3, length=5, vocab=4099, seed=5)
     full = make_logits((3, 6, 4099), "peaked", generator=torch.Generator().manual_seed(1))
     case.logits = full[:, :-1]
@@ -175,8 +178,11 @@ def test_token_logprobs_grad_of_both_outputs(temperature, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_token_logprobs_shapes_int32_and_logp_only_grad(device):
-    """2-D ``(N, V)`` and 4-D inputs, int32 targets, a row-strided 2-D view, gradient of logp only."""
+def test_token_logprobs_shapes_int32_and_logp_only_grad(device, monkeypatch, small_blocks):
+    """2-D ``(N, V)`` and 4-D inputs, int32 targets, a row-strided 2-D view, gradient of logp only;
+    a single program looping over all row tiles."""
+    monkeypatch.setattr(small_blocks, "MAX_PROGRAMS", 1)
+    monkeypatch.setattr(small_blocks, "TILE_ELEMENTS", 512)
     g = torch.Generator().manual_seed(4)
     base = make_logits((7, 1100), "negative", generator=g).to(device)
     x2 = base[:, :1000]  # row stride 1100
