@@ -217,11 +217,13 @@ def main():
     if not args.quick:
         # block / grid sweep of the single pass
         for block in ((256,) if DRY else (4096, 8192, 16384)):
-            for progs in (None, sms, 2 * sms, 4 * sms):
-                K.MAX_BLOCK_V, K.MAX_PROGRAMS = block, progs
-                measure(f"sweep single-pass BLOCK_V={block} programs={progs or 'tiles'}", step_for("triton"), x,
-                        results, extra=dict(block_v=block, programs=progs), **one)
-        K.MAX_BLOCK_V = K.MAX_PROGRAMS = None
+            for warps in (8, 16, 32):
+                for progs in (None, sms):
+                    K.MAX_BLOCK_V, K.NUM_WARPS, K.MAX_PROGRAMS = block, warps, progs
+                    measure(f"sweep single-pass BLOCK_V={block} warps={warps} programs={progs or 'tiles'}",
+                            step_for("triton"), x, results, extra=dict(block_v=block, warps=warps, programs=progs),
+                            **one)
+        K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
 
     summary = dict(info=info, results=results)
     with open(os.path.join(args.out, "logits_bench.json"), "w") as f:

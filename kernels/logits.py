@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .epilogue import token_epilogue
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = tl.constexpr(-100)  # compiled Triton reads only constexpr globals
 
 #: Upper bound of BLOCK_V (None: the heuristic of :func:`block_config`). Tests set a small value.
 MAX_BLOCK_V: Optional[int] = None
@@ -35,6 +35,8 @@ MAX_BLOCK_V: Optional[int] = None
 #: None: one program per tile. A cap of a few programs per SM bounds the rows in flight, so the second
 #: read of a row (the gradient loop) can hit L2; ``bench/gpu_logits_bench.py`` measures both.
 MAX_PROGRAMS: Optional[int] = None
+#: Override of num_warps (None: the heuristic of :func:`block_config`).
+NUM_WARPS: Optional[int] = None
 #: Elements of one ``BLOCK_N x BLOCK_V`` tile: small vocabularies get several rows per program.
 TILE_ELEMENTS = 4096
 
@@ -49,7 +51,7 @@ def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
     rows = max(1, TILE_ELEMENTS // block)
     tile = rows * block
     warps = 4 if tile <= 1024 else (8 if tile <= 4096 else 16)
-    return rows, block, warps
+    return rows, block, NUM_WARPS or warps
 
 
 @triton.jit
@@ -65,11 +67,20 @@ def _rows(tile, N, BLOCK_N: tl.constexpr):
     return rows, rows < N
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
 @triton.jit
 def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.constexpr,
                BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
-    """``(lse, logp, H)`` of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where not ``valid``;
-    the caller masks). Ignored rows load nothing."""
+    """``(lse, logp, H)`` (natural log) of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where
+    not ``valid``; the caller masks). Ignored rows load nothing.
+
+    The loop works in base 2 on ``u = x log2(e) / tau`` (one multiply and one ``exp2`` per element):
+    ``m = max u``, ``s = sum 2^(u - m)``, ``q = sum 2^(u - m) (u - m)``; then ``lse = ln2 (m + log2 s)``,
+    ``logp = ln2 (u_t - m - log2 s)``, ``H = ln2 (log2 s - q / s)``."""
+    scale = LOG2E / temperature
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     q = tl.zeros([BLOCK_N], tl.float32)
@@ -78,46 +89,53 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=cols[None, :] < v_lim[:, None],
                     other=float("-inf")).to(tl.float32)
-        z = x / temperature
-        m_new = tl.maximum(m, tl.max(z, axis=1))
+        u = x * scale
+        m_new = tl.maximum(m, tl.max(u, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        e = tl.exp(z - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        uc = u - m_safe[:, None]
+        e = tl.exp2(uc)
         if WITH_ENT:
-            zc = tl.where(e > 0.0, z - m_safe[:, None], 0.0)
             shift = tl.where(s > 0.0, m - m_safe, 0.0)
-            q = alpha * (q + shift * s) + tl.sum(e * zc, axis=1)
+            q = alpha * (q + shift * s) + tl.sum(tl.where(e > 0.0, e * uc, 0.0), axis=1)
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
     m_fin = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.where(s > 0.0, s, 1.0)  # ignored rows (nothing loaded): finite garbage, masked by the caller
-    log_s = tl.log(s)
-    lse = m_fin + log_s
+    s = tl.where(s > 0.0, s, 1.0)  # ignored rows (nothing loaded): lse = 0 there, masked by the caller
+    log2_s = tl.log2(s)
     # in-row address even for ignored rows; rows past N (valid is False there too) load nothing
-    zt = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32)
-    zt = zt / temperature
-    logp = zt - lse
+    ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32) * scale
+    lse = LN2 * (m_fin + log2_s)
+    logp = LN2 * ((ut - m_fin) - log2_s)
     ent = tl.zeros([BLOCK_N], tl.float32)
     if WITH_ENT:
-        ent = log_s - q / s
+        ent = LN2 * (log2_s - q / s)
     return lse, logp, ent
 
 
 @triton.jit
 def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, lse, ez, g_logp, g_h,
               BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
-    """Writes ``(g_logp (onehot - p) + g_h p (ez - z)) / tau`` over the rows (zeros where not ``valid``)."""
+    """Writes ``(g_logp (onehot - p) + g_h p (ez - z)) / tau`` over the rows (zeros where not ``valid``).
+
+    Per element, in base 2 (``u = x log2(e) / tau``, ``p = 2^(u - lse log2 e)``):
+    ``a onehot - a p + b p (E[u] - u)`` with the per-row ``a = g_logp / tau``, ``b = g_h ln2 / tau``:
+    no division in the loop."""
+    scale = LOG2E / temperature
+    lse2 = lse * LOG2E
+    a = tl.where(valid, g_logp / temperature, 0.0)
+    b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
+    eu = ez * LOG2E
     v_lim = tl.where(valid, V, 0)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=cols[None, :] < v_lim[:, None],
                     other=float("-inf")).to(tl.float32)
-        z = x / temperature
-        p = tl.exp(z - lse[:, None])
-        g = tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0) - g_logp[:, None] * p
+        u = x * scale
+        p = tl.exp2(u - lse2[:, None])  # 0 on masked lanes and ignored rows (lse = 0 there)
+        g = tl.where(cols[None, :] == tgt[:, None], a[:, None], 0.0) - a[:, None] * p
         if GRAD_ENT:
-            g += g_h[:, None] * tl.where(p > 0.0, p * (ez[:, None] - z), 0.0)
-        g = tl.where(valid[:, None], g / temperature, 0.0)
+            g += b[:, None] * tl.where(p > 0.0, p * (eu[:, None] - u), 0.0)
         tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
                  mask=in_rows[:, None] & (cols[None, :] < V))
 
