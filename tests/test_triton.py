@@ -342,6 +342,26 @@ def test_unavailable_reason(monkeypatch):
     assert be.name == "reference"
 
 
+def test_missing_triton_registers_a_reason():
+    """Without triton, importing fused_rl works and backend='triton' names the reason."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # import triton now raises ImportError\n"
+        "import torch, fused_rl\n"
+        "r = fused_rl.available_backends(torch.device('cuda'))['triton']\n"
+        "assert r and 'not installed' in r, r\n"
+        "try:\n"
+        "    fused_rl.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), backend='triton')\n"
+        "except RuntimeError as e: print('OK', e)\n"
+    )
+    root = os.path.join(os.path.dirname(__file__), "..")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert res.returncode == 0 and "OK backend 'triton' is unavailable" in res.stdout, res.stderr[-2000:]
+
+
 def test_block_heuristic(monkeypatch):
     from fused_rl.kernels import logits as K
 

@@ -20,6 +20,8 @@ Every kernel call is a ``torch.library`` custom op with a fake implementation, s
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from typing import Optional
 
@@ -32,12 +34,26 @@ from ..validation import PolicyInputs
 from . import register, register_missing
 from .base import Backend
 
-try:
-    import triton  # noqa: F401
-except Exception as exc:  # ImportError, or a broken install raising something else
-    _IMPORT_ERROR: Optional[str] = f"triton cannot be imported ({type(exc).__name__}: {exc})"
-else:
-    _IMPORT_ERROR = None
+# triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
+# functions, so an early import (e.g. at `import fused_rl` during test collection) would break the
+# interpreter for a test module that sets the variable afterwards.
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["triton"] is None
+        return False
+
+
+_INSTALLED = _installed()
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising something else
+        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    return None
 
 
 def _kernels():
@@ -201,14 +217,11 @@ class TritonBackend(Backend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
-        if _IMPORT_ERROR is not None:
-            return _IMPORT_ERROR
-        if torch.device(device).type == "cuda":
-            return None
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return None
-        return (f"Triton kernels need a CUDA device, not {torch.device(device).type!r} "
-                "(set TRITON_INTERPRET=1 before the first use to run them in the slow CPU interpreter)")
+        kind = torch.device(device).type
+        if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return (f"Triton kernels need a CUDA device, not {kind!r} "
+                    "(set TRITON_INTERPRET=1 before the first use to run them in the slow CPU interpreter)")
+        return _import_error()
 
     def token_logprobs(self, logits, targets, temperature, return_entropy):
         logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
@@ -247,7 +260,7 @@ class TritonBackend(Backend):
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=mets)
 
 
-if _IMPORT_ERROR is None:
+if _INSTALLED:
     register(TritonBackend())
 else:
-    register_missing("triton", _IMPORT_ERROR)
+    register_missing("triton", "the triton package is not installed (pip install 'fused_rl[gpu]')")
