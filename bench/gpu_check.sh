@@ -4,7 +4,7 @@
 # 1. pytest -m cuda tests/test_triton.py   (TRITON_INTERPRET=0: real kernels on the GPU)
 # 2. bench/gpu_logits_bench.py: N=16384, V=151936, bf16, forward+backward of policy_loss
 # Results: OUTDIR/{env.txt,pytest_cuda.txt,pytest_junit.xml,bench.txt,logits_bench.json,logits_bench.md}.
-# Budget: ~3 min tests + ~2 min benchmark (each step has its own timeout; the script always finishes).
+# Budget: <= 170 s tests + <= 120 s benchmark (each step has its own timeout; the script always finishes).
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-gpu_check_out}}"
@@ -20,12 +20,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cat "$OUTDIR/env.txt"
 
 echo "== pytest -m cuda tests/test_triton.py"
-timeout 200 "$PY" -m pytest -m cuda tests/test_triton.py -q -p no:cacheprovider --durations=10 \
+timeout 170 "$PY" -m pytest -m cuda tests/test_triton.py -q -p no:cacheprovider --durations=10 \
   --junitxml="$OUTDIR/pytest_junit.xml" -W ignore::RuntimeWarning > "$OUTDIR/pytest_cuda.txt" 2>&1
 echo "pytest exit code: $?" >> "$OUTDIR/pytest_cuda.txt"
 tail -25 "$OUTDIR/pytest_cuda.txt"
 
 echo "== logits-pass benchmark"
-timeout 180 "$PY" bench/gpu_logits_bench.py "$OUTDIR" > "$OUTDIR/bench.txt" 2>&1
+timeout 120 "$PY" bench/gpu_logits_bench.py "$OUTDIR" > "$OUTDIR/bench.txt" 2>&1
 echo "bench exit code: $?" >> "$OUTDIR/bench.txt"
 tail -40 "$OUTDIR/bench.txt"

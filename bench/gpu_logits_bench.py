@@ -38,6 +38,9 @@ from fused_rl.kernels import logits as K  # noqa: E402
 from fused_rl.validation import prepare_policy_inputs  # noqa: E402
 
 
+OUT_DIR, INFO = ".", {}
+
+
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -50,8 +53,10 @@ def make_inputs(n_tokens, vocab, dtype, seq=1024):
     lengths = torch.randint(seq // 2, seq + 1, (batch,), device=DEV, generator=g)
     mask = torch.arange(seq, device=DEV)[None] < lengths[:, None]
     adv = torch.randn(batch, device=DEV, generator=g)
-    old = -10 + 0.3 * torch.randn(batch, seq, device=DEV, generator=g)
-    ref = -10 + 0.3 * torch.randn(batch, seq, device=DEV, generator=g)
+    with torch.no_grad():
+        lp = fused_rl.token_logprobs(logits, targets, backend="triton", check_inputs=False)
+    old = lp + 0.3 * torch.randn(batch, seq, device=DEV, generator=g)
+    ref = lp + 0.3 * torch.randn(batch, seq, device=DEV, generator=g)
     return logits, targets, adv, mask, old, ref
 
 
@@ -95,12 +100,46 @@ def measure(name, step, logits, results, bytes_moved=None, extra=None):
         row.update(extra or {})
         log(json.dumps(row))
         results.append(row)
+        dump(OUT_DIR, INFO, results)
     except Exception as exc:  # keep going: one failing variant must not lose the others
         log(f"{name}: FAILED {type(exc).__name__}: {exc}")
         results.append(dict(name=name, error=f"{type(exc).__name__}: {exc}"))
+        dump(OUT_DIR, INFO, results)
     finally:
         logits.grad = None
         torch.cuda.empty_cache()
+
+
+def dump(out, info, results, final=False):
+    """Write OUT/logits_bench.json and .md (after every measurement, so a timeout keeps what was done)."""
+    copy_gbps = info.get("copy_GBps") or float("nan")
+    vocab, dtype = info["vocab"], info["dtype"]
+    pass_bytes = info.get("pass_bytes", 0)
+    summary = dict(info=info, results=results)
+    with open(os.path.join(out, "logits_bench.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    ref_row = next((r for r in results if r["name"].startswith("reference") and "ms" in r), None)
+    lines = [f"# logits-pass benchmark: {info['device']}, torch {info['torch']}, triton {info['triton']}",
+             f"N={info.get('tokens')} tokens, V={vocab}, {dtype}; measured copy bandwidth {copy_gbps:.0f} GB/s; "
+             f"one pass over the logits = {pass_bytes / 1e9:.2f} GB", "",
+             "| variant | ms | GB/s (formula bytes) | % of copy BW | peak extra GiB | vs reference |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        if "ms" not in r:
+            lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
+            continue
+        gbps = r.get("GBps")
+        speed = ""
+        if ref_row:
+            mem_ratio = ref_row["peak_extra_gib"] / max(r["peak_extra_gib"], 1e-9)
+            speed = f"{ref_row['ms'] / r['ms']:.2f}x faster, {mem_ratio:.2f}x less memory"
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | "
+                     f"{r['peak_extra_gib']:.2f} | {speed} |" if gbps else
+                     f"| {r['name']} | {r['ms']:.3f} | | | {r['peak_extra_gib']:.2f} | {speed} |")
+    with open(os.path.join(out, "logits_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if final:
+        print("\n".join(lines))
 
 
 def main():
@@ -118,7 +157,9 @@ def main():
     else:
         props = torch.cuda.get_device_properties(0)
         sms, name = props.multi_processor_count, props.name
-    info = dict(device=name, sms=sms, torch=torch.__version__, triton=triton.__version__,
+    global OUT_DIR, INFO
+    OUT_DIR = args.out
+    info = INFO = dict(device=name, sms=sms, torch=torch.__version__, triton=triton.__version__,
                 n_tokens=args.n, vocab=args.vocab, dtype=str(dtype))
     log(json.dumps(info))
     results = []
@@ -138,6 +179,7 @@ def main():
     nv = batch * seq * vocab
     pass_bytes = nv * logits.element_size()
     info["tokens"] = batch * seq
+    info["pass_bytes"] = pass_bytes
     cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
     x = logits.clone().requires_grad_(True)
 
@@ -217,7 +259,7 @@ def main():
     if not args.quick:
         # block / grid sweep of the single pass
         for block in ((256,) if DRY else (4096, 8192, 16384)):
-            for warps in (8, 16, 32):
+            for warps in (8, 16):
                 for progs in (None, sms):
                     K.MAX_BLOCK_V, K.NUM_WARPS, K.MAX_PROGRAMS = block, warps, progs
                     measure(f"sweep single-pass BLOCK_V={block} warps={warps} programs={progs or 'tiles'}",
@@ -225,28 +267,7 @@ def main():
                             **one)
         K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
 
-    summary = dict(info=info, results=results)
-    with open(os.path.join(args.out, "logits_bench.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    ref_row = next((r for r in results if r["name"].startswith("reference") and "ms" in r), None)
-    lines = [f"# logits-pass benchmark: {info['device']}, torch {info['torch']}, triton {info['triton']}",
-             f"N={info['tokens']} tokens, V={vocab}, {dtype}; measured copy bandwidth {copy_gbps:.0f} GB/s; "
-             f"one pass over the logits = {pass_bytes / 1e9:.2f} GB", "",
-             "| variant | ms | GB/s (formula bytes) | % of copy BW | peak extra GiB | vs reference |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        if "ms" not in r:
-            lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
-            continue
-        gbps = r.get("GBps")
-        speed = f"{ref_row['ms'] / r['ms']:.2f}x faster, {ref_row['peak_extra_gib'] / max(r['peak_extra_gib'], 1e-9):.2f}x less mem" \
-            if ref_row else ""
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | "
-                     f"{r['peak_extra_gib']:.2f} | {speed} |" if gbps else
-                     f"| {r['name']} | {r['ms']:.3f} | | | {r['peak_extra_gib']:.2f} | {speed} |")
-    with open(os.path.join(args.out, "logits_bench.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    dump(args.out, info, results, final=True)
 
 
 if __name__ == "__main__":
