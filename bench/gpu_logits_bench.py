@@ -226,6 +226,29 @@ def main():
     except torch.cuda.OutOfMemoryError as exc:
         results.append(dict(name="reference", error=str(exc)))
 
+    # full-size agreement of triton with the reference (loss, metrics, a few rows of dlogits)
+    try:
+        got = {}
+        for backend in ("triton", "reference"):
+            x.grad = None
+            out = fused_rl.policy_loss(x, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
+                                       backend=backend, check_inputs=False)
+            out.loss.backward()
+            got[backend] = (out.loss.item(), {k: v.item() for k, v in out.metrics.items()},
+                            x.grad[:, :4].float().clone())
+        info["check_loss"] = dict(triton=got["triton"][0], reference=got["reference"][0])
+        info["check_metrics"] = dict(triton=got["triton"][1], reference=got["reference"][1])
+        info["check_dlogits_max_abs_diff_first4"] = (got["triton"][2] - got["reference"][2]).abs().max().item()
+        info["check_dlogits_max_abs_first4"] = got["reference"][2].abs().max().item()
+        log(f"full-size check: {info['check_loss']}, dlogits max diff {info['check_dlogits_max_abs_diff_first4']:.3e}"
+            f" (max |g| {info['check_dlogits_max_abs_first4']:.3e})")
+        del got
+    except Exception as exc:
+        info["check_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"full-size check failed: {info['check_error']}")
+    x.grad = None
+    torch.cuda.empty_cache()
+
     # forward only (no gradient): the stats loop + epilogue, one read
     def fwd_only():
         with torch.no_grad():
