@@ -20,6 +20,9 @@ from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import metrics as loss_metrics, per_token_loss  # noqa: E402
 from helpers import CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits  # noqa: E402
 
+# numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 
@@ -112,12 +115,13 @@ def test_policy_loss_matches_reference(ci, dtype, device):
     compare_policy_loss("triton", case, CONFIGS[ci])
 
 
-@pytest.mark.parametrize("kind", LOGIT_KINDS)
+@pytest.mark.parametrize("kind,dtype", [(k, torch.float32) for k in LOGIT_KINDS] + [("peaked", torch.float16)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, device):
+def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, dtype, device):
     cfg = PolicyLossConfig(clip_low=0.1, clip_high=0.3, dual_clip=3.0, kl="k3", beta=0.05, entropy_coef=0.01,
                            temperature=0.8)
-    case = to_device(make_case(vocab=1000, kind=kind, seed=11, off_policy=False, per_token_adv=True), device)
+    case = to_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=11, off_policy=False, per_token_adv=True),
+                     device)
     compare_policy_loss("triton", case, cfg)
 
 
@@ -157,7 +161,7 @@ def test_token_normalizer_and_compute_entropy_off(device):
 
 # --------------------------------------------------------------------------- token_logprobs (two passes)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_token_logprobs_grad_of_both_outputs(temperature, dtype, device):
     g = torch.Generator().manual_seed(2)
