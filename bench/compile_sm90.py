@@ -8,6 +8,7 @@ Usage: TRITON_INTERPRET=0 python bench/compile_sm90.py [--all]
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,21 +27,34 @@ TARGET = GPUTarget("cuda", 90, 32)
 F32 = "fp32"
 
 
+#: Integer arguments that the runtime specializes as divisible by 16 for V = 151936 and its strides.
+DIV16_INTS = ("xs0", "xs1", "os0", "os1", "s0", "s1", "V")
+
+
 def compile_kernel(fn, types, consts, num_warps):
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
+    """Compile as the launcher would for V = 151936: pointers 16-byte aligned, V and strides % 16 == 0."""
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in consts and (sig[n].startswith("*") or n in DIV16_INTS)}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
                           options=dict(num_warps=num_warps))
+
+
+def vector_loads(kernel) -> str:
+    """``vec16`` when the logits are read with 16-byte vector loads (``ld.global.v4``)."""
+    return "vec16" if re.search(r"ld\.global(\.\w+)*\.v4", kernel.asm["ptx"]) else "SCALAR-LOADS"
 
 
 def resource_usage(kernel) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool) or "cubin" not in kernel.asm:
-        return ""
+        return vector_loads(kernel)
     path = "/tmp/fused_rl_sm90.cubin"
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
     out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-    return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
+    return vector_loads(kernel) + " " + " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
 
 
 def main(full: bool) -> None:

@@ -84,10 +84,12 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     q = tl.zeros([BLOCK_N], tl.float32)
-    v_lim = tl.where(valid, V, 0)
-    for start in range(0, V, BLOCK_V):
+    # a tile without a valid row skips the loop; the mask keeps `cols < V` separate from the per-row
+    # `valid` so that the compiler still proves 16-byte vector loads (V divisible by 16)
+    n_cols = tl.where(tl.max(valid.to(tl.int32), axis=0) > 0, V, 0)
+    for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=cols[None, :] < v_lim[:, None],
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < V),
                     other=float("-inf")).to(tl.float32)
         u = x * scale
         m_new = tl.maximum(m, tl.max(u, axis=1))
@@ -126,10 +128,10 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
     a = tl.where(valid, g_logp / temperature, 0.0)
     b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
     eu = ez * LOG2E
-    v_lim = tl.where(valid, V, 0)
-    for start in range(0, V, BLOCK_V):
+    for start in range(0, V, BLOCK_V):  # ignored rows load nothing and store zeros
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=cols[None, :] < v_lim[:, None],
+        inb = cols[None, :] < V
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & inb,
                     other=float("-inf")).to(tl.float32)
         u = x * scale
         p = tl.exp2(u - lse2[:, None])  # 0 on masked lanes and ignored rows (lse = 0 there)
@@ -137,7 +139,7 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
         if GRAD_ENT:
             g += b[:, None] * tl.where(p > 0.0, p * (eu[:, None] - u), 0.0)
         tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
-                 mask=in_rows[:, None] & (cols[None, :] < V))
+                 mask=in_rows[:, None] & inb)
 
 
 @triton.jit

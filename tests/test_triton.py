@@ -326,6 +326,9 @@ def test_kernels_compile_for_sm90():
 
     locals_ = re.findall(r"LOCAL:(\d+)", res.stdout)
     assert locals_ and all(v == "0" for v in locals_), res.stdout  # no register spills
+    for line in res.stdout.splitlines():  # 16-byte vector loads of the logits at V = 151936
+        if line.startswith(("bf16 stats", "bf16 grad", "bf16 policy", "bf16 scale")):
+            assert "vec16" in line, line
 
 
 # --------------------------------------------------------------------------- availability, heuristics
