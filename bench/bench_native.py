@@ -1,0 +1,128 @@
+"""Performance goal of the C++ CPU backend: policy_loss forward+backward vs the eager reference.
+
+    python bench/bench_native.py                      # N=4096 (8 x 512), V=32000, fp32
+    python bench/bench_native.py --dtype bf16 --repeat 7
+
+Prints the median wall time of forward+backward per backend and the extra peak resident memory of
+one ``backend="cpu"`` call beyond the logits and dlogits buffers (peak RSS, reset through
+/proc/self/clear_refs, minus the RSS before the call and the size of the gradient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import fused_rl  # noqa: E402
+from fused_rl import PolicyLossConfig  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def make_inputs(batch, length, vocab, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(batch, length, vocab, generator=g) * 2).to(dtype)
+    targets = torch.randint(0, vocab, (batch, length), generator=g)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
+    mask = torch.arange(length)[None] < lengths[:, None]
+    adv = torch.randn(batch, generator=g)
+    old = -torch.rand(batch, length, generator=g) * 10
+    ref = old + 0.1 * torch.randn(batch, length, generator=g)
+    return logits, targets, mask, adv, old, ref
+
+
+def step(backend, logits, targets, mask, adv, old, ref, config, inplace=False):
+    x = logits.detach().clone() if inplace else logits.detach()
+    x.requires_grad_(True)
+    if inplace:  # in-place needs a non-leaf (as with real model logits): a view of x
+        y = x * 1.0
+    else:
+        y = x
+    out = fused_rl.policy_loss(y, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=config,
+                               backend=backend, inplace=inplace, check_inputs=False)
+    out.loss.backward()
+    return x.grad
+
+
+def timed(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.perf_counter()
+        g = fn()
+        times.append(time.perf_counter() - t0)
+        del g
+    return statistics.median(times), times
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--ref-repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: leave)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    config = PolicyLossConfig(kl="k3", beta=0.04, entropy_coef=0.01)
+    data = make_inputs(args.batch, args.length, args.vocab, dtype)
+    logits = data[0]
+    size = logits.numel() * logits.element_size()
+    from fused_rl import _C
+    print(f"N={args.batch * args.length} ({args.batch}x{args.length}) V={args.vocab} {args.dtype}; "
+          f"logits {size / 2**20:.0f} MiB; torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"isa {_C.cpu_isa()}, cpus {os.cpu_count()}")
+
+    step("cpu", *data, config)  # warm up
+    # --- extra peak memory of one cpu call (logits already resident; dlogits = x.grad is allowed)
+    gc.collect()
+    if reset_peak():
+        before = rss_kib("VmRSS")
+        reset_peak()
+        grad = step("cpu", *data, config)
+        peak = rss_kib("VmHWM")
+        extra = (peak - before) * 1024 - grad.numel() * grad.element_size()
+        print(f"cpu extra peak memory beyond logits+dlogits: {extra / 2**20:.1f} MiB "
+              f"= {100 * extra / size:.2f}% of logits")
+        del grad
+    results = {}
+    results["cpu"] = timed(lambda: step("cpu", *data, config), args.repeat)
+    results["cpu inplace"] = timed(lambda: step("cpu", *data, config, inplace=True), args.repeat)
+    results["torch"] = timed(lambda: step("torch", *data, config), args.ref_repeat)
+    results["reference"] = timed(lambda: step("reference", *data, config), args.ref_repeat)
+    for name, (med, times) in results.items():
+        print(f"{name:12s} median {med * 1e3:8.1f} ms  runs {[round(t * 1e3) for t in times]}")
+    print(f"speedup cpu vs reference: {results['reference'][0] / results['cpu'][0]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
