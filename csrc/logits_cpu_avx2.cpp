@@ -11,4 +11,5 @@
 #pragma GCC target("avx2,fma")
 #endif
 #define FRL_NS cpu_avx2
+#define FRL_VEC_BYTES 32
 #include "logits_cpu_impl.h"

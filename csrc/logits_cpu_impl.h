@@ -1,4 +1,4 @@
-// CPU kernels of the fused logits pass, written once with GCC vector extensions (8 x fp32) and
+// CPU kernels of the fused logits pass, written once with GCC vector extensions (4 or 8 x fp32) and
 // compiled once per instruction set: included by logits_cpu.cpp (baseline) and logits_cpu_avx2.cpp
 // (after `#pragma GCC target("avx2,fma")`), with FRL_NS naming the namespace.
 //
@@ -24,15 +24,24 @@ namespace fused_rl {
 namespace FRL_NS {
 namespace {
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
+#ifndef FRL_VEC_BYTES
+#define FRL_VEC_BYTES 16  // 4 x fp32 (SSE); the AVX2 build uses 32
+#endif
+// W fp32 lanes per vector; the names say v8 but the width is FRL_VEC_BYTES / 4.
+constexpr int W = FRL_VEC_BYTES / 4;
+typedef float v8f __attribute__((vector_size(FRL_VEC_BYTES)));
+typedef int32_t v8i __attribute__((vector_size(FRL_VEC_BYTES)));
+typedef uint32_t v8u __attribute__((vector_size(FRL_VEC_BYTES)));
+typedef uint16_t v8h __attribute__((vector_size(FRL_VEC_BYTES / 2)));
 
 constexpr int64_t FRL_BLOCK = 2048;
 constexpr float kExpLo = -87.3f;  // exp(x) is returned as exactly 0 below this
 
-inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8f splat(float x) {
+  v8f v;
+  for (int l = 0; l < W; ++l) v[l] = x;
+  return v;
+}
 inline v8f as_f(v8u u) { v8f f; std::memcpy(&f, &u, sizeof f); return f; }
 inline v8u as_u(v8f f) { v8u u; std::memcpy(&u, &f, sizeof u); return u; }
 inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
@@ -121,7 +130,7 @@ struct F16 {
   static inline void store1(T* p, float v) { *p = to_bits(splat(v))[0]; }
 };
 
-// Load n < 8 trailing elements, the rest of the lanes = fill.
+// Load n < W trailing elements, the rest of the lanes = fill.
 template <class D>
 inline v8f load_tail(const typename D::T* p, int64_t n, float fill) {
   v8f v = splat(fill);
@@ -131,13 +140,13 @@ inline v8f load_tail(const typename D::T* p, int64_t n, float fill) {
 
 inline float hmax(v8f v) {
   float m = v[0];
-  for (int l = 1; l < 8; ++l) m = v[l] > m ? v[l] : m;
+  for (int l = 1; l < W; ++l) m = v[l] > m ? v[l] : m;
   return m;
 }
-inline float hsum(v8f v) {  // fixed pairwise order
-  const float a = (v[0] + v[4]) + (v[2] + v[6]);
-  const float b = (v[1] + v[5]) + (v[3] + v[7]);
-  return a + b;
+inline float hsum(v8f v) {  // fixed pairwise tree order
+  for (int half = W / 2; half > 0; half /= 2)
+    for (int l = 0; l < half; ++l) v[l] = v[l] + v[l + half];
+  return v[0];
 }
 
 struct RowStats {
@@ -155,14 +164,14 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
   for (int64_t b0 = 0; b0 < V; b0 += FRL_BLOCK) {
     const int64_t n = (V - b0) < FRL_BLOCK ? (V - b0) : FRL_BLOCK;
     const typename D::T* xb = x + b0;
-    const int64_t nv = n & ~int64_t(7);
+    const int64_t nv = n & ~int64_t(W - 1);
     v8f mx0 = splat(NEG_INF), mx1 = splat(NEG_INF);
     int64_t j = 0;
-    for (; j + 16 <= nv; j += 16) {
+    for (; j + 2 * W <= nv; j += 2 * W) {
       mx0 = vmax(mx0, D::load8(xb + j));
-      mx1 = vmax(mx1, D::load8(xb + j + 8));
+      mx1 = vmax(mx1, D::load8(xb + j + W));
     }
-    for (; j < nv; j += 8) mx0 = vmax(mx0, D::load8(xb + j));
+    for (; j < nv; j += W) mx0 = vmax(mx0, D::load8(xb + j));
     if (nv < n) mx1 = vmax(mx1, load_tail<D>(xb + nv, n - nv, NEG_INF));
     const float bm = hmax(vmax(mx0, mx1)) * inv_tau;
     if (bm > M) {
@@ -177,14 +186,14 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
     const v8f vm = splat(M);
     v8f s0 = splat(0.0f), s1 = splat(0.0f), u0 = splat(0.0f), u1 = splat(0.0f);
     j = 0;
-    for (; j + 16 <= nv; j += 16) {
+    for (; j + 2 * W <= nv; j += 2 * W) {
       const v8f d0 = vmax(D::load8(xb + j) * vt - vm, splat(kExpLo));
-      const v8f d1 = vmax(D::load8(xb + j + 8) * vt - vm, splat(kExpLo));
+      const v8f d1 = vmax(D::load8(xb + j + W) * vt - vm, splat(kExpLo));
       const v8f e0 = vexp(d0), e1 = vexp(d1);
       s0 += e0; s1 += e1;
       u0 += e0 * d0; u1 += e1 * d1;
     }
-    for (; j < nv; j += 8) {
+    for (; j < nv; j += W) {
       const v8f d0 = vmax(D::load8(xb + j) * vt - vm, splat(kExpLo));
       const v8f e0 = vexp(d0);
       s0 += e0; u0 += e0 * d0;
@@ -207,8 +216,8 @@ inline void row_grad(const typename D::T* x, typename D::T* out, int64_t V, floa
   const float zt = (target >= 0 && target < V) ? D::load1(x + target) * inv_tau : NAN;  // before any write
   const v8f vt = splat(inv_tau), vl = splat(lse), vgl = splat(-g_logp * inv_tau), vge = splat(g_ent * inv_tau),
             vnh = splat(-H);
-  const int64_t nv = V & ~int64_t(7);
-  for (int64_t j = 0; j < nv; j += 8) {
+  const int64_t nv = V & ~int64_t(W - 1);
+  for (int64_t j = 0; j < nv; j += W) {
     const v8f d = vmax(D::load8(x + j) * vt - vl, splat(kExpLo));
     const v8f p = vexp(d);
     D::store8(out + j, p * (vgl + vge * (vnh - d)));
