@@ -66,6 +66,22 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisib
 class BuildExt(build_ext):
     """Compiles the .cu sources with nvcc first (when wanted), and never fails the install unless asked."""
 
+    failed: set = set()
+
+    def _built_only(self, method):
+        exts = self.extensions
+        self.extensions = [e for e in exts if e.name not in self.failed]
+        try:
+            return method()
+        finally:
+            self.extensions = exts
+
+    def get_outputs(self):
+        return self._built_only(super().get_outputs)
+
+    def copy_extensions_to_source(self):
+        return self._built_only(super().copy_extensions_to_source)
+
     def build_extension(self, ext):
         require = os.environ.get("FUSED_RL_REQUIRE_NATIVE", "") == "1"
         mode = _cuda_request()
@@ -99,6 +115,7 @@ class BuildExt(build_ext):
                     return
                 except Exception as exc2:  # noqa: BLE001
                     exc = exc2
+            self.failed.add(ext.name)
             _log(f"WARNING: the native extension fused_rl._C was not built ({exc}); the 'cpu'/'cuda' "
                  "backends will be unavailable (the torch and triton backends still work)")
 

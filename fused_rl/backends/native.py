@@ -35,8 +35,15 @@ try:
     from .. import _C  # type: ignore[attr-defined]
     LOAD_ERROR: Optional[str] = None
 except ImportError as exc:  # not built, or built for another Python / platform
+    import importlib.util
+
     _C = None
-    LOAD_ERROR = f"the native extension fused_rl._C is not available ({exc}); reinstall with a C++ compiler"
+    _spec = importlib.util.find_spec("fused_rl._C")
+    if _spec is None:
+        LOAD_ERROR = ("the native extension fused_rl._C is not built in this installation (building it needs g++ "
+                      "with OpenMP at install time; see the pip log, or run `python setup.py build_ext --inplace`)")
+    else:
+        LOAD_ERROR = f"the native extension {_spec.origin} failed to load: {exc}"
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INDEX_CODES = {torch.int32: 0, torch.int64: 1}
