@@ -35,6 +35,17 @@ def rss_kib(field: str) -> int:
     raise RuntimeError(field)
 
 
+def fix_mmap_threshold() -> None:
+    """Make glibc serve every block >= 1 MiB with mmap (and unmap it on free), so RSS follows the
+    live tensors (otherwise the dynamic threshold keeps freed blocks < 32 MiB in the heap)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -93,8 +104,10 @@ def main():
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--ref-repeat", type=int, default=3)
+    ap.add_argument("--with-torch", action="store_true", help="also time the chunked torch backend")
     ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: leave)")
     args = ap.parse_args()
+    fix_mmap_threshold()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -108,21 +121,30 @@ def main():
           f"isa {_C.cpu_isa()}, cpus {os.cpu_count()}")
 
     step("cpu", prepare(logits, False), *data[1:], config)  # warm up (first-call overheads)
-    # --- extra peak memory of one cpu call (logits already resident; dlogits = x.grad is allowed)
-    gc.collect()
-    if reset_peak():
+    # --- extra peak memory of one call (logits already resident; the dlogits buffer = x.grad is allowed)
+    def extra_peak(backend, inplace=False):
+        prepared = prepare(logits, inplace)
+        gc.collect()
         before = rss_kib("VmRSS")
         reset_peak()
-        grad = step("cpu", prepare(logits, False), *data[1:], config)
+        grad = step(backend, prepared, *data[1:], config, inplace=inplace)
         peak = rss_kib("VmHWM")
-        extra = (peak - before) * 1024 - grad.numel() * grad.element_size()
-        print(f"cpu extra peak memory beyond logits+dlogits: {extra / 2**20:.1f} MiB "
-              f"= {100 * extra / size:.2f}% of logits")
-        del grad
+        # in place, the gradient is the caller's logits buffer (already counted in `before`)
+        grad_bytes = 0 if inplace else grad.numel() * grad.element_size()
+        extra = (peak - before) * 1024 - grad_bytes
+        print(f"{backend}{' inplace' if inplace else ''}: peak RSS - RSS before = {(peak - before) / 1024:.1f} MiB, "
+              f"dlogits {grad_bytes / 2**20:.0f} MiB -> extra {extra / 2**20:.2f} MiB = {100 * extra / size:.2f}% "
+              "of logits")
+
+    if reset_peak():
+        extra_peak("cpu")
+        extra_peak("cpu", inplace=True)
+        extra_peak("reference")
     results = {}
     results["cpu"] = timed("cpu", data, config, args.repeat)
     results["cpu inplace"] = timed("cpu", data, config, args.repeat, inplace=True)
-    results["torch"] = timed("torch", data, config, args.ref_repeat)
+    if args.with_torch:
+        results["torch"] = timed("torch", data, config, args.ref_repeat)
     results["reference"] = timed("reference", data, config, args.ref_repeat)
     for name, (med, times) in results.items():
         print(f"{name:12s} median {med * 1e3:8.1f} ms  runs {[round(t * 1e3) for t in times]}")
