@@ -6,6 +6,10 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "cpu_kernels.h"
 #include "policy_epilogue.h"
 #ifdef FRL_WITH_CUDA
@@ -131,6 +135,18 @@ PYBIND11_MODULE(_C, m) {
       l[i] = e.loss; gl[i] = e.g_logp; ge[i] = e.g_ent;
     }
   }, "Evaluate the shared loss epilogue (policy_epilogue.h) on per-token fp32 arrays (for tests).");
+
+  m.def("advise_hugepages", [](uintptr_t p, int64_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    // Ask for transparent huge pages on a fresh, untouched output buffer: first-touch page faults
+    // of a multi-GB dlogits buffer otherwise cost as much as the kernel itself.
+    const uintptr_t huge = uintptr_t(2) << 20;
+    const uintptr_t start = (p + huge - 1) & ~(huge - 1), end = (p + uintptr_t(nbytes)) & ~(huge - 1);
+    if (end > start) return madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE) == 0;
+#endif
+    (void)p; (void)nbytes;
+    return false;
+  }, py::arg("ptr"), py::arg("nbytes"), "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a buffer");
 
   m.def("cpu_set_isa", &cpu::set_isa, py::arg("mode"), "0: auto (AVX2 when available), 1: baseline build");
   m.def("cpu_isa", &cpu::isa_name);

@@ -20,6 +20,7 @@ same graph is not supported). Sequence-level configs (gspo) use the two-pass bas
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -87,6 +88,23 @@ def _stream(x: torch.Tensor) -> int:
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
+#: With ``FUSED_RL_HUGEPAGES=1``, CPU output buffers at least this large are advised to use
+#: transparent huge pages before first touch. First-touch page faults of a fresh dlogits buffer can
+#: cost as much as the kernel; huge pages remove most of that, but where the kernel compacts memory
+#: on demand (THP defrag=madvise) some calls stall instead, so it is opt-in (see docs/native.md).
+HUGEPAGE_MIN_BYTES = 1 << 25
+USE_HUGEPAGES = os.environ.get("FUSED_RL_HUGEPAGES", "0") == "1"
+
+
+def _new_output(shape, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized output buffer (optionally with transparent huge pages, see USE_HUGEPAGES)."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    nbytes = out.numel() * out.element_size()
+    if USE_HUGEPAGES and out.device.type == "cpu" and nbytes >= HUGEPAGE_MIN_BYTES:
+        _C.advise_hugepages(out.data_ptr(), nbytes)
+    return out
+
+
 def _f32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.detach().to(torch.float32).contiguous()
 
@@ -125,7 +143,7 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
                temperature: float) -> torch.Tensor:
     """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, contiguous, in the logits dtype."""
     x, b, t, v, sb, st = _rows(logits)
-    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    out = _new_output(logits.shape, logits)
     tg = targets.reshape(-1).contiguous()
     gl = _f32(g_logp)
     with_ent = entropy is not None and g_entropy is not None
@@ -196,7 +214,7 @@ def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, o
     n = targets.numel()
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     ent = torch.empty(n, dtype=torch.float32, device=logits.device)
-    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    out = _new_output(logits.shape, logits)
     v = logits.shape[-1]
     args = _policy_args(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip,
                         beta, entropy_coef, temperature, logp, ent, out, logits.shape[1] * v, v)
