@@ -91,6 +91,14 @@ def test_inplace(dtype):
     torch.testing.assert_close(base.grad, 2.0 * expected.grad, rtol=0, atol=0)
 
 
+def test_inplace_ignored_for_leaf():
+    case = make_case(batch=3, length=4, vocab=300, seed=2)
+    x = case.logits.clone().requires_grad_(True)
+    fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[0], backend="cpu",
+                         inplace=True, **case.kwargs()).loss.backward()
+    assert torch.equal(x.detach(), case.logits) and x.grad.data_ptr() != x.data_ptr()
+
+
 def test_inplace_on_sliced_view():
     case = make_case(batch=3, length=7, vocab=1000, seed=9)
     full = make_logits((3, 8, 1000), generator=torch.Generator().manual_seed(4)).requires_grad_(True)

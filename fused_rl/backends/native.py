@@ -321,7 +321,8 @@ class NativeBackend(Backend):
                   config.clip_low, config.clip_high, config.dual_clip or 0.0, config.beta, config.entropy_coef,
                   config.temperature)
         x = logits.detach()
-        if inplace and not _is_compiling():
+        # In place only over a non-leaf buffer (model output): a leaf would end up aliasing its own .grad.
+        if inplace and not logits.is_leaf and not _is_compiling():
             logp, ent = policy_fwd_inplace(x, targets, adv, old, ref, w, *params)
             dlogits = x
         else:
