@@ -51,7 +51,7 @@ register(ReferenceBackend())
 register(TorchBackend())
 _load_optional()
 for _name in ("triton", "cpu", "cuda"):
-    if _name not in _MISSING:  # keep the reason an optional module recorded
+    if _name not in _MISSING:  # keep the specific reason an optional module recorded
         register_missing(_name, f"backend {_name!r} is not built into this installation")
 
 
