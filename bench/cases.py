@@ -211,14 +211,10 @@ def unavailable(impl: Impl, op: str, device: str) -> Optional[str]:
             return reason
     if op not in impl.ops:
         return f"{impl.name} has no {op}"
-    if impl.backend == "torch" and op == "linear_policy_loss":
-        try:
-            from fused_rl.backends import get_backend
-            be = get_backend("torch", torch.device(device))
-            if type(be).linear_policy_loss is fused_rl.backends.Backend.linear_policy_loss:
-                return "torch backend has no fused-linear implementation in this version"
-        except RuntimeError as exc:
-            return str(exc)
+    if impl.backend is not None and op == "linear_policy_loss":
+        from fused_rl.backends import get_backend
+        if not get_backend(impl.backend, torch.device(device)).has_linear:
+            return f"backend {impl.backend!r} has no fused-linear implementation"
     return None
 
 

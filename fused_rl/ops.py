@@ -118,7 +118,7 @@ def linear_policy_loss(
     backends); ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``. Gradients flow to all three."""
     config = PolicyLossConfig() if config is None else config
     _check_linear(hidden, weight, bias)
-    be = get_backend(backend, hidden.device, hidden.dtype)
+    be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
     batch, length, _ = hidden.shape
     inputs = prepare_policy_inputs(
         (batch, length, weight.shape[0]), hidden.device, targets, advantages, mask,
@@ -154,6 +154,6 @@ def linear_token_logprobs(
     if check_inputs and not _is_compiling():
         vocab = weight.shape[0]
         run_value_checks([(f"targets must be in [0, {vocab}) or -100", target_range_ok(targets, vocab))])
-    be = get_backend(backend, hidden.device, hidden.dtype)
+    be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
     logp, entropy = be.linear_token_logprobs(hidden, weight, bias, targets, float(temperature), bool(return_entropy))
     return (logp, entropy) if return_entropy else logp

@@ -55,14 +55,17 @@ for _name in ("triton", "cpu", "cuda"):
         register_missing(_name, f"backend {_name!r} is not built into this installation")
 
 
-def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> Backend:
-    """The backend to use for tensors on ``device`` (and of ``dtype``)."""
+def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = None,
+                linear: bool = False) -> Backend:
+    """The backend to use for tensors on ``device`` (and of ``dtype``); ``linear`` asks for one that
+    implements the fused-linear operations."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("torch",)):
             be = _REGISTRY.get(candidate)
-            if be is not None and be.unavailable_reason(device) is None and (dtype is None or dtype in be.dtypes):
+            if be is not None and be.unavailable_reason(device) is None and (dtype is None or dtype in be.dtypes) \
+                    and (be.has_linear or not linear):
                 return be
         return _REGISTRY["torch"]
     be = _REGISTRY.get(name)
@@ -73,6 +76,8 @@ def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = 
         raise RuntimeError(f"backend {name!r} cannot run on {device}: {reason}")
     if dtype is not None and dtype not in be.dtypes:
         raise ValueError(f"backend {name!r} does not support {dtype}; supported: {be.dtypes}")
+    if linear and not be.has_linear:
+        raise NotImplementedError(f"backend {name!r} has no fused-linear implementation; use 'torch' or 'auto'")
     return be
 
 

@@ -30,6 +30,11 @@ class Backend:
     #: Logit dtypes the backend accepts.
     dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)
 
+    @property
+    def has_linear(self) -> bool:
+        """Whether this backend implements the fused-linear operations."""
+        return type(self).linear_policy_loss is not Backend.linear_policy_loss
+
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         """``None`` when usable on ``device``, else a sentence saying why not."""
         return None
