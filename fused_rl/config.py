@@ -46,6 +46,9 @@ class PolicyLossConfig:
         - ``"reinforce"``: ``-A * logp``.
     * ``kl`` (estimator of KL(pi || ref), added as ``beta * kl``): ``k1 = -d``, ``k2 = d^2/2``,
       ``k3 = exp(d) - d - 1``, ``abs = |d|``, ``low_var_kl = clamp(k3, -10, 10)``.
+    * ``kl_bias_correction``: the KL term is ``beta * r * kl`` with the (differentiable) importance
+      ratio ``r`` (gspo: the sequence ratio), DeepSeek-V3.2's unbiased KL gradient off-policy; TRL's
+      ``use_bias_correction_kl``.
     * ``entropy_coef``: the per-token loss gets ``- entropy_coef * H_t``.
     * ``agg`` over masked per-token losses ``l``:
         - ``"token-mean"``: ``sum(l m) / sum(m)`` (or ``/ token_normalizer``);
@@ -62,6 +65,7 @@ class PolicyLossConfig:
     dual_clip: Optional[float] = None
     kl: KLName = None
     beta: float = 0.0
+    kl_bias_correction: bool = False
     agg: AggName = "token-mean"
     max_len: Optional[int] = None
     temperature: float = 1.0
@@ -91,6 +95,10 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.beta must be >= 0, got {self.beta!r}")
         if beta > 0.0 and self.kl is None:
             raise ValueError("PolicyLossConfig.beta > 0 needs a KL estimator: set kl to one of 'k1','k2','k3','abs','low_var_kl'")
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(f"PolicyLossConfig.kl_bias_correction must be a bool, got {self.kl_bias_correction!r}")
+        if self.kl_bias_correction and self.kl is None:
+            raise ValueError("PolicyLossConfig.kl_bias_correction multiplies the KL term: set kl (and beta)")
         temperature = _finite_number("temperature", self.temperature)
         if temperature <= 0.0:
             raise ValueError(f"PolicyLossConfig.temperature must be > 0, got {self.temperature!r}")
@@ -137,6 +145,12 @@ class PolicyLossConfig:
     def is_sequence_level(self) -> bool:
         """True when a token's loss depends on other tokens' log-probs (gspo's sequence ratio)."""
         return self.policy_loss == "gspo"
+
+    @property
+    def has_token_epilogue(self) -> bool:
+        """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config;
+        otherwise the backends use the two-pass composition with :mod:`fused_rl.loss_math`."""
+        return not self.is_sequence_level and not self.kl_bias_correction
 
 
 #: Presets and the TRL ``GRPOTrainer`` ``loss_type`` they reproduce (TRL 0.2x / 1.x semantics):

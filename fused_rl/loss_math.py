@@ -114,7 +114,8 @@ def per_token_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(l, r, kl)``: per-token loss ``l_t = pg_t + beta * kl_t - entropy_coef * H_t`` (0 where masked),
+    """``(l, r, kl)``: per-token loss ``l_t = pg_t + beta * kl_t - entropy_coef * H_t`` (0 where masked;
+    ``kl_t`` times the ratio ``r_t`` with ``config.kl_bias_correction``),
     the importance ratio and the KL estimate (``None`` without ``config.kl``).
 
     Each row ``b`` depends only on row ``b`` of the inputs (gspo's ratio included), so callers may
@@ -131,6 +132,8 @@ def per_token_loss(
         if ref_logprobs is None:
             raise ValueError(f"config.kl={config.kl!r} needs ref_logprobs")
         kl = torch.where(mask, kl_estimator(safe_logp, torch.where(mask, ref_logprobs, zeros), config.kl), zeros)
+        if config.kl_bias_correction:
+            kl = kl * ratio
         if config.beta != 0.0:
             loss = loss + config.beta * kl
     if config.entropy_coef != 0.0:

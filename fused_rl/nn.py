@@ -57,7 +57,7 @@ def grpo_policy_loss_config(
     * ``beta > 0``: ``+ beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` (TRL's estimator).
 
     Raises ``NotImplementedError`` for ``sapo``/``vespo``/``luspo``, ``delta`` (two-sided clip),
-    ``use_bias_correction_kl`` with ``beta != 0`` and sequence-level cispo; ``ValueError`` for options
+    and sequence-level cispo; ``ValueError`` for options
     out of range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without ``max_completion_length``).
     """
     if epsilon_high is None:
@@ -72,10 +72,7 @@ def grpo_policy_loss_config(
     if delta is not None:
         raise NotImplementedError(f"delta={delta!r} (INTELLECT-2 two-sided clipping) is not supported by fused_rl yet; "
                                   "set delta=None")
-    if use_bias_correction_kl and beta != 0.0:
-        raise NotImplementedError("use_bias_correction_kl=True (KL multiplied by the importance ratio) is not "
-                                  "supported by fused_rl yet; set use_bias_correction_kl=False")
-    kl = dict(kl="k3", beta=float(beta)) if beta != 0.0 else {}
+    kl = dict(kl="k3", beta=float(beta), kl_bias_correction=bool(use_bias_correction_kl)) if beta != 0.0 else {}
     if loss_type == "cispo":
         if importance_sampling_level == "sequence":
             raise NotImplementedError("loss_type='cispo' with importance_sampling_level='sequence' is not supported "
@@ -174,8 +171,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     Arguments that are accepted and have no effect on the result: ``compiled``, ``chunk_size`` (fused_rl
     picks its own chunking), and the sapo/vespo parameters unless ``loss_type`` selects them (which
-    raises). Not supported (raise): ``loss_type`` sapo/vespo/luspo, ``delta``, ``use_bias_correction_kl``
-    with ``beta != 0``, a ``vllm_is_ratio`` tensor. With ``use_ref_model=False`` the KL term is the
+    raises). Not supported (raise): ``loss_type`` sapo/vespo/luspo, ``delta``, a ``vllm_is_ratio`` tensor. With ``use_ref_model=False`` the KL term is the
     KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
     compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
 

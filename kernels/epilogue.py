@@ -34,8 +34,8 @@ KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
 
 def epilogue_args(config, on_policy: bool) -> dict:
     """Kernel arguments (runtime floats and constexpr switches) of a token-level ``PolicyLossConfig``."""
-    if config.policy_loss == "gspo":
-        raise ValueError("gspo is sequence-level: its ratio needs all tokens of a sequence; no token epilogue")
+    if not config.has_token_epilogue:
+        raise ValueError(f"no token epilogue for this config (gspo's sequence ratio or kl_bias_correction): {config}")
     policy = {"ppo_clip": PPO_CLIP, "cispo": CISPO, "reinforce": REINFORCE}[config.policy_loss]
     return dict(
         clip_low=float(config.clip_low), clip_high=float(config.clip_high),

@@ -97,6 +97,7 @@ CONFIGS = [
     PolicyLossConfig(policy_loss="reinforce", kl="k2", beta=0.2, agg="seq-mean-token-sum-norm", max_len=9),
     PolicyLossConfig(kl="abs", beta=0.1, agg="seq-mean-token-mean", temperature=0.7, entropy_coef=-0.02),
     PolicyLossConfig(kl="low_var_kl", beta=0.3, temperature=1.3),
+    PolicyLossConfig.preset("dapo", kl="k3", beta=0.2, kl_bias_correction=True),
 ]
 
 

@@ -27,6 +27,8 @@ from fused_rl.loss_math import compute_policy_loss
     (dict(max_len=0, agg="seq-mean-token-sum-norm"), "max_len"),
     (dict(max_len=8), "only used by"),
     (dict(clip_low=True), "real number"),
+    (dict(kl_bias_correction=True), "set kl"),
+    (dict(kl="k3", kl_bias_correction=1), "must be a bool"),
 ])
 def test_invalid_configs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -56,7 +58,7 @@ def test_presets():
 
 
 def trl_loss(loss_type, logp, old, ref, adv, mask, *, beta, eps_low, eps_high, level="token",
-             max_completion_length=None, num_items_in_batch=None):
+             max_completion_length=None, num_items_in_batch=None, bias_correction=False):
     """Independent transcription of TRL GRPOTrainer._compute_loss (TRL 1.x) on given log-probs,
     single process, no gradient accumulation."""
     maskf = mask.float()
@@ -73,7 +75,8 @@ def trl_loss(loss_type, logp, old, ref, adv, mask, *, beta, eps_low, eps_high, l
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
         per_token = -torch.min(coef_1 * a, coef_2 * a)
     if beta != 0.0:
-        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per_token = per_token + beta * (kl * coef_1 if bias_correction else kl)
     if loss_type == "grpo":
         return ((per_token * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
@@ -91,8 +94,8 @@ def trl_loss(loss_type, logp, old, ref, adv, mask, *, beta, eps_low, eps_high, l
     ("gspo", dict(loss_type="grpo", eps_low=3e-4, eps_high=4e-4, level="sequence")),
     ("cispo", dict(loss_type="cispo", eps_low=0.2, eps_high=5.0)),
 ])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_presets_match_trl(preset, trl_args, beta):
+@pytest.mark.parametrize("beta, bias_correction", [(0.0, False), (0.04, False), (0.04, True)])
+def test_presets_match_trl(preset, trl_args, beta, bias_correction):
     g = torch.Generator().manual_seed(11)
     B, T = 4, 7
     logp = (-torch.rand(B, T, generator=g) * 3).double()
@@ -102,7 +105,7 @@ def test_presets_match_trl(preset, trl_args, beta):
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     mask = torch.arange(T).unsqueeze(0) < torch.tensor([[7], [3], [1], [5]])
     num_items = torch.tensor(40.0, dtype=torch.float64)  # tokens of the whole accumulated batch
-    overrides = dict(beta=beta)
+    overrides = dict(beta=beta, kl_bias_correction=bias_correction)
     kwargs = {}
     if preset == "dr_grpo":
         overrides["max_len"] = 10
@@ -118,7 +121,7 @@ def test_presets_match_trl(preset, trl_args, beta):
     theirs = trl_loss(
         trl_args["loss_type"], lp2, old, ref, adv, mask, beta=beta, eps_low=trl_args["eps_low"],
         eps_high=trl_args["eps_high"], level=trl_args.get("level", "token"), max_completion_length=10,
-        num_items_in_batch=num_items)
+        num_items_in_batch=num_items, bias_correction=bias_correction)
     theirs.backward()
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
     # TRL's padding positions receive gradient 0 in both; compare the whole gradient

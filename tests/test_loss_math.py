@@ -41,7 +41,7 @@ def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_log
                 d = ref[b][t] - logp[b][t]
                 kl = {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1, "abs": abs(d),
                       "low_var_kl": min(max(math.exp(d) - d - 1, -10), 10)}[cfg.kl]
-                l += cfg.beta * kl
+                l += cfg.beta * kl * (r if cfg.kl_bias_correction else 1.0)
             l -= cfg.entropy_coef * ent[b][t]
             per[b][t] = l
     total = sum(map(sum, per))
@@ -94,6 +94,25 @@ def test_every_combination_matches_scalar_derivation(policy, kl, agg):
         args = (old.tolist(), ref.tolist(), ent.tolist(), adv.tolist(), mask.tolist(), cfg)
         numeric = (scalar_loss(plus, *args, frozen_logp=base) - scalar_loss(minus, *args, frozen_logp=base)) / (2 * h)
         assert x.grad[b, t].item() == pytest.approx(numeric, rel=1e-5, abs=1e-8), (b, t)
+
+
+@pytest.mark.parametrize("policy", ["ppo_clip", "gspo"])
+def test_kl_bias_correction_matches_scalar_derivation(policy):
+    cfg = PolicyLossConfig(policy_loss=policy, kl="k3", beta=0.3, kl_bias_correction=True)
+    logp, old, ref, ent, adv, mask = _inputs(21)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = compute_policy_loss(x, adv, mask, cfg, old_logprobs=old, ref_logprobs=ref)
+    args = (old.tolist(), ref.tolist(), ent.tolist(), adv.tolist(), mask.tolist(), cfg)
+    assert loss.item() == pytest.approx(scalar_loss(logp.tolist(), *args), rel=1e-12)
+    loss.backward()
+    base, h = logp.tolist(), 1e-6
+    for b, t in itertools.product(range(logp.shape[0]), range(logp.shape[1])):
+        plus = [row[:] for row in base]
+        minus = [row[:] for row in base]
+        plus[b][t] += h
+        minus[b][t] -= h
+        numeric = (scalar_loss(plus, *args) - scalar_loss(minus, *args)) / (2 * h)
+        assert x.grad[b, t].item() == pytest.approx(numeric, rel=1e-5, abs=1e-8)
 
 
 def test_token_normalizer_replaces_count():

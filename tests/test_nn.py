@@ -96,7 +96,6 @@ def test_grpo_policy_loss_config_mapping():
     (dict(loss_type="luspo"), NotImplementedError, "luspo"),
     (dict(loss_type="nope"), ValueError, "unknown loss_type"),
     (dict(loss_type="dapo", delta=1.5), NotImplementedError, "delta"),
-    (dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=True), NotImplementedError, "use_bias_correction_kl"),
     (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), NotImplementedError,
      "sequence"),
     (dict(loss_type="cispo", epsilon_high=0.2), ValueError, "epsilon_high"),
@@ -106,6 +105,10 @@ def test_grpo_policy_loss_config_mapping():
 def test_grpo_policy_loss_config_rejects(kwargs, exc, needle):
     with pytest.raises(exc, match=needle):
         grpo_policy_loss_config(**kwargs)
+
+
+def test_bias_correction_maps_to_kl_bias_correction():
+    assert grpo_policy_loss_config("dapo", beta=0.1, use_bias_correction_kl=True).kl_bias_correction
 
 
 def test_bias_correction_without_kl_is_a_no_op():
@@ -128,6 +131,8 @@ LIGER_CASES = [
     dict(loss_type="dr_grpo", beta=0.1, max_completion_length=9),
     dict(loss_type="dapo", beta=0.0, epsilon_high=0.28),
     dict(loss_type="dapo", beta=0.04, epsilon_high=0.28),
+    dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True),
+    dict(loss_type="grpo", beta=0.1, use_bias_correction_kl=True),
     dict(loss_type="cispo", beta=0.0, epsilon_high=1.1),
     dict(loss_type="cispo", beta=0.04, epsilon_high=1.1),
     dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence", epsilon_low=0.01, epsilon_high=0.01),
@@ -209,7 +214,6 @@ def test_liger_signature_compatible():
 @pytest.mark.parametrize("ctor, forward, exc, needle", [
     (dict(loss_type="sapo"), {}, NotImplementedError, "sapo"),
     (dict(delta=2.0), {}, NotImplementedError, "delta"),
-    (dict(use_bias_correction_kl=True), {}, NotImplementedError, "use_bias_correction_kl"),
     (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 6)), NotImplementedError, "vllm_is_ratio"),
     (dict(beta=0.04), {}, ValueError, "ref_per_token_logps"),
 ])

@@ -308,7 +308,7 @@ class NativeBackend(Backend):
 
     def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
                     compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
-        if config.is_sequence_level or not (torch.is_grad_enabled() and logits.requires_grad):
+        if not config.has_token_epilogue or not (torch.is_grad_enabled() and logits.requires_grad):
             return super().policy_loss(logits, inputs, config, compute_entropy, inplace)
         batch, length, _ = logits.shape
         mask = inputs.mask

@@ -231,7 +231,7 @@ class TritonBackend(Backend):
     def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
                     compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
         """Single pass for token-level configs; gspo (sequence ratio) falls back to the composition."""
-        if config.is_sequence_level:
+        if not config.has_token_epilogue:
             return super().policy_loss(logits, inputs, config, compute_entropy, inplace)
         batch, length, _ = logits.shape
         mask = inputs.mask

@@ -18,12 +18,13 @@ Loss semantics are TRL's (see :func:`fused_rl.nn.grpo_policy_loss_config` for th
 ``dapo``/``cispo`` use the token-mean denominator
 ``max(num_items_in_batch, 1) / num_processes * current_gradient_accumulation_steps / steps_per_generation``
 (training) or ``max(num_items_in_batch, 1) / num_processes`` (eval). ``beta > 0`` adds TRL's ``k3``
-penalty against ``inputs["ref_per_token_logps"]``. Logged metrics are TRL's: ``kl`` (when
+penalty against ``inputs["ref_per_token_logps"]``, times the importance ratio with TRL's default
+``use_bias_correction_kl=True`` (fused_rl's ``kl_bias_correction``). Logged metrics are TRL's: ``kl`` (when
 ``beta != 0``), ``entropy``, ``clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max}``
 (cispo: ``cispo_clip_ratio``), with TRL's cross-process reductions.
 
 Not supported (``NotImplementedError`` at construction, naming the option): ``loss_type`` sapo /
-vespo / luspo, ``delta``, ``use_bias_correction_kl`` with ``beta != 0``, ``top_entropy_quantile < 1``,
+vespo / luspo, ``delta``, ``top_entropy_quantile < 1``,
 ``off_policy_mask_threshold``, ``vllm_importance_sampling_correction`` with ``use_vllm``, the entropy
 bonus (``entropy_coef != 0`` / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
 soft-capping or logit scaling, sequence-level cispo; multimodal inputs raise at the first step.
@@ -73,8 +74,6 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
         problems.append(f"loss_type={trainer.loss_type!r}")
     if getattr(args, "delta", None) is not None:
         problems.append(f"delta={args.delta!r} (two-sided clipping)")
-    if getattr(args, "use_bias_correction_kl", False) and trainer.beta != 0.0:
-        problems.append("use_bias_correction_kl=True (TRL's default; set use_bias_correction_kl=False)")
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         problems.append(f"top_entropy_quantile={trainer.top_entropy_quantile!r}")
     if getattr(trainer, "off_policy_mask_threshold", None) is not None:
@@ -140,7 +139,8 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
     trainer._fused_rl_config = grpo_policy_loss_config(
         trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, beta=trainer.beta,
         importance_sampling_level=trainer.importance_sampling_level,
-        max_completion_length=trainer.max_completion_length, temperature=trainer.temperature)
+        max_completion_length=trainer.max_completion_length, temperature=trainer.temperature,
+        use_bias_correction_kl=bool(getattr(trainer.args, "use_bias_correction_kl", False)))
     _add_fused_head_forward(_base_model(trainer.model))
 
 
@@ -241,6 +241,8 @@ def _log_trl_metrics(self: GRPOTrainer, mode: str, out, advantages: torch.Tensor
         zeros = torch.zeros_like(logp)
         per_token_kl = torch.where(bool_mask, kl_estimator(logp, torch.where(bool_mask, ref.to(logp.dtype), zeros),
                                                            "k3"), zeros)
+        if self._fused_rl_config.kl_bias_correction:  # TRL logs the ratio-weighted KL
+            per_token_kl = per_token_kl * coef_1
         metrics["kl"].append(global_masked_mean(per_token_kl))
     metrics["entropy"].append(global_masked_mean(out.entropy))
     if self.loss_type == "cispo":
