@@ -47,8 +47,8 @@ from ..validation import PolicyInputs
 
 #: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
 MEMORY_BUDGET_BYTES: Optional[int] = None
-#: Default budget: 64 MiB, i.e. 256 tokens per tile at V = 32000 in fp32.
-DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20
+#: Default budget: 128 MiB, i.e. 512 tokens per tile at V = 32000 in fp32.
+DEFAULT_MEMORY_BUDGET_BYTES = 128 << 20
 #: Force the tile size in tokens (``None``: derive it from the budget).
 CHUNK_TOKENS: Optional[int] = None
 #: Gather only the valid token rows (``None``: on CPU only, where it needs no device sync).
@@ -62,7 +62,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype,
                  memory_budget_bytes: Optional[int] = None) -> int:
     """Tokens per tile: ``CHUNK_TOKENS`` if set, else ``budget // (2 * vocab * itemsize)`` with the
-    budget ``memory_budget_bytes`` / ``MEMORY_BUDGET_BYTES`` / 64 MiB, clamped to ``[1, num_tokens]``."""
+    budget ``memory_budget_bytes`` / ``MEMORY_BUDGET_BYTES`` / 128 MiB, clamped to ``[1, num_tokens]``."""
     if CHUNK_TOKENS is not None:
         n = int(CHUNK_TOKENS)
     else:
