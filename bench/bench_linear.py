@@ -115,7 +115,7 @@ def main():
     p.add_argument("--entropy", action="store_true", help="compute_entropy=True (liger: not comparable)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-mib", type=float, default=None,
-                   help="fused: torch_linear.MEMORY_BUDGET_BYTES (default: the module default, 64 MiB)")
+                   help="fused: torch_linear.MEMORY_BUDGET_BYTES (default: the module default, 128 MiB)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--memory-only", action="store_true")
     p.add_argument("--time-only", action="store_true")
@@ -135,8 +135,9 @@ def main():
         mem = {}
         for impl in impls:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--B", str(args.B), "--T", str(args.T),
-                   "--H", str(args.H), "--V", str(args.V), "--pad", str(args.pad)] + (["--entropy"] if args.entropy else []) \
-                + (["--budget-mib", str(args.budget_mib)] if args.budget_mib else [])
+                   "--H", str(args.H), "--V", str(args.V), "--pad", str(args.pad)]
+            cmd += ["--entropy"] if args.entropy else []
+            cmd += ["--budget-mib", str(args.budget_mib)] if args.budget_mib else []
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if res.returncode != 0:
                 print(f"memory {impl}: failed\n{res.stderr[-2000:]}")

@@ -213,13 +213,14 @@ def test_all_masked_and_no_grad():
     with torch.no_grad():
         got = fused_rl.linear_policy_loss(case.hidden, case.weight, case.targets, case.advantages, case.mask,
                                           bias=case.bias, config=CONFIGS[2], backend="torch", **case.kwargs())
-    expected = fused_rl.reference.linear_policy_loss(torch.nan_to_num(case.hidden), case.weight, case.targets, case.advantages,
-                                                     case.mask, bias=case.bias, config=CONFIGS[2], **case.kwargs())
+    expected = fused_rl.reference.linear_policy_loss(torch.nan_to_num(case.hidden), case.weight, case.targets,
+                                                     case.advantages, case.mask, bias=case.bias, config=CONFIGS[2],
+                                                     **case.kwargs())
     assert_close(got.loss, expected.loss, torch.float32, "loss")
 
 
 def test_chunk_rule(monkeypatch):
-    assert torch_linear.chunk_tokens(4096, 32000, torch.float32) == (64 << 20) // (8 * 32000)
+    assert torch_linear.chunk_tokens(4096, 32000, torch.float32) == (128 << 20) // (8 * 32000) == 524
     assert torch_linear.chunk_tokens(4096, 32000, torch.bfloat16, memory_budget_bytes=1 << 30) == 4096
     assert torch_linear.chunk_tokens(10, 10**9, torch.float32) == 1
     monkeypatch.setattr(torch_linear, "MEMORY_BUDGET_BYTES", 2 * 4 * 1000 * 7)

@@ -47,8 +47,8 @@ from ..validation import PolicyInputs
 
 #: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
 MEMORY_BUDGET_BYTES: Optional[int] = None
-#: Default budget: 64 MiB, i.e. 256 tokens per tile at V = 32000 in fp32.
-DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20
+#: Default budget: 128 MiB, i.e. 512 tokens per tile at V = 32000 in fp32.
+DEFAULT_MEMORY_BUDGET_BYTES = 128 << 20
 #: Force the tile size in tokens (``None``: derive it from the budget).
 CHUNK_TOKENS: Optional[int] = None
 #: Gather only the valid token rows (``None``: on CPU only, where it needs no device sync).
@@ -62,7 +62,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype,
                  memory_budget_bytes: Optional[int] = None) -> int:
     """Tokens per tile: ``CHUNK_TOKENS`` if set, else ``budget // (2 * vocab * itemsize)`` with the
-    budget ``memory_budget_bytes`` / ``MEMORY_BUDGET_BYTES`` / 64 MiB, clamped to ``[1, num_tokens]``."""
+    budget ``memory_budget_bytes`` / ``MEMORY_BUDGET_BYTES`` / 128 MiB, clamped to ``[1, num_tokens]``."""
     if CHUNK_TOKENS is not None:
         n = int(CHUNK_TOKENS)
     else:
@@ -162,77 +162,105 @@ def _tile_inputs(tile: _Tile, hidden_flat, targets_flat, valid_flat, cdtype):
 
 
 class _Workspace:
-    """The two ``(n_tile, V)`` buffers every tile reuses (allocated once per call: no allocator churn,
+    """The two ``V x n_tile`` buffers every tile reuses (allocated once per call: no allocator churn,
     no fresh pages to fault in per tile, and a peak that does not depend on the allocator)."""
 
     def __init__(self, n_tile: int, vocab: int, dtype, device):
-        self.shape, self.dtype, self.device = (n_tile, vocab), dtype, device
+        self.n_tile, self.vocab, self.dtype, self.device = n_tile, vocab, dtype, device
         self.bufs = None
 
     def get(self, n: int):
+        """Two contiguous ``(V, n)`` views."""
         if self.bufs is None:
-            self.bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(2)]
-        return self.bufs[0][:n], self.bufs[1][:n]
+            self.bufs = [torch.empty(self.vocab * self.n_tile, dtype=self.dtype, device=self.device)
+                         for _ in range(2)]
+        return tuple(b[:self.vocab * n].view(self.vocab, n) for b in self.bufs)
+
+
+#: Elements of the temporary of the blocked column dot product in the entropy (4 MiB fp32).
+_DOT_BLOCK_ELEMENTS = 1 << 20
+
+
+def _column_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_v a[v, i] * b[v, i]`` for ``(V, n)`` tiles, in row blocks (small temporary)."""
+    rows = max(1, _DOT_BLOCK_ELEMENTS // a.shape[1])
+    out = torch.zeros(a.shape[1], dtype=a.dtype, device=a.device)
+    for start in range(0, a.shape[0], rows):
+        out.add_((a[start:start + rows] * b[start:start + rows]).sum(dim=0))
+    return out
 
 
 def _tile_stats(h, t, weight_c, bias_c, inv_tau: float, with_entropy: bool, ws: _Workspace):
-    """Shifted tempered logits ``zs = z - m`` and ``p`` (both ``(n, V)`` views of the workspace),
-    ``logp``, ``H`` and ``E_p[zs]`` of the tile (``(n,)``; the last two ``None`` without ``with_entropy``)."""
-    zs, p = ws.get(h.shape[0])
+    """``(state, logp, H)`` of the tile; ``state = (zs, e, 1/s[, E_p[zs]])`` with the shifted tempered
+    logits ``zs = z - m`` and ``e = exp(zs)``, ``p = e / s``. The tile is vocabulary-major: ``zs`` and
+    ``e`` are ``(V, n)`` (``zs^T = W h^T`` is the faster GEMM orientation for thin token tiles, and
+    ``grad_W += dz^T h`` needs no transpose). ``H`` and ``E_p[zs]`` only ``with_entropy``."""
+    zs, e = ws.get(h.shape[0])
     if bias_c is None:
-        torch.mm(h, weight_c.t(), out=zs)
+        torch.mm(weight_c, h.t(), out=zs)
     else:
-        torch.addmm(bias_c, h, weight_c.t(), out=zs)
+        torch.addmm(bias_c.unsqueeze(1), weight_c, h.t(), out=zs)
     if inv_tau != 1.0:
         zs.mul_(inv_tau)
-    m = zs.amax(dim=-1, keepdim=True)
+    m = zs.amax(dim=0, keepdim=True)
     zs.sub_(m)
-    torch.exp(zs, out=p)
-    s = p.sum(dim=-1, keepdim=True)
-    p.div_(s)
-    log_s = torch.log(s).squeeze(-1)
-    logp = zs.gather(-1, t.unsqueeze(-1)).squeeze(-1) - log_s
+    torch.exp(zs, out=e)
+    s = e.sum(dim=0, keepdim=True)
+    log_s = torch.log(s).squeeze(0)
+    logp = zs.gather(0, t.unsqueeze(0)).squeeze(0) - log_s
+    inv_s = s.reciprocal()  # p = e * inv_s is never formed: the scale folds into the coefficients
     if not with_entropy:
-        return zs, p, logp, None, None
-    ez = torch.bmm(p.unsqueeze(1), zs.unsqueeze(2)).reshape(-1)
-    return zs, p, logp, log_s - ez, ez
+        return (zs, e, inv_s), logp, None
+    ez = _column_dot(e, zs) * inv_s.squeeze(0)
+    return (zs, e, inv_s, ez), logp, log_s - ez
 
 
-def _tile_dlogits(zs, p, ez, t, g_logp, g_ent, inv_tau: float) -> torch.Tensor:
-    """``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, written over ``zs``."""
-    gl = (g_logp * inv_tau).unsqueeze(-1)
+def _tile_dlogits(state, t, g_logp, g_ent, inv_tau: float) -> torch.Tensor:
+    """``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``p = e / s``, written over ``zs``
+    (``(V, n)``, i.e. ``dz^T``)."""
+    zs, e, inv_s = state[:3]
+    gl = (g_logp * inv_tau).unsqueeze(0)
     if g_ent is None:
-        torch.mul(p, gl.neg(), out=zs)
+        torch.mul(e, gl.neg() * inv_s, out=zs)
     else:
-        ge = (g_ent * inv_tau).unsqueeze(-1)
-        zs.sub_(ez.unsqueeze(-1)).mul_(ge.neg()).sub_(gl).mul_(p)
-    zs.scatter_add_(-1, t.unsqueeze(-1), gl)
+        ge = (g_ent * inv_tau).unsqueeze(0)
+        zs.sub_(state[3].unsqueeze(0)).mul_(ge.neg() * inv_s).sub_(gl * inv_s).mul_(e)
+    zs.scatter_add_(0, t.unsqueeze(0), gl)
     return zs
 
 
 class _Grads:
-    """Gradient buffers of the linear layer; the weight / bias accumulators exist only when wanted."""
+    """Gradient buffers of the linear layer; the weight / bias accumulators exist only when wanted
+    (the weight one is written, not zero-filled, by the first tile)."""
 
     def __init__(self, hidden, weight, need_h, need_w, need_b, cdtype):
         n_tok = hidden.shape[0] * hidden.shape[1]
         self.h = torch.zeros(n_tok, hidden.shape[2], dtype=hidden.dtype, device=hidden.device) if need_h else None
-        self.w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
+        self.w = torch.empty(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
+        self.w_written = False
         self.b = torch.zeros(weight.shape[0], dtype=cdtype, device=weight.device) if need_b else None
 
-    def add(self, tile: _Tile, dz, h, weight_c, ok):
+    def add(self, tile: _Tile, dz_t, h, weight_c, ok):
+        """``dz_t``: the tile's ``(V, n)`` logits gradient (transposed)."""
         if self.h is not None:
-            gh = torch.mm(dz, weight_c)
+            gh = torch.mm(dz_t.t(), weight_c)
             if tile.contiguous is not None:
                 s, e = tile.contiguous
                 self.h[s:e] = torch.where(ok.unsqueeze(-1), gh, torch.zeros((), dtype=gh.dtype, device=gh.device))
             else:
                 self.h.index_copy_(0, tile.idx, gh.to(self.h.dtype))
         if self.w is not None:
-            self.w.addmm_(dz.t(), h)
+            if self.w_written:
+                self.w.addmm_(dz_t, h)
+            else:
+                torch.mm(dz_t, h, out=self.w)
+                self.w_written = True
         if self.b is not None:
-            self.b.add_(dz.sum(dim=0))
+            self.b.add_(dz_t.sum(dim=1))
 
     def results(self, hidden, weight):
+        if self.w is not None and not self.w_written:
+            self.w.zero_()
         return (hidden.new_empty(0) if self.h is None else self.h.view(hidden.shape),
                 weight.new_empty(0) if self.w is None else self.w.to(weight.dtype),
                 weight.new_empty(0) if self.b is None else self.b.to(weight.dtype))
@@ -342,15 +370,15 @@ def linear_policy_loss_op(
         kept, lp_parts, ent_parts = [], [], []
         for tile in group:
             h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-            zs, p, lp, ent, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, want_ent, ws)
+            tile_state, lp, ent = _tile_stats(h, t, weight_c, bias_c, inv_tau, want_ent, ws)
             if ok is not None:
                 zero = torch.zeros_like(lp)
                 lp = torch.where(ok, lp, zero)
                 ent = None if ent is None else torch.where(ok, ent, zero)
             lp_parts.append(lp)
             ent_parts.append(ent)
-            kept.append((h, t, ok, zs, p, ez) if one_pass else None)
-            del zs, p
+            kept.append((h, t, ok, tile_state) if one_pass else None)
+            del tile_state
         g_loss, coeffs = _coefficients(group, lp_parts, ent_parts if want_ent else None, config, advantages,
                                        valid, weights, old, ref, length, need_grad)
         loss = loss + g_loss
@@ -363,10 +391,10 @@ def linear_policy_loss_op(
         for tile, state, (g_lp, g_ent) in zip(group, kept, coeffs):
             if state is None:  # second pass of a long sequence: recompute the tile
                 h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-                zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, config.needs_entropy_grad, ws)
+                tile_state = _tile_stats(h, t, weight_c, bias_c, inv_tau, config.needs_entropy_grad, ws)[0]
             else:
-                h, t, ok, zs, p, ez = state
-            grads.add(tile, _tile_dlogits(zs, p, ez, t, g_lp, g_ent, inv_tau), h, weight_c, ok)
+                h, t, ok, tile_state = state
+            grads.add(tile, _tile_dlogits(tile_state, t, g_lp, g_ent, inv_tau), h, weight_c, ok)
         del kept, state
     gh, gw, gb = grads.results(hidden, weight)
     return (loss, logp.view(batch, length), entropy.view(batch, length) if want_ent else entropy, gh, gw, gb)
@@ -449,8 +477,7 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     ws = _Workspace(min(n_tile, batch * length), weight.shape[0], cdtype, hidden.device)
     for tile in _token_groups(valid, n_tile):
         h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-        zs, p, lp, ent, _ = _tile_stats(h, t, weight_c, bias_c, 1.0 / temperature, with_entropy, ws)
-        del zs, p
+        _, lp, ent = _tile_stats(h, t, weight_c, bias_c, 1.0 / temperature, with_entropy, ws)
         if ok is not None:
             lp = torch.where(ok, lp, torch.zeros_like(lp))
             ent = None if ent is None else torch.where(ok, ent, torch.zeros_like(ent))
@@ -484,13 +511,13 @@ def linear_token_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     ws = _Workspace(min(n_tile, targets.numel()), weight.shape[0], cdtype, hidden.device)
     for tile in _token_groups(valid, n_tile):
         h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-        zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, ge_flat is not None, ws)
+        tile_state = _tile_stats(h, t, weight_c, bias_c, inv_tau, ge_flat is not None, ws)[0]
         gl = gl_flat[tile.idx]
         ge = None if ge_flat is None else ge_flat[tile.idx]
         if ok is not None:
             gl = torch.where(ok, gl, torch.zeros_like(gl))
             ge = None if ge is None else torch.where(ok, ge, torch.zeros_like(ge))
-        grads.add(tile, _tile_dlogits(zs, p, ez, t, gl, ge, inv_tau), h, weight_c, ok)
+        grads.add(tile, _tile_dlogits(tile_state, t, gl, ge, inv_tau), h, weight_c, ok)
     return grads.results(hidden, weight)
 
 
