@@ -31,7 +31,7 @@ DEVICES = [
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
         not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU and TRITON_INTERPRET unset/0")]),
 ]
-TOKEN_CONFIGS = [c for c in CONFIGS if not c.is_sequence_level]
+TOKEN_CONFIGS = [c for c in CONFIGS if c.has_token_epilogue]
 
 
 def cfg_id(c):
@@ -141,6 +141,9 @@ def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, s
                            entropy_coef=0.02)
     compare_policy_loss("triton", case, cfg, token_normalizer=torch.tensor(7.0, device=device))
     compare_policy_loss("triton", case, CONFIGS[2])  # gspo: the two-pass composition on the same view
+    for cfg in CONFIGS:  # every other config without a token epilogue (kl_bias_correction) goes the same way
+        if not cfg.has_token_epilogue and not cfg.is_sequence_level:
+            compare_policy_loss("triton", case, cfg)
 
 
 @pytest.mark.parametrize("device", DEVICES)
