@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -21,9 +22,11 @@ from .cases import IMPLS, MODES, OPS, SHAPE_SETS, describe, floor_bytes, floor_f
 from .measure import peak_extra_memory, time_case
 
 
-def run(set_name: str, ops, impls, modes, repeats: int, memory: bool, device: str) -> list[dict]:
+def run(set_name: str, ops, impls, modes, repeats: int, memory: bool, device: str, sizes=None) -> list[dict]:
     rows = []
     for shape in SHAPE_SETS[set_name]:
+        if sizes and shape.n not in sizes:
+            continue
         for op in ops:
             if (op == "linear_policy_loss") != bool(shape.h) and set_name == "gpu":
                 continue
@@ -111,12 +114,14 @@ def main(argv=None) -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--n", default="", help="comma list of token counts N to keep from the set (default: all)")
     p.add_argument("--out", type=Path, default=None, help="folder for report.md, results.json, report.png")
     args = p.parse_args(argv)
     device = "cuda" if args.set == "gpu" and torch.cuda.is_available() else "cpu"
     rows = run(args.set, args.ops.split(","), args.impls.split(","), args.modes.split(","), args.repeats,
-               not args.no_memory, device)
-    header = (f"`python -m bench.report --set {args.set}` on {device} "
+               not args.no_memory, device, sizes=[int(n) for n in args.n.split(",") if n])
+    command = "python -m bench.report " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = (f"`{command}` on {device} "
               f"({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} threads'}), "
               f"torch {torch.__version__}\n\n")
     md = header + table(rows, device)
