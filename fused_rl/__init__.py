@@ -1,13 +1,14 @@
 """fused_rl: fused-kernel policy losses (GRPO, PPO and variants) for RL fine-tuning of LLMs.
 
 Public API: :class:`PolicyLossConfig`, :func:`token_logprobs`, :func:`policy_loss`,
-:func:`linear_policy_loss`, the :mod:`fused_rl.reference` twins, and :mod:`fused_rl.advantages`.
+:func:`linear_policy_loss`, :func:`linear_token_logprobs`, the :mod:`fused_rl.reference` twins, and
+:mod:`fused_rl.advantages`.
 """
 
 from . import advantages, reference
 from .backends import available_backends
 from .config import IGNORE_INDEX, PRESETS, PolicyLossConfig
-from .ops import linear_policy_loss, policy_loss, token_logprobs
+from .ops import linear_policy_loss, linear_token_logprobs, policy_loss, token_logprobs
 from .outputs import PolicyLossOutput
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "token_logprobs",
     "policy_loss",
     "linear_policy_loss",
+    "linear_token_logprobs",
     "reference",
     "advantages",
     "available_backends",

@@ -28,21 +28,21 @@ METRIC_NAMES = ("kl_mean", "clip_frac_low", "clip_frac_high", "clip_frac", "clip
 
 
 def aggregation_weights(mask: torch.Tensor, config: PolicyLossConfig,
-                        token_normalizer: Normalizer = None) -> torch.Tensor:
-    """Per-token weights ``w`` (B, T) fp32 with ``loss = sum(w * l)``.
+                        token_normalizer: Normalizer = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token weights ``w`` (B, T) of ``dtype`` with ``loss = sum(w * l)``.
 
     * token-mean:              ``w = m / N``, ``N = token_normalizer`` or ``max(sum(m), 1)``
     * seq-mean-token-mean:     ``w = m / (B * max(sum_t m, 1))``
     * seq-mean-token-sum:      ``w = m / B``
     * seq-mean-token-sum-norm: ``w = m / (B * max_len)``, ``max_len`` defaulting to ``T``
     """
-    m = mask.to(torch.float32)
+    m = mask.to(dtype)
     batch, length = m.shape
     if config.agg == "token-mean":
         if token_normalizer is None:
             denom = m.sum().clamp(min=1.0)
         elif isinstance(token_normalizer, torch.Tensor):
-            denom = token_normalizer.to(device=m.device, dtype=torch.float32)
+            denom = token_normalizer.to(device=m.device, dtype=dtype)
         else:
             denom = float(token_normalizer)
         return m / denom
@@ -159,7 +159,7 @@ def compute_policy_loss(
     """
     loss_t, ratio, kl = per_token_loss(logp, advantages, mask, config, old_logprobs=old_logprobs,
                                        ref_logprobs=ref_logprobs, entropy=entropy)
-    weights = aggregation_weights(mask, config, token_normalizer).to(logp.dtype)
+    weights = aggregation_weights(mask, config, token_normalizer, dtype=logp.dtype)
     loss = (loss_t * weights).sum()
     return loss, metrics(ratio, advantages, mask, config, kl, entropy)
 

@@ -16,7 +16,8 @@ from .backends.reference import compute_dtype
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .outputs import PolicyLossOutput
-from .validation import check_logits, prepare_policy_inputs, token_logprobs_checks
+from .validation import (_is_compiling, check_logits, prepare_policy_inputs, run_value_checks, target_range_ok,
+                         token_logprobs_checks)
 
 
 def token_logprobs(
@@ -124,3 +125,35 @@ def linear_policy_loss(
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
         token_normalizer=token_normalizer, compute_dtype=compute_dtype(hidden.dtype), check_inputs=check_inputs)
     return be.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy)
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str = "auto",
+    check_inputs: bool = True,
+):
+    """:func:`token_logprobs` of the logits ``z = hidden @ weight.T + bias`` without materializing them
+    (fused backends): ``logp = log softmax(z / tau)[targets]`` ``(B, T)`` fp32 (fp64 for fp64 input) and,
+    with ``return_entropy``, ``H = -sum_j p_j log p_j``; both differentiable w.r.t. ``hidden (B, T, H)``,
+    ``weight (V, H)`` and ``bias (V,)``. ``targets == -100`` gives 0 and no gradient."""
+    _check_linear(hidden, weight, bias)
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must be an int32 or int64 tensor, got {getattr(targets, 'dtype', type(targets))}")
+    if tuple(targets.shape) != tuple(hidden.shape[:2]) or targets.device != hidden.device:
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} on {hidden.device}, "
+                         f"got {tuple(targets.shape)} on {targets.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+            or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if check_inputs and not _is_compiling():
+        vocab = weight.shape[0]
+        run_value_checks([(f"targets must be in [0, {vocab}) or -100", target_range_ok(targets, vocab))])
+    be = get_backend(backend, hidden.device, hidden.dtype)
+    logp, entropy = be.linear_token_logprobs(hidden, weight, bias, targets, float(temperature), bool(return_entropy))
+    return (logp, entropy) if return_entropy else logp

@@ -1,4 +1,4 @@
-"""The slow, obviously correct implementations of the three public functions.
+"""The slow, obviously correct implementations of the public functions.
 
 Same signatures as :mod:`fused_rl.ops` without ``backend``: each runs the ``"reference"`` backend,
 a full fp32 (fp64 for fp64 input) ``log_softmax`` over the vocabulary with plain autograd, followed
@@ -25,5 +25,6 @@ def _reference(fn):
 token_logprobs = _reference(ops.token_logprobs)
 policy_loss = _reference(ops.policy_loss)
 linear_policy_loss = _reference(ops.linear_policy_loss)
+linear_token_logprobs = _reference(ops.linear_token_logprobs)
 
-__all__ = ["token_logprobs", "policy_loss", "linear_policy_loss"]
+__all__ = ["token_logprobs", "policy_loss", "linear_policy_loss", "linear_token_logprobs"]

@@ -132,3 +132,15 @@ def compare_policy_loss(backend: str, case: PolicyCase, config: PolicyLossConfig
     assert logits.grad is not None and logits.grad.dtype == dtype
     assert torch.isfinite(logits.grad).all()
     assert_close(logits.grad, ref_logits.grad, dtype, "dlogits", grad=True)
+
+
+def fused_backends(device: str = "cpu") -> list[str]:
+    """Every backend other than the reference that can run on ``device`` in this installation."""
+    return [name for name, reason in fused_rl.available_backends(torch.device(device)).items()
+            if reason is None and name != "reference"]
+
+
+def supports(backend: str, dtype: torch.dtype) -> bool:
+    from fused_rl.backends import get_backend
+
+    return dtype in get_backend(backend, torch.device("cpu")).dtypes

@@ -57,3 +57,10 @@ class Backend:
                            inputs: PolicyInputs, config: PolicyLossConfig,
                            compute_entropy: bool) -> PolicyLossOutput:
         raise NotImplementedError(f"backend {self.name!r} has no fused-linear implementation")
+
+    def linear_token_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                              targets: torch.Tensor, temperature: float,
+                              return_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`token_logprobs` of the logits ``hidden @ weight.T + bias``, differentiable w.r.t.
+        ``hidden``, ``weight`` and ``bias``."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused-linear implementation")

@@ -51,3 +51,9 @@ class ReferenceBackend(Backend):
         dtype = compute_dtype(hidden.dtype)
         logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
         return self.policy_loss(logits, inputs, config, compute_entropy, inplace=False)
+
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
+        """Materialize the full-precision logits, then :func:`full_token_logprobs`."""
+        dtype = compute_dtype(hidden.dtype)
+        logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        return full_token_logprobs(logits, targets, temperature, return_entropy)

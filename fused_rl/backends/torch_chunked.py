@@ -154,3 +154,15 @@ class TorchBackend(Backend):
         logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
+
+    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy):
+        """Tiles of tokens x the whole vocabulary, gradients computed in the forward; see
+        :mod:`fused_rl.backends.torch_linear`."""
+        from . import torch_linear
+
+        return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy)
+
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
+        from . import torch_linear
+
+        return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy)

@@ -1,0 +1,246 @@
+"""Benchmark cases: shapes, inputs and one callable per (operation, implementation, mode).
+
+Operations: ``token_logprobs``, ``policy_loss`` (vocabulary logits in) and ``linear_policy_loss``
+(hidden states + LM-head weight in). Modes: ``fwd`` (no autograd) and ``fwd+bwd``.
+
+Implementations: the reference eager and under ``torch.compile``, each fused_rl backend, and peers
+when installed: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (linear) and ``triton_grpo_loss``
+(logits, CUDA only), TRL's ``selective_log_softmax`` + its GRPO loss formula, Cut Cross-Entropy's
+``linear_cross_entropy`` (the log-prob part of the linear loss only).
+
+Byte / FLOP floors used for the throughput columns (``itemsize`` of the logits / hidden dtype):
+logits ops read ``N V`` elements forward and additionally write ``N V`` in fwd+bwd; the linear op
+does ``2 N H V`` FLOPs forward and ``6 N H V`` in fwd+bwd.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+import fused_rl
+from fused_rl import PolicyLossConfig
+
+OPS = ("token_logprobs", "policy_loss", "linear_policy_loss")
+MODES = ("fwd", "fwd+bwd")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: The workload every loss case computes: DAPO-style clipping with a k3 KL to a reference policy.
+CONFIG = PolicyLossConfig.preset("dapo", beta=0.04)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """``n`` tokens as ``batch`` sequences of ``n // batch``; ``h`` only for the linear op."""
+
+    n: int
+    v: int
+    h: int = 0
+    dtype: str = "fp32"
+    batch: int = 8
+
+    @property
+    def t(self) -> int:
+        return self.n // self.batch
+
+    def label(self) -> str:
+        return f"N{self.n}-V{self.v}" + (f"-H{self.h}" if self.h else "") + f"-{self.dtype}"
+
+
+SHAPE_SETS = {
+    "smoke": [Shape(n=256, v=1000, h=64)],
+    "cpu": [Shape(n=n, v=32000, h=512) for n in (2048, 4096, 8192)],
+    "gpu": [Shape(n=16384, v=151936, h=0, dtype="bf16", batch=16),
+            Shape(n=8192, v=128256, h=4096, dtype="bf16", batch=8)],
+}
+
+
+def floor_bytes(op: str, mode: str, shape: Shape) -> int:
+    """Minimum bytes a logits op must move (read logits; write dlogits)."""
+    size = DTYPES[shape.dtype].itemsize
+    return shape.n * shape.v * size * (2 if mode == "fwd+bwd" else 1)
+
+
+def floor_flops(op: str, mode: str, shape: Shape) -> int:
+    return (6 if mode == "fwd+bwd" else 2) * shape.n * shape.h * shape.v
+
+
+def make_inputs(op: str, shape: Shape, device: str, seed: int = 0) -> dict:
+    """Random inputs (peaked logits, a realistic-looking distribution) of the given shape."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = DTYPES[shape.dtype]
+    b, t = shape.batch, shape.t
+    inputs: dict = {}
+    if op == "linear_policy_loss":
+        inputs["hidden"] = (torch.randn(b, t, shape.h, generator=g) / shape.h ** 0.25).to(device, dtype)
+        inputs["weight"] = (torch.randn(shape.v, shape.h, generator=g) / shape.h ** 0.25).to(device, dtype)
+    else:
+        inputs["logits"] = (torch.randn(b, t, shape.v, generator=g) * 2).to(device, dtype)
+    inputs["targets"] = torch.randint(0, shape.v, (b, t), generator=g).to(device)
+    inputs["advantages"] = torch.randn(b, generator=g).to(device)
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
+    inputs["mask"] = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
+    inputs["old"] = (-torch.rand(b, t, generator=g) * 5).to(device)
+    inputs["ref"] = (inputs["old"].cpu() + 0.1 * torch.randn(b, t, generator=g)).to(device)
+    return inputs
+
+
+def input_bytes(inputs: dict) -> int:
+    return sum(x.numel() * x.element_size() for x in inputs.values() if isinstance(x, torch.Tensor))
+
+
+# ----------------------------------------------------------------------------------------------
+# implementations
+
+
+def _fused(backend: str, compiled: bool = False):
+    fns = {
+        "token_logprobs": lambda x: fused_rl.token_logprobs(x["logits"], x["targets"], backend=backend,
+                                                            check_inputs=False),
+        "policy_loss": lambda x: fused_rl.policy_loss(
+            x["logits"], x["targets"], x["advantages"], x["mask"], old_logprobs=x["old"], ref_logprobs=x["ref"],
+            config=CONFIG, backend=backend, check_inputs=False).loss,
+        "linear_policy_loss": lambda x: fused_rl.linear_policy_loss(
+            x["hidden"], x["weight"], x["targets"], x["advantages"], x["mask"], old_logprobs=x["old"],
+            ref_logprobs=x["ref"], config=CONFIG, backend=backend, check_inputs=False).loss,
+    }
+    if compiled:
+        fns = {k: torch.compile(v) for k, v in fns.items()}
+    return fns
+
+
+def _trl():
+    from trl.trainer.utils import selective_log_softmax
+
+    def loss(x):
+        logp = selective_log_softmax(x["logits"], x["targets"])
+        coef_1 = torch.exp(logp - x["old"])
+        coef_2 = torch.clamp(coef_1, 1 - CONFIG.clip_low, 1 + CONFIG.clip_high)
+        a = x["advantages"].unsqueeze(1)
+        per_token = -torch.min(coef_1 * a, coef_2 * a)
+        d = x["ref"] - logp
+        per_token = per_token + CONFIG.beta * (torch.exp(d) - d - 1)
+        m = x["mask"].float()
+        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+    return {"token_logprobs": lambda x: selective_log_softmax(x["logits"], x["targets"]), "policy_loss": loss}
+
+
+def _liger():
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    modules = {}
+
+    def linear(x):
+        key = x["hidden"].device.type
+        if key not in modules:
+            modules[key] = LigerFusedLinearGRPOLoss(beta=CONFIG.beta, compiled=key == "cuda", use_ref_model=True,
+                                                    epsilon_low=CONFIG.clip_low, epsilon_high=CONFIG.clip_high,
+                                                    loss_type="bnpo")
+        b, t, h = x["hidden"].shape
+        loss, _ = modules[key](x["hidden"], x["weight"], x["targets"], x["mask"].int(), x["advantages"],
+                               ref_per_token_logps=x["ref"], old_per_token_logps=x["old"])
+        return loss
+
+    return {"linear_policy_loss": linear}
+
+
+def _liger_triton():
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    def loss(x):
+        logits = x["logits"]
+        padded = torch.cat([logits, logits[:, -1:]], dim=1)  # it expects (B, L+1, V)
+        out, _ = triton_grpo_loss(padded, x["old"], x["ref"], x["targets"], x["advantages"], x["mask"].int(),
+                                  temperature=1.0, beta=CONFIG.beta, eps_low=CONFIG.clip_low,
+                                  eps_high=CONFIG.clip_high, inplace=False, loss_type="bnpo", reduce=True)
+        return out
+
+    return {"policy_loss": loss}
+
+
+def _cce():
+    from cut_cross_entropy import linear_cross_entropy
+
+    def linear(x):
+        nll = linear_cross_entropy(x["hidden"], x["weight"], x["targets"], reduction="none")
+        return -(x["advantages"].unsqueeze(1) * -nll * x["mask"]).sum() / x["mask"].sum()
+
+    return {"linear_policy_loss": linear}
+
+
+@dataclass
+class Impl:
+    name: str
+    build: Callable[[], dict]
+    ops: tuple = OPS
+    devices: tuple = ("cpu", "cuda")
+    requires: Optional[str] = None  # importable module needed
+    backend: Optional[str] = None  # fused_rl backend name, availability checked at run time
+    note: str = ""
+
+
+IMPLS = {
+    "reference": Impl("reference", lambda: _fused("reference")),
+    "reference-compiled": Impl("reference-compiled", lambda: _fused("reference", compiled=True)),
+    "torch": Impl("torch", lambda: _fused("torch"), backend="torch"),
+    "cpu": Impl("cpu", lambda: _fused("cpu"), devices=("cpu",), backend="cpu"),
+    "triton": Impl("triton", lambda: _fused("triton"), devices=("cuda",), backend="triton"),
+    "cuda": Impl("cuda", lambda: _fused("cuda"), devices=("cuda",), backend="cuda"),
+    "trl": Impl("trl", _trl, ops=("token_logprobs", "policy_loss"), requires="trl"),
+    "liger": Impl("liger", _liger, ops=("linear_policy_loss",), requires="liger_kernel"),
+    "liger-triton": Impl("liger-triton", _liger_triton, ops=("policy_loss",), devices=("cuda",),
+                         requires="liger_kernel"),
+    "cce": Impl("cce", _cce, ops=("linear_policy_loss",), devices=("cuda",), requires="cut_cross_entropy",
+                note="log-prob part only"),
+}
+
+
+def unavailable(impl: Impl, op: str, device: str) -> Optional[str]:
+    """Why ``impl`` cannot run ``op`` on ``device`` (``None`` if it can)."""
+    if device not in impl.devices:
+        return f"{impl.name} does not run on {device}"
+    if impl.requires and importlib.util.find_spec(impl.requires) is None:
+        return f"{impl.requires} is not installed"
+    if impl.backend is not None:
+        reason = fused_rl.available_backends(torch.device(device)).get(impl.backend)
+        if reason is not None:
+            return reason
+    if op not in impl.ops:
+        return f"{impl.name} has no {op}"
+    if impl.backend == "torch" and op == "linear_policy_loss":
+        try:
+            from fused_rl.backends import get_backend
+            be = get_backend("torch", torch.device(device))
+            if type(be).linear_policy_loss is fused_rl.backends.Backend.linear_policy_loss:
+                return "torch backend has no fused-linear implementation in this version"
+        except RuntimeError as exc:
+            return str(exc)
+    return None
+
+
+def make_callable(op: str, impl_name: str, mode: str, inputs: dict) -> Callable[[], None]:
+    """A zero-argument function running one iteration (gradients reset each call)."""
+    fn = IMPLS[impl_name].build()[op]
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                fn(inputs)
+        return run
+    leaves = [k for k in ("logits", "hidden", "weight") if k in inputs]
+
+    def run():
+        xs = dict(inputs)
+        for k in leaves:
+            xs[k] = inputs[k].detach().requires_grad_(True)
+        out = fn(xs)
+        (out if out.dim() == 0 else out.sum()).backward()
+
+    return run
+
+
+def describe(op: str, impl: str, mode: str, shape: Shape) -> dict:
+    return dict(op=op, impl=impl, mode=mode, **asdict(shape))

@@ -1,0 +1,530 @@
+"""Chunked torch implementation of the fused linear policy loss: the logits ``z = h W^T + b`` are
+produced one tile of tokens at a time and consumed at once, so no ``(N, V)`` tensor ever exists.
+
+Per tile of ``n`` tokens (``z / tau`` over the whole vocabulary, fp32; fp64 for fp64 inputs)::
+
+    m = max z,  s = sum exp(z - m),  lse = m + log s,  p = exp(z - m) / s
+    logp = z_target - lse,  H = lse - E_p[z] = log s - E_p[z - m]
+    dz   = (g_logp (onehot - p) + g_H p (E_p[z] - z)) / tau
+    grad_h = dz @ W,  grad_W += dz^T h (fp32 accumulator),  grad_b += sum_rows dz
+
+``g_logp`` and ``g_H`` (the derivatives of the loss w.r.t. the tile's per-token log-probs and
+entropies) come from autograd of ``sum(w * l)`` with ``l`` from the single definition of the loss
+math, :func:`fused_rl.loss_math.per_token_loss`, evaluated on the tile's ``O(n)`` leaf vectors. The
+loss is row-local (each sequence depends only on its own tokens, gspo included), so a tile that holds
+whole sequences (any tokens at all for the token-level variants) has its exact coefficients as soon
+as its logits are known: everything is done in the forward, in one pass, and the backward only
+multiplies the stored gradients by ``grad_output``. A gspo sequence longer than one tile takes two
+passes over its tiles (stats, then gradients), still never more than one tile of logits.
+
+Memory: one tile keeps two ``(n, V)`` buffers alive (shifted logits and ``p``, the gradient is
+written in place), so ``n = memory_budget_bytes // (2 * V * itemsize)`` (see :func:`chunk_tokens`),
+plus the ``(V, H)`` fp32 weight-gradient accumulator (only when ``weight`` requires grad) and, for
+bf16 / fp16 inputs, one fp32 copy of ``W``.
+
+Masked tokens (mask off or target ``IGNORE_INDEX``): on CPU their rows are never gathered (padding
+costs nothing); on other devices tiles are fixed slices of the flattened batch (no host sync) and
+masked rows get zero coefficients (their hidden rows are zeroed first, so NaN padding stays out).
+
+Both operations are ``torch.library`` custom ops with fake implementations and registered autograd,
+so ``torch.compile`` sees one opaque call per operation.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+from functools import lru_cache
+from typing import Iterator, Optional
+
+import torch
+
+from ..config import IGNORE_INDEX, PolicyLossConfig
+from ..loss_math import aggregation_weights, metrics, per_token_loss
+from ..outputs import PolicyLossOutput
+from ..validation import PolicyInputs
+
+#: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
+MEMORY_BUDGET_BYTES: Optional[int] = None
+#: Default budget: 64 MiB, i.e. 256 tokens per tile at V = 32000 in fp32.
+DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20
+#: Force the tile size in tokens (``None``: derive it from the budget).
+CHUNK_TOKENS: Optional[int] = None
+#: Gather only the valid token rows (``None``: on CPU only, where it needs no device sync).
+GATHER_VALID: Optional[bool] = None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype,
+                 memory_budget_bytes: Optional[int] = None) -> int:
+    """Tokens per tile: ``CHUNK_TOKENS`` if set, else ``budget // (2 * vocab * itemsize)`` with the
+    budget ``memory_budget_bytes`` / ``MEMORY_BUDGET_BYTES`` / 64 MiB, clamped to ``[1, num_tokens]``."""
+    if CHUNK_TOKENS is not None:
+        n = int(CHUNK_TOKENS)
+    else:
+        budget = memory_budget_bytes or MEMORY_BUDGET_BYTES or DEFAULT_MEMORY_BUDGET_BYTES
+        n = int(budget) // (2 * vocab * torch.empty((), dtype=_compute_dtype(dtype)).element_size())
+    return max(1, min(n, max(num_tokens, 1)))
+
+
+def _gather_valid(device: torch.device) -> bool:
+    return GATHER_VALID if GATHER_VALID is not None else device.type == "cpu"
+
+
+# --------------------------------------------------------------------------------------------- tiles
+class _Tile:
+    """The tokens ``idx`` (flat positions in ``B * T``) of one tile, and the rows ``[r0, r1)`` that
+    hold them (``sel``: their positions inside that ``(r1 - r0, T)`` block)."""
+
+    __slots__ = ("idx", "r0", "r1", "sel", "contiguous")
+
+    def __init__(self, idx, r0, r1, sel, contiguous):
+        self.idx, self.r0, self.r1, self.sel, self.contiguous = idx, r0, r1, sel, contiguous
+
+
+def _span_tile(start: int, stop: int, length: int, device) -> _Tile:
+    r0, r1 = start // length, (stop - 1) // length + 1
+    idx = torch.arange(start, stop, device=device)
+    return _Tile(idx, r0, r1, idx - r0 * length, (start, stop))
+
+
+def _index_tile(idx: torch.Tensor, length: int, r0: int, r1: int) -> _Tile:
+    return _Tile(idx, r0, r1, idx - r0 * length, None)
+
+
+def _groups(valid: torch.Tensor, n_tile: int, rowwise: bool) -> Iterator[list[_Tile]]:
+    """Groups of tiles whose loss coefficients are computed together: each group is whole sequences
+    when ``rowwise`` (gspo), any tokens otherwise. A group of one tile is done in one pass."""
+    batch, length = valid.shape
+    device = valid.device
+    if _gather_valid(device):
+        flat = valid.reshape(-1).nonzero().squeeze(-1)
+        if not rowwise:
+            rows = torch.div(flat, length, rounding_mode="floor")
+            bounds = rows.tolist()
+            for s in range(0, flat.numel(), n_tile):
+                e = min(s + n_tile, flat.numel())
+                yield [_index_tile(flat[s:e], length, bounds[s], bounds[e - 1] + 1)]
+            return
+        counts = valid.sum(dim=1).tolist()
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        b = 0
+        while b < batch:
+            if counts[b] == 0:
+                b += 1
+                continue
+            if counts[b] > n_tile:  # one long sequence: several tiles, two passes
+                idx = flat[offsets[b]:offsets[b + 1]]
+                yield [_index_tile(idx[s:s + n_tile], length, b, b + 1) for s in range(0, idx.numel(), n_tile)]
+                b += 1
+                continue
+            e, total = b, 0
+            while e < batch and total + counts[e] <= n_tile:
+                total += counts[e]
+                e += 1
+            yield [_index_tile(flat[offsets[b]:offsets[e]], length, b, e)]
+            b = e
+        return
+    total = batch * length
+    if not rowwise:
+        for s in range(0, total, n_tile):
+            yield [_span_tile(s, min(s + n_tile, total), length, device)]
+        return
+    if length > n_tile:
+        for b in range(batch):
+            yield [_span_tile(s, min(s + n_tile, (b + 1) * length), length, device)
+                   for s in range(b * length, (b + 1) * length, n_tile)]
+        return
+    rows = n_tile // length
+    for b in range(0, batch, rows):
+        e = min(b + rows, batch)
+        yield [_span_tile(b * length, e * length, length, device)]
+
+
+def _tile_inputs(tile: _Tile, hidden_flat, targets_flat, valid_flat, cdtype):
+    if tile.contiguous is not None:
+        s, e = tile.contiguous
+        ok = valid_flat[s:e]
+        h = torch.where(ok.unsqueeze(-1), hidden_flat[s:e], torch.zeros((), dtype=hidden_flat.dtype,
+                                                                          device=hidden_flat.device))
+        t = torch.where(ok, targets_flat[s:e], torch.zeros_like(targets_flat[s:e]))
+    else:
+        ok = None
+        h = hidden_flat.index_select(0, tile.idx)
+        t = targets_flat.index_select(0, tile.idx)
+    return h.to(cdtype), t.long(), ok
+
+
+class _Workspace:
+    """The two ``(n_tile, V)`` buffers every tile reuses (allocated once per call: no allocator churn,
+    no fresh pages to fault in per tile, and a peak that does not depend on the allocator)."""
+
+    def __init__(self, n_tile: int, vocab: int, dtype, device):
+        self.shape, self.dtype, self.device = (n_tile, vocab), dtype, device
+        self.bufs = None
+
+    def get(self, n: int):
+        if self.bufs is None:
+            self.bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(2)]
+        return self.bufs[0][:n], self.bufs[1][:n]
+
+
+def _tile_stats(h, t, weight_c, bias_c, inv_tau: float, with_entropy: bool, ws: _Workspace):
+    """Shifted tempered logits ``zs = z - m`` and ``p`` (both ``(n, V)`` views of the workspace),
+    ``logp``, ``H`` and ``E_p[zs]`` of the tile (``(n,)``; the last two ``None`` without ``with_entropy``)."""
+    zs, p = ws.get(h.shape[0])
+    if bias_c is None:
+        torch.mm(h, weight_c.t(), out=zs)
+    else:
+        torch.addmm(bias_c, h, weight_c.t(), out=zs)
+    if inv_tau != 1.0:
+        zs.mul_(inv_tau)
+    m = zs.amax(dim=-1, keepdim=True)
+    zs.sub_(m)
+    torch.exp(zs, out=p)
+    s = p.sum(dim=-1, keepdim=True)
+    p.div_(s)
+    log_s = torch.log(s).squeeze(-1)
+    logp = zs.gather(-1, t.unsqueeze(-1)).squeeze(-1) - log_s
+    if not with_entropy:
+        return zs, p, logp, None, None
+    ez = torch.bmm(p.unsqueeze(1), zs.unsqueeze(2)).reshape(-1)
+    return zs, p, logp, log_s - ez, ez
+
+
+def _tile_dlogits(zs, p, ez, t, g_logp, g_ent, inv_tau: float) -> torch.Tensor:
+    """``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, written over ``zs``."""
+    gl = (g_logp * inv_tau).unsqueeze(-1)
+    if g_ent is None:
+        torch.mul(p, gl.neg(), out=zs)
+    else:
+        ge = (g_ent * inv_tau).unsqueeze(-1)
+        zs.sub_(ez.unsqueeze(-1)).mul_(ge.neg()).sub_(gl).mul_(p)
+    zs.scatter_add_(-1, t.unsqueeze(-1), gl)
+    return zs
+
+
+class _Grads:
+    """Gradient buffers of the linear layer; the weight / bias accumulators exist only when wanted."""
+
+    def __init__(self, hidden, weight, need_h, need_w, need_b, cdtype):
+        n_tok = hidden.shape[0] * hidden.shape[1]
+        self.h = torch.zeros(n_tok, hidden.shape[2], dtype=hidden.dtype, device=hidden.device) if need_h else None
+        self.w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
+        self.b = torch.zeros(weight.shape[0], dtype=cdtype, device=weight.device) if need_b else None
+
+    def add(self, tile: _Tile, dz, h, weight_c, ok):
+        if self.h is not None:
+            gh = torch.mm(dz, weight_c)
+            if tile.contiguous is not None:
+                s, e = tile.contiguous
+                self.h[s:e] = torch.where(ok.unsqueeze(-1), gh, torch.zeros((), dtype=gh.dtype, device=gh.device))
+            else:
+                self.h.index_copy_(0, tile.idx, gh.to(self.h.dtype))
+        if self.w is not None:
+            self.w.addmm_(dz.t(), h)
+        if self.b is not None:
+            self.b.add_(dz.sum(dim=0))
+
+    def results(self, hidden, weight):
+        return (hidden.new_empty(0) if self.h is None else self.h.view(hidden.shape),
+                weight.new_empty(0) if self.w is None else self.w.to(weight.dtype),
+                weight.new_empty(0) if self.b is None else self.b.to(weight.dtype))
+
+
+def _prepare(hidden, weight, bias):
+    cdtype = _compute_dtype(hidden.dtype)
+    weight_c = weight.to(cdtype).contiguous()
+    bias_c = None if bias is None else bias.to(cdtype)
+    return cdtype, hidden.reshape(-1, hidden.shape[-1]), weight_c, bias_c
+
+
+# ------------------------------------------------------------------------------- fused policy loss
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
+
+
+@lru_cache(maxsize=64)
+def _config_from_literal(text: str) -> PolicyLossConfig:
+    return PolicyLossConfig(**dict(zip(_CONFIG_FIELDS, ast.literal_eval(text))))
+
+
+def config_literal(config: PolicyLossConfig) -> str:
+    """The config as the literal of its field tuple (a string argument of the custom op, traceable
+    by dynamo, unlike ``json.dumps``)."""
+    return repr(tuple(getattr(config, name) for name in _CONFIG_FIELDS))
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Record autograd inside a custom op's implementation: the dispatcher calls it with the autograd
+    keys excluded (and grad mode off); re-enable both for the ``O(chunk)`` loss-math graph only."""
+    DK = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (DK.AutogradFunctionality, DK.AutogradOther, DK.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
+
+
+def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, valid, weights, old, ref,
+                  length: int, need_grad: bool):
+    """Loss of the group and ``(g_logp, g_H)`` per tile, by autograd of ``sum(w * l)`` on the rows
+    ``[r0, r1)`` that hold the group (tokens outside the group are masked there)."""
+    r0, r1 = tile_groups[0].r0, tile_groups[-1].r1
+    block = (r1 - r0, length)
+    cd = logp_parts[0].dtype
+    sel = torch.cat([tl.sel for tl in tile_groups]) if len(tile_groups) > 1 else tile_groups[0].sel
+    lp_vals = torch.cat(logp_parts) if len(logp_parts) > 1 else logp_parts[0]
+    with _autograd_inside_op():
+        lp_vals = lp_vals.detach().requires_grad_(need_grad)
+        logp_b = torch.zeros(block[0] * block[1], dtype=cd, device=lp_vals.device).index_put((sel,), lp_vals)
+        leaves = [lp_vals]
+        ent_b = None
+        if ent_parts is not None:
+            ent_vals = (torch.cat(ent_parts) if len(ent_parts) > 1 else ent_parts[0]).detach()
+            ent_vals.requires_grad_(need_grad and config.needs_entropy_grad)
+            if config.needs_entropy_grad:
+                leaves.append(ent_vals)
+            ent_b = torch.zeros(block[0] * block[1], dtype=cd, device=lp_vals.device).index_put((sel,), ent_vals)
+            ent_b = ent_b.view(block)
+        in_group = torch.zeros(block[0] * block[1], dtype=torch.bool, device=lp_vals.device)
+        in_group[sel] = True
+        mask_b = in_group.view(block) & valid[r0:r1]
+        loss_t, _, _ = per_token_loss(
+            logp_b.view(block), adv[r0:r1], mask_b, config,
+            old_logprobs=None if old is None else old[r0:r1],
+            ref_logprobs=None if ref is None else ref[r0:r1], entropy=ent_b)
+        loss = (loss_t * weights[r0:r1]).sum()
+        if not need_grad:
+            return loss.detach(), [(None, None)] * len(tile_groups)
+        grads = torch.autograd.grad(loss, leaves)
+    g_logp = grads[0]
+    g_ent = grads[1] if len(grads) > 1 else None
+    out, s = [], 0
+    for tl in tile_groups:
+        n = tl.sel.numel()
+        out.append((g_logp[s:s + n], None if g_ent is None else g_ent[s:s + n]))
+        s += n
+    return loss.detach(), out
+
+
+@torch.library.custom_op("fused_rl::torch_linear_policy_loss", mutates_args=())
+def linear_policy_loss_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
+    ref: Optional[torch.Tensor], config_literal: str, with_entropy: bool, need_h: bool, need_w: bool,
+    need_b: bool, n_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias)``; each
+    gradient is empty unless its ``need_*`` flag is set. ``weights`` are the aggregation weights."""
+    config = _config_from_literal(config_literal)
+    batch, length, _ = hidden.shape
+    cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
+    inv_tau = 1.0 / config.temperature
+    want_ent = with_entropy or config.needs_entropy_grad
+    need_grad = need_h or need_w or need_b
+    targets_flat = targets.reshape(-1)
+    valid_flat = valid.reshape(-1)
+    logp = torch.zeros(batch * length, dtype=cdtype, device=hidden.device)
+    entropy = torch.zeros(batch * length if want_ent else 0, dtype=cdtype, device=hidden.device)
+    grads = _Grads(hidden, weight, need_h, need_w, need_b, cdtype)
+    ws = _Workspace(min(n_tile, batch * length), weight.shape[0], cdtype, hidden.device)
+    loss = torch.zeros((), dtype=cdtype, device=hidden.device)
+    for group in _groups(valid, n_tile, config.is_sequence_level):
+        one_pass = len(group) == 1
+        kept, lp_parts, ent_parts = [], [], []
+        for tile in group:
+            h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
+            zs, p, lp, ent, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, want_ent, ws)
+            if ok is not None:
+                zero = torch.zeros_like(lp)
+                lp = torch.where(ok, lp, zero)
+                ent = None if ent is None else torch.where(ok, ent, zero)
+            lp_parts.append(lp)
+            ent_parts.append(ent)
+            kept.append((h, t, ok, zs, p, ez) if one_pass else None)
+            del zs, p
+        g_loss, coeffs = _coefficients(group, lp_parts, ent_parts if want_ent else None, config, advantages,
+                                       valid, weights, old, ref, length, need_grad)
+        loss = loss + g_loss
+        for tile, lp, ent in zip(group, lp_parts, ent_parts):
+            logp[tile.idx] = lp
+            if want_ent:
+                entropy[tile.idx] = ent
+        if not need_grad:
+            continue
+        for tile, state, (g_lp, g_ent) in zip(group, kept, coeffs):
+            if state is None:  # second pass of a long sequence: recompute the tile
+                h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
+                zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, config.needs_entropy_grad, ws)
+            else:
+                h, t, ok, zs, p, ez = state
+            grads.add(tile, _tile_dlogits(zs, p, ez, t, g_lp, g_ent, inv_tau), h, weight_c, ok)
+        del kept, state
+    gh, gw, gb = grads.results(hidden, weight)
+    return (loss, logp.view(batch, length), entropy.view(batch, length) if want_ent else entropy, gh, gw, gb)
+
+
+@linear_policy_loss_op.register_fake
+def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_literal, with_entropy, need_h,
+      need_w, need_b, n_tile):
+    config = _config_from_literal(config_literal)
+    batch, length, _ = hidden.shape
+    cdtype = _compute_dtype(hidden.dtype)
+    want_ent = with_entropy or config.needs_entropy_grad
+    return (hidden.new_empty((), dtype=cdtype), hidden.new_empty((batch, length), dtype=cdtype),
+            hidden.new_empty((batch, length) if want_ent else (0,), dtype=cdtype),
+            hidden.new_empty(hidden.shape if need_h else (0,)),
+            weight.new_empty(weight.shape if need_w else (0,)),
+            weight.new_empty((weight.shape[0],) if need_b else (0,)))
+
+
+def _loss_setup_context(ctx, inputs, output):
+    _, _, _, gh, gw, gb = output
+    need_h, need_w, need_b = inputs[11], inputs[12], inputs[13]
+    ctx.flags = (need_h, need_w, need_b)
+    ctx.save_for_backward(gh, gw, gb)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _loss_backward(ctx, g_loss, *_):
+    gh, gw, gb = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.flags
+    return (gh * g_loss.to(gh.dtype) if need_h else None, gw * g_loss.to(gw.dtype) if need_w else None,
+            gb * g_loss.to(gb.dtype) if need_b else None) + (None,) * 12
+
+
+linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+
+
+def _needs_grad(x: Optional[torch.Tensor]) -> bool:
+    return x is not None and x.requires_grad and torch.is_grad_enabled()
+
+
+def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       inputs: PolicyInputs, config: PolicyLossConfig, compute_entropy: bool,
+                       memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
+    """The backend method: aggregation weights and metrics on ``(B, T)`` vectors around one op call."""
+    batch, length, _ = hidden.shape
+    cdtype = _compute_dtype(hidden.dtype)
+    weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer).to(cdtype)
+    want_ent = compute_entropy or config.needs_entropy_grad
+    n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes)
+    loss, logp, entropy, _, _, _ = linear_policy_loss_op(
+        hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
+        config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
+        _needs_grad(bias), n_tile)
+    entropy = entropy if want_ent else None
+    _, ratio, kl = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
+                                  ref_logprobs=inputs.ref, entropy=entropy)
+    return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy,
+                            metrics=metrics(ratio, inputs.advantages, inputs.mask, config, kl, entropy))
+
+
+# --------------------------------------------------------------------------- linear token logprobs
+def _token_groups(valid: torch.Tensor, n_tile: int) -> Iterator[_Tile]:
+    for group in _groups(valid, n_tile, rowwise=False):
+        yield group[0]
+
+
+@torch.library.custom_op("fused_rl::torch_linear_token_stats", mutates_args=())
+def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       targets: torch.Tensor, temperature: float, with_entropy: bool,
+                       n_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, entropy or empty)`` of shape ``targets.shape`` for ``softmax((h W^T + b) / tau)``;
+    ``IGNORE_INDEX`` targets give 0."""
+    batch, length, _ = hidden.shape
+    cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
+    valid = targets != IGNORE_INDEX
+    targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
+    logp = torch.zeros(batch * length, dtype=cdtype, device=hidden.device)
+    entropy = torch.zeros(batch * length if with_entropy else 0, dtype=cdtype, device=hidden.device)
+    ws = _Workspace(min(n_tile, batch * length), weight.shape[0], cdtype, hidden.device)
+    for tile in _token_groups(valid, n_tile):
+        h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
+        zs, p, lp, ent, _ = _tile_stats(h, t, weight_c, bias_c, 1.0 / temperature, with_entropy, ws)
+        del zs, p
+        if ok is not None:
+            lp = torch.where(ok, lp, torch.zeros_like(lp))
+            ent = None if ent is None else torch.where(ok, ent, torch.zeros_like(ent))
+        logp[tile.idx] = lp
+        if with_entropy:
+            entropy[tile.idx] = ent
+    return logp.view(batch, length), entropy.view(batch, length) if with_entropy else entropy
+
+
+@linear_token_stats.register_fake
+def _(hidden, weight, bias, targets, temperature, with_entropy, n_tile):
+    cdtype = _compute_dtype(hidden.dtype)
+    return (hidden.new_empty(targets.shape, dtype=cdtype),
+            hidden.new_empty(targets.shape if with_entropy else (0,), dtype=cdtype))
+
+
+@torch.library.custom_op("fused_rl::torch_linear_token_grad", mutates_args=())
+def linear_token_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      targets: torch.Tensor, g_logp: torch.Tensor, g_entropy: Optional[torch.Tensor],
+                      temperature: float, need_h: bool, need_w: bool, need_b: bool,
+                      n_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recompute each tile and apply ``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``; returns
+    ``(grad_hidden, grad_weight, grad_bias)``, empty where not needed."""
+    cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
+    inv_tau = 1.0 / temperature
+    valid = targets != IGNORE_INDEX
+    targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
+    gl_flat = g_logp.reshape(-1).to(cdtype)
+    ge_flat = None if g_entropy is None else g_entropy.reshape(-1).to(cdtype)
+    grads = _Grads(hidden, weight, need_h, need_w, need_b, cdtype)
+    ws = _Workspace(min(n_tile, targets.numel()), weight.shape[0], cdtype, hidden.device)
+    for tile in _token_groups(valid, n_tile):
+        h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
+        zs, p, _, _, ez = _tile_stats(h, t, weight_c, bias_c, inv_tau, ge_flat is not None, ws)
+        gl = gl_flat[tile.idx]
+        ge = None if ge_flat is None else ge_flat[tile.idx]
+        if ok is not None:
+            gl = torch.where(ok, gl, torch.zeros_like(gl))
+            ge = None if ge is None else torch.where(ok, ge, torch.zeros_like(ge))
+        grads.add(tile, _tile_dlogits(zs, p, ez, t, gl, ge, inv_tau), h, weight_c, ok)
+    return grads.results(hidden, weight)
+
+
+@linear_token_grad.register_fake
+def _(hidden, weight, bias, targets, g_logp, g_entropy, temperature, need_h, need_w, need_b, n_tile):
+    return (hidden.new_empty(hidden.shape if need_h else (0,)), weight.new_empty(weight.shape if need_w else (0,)),
+            weight.new_empty((weight.shape[0],) if need_b else (0,)))
+
+
+def _stats_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, temperature, with_entropy, n_tile = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets)
+    ctx.args = (temperature, with_entropy, n_tile)
+    ctx.has_bias = bias is not None
+
+
+def _stats_backward(ctx, g_logp, g_entropy):
+    hidden, weight, bias, targets = ctx.saved_tensors
+    temperature, with_entropy, n_tile = ctx.args
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_b = ctx.has_bias and ctx.needs_input_grad[2]
+    if g_logp is None:
+        g_logp = torch.zeros(targets.shape, dtype=_compute_dtype(hidden.dtype), device=hidden.device)
+    gh, gw, gb = linear_token_grad(hidden, weight, bias, targets, g_logp, g_entropy if with_entropy else None,
+                                   temperature, need_h, need_w, need_b, n_tile)
+    return (gh if need_h else None, gw if need_w else None, gb if need_b else None, None, None, None, None)
+
+
+linear_token_stats.register_autograd(_stats_backward, setup_context=_stats_setup_context)
+
+
+def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool,
+                          memory_budget_bytes: Optional[int] = None):
+    n_tile = chunk_tokens(targets.numel(), weight.shape[0], hidden.dtype, memory_budget_bytes)
+    logp, entropy = linear_token_stats(hidden, weight, bias, targets, float(temperature), bool(return_entropy),
+                                       n_tile)
+    return logp, (entropy if return_entropy else None)

@@ -1,0 +1,139 @@
+"""Advantage estimators against the seed lecture's worked numbers and exact expectations."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from fused_rl import advantages
+
+
+def test_grpo_seed_examples():
+    a = advantages.grpo(torch.tensor([1.0, 0, 0, 0]), 4)
+    s3 = math.sqrt(3.0)
+    torch.testing.assert_close(a, torch.tensor([s3, -1 / s3, -1 / s3, -1 / s3]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(advantages.grpo(torch.tensor([1.0, 1, 0, 0]), 4), torch.tensor([1.0, 1, -1, -1]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 0.37])
+def test_grpo_equal_rewards_give_zero_not_huge(value):
+    a = advantages.grpo(torch.full((8,), value), 4)
+    assert torch.equal(a, torch.zeros(8))
+
+
+def test_grpo_groups_are_independent_and_population_std():
+    r = torch.tensor([1.0, 0, 0, 0, 3.0, 1.0, 2.0, 2.0])
+    a = advantages.grpo(r, 4, eps=0.0)
+    g2 = r[4:]
+    expected2 = (g2 - g2.mean()) / g2.std(unbiased=False)
+    torch.testing.assert_close(a[4:], expected2)
+    torch.testing.assert_close(advantages.grpo(r, 4, scale=False)[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_rloo_leave_one_out():
+    r = torch.tensor([1.0, 0, 0, 0])
+    # R_i - mean of the other three
+    torch.testing.assert_close(advantages.rloo(r, 4), torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+    # equals G/(G-1) times the centred reward
+    r = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(advantages.rloo(r, 3), 1.5 * advantages.grpo(r, 3, scale=False))
+
+
+def test_kimi_length_table():
+    lengths = torch.tensor([100.0, 300.0, 500.0])
+    torch.testing.assert_close(advantages.kimi_length_reward(lengths, torch.tensor([True, True, True]), 3),
+                               torch.tensor([0.5, 0.0, -0.5]))
+    torch.testing.assert_close(advantages.kimi_length_reward(lengths, torch.tensor([0, 0, 0]), 3),
+                               torch.tensor([0.0, 0.0, -0.5]))
+    # zero crossing at the midrange, not the mean: lengths 100, 150, 500 -> midrange 300
+    out = advantages.kimi_length_reward(torch.tensor([100.0, 150.0, 500.0]), torch.tensor([1, 1, 1]), 3)
+    torch.testing.assert_close(out, torch.tensor([0.5, 0.375, -0.5]))
+    # equal-length group: zero by definition
+    assert torch.equal(advantages.kimi_length_reward(torch.full((4,), 7.0), torch.tensor([1, 0, 1, 0]), 4),
+                       torch.zeros(4))
+
+
+def _categorical_problem():
+    logits = torch.tensor([0.3, -0.5, 0.9], dtype=torch.float64)
+    reward = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    pi = torch.softmax(logits, 0)
+    eye = torch.eye(3, dtype=torch.float64)
+    score = eye - pi  # score[a] = d log pi(a) / d logits
+    true_grad = (pi.unsqueeze(1) * reward.unsqueeze(1) * score).sum(0)
+    return pi, reward, score, true_grad
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_mean_baseline_bias_exact_enumeration(group_size):
+    """E[(1/G) sum_i (R_i - mean R) g_i] = (1 - 1/G) grad J, and RLOO is unbiased: exact over all K^G groups."""
+    pi, reward, score, true_grad = _categorical_problem()
+    outcomes = torch.tensor(list(itertools.product(range(3), repeat=group_size)))  # (K^G, G)
+    prob = pi[outcomes].prod(dim=1)
+    rewards = reward[outcomes].reshape(-1)
+    g = score[outcomes]  # (K^G, G, K)
+    for estimator, factor in ((advantages.grpo(rewards, group_size, scale=False), 1 - 1 / group_size),
+                              (advantages.rloo(rewards, group_size), 1.0)):
+        per_group = (estimator.reshape(-1, group_size, 1) * g).mean(dim=1)
+        expectation = (prob.unsqueeze(1) * per_group).sum(0)
+        torch.testing.assert_close(expectation, factor * true_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_mean_baseline_bias_monte_carlo():
+    """The same statement sampled: 200k groups of G=4, within 5 standard errors."""
+    pi, reward, score, true_grad = _categorical_problem()
+    gen = torch.Generator().manual_seed(1234)
+    groups, G = 200_000, 4
+    actions = torch.multinomial(pi, groups * G, replacement=True, generator=gen).reshape(groups, G)
+    rewards = reward[actions].reshape(-1)
+    g = score[actions]
+    for estimator, factor in ((advantages.grpo(rewards, G, scale=False), 0.75), (advantages.rloo(rewards, G), 1.0)):
+        samples = (estimator.reshape(groups, G, 1) * g).mean(dim=1)
+        mean, sem = samples.mean(0), samples.std(0) / math.sqrt(groups)
+        assert ((mean - factor * true_grad).abs() < 5 * sem).all(), (mean, factor * true_grad, sem)
+    # and the biased estimator is detectably not unbiased
+    samples = (advantages.grpo(rewards, G, scale=False).reshape(groups, G, 1) * g).mean(dim=1)
+    assert ((samples.mean(0) - true_grad).abs() > 5 * samples.std(0) / math.sqrt(groups)).any()
+
+
+def test_gae_telescopes_for_gamma_lambda_one():
+    g = torch.Generator().manual_seed(0)
+    r, v = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1]]).bool()  # right and left pad
+    adv, ret = advantages.gae(r, v, mask)
+    for b in range(3):
+        idx = mask[b].nonzero().flatten().tolist()
+        for k, t in enumerate(idx):
+            expected = sum(r[b, u].item() for u in idx[k:]) - v[b, t].item()
+            assert adv[b, t].item() == pytest.approx(expected, abs=1e-5)
+            assert ret[b, t].item() == pytest.approx(expected + v[b, t].item(), abs=1e-5)
+    assert (adv[~mask] == 0).all()
+
+
+def test_gae_hand_computed():
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.6, 0.7]])
+    adv, _ = advantages.gae(r, v, torch.ones(1, 3, dtype=torch.bool), gamma=0.9, lam=0.8)
+    d2 = 1.0 - 0.7
+    d1 = 0.0 + 0.9 * 0.7 - 0.6
+    d0 = 0.0 + 0.9 * 0.6 - 0.5
+    a2 = d2
+    a1 = d1 + 0.72 * a2
+    a0 = d0 + 0.72 * a1
+    torch.testing.assert_close(adv, torch.tensor([[a0, a1, a2]]))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: advantages.grpo(torch.ones(5), 4), "multiple of group_size"),
+    (lambda: advantages.grpo(torch.ones(2, 4), 4), "1-D"),
+    (lambda: advantages.grpo(torch.tensor([1.0, float("nan")]), 2), "NaN"),
+    (lambda: advantages.grpo(torch.ones(4), 0), "group_size"),
+    (lambda: advantages.rloo(torch.ones(4), 1), "group_size >= 2"),
+    (lambda: advantages.kimi_length_reward(torch.ones(4), torch.tensor([0, 2, 1, 0]), 2), "0/1"),
+    (lambda: advantages.gae(torch.ones(2, 3), torch.ones(2, 2), torch.ones(2, 3)), "one shape"),
+    (lambda: advantages.gae(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3), gamma=1.5), "gamma"),
+])
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,135 @@
+"""Bad input is rejected with a ValueError naming the argument, on every backend, before any work."""
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl import PolicyLossConfig
+
+BACKENDS = ["reference", "torch"]
+
+
+def good(B=2, T=3, V=11):
+    g = torch.Generator().manual_seed(0)
+    return dict(logits=torch.randn(B, T, V, generator=g), targets=torch.randint(0, V, (B, T), generator=g),
+                advantages=torch.randn(B, generator=g), mask=torch.ones(B, T, dtype=torch.bool))
+
+
+def call(backend, **changes):
+    args = good()
+    kw = {k: changes.pop(k) for k in list(changes) if k in ("old_logprobs", "ref_logprobs", "config",
+                                                            "token_normalizer")}
+    args.update(changes)
+    return fused_rl.policy_loss(args["logits"], args["targets"], args["advantages"], args["mask"],
+                                backend=backend, **kw)
+
+
+CASES = [
+    (dict(logits=torch.randn(2, 3, 11).long()), "logits must be float"),
+    (dict(logits=torch.randn(6, 11)), r"logits must have shape \(B, T, V\)"),
+    (dict(logits=torch.randn(0, 3, 11)), "logits is empty"),
+    (dict(logits=torch.randn(2, 3, 11, 2)[..., 0]), "stride"),
+    (dict(targets=torch.zeros(2, 3)), "targets must be an int32 or int64"),
+    (dict(targets=torch.zeros(2, 4, dtype=torch.long)), "targets must have shape"),
+    (dict(targets=torch.full((2, 3), 11)), r"targets must be in \[0, 11\)"),
+    (dict(targets=torch.full((2, 3), -1)), r"targets must be in \[0, 11\)"),
+    (dict(advantages=torch.ones(3)), "advantages must have shape"),
+    (dict(advantages=torch.ones(2, dtype=torch.long)), "advantages must be a floating"),
+    (dict(advantages=torch.tensor([1.0, float("nan")])), "advantages contain NaN"),
+    (dict(mask=torch.ones(2, 4)), "mask must have shape"),
+    (dict(mask=torch.full((2, 3), 2.0)), "mask must contain only 0 and 1"),
+    (dict(mask=None), "mask is required"),
+    (dict(old_logprobs=torch.full((2, 3), float("nan"))), "old_logprobs contain NaN"),
+    (dict(ref_logprobs=torch.ones(2, 2), config=PolicyLossConfig(kl="k3", beta=0.1)), "ref_logprobs must have shape"),
+    (dict(config=PolicyLossConfig(kl="k3", beta=0.1)), "needs ref_logprobs"),
+    (dict(token_normalizer=0), "token_normalizer must be a positive"),
+    (dict(token_normalizer=torch.tensor(-1.0)), "token_normalizer must be positive"),
+    (dict(token_normalizer=5, config=PolicyLossConfig(agg="seq-mean-token-mean")), "only applies to agg='token-mean'"),
+    (dict(config="grpo"), "config must be a PolicyLossConfig"),
+    (dict(targets=torch.zeros(2, 3, dtype=torch.long, device="meta")), "targets is on meta"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("changes, match", CASES, ids=[m for _, m in CASES])
+def test_policy_loss_rejects(backend, changes, match):
+    with pytest.raises(ValueError, match=match):
+        call(backend, **changes)
+
+
+def test_unknown_backend_and_explicit_unavailable_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        call("fast")
+    for name, reason in fused_rl.available_backends(torch.device("cpu")).items():
+        if reason is not None:
+            with pytest.raises(RuntimeError, match=name):
+                call(name)
+
+
+def test_out_of_range_targets_allowed_where_masked_and_ignore_index():
+    args = good()
+    args["targets"][0, 2] = 10_000
+    args["mask"][0, 2] = False
+    args["targets"][1, 0] = fused_rl.IGNORE_INDEX  # ignored target: treated as masked
+    for backend in BACKENDS:
+        logits = args["logits"].clone().requires_grad_(True)
+        out = fused_rl.policy_loss(logits, args["targets"], args["advantages"], args["mask"], backend=backend)
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        assert logits.grad[0, 2].abs().max() == 0 and logits.grad[1, 0].abs().max() == 0
+        assert out.logprobs[0, 2] == 0 and out.logprobs[1, 0] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_zero_mask_gives_zero_loss_and_grad(backend):
+    args = good()
+    logits = args["logits"].requires_grad_(True)
+    cfg = PolicyLossConfig(kl="k3", beta=0.1, entropy_coef=0.01)
+    out = fused_rl.policy_loss(logits, args["targets"], args["advantages"], torch.zeros(2, 3),
+                               ref_logprobs=torch.zeros(2, 3), config=cfg, backend=backend)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_logprobs_rejects(backend):
+    x = torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        fused_rl.token_logprobs(x, torch.zeros(2, dtype=torch.long), backend=backend)
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 5\)"):
+        fused_rl.token_logprobs(x, torch.full((2, 3), 5), backend=backend)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_rl.token_logprobs(x, torch.zeros(2, 3, dtype=torch.long), temperature=0.0, backend=backend)
+    with pytest.raises(ValueError, match="logits must be float"):
+        fused_rl.token_logprobs(x.to(torch.complex64), torch.zeros(2, 3, dtype=torch.long), backend=backend)
+
+
+def test_linear_policy_loss_rejects():
+    h, w = torch.randn(2, 3, 4), torch.randn(7, 4)
+    t, a, m = torch.zeros(2, 3, dtype=torch.long), torch.ones(2), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"weight must have shape \(V, H=4\)"):
+        fused_rl.reference.linear_policy_loss(h, torch.randn(7, 5), t, a, m)
+    with pytest.raises(ValueError, match="weight dtype"):
+        fused_rl.reference.linear_policy_loss(h, w.double(), t, a, m)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        fused_rl.reference.linear_policy_loss(h, w, t, a, m, bias=torch.zeros(6))
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 7\)"):
+        fused_rl.reference.linear_policy_loss(h, w, torch.full((2, 3), 7), a, m)
+    with pytest.raises(ValueError, match="hidden must have"):
+        fused_rl.reference.linear_policy_loss(h[0], w, t, a, m)
+
+
+def test_check_inputs_false_skips_value_checks_only():
+    args = good()
+    out = fused_rl.policy_loss(args["logits"], args["targets"], torch.tensor([float("nan"), 1.0]), args["mask"],
+                               check_inputs=False, backend="torch")
+    assert torch.isnan(out.loss)  # the caller opted out; structural checks still run:
+    with pytest.raises(ValueError, match="advantages must have shape"):
+        fused_rl.policy_loss(args["logits"], args["targets"], torch.ones(3), args["mask"], check_inputs=False)
+
+
+def test_reference_module_takes_no_backend():
+    args = good()
+    with pytest.raises(TypeError, match="no backend"):
+        fused_rl.reference.policy_loss(*args.values(), backend="torch")
