@@ -154,12 +154,13 @@ def test_training_logprobs_match_the_sampling_distribution(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- learning
 def test_default_task_learns(tmp_path):
-    """Reward of the (slightly smaller) default task rises from ~0.08 (random) to above 0.3 within 40
-    steps, seed 0."""
+    """A smaller, faster variant of the embedded default (copy 2 digits, 16 prompts x 8 samples, lr 3e-3)
+    goes from ~0.08 (random) to a mean reward above 0.3 over steps 46-50, seed 0, with RL alone."""
     from fused_rl.train.trainer import Trainer
 
-    cfg = load_config(None, [], run_dir=str(tmp_path / "learn"), steps=40, threads=1, progress=False, plot=False,
-                      eval_every=0, backend=BACKEND)
+    cfg = load_config(None, [], run_dir=str(tmp_path / "learn"), steps=50, warmup_steps=5, prompts_per_step=16,
+                      lr=3e-3, max_new_tokens=2, task_args={"min_digits": 2, "max_digits": 2}, threads=1,
+                      progress=False, plot=False, eval_every=0, backend=BACKEND)
     t = Trainer(cfg, quiet=True)
     rewards = [t.train_step()["reward"] for _ in range(cfg.steps)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

@@ -83,9 +83,11 @@ def test_ddp_step_equals_single_process(tmp_path):
         moved = max((ref["params"][k] - ref["before"][k]).abs().max().item() for k in ref["params"])
         assert moved > 1e-4, f"{algorithm}: the update did not change the parameters"
         for key, value in ref["params"].items():
-            torch.testing.assert_close(got["params"][key], value, atol=2e-6, rtol=1e-5,
+            torch.testing.assert_close(got["params"][key], value, atol=1e-5, rtol=1e-4,
                                        msg=lambda m: f"{algorithm} parameter {key}: {m}")
-        for key in ("reward", "accuracy", "length", "entropy", "clip_frac"):
+        # Adam's first step is nearly invariant to the gradient's scale: the (pre-clipping) gradient norm
+        # is what catches a wrong loss normalisation across processes.
+        for key in ("grad_norm", "reward", "accuracy", "length", "entropy", "clip_frac"):
             assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-6), (algorithm, key)
 
 

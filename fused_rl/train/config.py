@@ -46,7 +46,7 @@ class TrainConfig:
     dtype: str = "float32"
     threads: int = 0  # torch.set_num_threads; 0 = leave torch's default
     # task and rewards
-    task: str = "reverse"
+    task: str = "copy"
     task_args: dict = field(default_factory=dict)
     rewards: list = field(default_factory=list)  # [] = the task's default; names or "module:function"
     reward_weights: list = field(default_factory=list)

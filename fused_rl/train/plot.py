@@ -21,9 +21,10 @@ def plot_run(run_dir, out: Optional[str] = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
+    all_rows = read_metrics(run_dir)
+    rows = [r for r in all_rows if "reward" in r]  # training steps (step-0 line: evaluation only)
     if not rows:
-        raise ValueError(f"{run_dir}/metrics.jsonl is empty")
+        raise ValueError(f"{run_dir}/metrics.jsonl has no training steps")
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(8, 5.5), dpi=80)
     panels = (("reward", "reward (train, sampled)"), ("kl", "KL to reference"), ("entropy", "entropy / token"),
@@ -33,7 +34,7 @@ def plot_run(run_dir, out: Optional[str] = None) -> Path:
         if any(y is not None for y in ys):
             ax.plot(steps, [float("nan") if y is None else y for y in ys], lw=1.2, label="train")
         if key == "reward":
-            ev = [(r["step"], r["eval_reward"]) for r in rows if "eval_reward" in r]
+            ev = [(r["step"], r["eval_reward"]) for r in all_rows if "eval_reward" in r]
             if ev:
                 ax.plot(*zip(*ev), "o-", ms=3, lw=1, label="eval (greedy)")
             ax.legend(loc="lower right", fontsize=8)

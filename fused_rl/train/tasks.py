@@ -184,6 +184,15 @@ class ReverseTask(Task):
         return {"prompt": s + "=", "answer": s[::-1] if self.mode == "reverse" else s}
 
 
+class CopyTask(ReverseTask):
+    """Repeat a string of digits: ``"407="`` -> ``"407"`` (the embedded default's task)."""
+
+    name = "copy"
+
+    def __init__(self, min_digits: int = 3, max_digits: int = 3, digits: str = "0123456789"):
+        super().__init__(min_digits, max_digits, digits, mode="copy")
+
+
 class AddTask(Task):
     """Add two numbers of ``1..max_digits`` digits: ``"12+7="`` -> ``"19"`` (reward ``partial_match``
     on the digits; use ``rewards: [numeric]`` for all-or-nothing)."""
@@ -249,7 +258,7 @@ class JsonlTask(Task):
         return [dict(r) for r in self.heldout_rows[:n]]
 
 
-TASKS = {"reverse": ReverseTask, "add": AddTask, "arithmetic": ArithmeticTask, "jsonl": JsonlTask}
+TASKS = {"copy": CopyTask, "reverse": ReverseTask, "add": AddTask, "arithmetic": ArithmeticTask, "jsonl": JsonlTask}
 
 
 def make_task(name: str, args: dict) -> Task:

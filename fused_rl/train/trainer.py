@@ -226,7 +226,7 @@ class Trainer:
                         loss.backward()
                     tokens = batch.mask[idx].sum().float()
                     for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean")):
-                        if name in out.metrics:
+                        if name in out.metrics and (key != "kl" or ref is not None):
                             sums[key] = sums.get(key, 0.0) + out.metrics[name].detach().float() * tokens
                     sums["loss"] = sums.get("loss", 0.0) + out.loss.detach().float() * share
                     sums["tokens"] = sums.get("tokens", 0.0) + tokens
@@ -316,6 +316,11 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="fused-rl train", dynamic_ncols=True)
         start = time.perf_counter()
+        if cfg.eval_every and self.step == 0 and self.rank == 0:  # the starting point of the curve
+            ev = self.evaluate()
+            ev.pop("samples")
+            with open(self._metrics_file(), "a") as f:
+                f.write(json.dumps({"step": 0, **ev}) + "\n")
         done = 0
         while self.step < cfg.steps and (stop_after is None or done < stop_after):
             done += 1
