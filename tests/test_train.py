@@ -227,10 +227,13 @@ def test_cli_train_plot_eval_info(tmp_path, capsys):
             "--group_size", "4", "--threads", "1", "--eval_every", "3", "--eval_prompts", "8", "--backend", BACKEND,
             "--model_config.hidden_size", "32", "--model_config.num_attention_heads", "2"]
     assert main(args) == 0
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 and "eval_reward" in rows[-1]
-    for key in ("reward", "kl", "clip_frac", "entropy", "length", "tokens_per_s"):
-        assert key in rows[0] or key == "kl"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and "eval_reward" in lines[0]  # the starting point of the eval curve
+    rows = lines[1:]
+    assert [r["step"] for r in rows] == [1, 2, 3] and "eval_reward" in rows[-1]
+    for key in ("reward", "clip_frac", "entropy", "length", "tokens_per_s", "lr", "grad_norm"):
+        assert key in rows[0]
+    assert "kl" not in rows[0]  # no reference model with beta = 0
     assert (run / "reward_curve.png").stat().st_size > 1000
     (run / "reward_curve.png").unlink()
     assert main(["plot", str(run)]) == 0 and (run / "reward_curve.png").is_file()

@@ -358,7 +358,9 @@ def format_postfix(m: dict) -> str:
     parts = [f"reward={m['reward']:.3f}", f"acc={m['accuracy']:.2f}"]
     if "eval_reward" in m:
         parts.append(f"eval={m['eval_reward']:.3f}")
-    parts += [f"kl={m.get('kl', 0.0):.4f}", f"clip={m.get('clip_frac', 0.0):.3f}",
+    if "kl" in m:
+        parts.append(f"kl={m['kl']:.4f}")
+    parts += [f"clip={m.get('clip_frac', 0.0):.3f}",
               f"ent={m.get('entropy', 0.0):.3f}", f"len={m['length']:.1f}", f"tok/s={m['tokens_per_s']:.0f}"]
     return " ".join(parts)
 
