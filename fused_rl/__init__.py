@@ -2,10 +2,11 @@
 
 Public API: :class:`PolicyLossConfig`, :func:`token_logprobs`, :func:`policy_loss`,
 :func:`linear_policy_loss`, :func:`linear_token_logprobs`, the :mod:`fused_rl.reference` twins, and
-:mod:`fused_rl.advantages`.
+:mod:`fused_rl.advantages`; drop-in loss modules in :mod:`fused_rl.nn`; trainer integrations in
+:mod:`fused_rl.integrations` (imported on demand).
 """
 
-from . import advantages, reference
+from . import advantages, nn, reference
 from .backends import available_backends
 from .config import IGNORE_INDEX, PRESETS, PolicyLossConfig
 from .ops import linear_policy_loss, linear_token_logprobs, policy_loss, token_logprobs
@@ -24,5 +25,6 @@ __all__ = [
     "linear_token_logprobs",
     "reference",
     "advantages",
+    "nn",
     "available_backends",
 ]

@@ -1,0 +1,13 @@
+"""Adapters for existing RL trainers.
+
+* :mod:`fused_rl.integrations.trl`: ``FusedGRPOTrainer`` (a TRL ``GRPOTrainer`` whose loss runs through
+  :func:`fused_rl.linear_policy_loss`) and ``patch_grpo_trainer`` (the same on an existing trainer);
+* :mod:`fused_rl.integrations.verl`: verl's functional ``compute_policy_loss(old_log_prob, log_prob,
+  advantages, response_mask, loss_agg_mode, config)`` on fused_rl's loss math, and the mapping of verl
+  actor options onto :class:`fused_rl.PolicyLossConfig`.
+
+The Liger-Kernel drop-in (``FusedLinearGRPOLoss``) lives in :mod:`fused_rl.nn`. Submodules import
+their framework lazily: importing this package never needs TRL or verl.
+"""
+
+__all__ = ["trl", "verl"]

@@ -1,0 +1,271 @@
+"""TRL integration: ``GRPOTrainer``'s loss through :func:`fused_rl.linear_policy_loss`.
+
+Two equivalent entry points (written against TRL 1.16):
+
+* ``FusedGRPOTrainer(..., fused_backend="auto")``: a ``trl.GRPOTrainer`` subclass;
+* ``patch_grpo_trainer(trainer, backend="auto")``: the same change on an existing ``GRPOTrainer``.
+
+The training forward runs the model body once, takes the last hidden state of the positions that
+predict the completion tokens (``hidden[:, P-1 : P-1+C]`` for a prompt block of ``P`` and a
+completion block of ``C`` columns, TRL's ``logits_to_keep = C`` and shift by one) and calls
+``linear_policy_loss(hidden, lm_head.weight, completion_ids, advantages, mask, bias=lm_head.bias, ...)``
+at ``temperature = args.temperature``: no ``(B, T, V)`` logits are formed by fused backends.
+Generation, the old-policy and reference log-probs (computed by TRL under ``no_grad`` and passed in
+``inputs``) are TRL's own.
+
+Loss semantics are TRL's (see :func:`fused_rl.nn.grpo_policy_loss_config` for the mapping):
+``grpo``, ``bnpo``, ``dr_grpo`` divide the loss by ``current_gradient_accumulation_steps`` in training;
+``dapo``/``cispo`` use the token-mean denominator
+``max(num_items_in_batch, 1) / num_processes * current_gradient_accumulation_steps / steps_per_generation``
+(training) or ``max(num_items_in_batch, 1) / num_processes`` (eval). ``beta > 0`` adds TRL's ``k3``
+penalty against ``inputs["ref_per_token_logps"]``. Logged metrics are TRL's: ``kl`` (when
+``beta != 0``), ``entropy``, ``clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max}``
+(cispo: ``cispo_clip_ratio``), with TRL's cross-process reductions.
+
+Not supported (``NotImplementedError`` at construction, naming the option): ``loss_type`` sapo /
+vespo / luspo, ``delta``, ``use_bias_correction_kl`` with ``beta != 0``, ``top_entropy_quantile < 1``,
+``off_policy_mask_threshold``, ``vllm_importance_sampling_correction`` with ``use_vllm``, the entropy
+bonus (``entropy_coef != 0`` / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
+soft-capping or logit scaling, sequence-level cispo; multimodal inputs raise at the first step.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Optional
+
+import torch
+
+from ..loss_math import importance_ratio, kl_estimator
+from ..nn import NUM_ITEMS_LOSS_TYPES, grpo_policy_loss_config
+from ..ops import linear_policy_loss
+
+try:
+    import transformers
+    from packaging.version import Version
+    from trl import GRPOTrainer
+    from trl.trainer.utils import nanmax, nanmin
+except ImportError as exc:  # pragma: no cover - exercised only without TRL
+    raise ImportError("fused_rl.integrations.trl needs TRL (pip install 'trl>=1.16')") from exc
+
+#: Keyword of the patched model forward: a callable ``(last_hidden_state, lm_head) -> result``.
+FUSED_HEAD_KWARG = "fused_rl_head"
+
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
+                    "num_tiles", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_LOGIT_SCALE_ATTRS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from accelerate.utils import is_peft_model
+    except ImportError:  # pragma: no cover
+        return False
+    return is_peft_model(model)
+
+
+def unsupported_options(trainer: GRPOTrainer) -> list[str]:
+    """Every TRL option of ``trainer`` that fused_rl cannot compute exactly (empty when all are fine)."""
+    args = trainer.args
+    problems = []
+    if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
+        problems.append(f"loss_type={trainer.loss_type!r}")
+    if getattr(args, "delta", None) is not None:
+        problems.append(f"delta={args.delta!r} (two-sided clipping)")
+    if getattr(args, "use_bias_correction_kl", False) and trainer.beta != 0.0:
+        problems.append("use_bias_correction_kl=True (TRL's default; set use_bias_correction_kl=False)")
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        problems.append(f"top_entropy_quantile={trainer.top_entropy_quantile!r}")
+    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
+        problems.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold!r}")
+    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
+        problems.append("vllm_importance_sampling_correction=True (with use_vllm)")
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        problems.append(f"entropy_coef={getattr(args, 'entropy_coef', None)!r} / use_adaptive_entropy "
+                        f"(entropy bonus)")
+    if getattr(trainer, "aux_loss_enabled", False):
+        problems.append("router_aux_loss_coef (MoE auxiliary loss)")
+    if trainer.loss_type == "cispo" and trainer.importance_sampling_level == "sequence":
+        problems.append("importance_sampling_level='sequence' with loss_type='cispo'")
+    base = _base_model(trainer.model)
+    text_config = base.config.get_text_config()
+    if getattr(text_config, "final_logit_softcapping", None) is not None:
+        problems.append(f"final_logit_softcapping={text_config.final_logit_softcapping!r} (model config)")
+    for name in _LOGIT_SCALE_ATTRS:
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1:
+            problems.append(f"{name}={value!r} (model config logit scaling)")
+    return problems
+
+
+def _base_model(model):
+    return model.get_base_model() if _is_peft_model(model) else model
+
+
+def _add_fused_head_forward(model) -> None:
+    """Wrap ``model.forward``: called with ``fused_rl_head=fn`` it runs only the body (through
+    ``model.base_model``, as TRL's own fused head does) and returns ``fn(last_hidden_state, lm_head)``;
+    otherwise it is the previous forward, so generation and TRL's log-prob passes are unchanged.
+
+    The loss is computed inside the model's forward (not after it) so that wrappers which only see
+    parameters used in the forward (DDP ``find_unused_parameters``, FSDP unsharding) see the ``lm_head``."""
+    if getattr(model, "_fused_rl_head_forward", False):
+        return
+    previous = model.forward
+    text_config = model.config.get_text_config()
+    backbone_attr = "base_model"
+    if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
+        backbone_attr = "model"
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, **kwargs):
+        head = kwargs.pop(FUSED_HEAD_KWARG, None)
+        if head is None:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = getattr(self, backbone_attr)(*args, **kwargs).last_hidden_state
+        return head(hidden, self.get_output_embeddings())
+
+    model.forward = types.MethodType(forward, model)
+    model._fused_rl_head_forward = True
+
+
+def _install(trainer: GRPOTrainer, backend: str) -> None:
+    problems = unsupported_options(trainer)
+    if problems:
+        raise NotImplementedError("fused_rl cannot compute this GRPOTrainer loss exactly; unsupported: "
+                                  + "; ".join(problems))
+    trainer._fused_rl_backend = backend
+    trainer._fused_rl_config = grpo_policy_loss_config(
+        trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, beta=trainer.beta,
+        importance_sampling_level=trainer.importance_sampling_level,
+        max_completion_length=trainer.max_completion_length, temperature=trainer.temperature)
+    _add_fused_head_forward(_base_model(trainer.model))
+
+
+def patch_grpo_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
+    """Make an existing ``GRPOTrainer`` compute its loss with fused_rl (in place; returns it)."""
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"patch_grpo_trainer expects a trl.GRPOTrainer, got {type(trainer).__name__}")
+    _install(trainer, backend)
+    if not isinstance(trainer, FusedGRPOTrainer):
+        trainer._compute_loss = types.MethodType(_fused_compute_loss, trainer)
+    return trainer
+
+
+def _full_tensor(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return x
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> torch.Tensor:
+    for key in _MULTIMODAL_KEYS:
+        if inputs.get(key) is not None:
+            raise NotImplementedError(f"fused_rl's GRPOTrainer loss does not support multimodal input {key!r} yet")
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    prompt_len, completion_len = prompt_ids.size(1), completion_ids.size(1)
+    if prompt_len == 0:
+        raise ValueError("fused_rl's GRPOTrainer loss needs at least one prompt column (the first completion "
+                         "token is predicted from the last prompt position)")
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    bool_mask = mask.bool()
+
+    advantages = inputs["advantages"]
+    old = inputs.get("old_per_token_logps")
+    ref = inputs["ref_per_token_logps"] if self.beta != 0.0 else None
+    mode = "train" if self.model.training else "eval"
+    config = self._fused_rl_config
+    accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+    normalizer = None
+    if self.loss_type in NUM_ITEMS_LOSS_TYPES:
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+
+    def head(hidden: torch.Tensor, lm_head: torch.nn.Module):
+        # hidden[:, i] predicts input_ids[:, i + 1]: the completion tokens are predicted by P-1 .. P+C-2.
+        hidden = hidden[:, prompt_len - 1: prompt_len - 1 + completion_len]
+        weight, bias = _full_tensor(lm_head.weight), _full_tensor(lm_head.bias)
+        hidden = hidden.to(weight.device)
+        if self.args.cast_lm_head_to_fp32:
+            hidden = hidden.float()
+        if hidden.dtype != weight.dtype:
+            hidden = hidden.to(weight.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return linear_policy_loss(hidden, weight, completion_ids, advantages, bool_mask, bias=bias,
+                                      old_logprobs=old, ref_logprobs=ref, config=config, token_normalizer=normalizer,
+                                      backend=self._fused_rl_backend, compute_entropy=True)
+
+    with self.accelerator.autocast():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **{FUSED_HEAD_KWARG: head})
+    loss = out.loss if normalizer is not None else out.loss / accumulation
+    _log_trl_metrics(self, mode, out, advantages, mask, bool_mask, old, ref)
+    return loss
+
+
+@torch.no_grad()
+def _log_trl_metrics(self: GRPOTrainer, mode: str, out, advantages: torch.Tensor, mask: torch.Tensor,
+                     bool_mask: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> None:
+    """TRL's ``_compute_loss`` metrics, from the detached log-probs and entropies fused_rl returns."""
+    config = self._fused_rl_config
+    logp = out.logprobs
+    mask = mask.to(logp.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    coef_1 = importance_ratio(logp, logp if old is None else old.to(logp.dtype), bool_mask, config)
+    if self.importance_sampling_level == "sequence":
+        coef_1 = coef_1[:, :1]  # TRL keeps the sequence ratio as (B, 1)
+
+    def masked_seq_mean(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 1:
+            return x.squeeze(1)
+        return (x * mask).sum(-1) / mask.sum(-1)
+
+    def global_masked_mean(x: torch.Tensor) -> float:
+        if x.shape[1] == 1:
+            local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+        else:
+            local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    metrics = self._metrics[mode]
+    if self.beta != 0.0:
+        zeros = torch.zeros_like(logp)
+        per_token_kl = torch.where(bool_mask, kl_estimator(logp, torch.where(bool_mask, ref.to(logp.dtype), zeros),
+                                                           "k3"), zeros)
+        metrics["kl"].append(global_masked_mean(per_token_kl))
+    metrics["entropy"].append(global_masked_mean(out.entropy))
+    if self.loss_type == "cispo":
+        clipped = (coef_1 > self.epsilon_high) & (advantages > 0)
+        metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))
+        return
+    low = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
+    high = (coef_1 > 1 + self.epsilon_high) & (advantages > 0)
+    metrics["clip_ratio/low_mean"].append(global_masked_mean(low.float()))
+    metrics["clip_ratio/high_mean"].append(global_masked_mean(high.float()))
+    metrics["clip_ratio/region_mean"].append(global_masked_mean((low | high).float()))
+    metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low.float()))).item())
+    metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high.float()))).item())
+
+
+class FusedGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose loss runs through :func:`fused_rl.linear_policy_loss` (see the module
+    docstring for what is honoured and what raises). Extra keyword: ``fused_backend`` (default ``"auto"``)."""
+
+    def __init__(self, *args, fused_backend: str = "auto", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _install(self, fused_backend)
+
+    def _compute_loss(self, model, inputs):
+        return _fused_compute_loss(self, model, inputs)
+
+
+__all__ = ["FusedGRPOTrainer", "patch_grpo_trainer", "unsupported_options", "FUSED_HEAD_KWARG"]

@@ -1,0 +1,213 @@
+"""verl-style entry points on fused_rl's loss math (no verl import needed).
+
+* :func:`compute_policy_loss` has the signature and return value of verl's registered policy losses
+  (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co., read at verl commit ``012be9d``):
+  ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)`` ->
+  ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, on per-token log-probs you computed.
+* :func:`compute_policy_loss_from_hidden` is the fused version: it takes the actor's last hidden states
+  and ``lm_head`` weight instead of ``log_prob`` and goes through :func:`fused_rl.linear_policy_loss`
+  (no ``(B, T, V)`` logits), folding verl's separate KL loss (``use_kl_loss`` / ``kl_loss_coef`` /
+  ``kl_loss_type``) and entropy bonus (``entropy_coeff``) into the same pass.
+* :func:`policy_loss_config_from_verl` is the mapping itself.
+
+Option mapping (``config`` is verl's actor config: a dict, ``DictConfig`` or object with attributes):
+
+=========================================  ===================================================
+verl                                       fused_rl
+=========================================  ===================================================
+``policy_loss.loss_mode="vanilla"``        ``policy_loss="ppo_clip"``, ``dual_clip=clip_ratio_c``
+``policy_loss.loss_mode="gspo"``           ``policy_loss="gspo"``, ``agg="seq-mean-token-mean"``
+``policy_loss.loss_mode="gpg"``            ``policy_loss="reinforce"``
+``clip_ratio``, ``clip_ratio_low/high``    ``clip_low``, ``clip_high`` (low/high default to clip_ratio)
+``clip_ratio_c`` (default 3.0)             ``dual_clip`` (vanilla only)
+``loss_agg_mode``                          ``agg`` (same names; ``seq-mean-token-sum-norm`` see below)
+``kl_loss_type`` kl/k1, mse/k2, abs,       ``kl`` k1, k2, abs, ``low_var_kl``
+low_var_kl/k3
+``kl_loss_coef`` (with ``use_kl_loss``)    ``beta``
+``entropy_coeff``                          ``entropy_coef``
+=========================================  ===================================================
+
+Differences from verl, all documented in ``docs/migration.md``:
+
+* verl's ``seq-mean-token-sum-norm`` is ``sum(l m) / T`` (no division by the batch size); fused_rl's is
+  ``sum(l m) / (B * max_len)``. The entry points here reproduce verl's value (``max_len = T``, then
+  ``* B``); :func:`policy_loss_config_from_verl` returns that factor as ``scale``.
+* verl clamps ``log_prob - old_log_prob`` to ``[-20, 20]`` before ``exp`` (vanilla) and GSPO's log ratio
+  at 10; fused_rl does not: identical whenever the log ratio stays inside those bounds.
+* verl's ``token-mean`` / ``seq-mean-token-mean`` divide by ``sum(mask)`` unclamped (NaN for an empty
+  batch / empty response); fused_rl clamps the count at 1 (0 loss, 0 gradient for empty rows).
+* verl's GSPO ratio ``sg(s_i) * pi / sg(pi)`` has the per-token gradient ``s_i``; fused_rl's
+  ``s_i = exp(mean_t log r_t)`` spreads ``s_i / |y_i|`` over the tokens. Both give the same loss and,
+  for advantages constant over each response (outcome rewards), the same gradient.
+* Other loss modes (``clip_cov``, ``kl_cov``, ``geo_mean``, ...), ``kl_loss_type="full"`` and the
+  straight-through ``"+"`` KL variants raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+from ..config import AGGREGATIONS, PolicyLossConfig
+from ..loss_math import compute_policy_loss as _compute_policy_loss
+from ..ops import linear_policy_loss
+from ..outputs import PolicyLossOutput
+
+LOSS_MODES = ("vanilla", "gspo", "gpg")
+_KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
+             "k3": "low_var_kl"}
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        value = config.get(name, default)
+    else:
+        value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def policy_loss_config_from_verl(
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    *,
+    response_length: int,
+    batch_size: int,
+    loss_mode: Optional[str] = None,
+    temperature: float = 1.0,
+    kl: bool = False,
+    entropy: bool = False,
+) -> tuple[PolicyLossConfig, float]:
+    """``(PolicyLossConfig, scale)`` such that ``scale * loss(config)`` is verl's loss.
+
+    ``kl=True`` folds verl's actor KL loss in (``kl_loss_coef``, ``kl_loss_type``, used when
+    ``use_kl_loss`` is not false); ``entropy=True`` folds ``entropy_coeff`` in. ``response_length`` is
+    the padded ``T`` (verl's ``seq-mean-token-sum-norm`` constant), ``batch_size`` the ``B`` of the call.
+    """
+    loss_mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+    if loss_mode not in LOSS_MODES:
+        raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fused_rl; "
+                                  f"supported: {LOSS_MODES}")
+    if loss_agg_mode not in AGGREGATIONS:
+        raise NotImplementedError(f"verl loss_agg_mode={loss_agg_mode!r} is not supported by fused_rl; "
+                                  f"supported: {AGGREGATIONS}")
+    clip_ratio = _get(config, "clip_ratio", 0.2)
+    fields: dict[str, Any] = dict(clip_low=float(_get(config, "clip_ratio_low", clip_ratio)),
+                                  clip_high=float(_get(config, "clip_ratio_high", clip_ratio)),
+                                  temperature=temperature)
+    if loss_mode == "vanilla":
+        clip_ratio_c = float(_get(config, "clip_ratio_c", 3.0))
+        if not clip_ratio_c > 1.0:
+            raise ValueError(f"verl clip_ratio_c must be > 1 (dual-clip PPO), got {clip_ratio_c!r}")
+        fields.update(policy_loss="ppo_clip", dual_clip=clip_ratio_c)
+    elif loss_mode == "gspo":
+        fields.update(policy_loss="gspo")
+        loss_agg_mode = "seq-mean-token-mean"  # verl's gspo ignores loss_agg_mode
+    else:
+        fields.update(policy_loss="reinforce")
+    fields["agg"] = loss_agg_mode
+    scale = 1.0
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        fields["max_len"] = int(response_length)
+        scale = float(batch_size)
+    if kl and _get(config, "use_kl_loss", True):
+        kl_type = _get(config, "kl_loss_type", "low_var_kl")
+        if kl_type not in _KL_TYPES:
+            raise NotImplementedError(f"verl kl_loss_type={kl_type!r} is not supported by fused_rl; "
+                                      f"supported: {sorted(_KL_TYPES)}")
+        fields.update(kl=_KL_TYPES[kl_type], beta=float(_get(config, "kl_loss_coef", 0.001)))
+    if entropy:
+        fields["entropy_coef"] = float(_get(config, "entropy_coeff", 0.0))
+    return PolicyLossConfig(**fields), scale
+
+
+def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig, old: torch.Tensor,
+                  logp: torch.Tensor, mask: torch.Tensor, loss_mode: str):
+    """verl's ``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; ``ppo_kl = masked mean(old - logp)``."""
+    m = mask.to(torch.float32)
+    ppo_kl = (torch.where(mask, (old - logp.detach()).to(torch.float32), torch.zeros_like(m))).sum() \
+        / m.sum().clamp(min=1.0)
+    if loss_mode == "gpg":
+        zero = m.new_zeros(())
+        return zero, zero.clone(), zero.clone()
+    lower = out_metrics["clip_frac_dual"] if loss_mode == "vanilla" else m.new_zeros(())
+    return out_metrics["clip_frac"], ppo_kl, lower
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
+    loss_mode: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verl's policy loss ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` from per-token
+    log-probs ``(B, T)``, computed by :func:`fused_rl.loss_math.compute_policy_loss`.
+
+    ``pg_clipfrac``: masked fraction of tokens where the clipped term is active (``r > 1+clip_high, A > 0``
+    or ``r < 1-clip_low, A < 0``); ``pg_clipfrac_lower``: where the dual-clip cap ``-c A`` binds
+    (``A < 0, r > c``; vanilla only, else 0); ``ppo_kl``: masked mean of ``old_log_prob - log_prob``.
+    The loss mode comes from ``config.policy_loss.loss_mode`` (or ``loss_mode``), default ``"vanilla"``.
+    ``rollout_is_weights`` (newer verl's rollout importance-sampling correction) is not supported yet.
+    """
+    if rollout_is_weights is not None:
+        raise NotImplementedError("verl rollout_is_weights (rollout importance-sampling correction) is not "
+                                  "supported by fused_rl yet")
+    batch, length = log_prob.shape
+    mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+    cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
+                                              loss_mode=mode)
+    mask = response_mask.bool() if response_mask.dtype != torch.bool else response_mask
+    old = old_log_prob.detach().to(log_prob.dtype)
+    adv = advantages.to(log_prob.dtype)
+    loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old)
+    return (loss * scale,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode)
+
+
+def compute_policy_loss_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    responses: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ref_log_prob: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    loss_mode: Optional[str] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossOutput]:
+    """The fused verl actor loss from the hidden states that predict ``responses``.
+
+    ``hidden (B, T, H)`` is the actor's last hidden state at the positions predicting ``responses (B, T)``
+    (verl's ``logits[:, -T-1:-1]`` positions), ``weight (V, H)`` / ``bias`` the ``lm_head``, ``temperature``
+    verl's rollout temperature (verl divides the logits by it). Returns verl's
+    ``(policy_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` plus the :class:`PolicyLossOutput` (detached
+    ``logprobs`` / ``entropy`` for logging). ``policy_loss`` includes ``kl_loss_coef * kl_loss`` when
+    ``ref_log_prob`` is given and ``use_kl_loss`` is not false, and ``- entropy_coeff * entropy_loss``,
+    each aggregated with ``loss_agg_mode`` as verl's actor does.
+    """
+    batch, length = responses.shape
+    mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+    cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
+                                              loss_mode=mode, temperature=temperature,
+                                              kl=ref_log_prob is not None, entropy=True)
+    mask = response_mask.bool() if response_mask.dtype != torch.bool else response_mask
+    out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
+                             ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
+                             backend=backend, compute_entropy=True)
+    old = old_log_prob.detach().to(out.logprobs.dtype)
+    return (out.loss * scale,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode) + (out,)
+
+
+__all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "policy_loss_config_from_verl", "LOSS_MODES"]

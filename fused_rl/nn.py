@@ -1,0 +1,306 @@
+"""Drop-in ``torch.nn.Module`` losses.
+
+* :class:`FusedPolicyLoss`: ``(logits, targets, advantages, mask, ...)`` -> :class:`PolicyLossOutput`;
+* :class:`FusedLinearPolicyLoss`: ``(hidden, weight, targets, advantages, mask, ...)`` -> the same, without
+  materializing ``hidden @ weight.T`` (fused backends);
+* :class:`FusedLinearGRPOLoss`: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` constructor, ``forward``
+  arguments and ``(loss, metrics)`` return value, computed by :func:`fused_rl.linear_policy_loss`.
+
+:func:`grpo_policy_loss_config` is the one translation of TRL / Liger GRPO options (``loss_type``,
+``epsilon_low/high``, ``beta``, ``importance_sampling_level``, ...) into a :class:`PolicyLossConfig`;
+the TRL trainer integration uses it too. Options fused_rl cannot express raise (never silently
+computing something else).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import PolicyLossConfig
+from .loss_math import Normalizer
+from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
+from .outputs import PolicyLossOutput
+
+#: TRL / Liger ``loss_type`` values fused_rl computes exactly.
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+#: TRL / Liger ``loss_type`` values it cannot express (yet).
+UNSUPPORTED_LOSS_TYPES = ("sapo", "vespo", "luspo")
+#: ``loss_type`` values whose token-mean denominator is TRL's ``num_items_in_batch``.
+NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo")
+
+
+def grpo_policy_loss_config(
+    loss_type: str = "dapo",
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    beta: float = 0.0,
+    importance_sampling_level: str = "token",
+    max_completion_length: Optional[int] = None,
+    temperature: float = 1.0,
+    delta: Optional[float] = None,
+    use_bias_correction_kl: bool = False,
+) -> PolicyLossConfig:
+    """The :class:`PolicyLossConfig` of a TRL ``GRPOTrainer`` / Liger ``LigerFusedLinearGRPOLoss`` setup.
+
+    With ``r`` the token ratio (``importance_sampling_level="token"``) or the sequence ratio
+    ``exp(mean_t log r_t)`` (``"sequence"``, fused_rl's ``gspo``):
+
+    * ``grpo``: ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``, ``agg="seq-mean-token-mean"``;
+    * ``bnpo``: same surrogate, ``agg="token-mean"`` over the local batch;
+    * ``dr_grpo``: same surrogate, ``agg="seq-mean-token-sum-norm"`` with ``max_len=max_completion_length``;
+    * ``dapo``: same surrogate, ``agg="token-mean"``; pass TRL's normalizer as ``token_normalizer``;
+    * ``cispo``: ``-sg(min(r, epsilon_high)) A logp`` (TRL's ``epsilon_high`` is the cap itself, so
+      ``clip_high = epsilon_high - 1``), ``agg="token-mean"``;
+    * ``beta > 0``: ``+ beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` (TRL's estimator).
+
+    Raises ``NotImplementedError`` for ``sapo``/``vespo``/``luspo``, ``delta`` (two-sided clip),
+    ``use_bias_correction_kl`` with ``beta != 0`` and sequence-level cispo; ``ValueError`` for options
+    out of range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without ``max_completion_length``).
+    """
+    if epsilon_high is None:
+        epsilon_high = epsilon_low
+    if loss_type in UNSUPPORTED_LOSS_TYPES:
+        raise NotImplementedError(f"loss_type={loss_type!r} is not supported by fused_rl yet; "
+                                  f"supported: {SUPPORTED_LOSS_TYPES}")
+    if loss_type not in SUPPORTED_LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; fused_rl supports {SUPPORTED_LOSS_TYPES}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    if delta is not None:
+        raise NotImplementedError(f"delta={delta!r} (INTELLECT-2 two-sided clipping) is not supported by fused_rl yet; "
+                                  "set delta=None")
+    if use_bias_correction_kl and beta != 0.0:
+        raise NotImplementedError("use_bias_correction_kl=True (KL multiplied by the importance ratio) is not "
+                                  "supported by fused_rl yet; set use_bias_correction_kl=False")
+    kl = dict(kl="k3", beta=float(beta)) if beta != 0.0 else {}
+    if loss_type == "cispo":
+        if importance_sampling_level == "sequence":
+            raise NotImplementedError("loss_type='cispo' with importance_sampling_level='sequence' is not supported "
+                                      "by fused_rl (nor by Liger); use importance_sampling_level='token'")
+        if epsilon_high < 1.0:
+            raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high, which fused_rl needs >= 1 "
+                             f"(clip_high = epsilon_high - 1); got epsilon_high={epsilon_high!r}")
+        return PolicyLossConfig(policy_loss="cispo", clip_low=0.0, clip_high=float(epsilon_high) - 1.0,
+                                agg="token-mean", temperature=temperature, **kl)
+    agg = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
+           "dapo": "token-mean"}[loss_type]
+    extra = {}
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        extra["max_len"] = int(max_completion_length)
+    policy = "gspo" if importance_sampling_level == "sequence" else "ppo_clip"
+    return PolicyLossConfig(policy_loss=policy, clip_low=float(epsilon_low), clip_high=float(epsilon_high), agg=agg,
+                            temperature=temperature, **kl, **extra)
+
+
+class FusedPolicyLoss(torch.nn.Module):
+    """``policy_loss`` as a module: ``forward(logits, targets, advantages, mask, old_logprobs=None,
+    ref_logprobs=None, token_normalizer=None)`` returns a :class:`PolicyLossOutput`.
+
+    ``logits (B, T, V)`` (any row strides, unit vocabulary stride), ``targets/mask (B, T)``,
+    ``advantages (B,)`` or ``(B, T)``. See :class:`PolicyLossConfig` for the formulas.
+    """
+
+    def __init__(self, config: Optional[PolicyLossConfig] = None, *, backend: str = "auto",
+                 compute_entropy: bool = True, inplace: bool = False, check_inputs: bool = True) -> None:
+        super().__init__()
+        self.config = PolicyLossConfig() if config is None else config
+        if not isinstance(self.config, PolicyLossConfig):
+            raise ValueError(f"config must be a PolicyLossConfig, got {type(self.config).__name__}")
+        self.backend = backend
+        self.compute_entropy = compute_entropy
+        self.inplace = inplace
+        self.check_inputs = check_inputs
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
+                token_normalizer: Normalizer = None) -> PolicyLossOutput:
+        return policy_loss(logits, targets, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                           config=self.config, token_normalizer=token_normalizer, backend=self.backend,
+                           compute_entropy=self.compute_entropy, inplace=self.inplace,
+                           check_inputs=self.check_inputs)
+
+    def extra_repr(self) -> str:
+        return f"config={self.config}, backend={self.backend!r}"
+
+
+class FusedLinearPolicyLoss(torch.nn.Module):
+    """``linear_policy_loss`` as a module: ``forward(hidden, weight, targets, advantages, mask, bias=None,
+    old_logprobs=None, ref_logprobs=None, token_normalizer=None)``; the logits ``hidden @ weight.T + bias``
+    are never materialized by fused backends. ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``."""
+
+    def __init__(self, config: Optional[PolicyLossConfig] = None, *, backend: str = "auto",
+                 compute_entropy: bool = True, check_inputs: bool = True) -> None:
+        super().__init__()
+        self.config = PolicyLossConfig() if config is None else config
+        if not isinstance(self.config, PolicyLossConfig):
+            raise ValueError(f"config must be a PolicyLossConfig, got {type(self.config).__name__}")
+        self.backend = backend
+        self.compute_entropy = compute_entropy
+        self.check_inputs = check_inputs
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
+                ref_logprobs: Optional[torch.Tensor] = None, token_normalizer: Normalizer = None) -> PolicyLossOutput:
+        return linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, old_logprobs=old_logprobs,
+                                  ref_logprobs=ref_logprobs, config=self.config, token_normalizer=token_normalizer,
+                                  backend=self.backend, compute_entropy=self.compute_entropy,
+                                  check_inputs=self.check_inputs)
+
+    def extra_repr(self) -> str:
+        return f"config={self.config}, backend={self.backend!r}"
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+class FusedLinearGRPOLoss(torch.nn.Module):
+    """Drop-in replacement of Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (liger-kernel 0.8.x).
+
+    Same constructor and ``forward`` arguments, same return value ``(loss, metrics)`` with
+    ``metrics = (kl_mean, clip_ratio)`` when ``beta != 0`` and ``(clip_ratio,)`` otherwise, where
+    ``kl_mean = sum(k3 m) / max(sum m, 1)`` and ``clip_ratio`` is the masked fraction of tokens with
+    ``r < 1-eps_low, A < 0`` or ``r > 1+eps_high, A > 0`` (cispo: ``r > eps_high, A > 0``; sequence level:
+    the sequence ratio, counted on every token). See :func:`grpo_policy_loss_config` for the losses.
+    ``dapo``/``cispo`` divide by ``num_items_in_batch / world_size`` (clamped at 1) or, without it, by the
+    token count of all ranks divided by the world size, as Liger does.
+
+    Arguments that are accepted and have no effect on the result: ``compiled``, ``chunk_size`` (fused_rl
+    picks its own chunking), and the sapo/vespo parameters unless ``loss_type`` selects them (which
+    raises). Not supported (raise): ``loss_type`` sapo/vespo/luspo, ``delta``, ``use_bias_correction_kl``
+    with ``beta != 0``, a ``vllm_is_ratio`` tensor. With ``use_ref_model=False`` the KL term is the
+    KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
+    compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
+
+    Extra keyword arguments: ``backend`` (default ``"auto"``), ``check_inputs``.
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.04,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        chunk_size: int = 1,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: str = "dapo",
+        max_completion_length: Optional[int] = None,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        temperature: float = 1.0,
+        delta: Optional[float] = None,
+        use_bias_correction_kl: bool = False,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        *,
+        backend: str = "auto",
+        check_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        self.beta = float(beta)
+        self.compiled = compiled
+        self.use_ref_model = use_ref_model
+        self.chunk_size = chunk_size
+        self.epsilon_low = epsilon_low
+        self.epsilon_high = epsilon_high
+        self.loss_type = loss_type
+        self.max_completion_length = max_completion_length
+        self.importance_sampling_level = importance_sampling_level
+        self.temperature = temperature
+        self.delta = delta
+        self.use_bias_correction_kl = use_bias_correction_kl
+        self.backend = backend
+        self.check_inputs = check_inputs
+        # A KL to the current policy itself (use_ref_model=False) is 0 with zero gradient: beta drops out.
+        kl_beta = self.beta if use_ref_model else 0.0
+        self.config = grpo_policy_loss_config(
+            loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=kl_beta,
+            importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
+            temperature=temperature, delta=delta, use_bias_correction_kl=use_bias_correction_kl and self.beta != 0.0)
+
+    @torch.no_grad()
+    def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],
+                      targets: torch.Tensor) -> torch.Tensor:
+        return linear_token_logprobs(ref_input.detach(), ref_weight.detach(),
+                                     targets, bias=None if ref_bias is None else ref_bias.detach(),
+                                     temperature=self.temperature, backend=self.backend,
+                                     check_inputs=self.check_inputs)
+
+    def forward(
+        self,
+        _input: torch.Tensor,
+        lin_weight: torch.Tensor,
+        selected_token_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        ref_per_token_logps: Optional[torch.Tensor] = None,
+        old_per_token_logps: Optional[torch.Tensor] = None,
+        ref_input: Optional[torch.Tensor] = None,
+        ref_weight: Optional[torch.Tensor] = None,
+        ref_bias: Optional[torch.Tensor] = None,
+        vllm_is_ratio: Optional[torch.Tensor] = None,
+        num_items_in_batch=None,
+    ):
+        if vllm_is_ratio is not None:
+            raise NotImplementedError("vllm_is_ratio (vLLM importance-sampling correction) is not supported by "
+                                      "fused_rl yet; pass vllm_is_ratio=None")
+        config = self.config
+        ref = None
+        if config.kl is not None:
+            ref = ref_per_token_logps
+            if ref is None:
+                if ref_input is None or ref_weight is None:
+                    raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input and ref_weight")
+                ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids)
+        mask = attention_mask.bool()
+        normalizer = None
+        if self.loss_type in NUM_ITEMS_LOSS_TYPES:
+            world = _world_size()
+            if num_items_in_batch is not None:
+                n = torch.as_tensor(num_items_in_batch, device=_input.device, dtype=torch.float32)
+            else:
+                n = mask.sum().to(torch.float32)
+                if world > 1:
+                    n = n.clone()
+                    torch.distributed.all_reduce(n)
+            normalizer = (n / world).clamp(min=1.0)
+        out = linear_policy_loss(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,
+                                 old_logprobs=old_per_token_logps, ref_logprobs=ref, config=config,
+                                 token_normalizer=normalizer, backend=self.backend, compute_entropy=False,
+                                 check_inputs=self.check_inputs)
+        metrics = []
+        if self.beta != 0.0:
+            metrics.append(out.metrics["kl_mean"])
+        metrics.append(self._clip_ratio(out, advantages, mask, old_per_token_logps))
+        return out.loss, tuple(metrics)
+
+    def _clip_ratio(self, out: PolicyLossOutput, advantages: torch.Tensor, mask: torch.Tensor,
+                    old: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.loss_type != "cispo":
+            return out.metrics["clip_frac"]
+        # Liger counts cispo's truncated weights only where A > 0 (fused_rl's clip_frac_high counts all).
+        from .loss_math import importance_ratio
+
+        logp = out.logprobs
+        ratio = importance_ratio(logp, logp if old is None else old.to(logp.dtype), mask, self.config)
+        adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+        hit = (ratio > self.config.clip_high + 1.0) & (adv > 0) & mask
+        return hit.sum().to(torch.float32) / mask.sum().clamp(min=1).to(torch.float32)
+
+    def extra_repr(self) -> str:
+        return f"loss_type={self.loss_type!r}, beta={self.beta}, config={self.config}, backend={self.backend!r}"
+
+
+__all__ = ["FusedPolicyLoss", "FusedLinearPolicyLoss", "FusedLinearGRPOLoss", "grpo_policy_loss_config",
+           "SUPPORTED_LOSS_TYPES"]

@@ -1,0 +1,231 @@
+"""fused_rl.nn: the loss modules, the TRL/Liger option mapping, and the Liger-Kernel drop-in.
+
+``FusedLinearGRPOLoss`` is compared with ``LigerFusedLinearGRPOLoss(compiled=False)`` (plain torch, so it
+runs on CPU) on the same inputs: loss, metrics and the gradients of the hidden states, weight and bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl import PolicyLossConfig
+from fused_rl.nn import FusedLinearGRPOLoss, FusedLinearPolicyLoss, FusedPolicyLoss, grpo_policy_loss_config
+
+from helpers import CONFIGS, assert_close, make_case
+
+
+# ----------------------------------------------------------------------------- FusedPolicyLoss
+@pytest.mark.parametrize("config", CONFIGS[:4], ids=lambda c: f"{c.policy_loss}-{c.agg}")
+def test_fused_policy_loss_module_matches_reference(config):
+    case = make_case(batch=4, length=5, vocab=1000, seed=3)
+    ref_logits = case.logits.clone().requires_grad_(True)
+    expected = fused_rl.reference.policy_loss(ref_logits, case.targets, case.advantages, case.mask, config=config,
+                                              **case.kwargs())
+    expected.loss.backward()
+    module = FusedPolicyLoss(config, backend="auto")
+    logits = case.logits.clone().requires_grad_(True)
+    got = module(logits, case.targets, case.advantages, case.mask, **case.kwargs())
+    got.loss.backward()
+    assert_close(got.loss, expected.loss, torch.float32, "loss")
+    assert_close(logits.grad, ref_logits.grad, torch.float32, "dlogits", grad=True)
+    for name, value in expected.metrics.items():
+        assert_close(got.metrics[name], value, torch.float32, name)
+
+
+def _linear_case(batch=4, length=6, hidden=16, vocab=1000, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, length, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.5
+    b = torch.randn(vocab, generator=g) if bias else None
+    targets = torch.randint(0, vocab, (batch, length), generator=g)
+    lengths = torch.tensor([0, 1] + torch.randint(2, length + 1, (batch - 2,), generator=g).tolist())
+    mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    advantages = torch.randn(batch, generator=g)
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(h, w, b)
+        lp = torch.log_softmax(logits / 0.8, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    old = lp + 0.5 * torch.randn(lp.shape, generator=g)
+    ref = lp + 0.3 * torch.randn(lp.shape, generator=g)
+    return h, w, b, targets, mask, advantages, old, ref
+
+
+@pytest.mark.parametrize("config", [PolicyLossConfig(temperature=0.8), CONFIGS[1].replace(temperature=0.8)],
+                         ids=["ppo", "dual-k3-entropy"])
+def test_fused_linear_policy_loss_module_matches_reference(config):
+    h, w, b, targets, mask, adv, old, ref = _linear_case()
+    leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    expected = fused_rl.reference.linear_policy_loss(leaves[0], leaves[1], targets, adv, mask, bias=leaves[2],
+                                                     old_logprobs=old, ref_logprobs=ref, config=config)
+    expected.loss.backward()
+    got_leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    got = FusedLinearPolicyLoss(config)(got_leaves[0], got_leaves[1], targets, adv, mask, bias=got_leaves[2],
+                                        old_logprobs=old, ref_logprobs=ref)
+    got.loss.backward()
+    assert_close(got.loss, expected.loss, torch.float32, "loss")
+    for name, a, e in zip(("hidden", "weight", "bias"), got_leaves, leaves):
+        assert_close(a.grad, e.grad, torch.float32, f"d{name}", grad=True)
+
+
+def test_module_rejects_non_config():
+    with pytest.raises(ValueError, match="PolicyLossConfig"):
+        FusedPolicyLoss({"policy_loss": "ppo_clip"})
+    with pytest.raises(ValueError, match="PolicyLossConfig"):
+        FusedLinearPolicyLoss("grpo")
+
+
+# ----------------------------------------------------------------------------- option mapping
+def test_grpo_policy_loss_config_mapping():
+    assert grpo_policy_loss_config("grpo", epsilon_low=0.2) == PolicyLossConfig(agg="seq-mean-token-mean")
+    assert grpo_policy_loss_config("bnpo", epsilon_low=0.1, epsilon_high=0.3) == PolicyLossConfig(
+        clip_low=0.1, clip_high=0.3, agg="token-mean")
+    assert grpo_policy_loss_config("dr_grpo", max_completion_length=16, beta=0.04) == PolicyLossConfig(
+        agg="seq-mean-token-sum-norm", max_len=16, kl="k3", beta=0.04)
+    assert grpo_policy_loss_config("dapo", epsilon_high=0.28, temperature=0.7) == PolicyLossConfig(
+        clip_high=0.28, temperature=0.7)
+    assert grpo_policy_loss_config("cispo", epsilon_high=5.0) == PolicyLossConfig(
+        policy_loss="cispo", clip_low=0.0, clip_high=4.0)
+    assert grpo_policy_loss_config("grpo", importance_sampling_level="sequence", epsilon_low=3e-4,
+                                   epsilon_high=4e-4) == PolicyLossConfig.preset("gspo")
+
+
+@pytest.mark.parametrize("kwargs, exc, needle", [
+    (dict(loss_type="sapo"), NotImplementedError, "sapo"),
+    (dict(loss_type="vespo"), NotImplementedError, "vespo"),
+    (dict(loss_type="luspo"), NotImplementedError, "luspo"),
+    (dict(loss_type="nope"), ValueError, "unknown loss_type"),
+    (dict(loss_type="dapo", delta=1.5), NotImplementedError, "delta"),
+    (dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=True), NotImplementedError, "use_bias_correction_kl"),
+    (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), NotImplementedError,
+     "sequence"),
+    (dict(loss_type="cispo", epsilon_high=0.2), ValueError, "epsilon_high"),
+    (dict(loss_type="dr_grpo"), ValueError, "max_completion_length"),
+    (dict(loss_type="grpo", importance_sampling_level="token-ish"), ValueError, "importance_sampling_level"),
+])
+def test_grpo_policy_loss_config_rejects(kwargs, exc, needle):
+    with pytest.raises(exc, match=needle):
+        grpo_policy_loss_config(**kwargs)
+
+
+def test_bias_correction_without_kl_is_a_no_op():
+    # Liger and TRL apply the correction to the KL term only: with beta == 0 nothing changes.
+    assert grpo_policy_loss_config("dapo", use_bias_correction_kl=True) == grpo_policy_loss_config("dapo")
+
+
+# ----------------------------------------------------------------------------- Liger drop-in
+try:
+    from liger_kernel.chunked_loss import grpo_loss as liger_grpo
+except ImportError:  # the non-Liger tests above still run
+    liger_grpo = None
+needs_liger = pytest.mark.skipif(liger_grpo is None, reason="liger-kernel is not installed (pip install liger-kernel)")
+
+LIGER_CASES = [
+    dict(loss_type="grpo", beta=0.0),
+    dict(loss_type="grpo", beta=0.04),
+    dict(loss_type="bnpo", beta=0.04, epsilon_low=0.1, epsilon_high=0.3),
+    dict(loss_type="dr_grpo", beta=0.0, max_completion_length=9),
+    dict(loss_type="dr_grpo", beta=0.1, max_completion_length=9),
+    dict(loss_type="dapo", beta=0.0, epsilon_high=0.28),
+    dict(loss_type="dapo", beta=0.04, epsilon_high=0.28),
+    dict(loss_type="cispo", beta=0.0, epsilon_high=1.1),
+    dict(loss_type="cispo", beta=0.04, epsilon_high=1.1),
+    dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence", epsilon_low=0.01, epsilon_high=0.01),
+    dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence", epsilon_low=0.01, epsilon_high=0.01),
+]
+
+
+def _ids(case):
+    return "-".join(f"{k}={v}" for k, v in case.items())
+
+
+def _run_grpo_loss(module, h, w, b, targets, mask, adv, forward_kwargs):
+    leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    loss, metrics = module(leaves[0], leaves[1], targets, mask, adv, bias=leaves[2], **forward_kwargs)
+    loss.backward()
+    return loss.detach(), [m.detach() for m in metrics], [x.grad for x in leaves]
+
+
+@needs_liger
+@pytest.mark.parametrize("case, off_policy, num_items", [
+    pytest.param(case, off_policy, num_items, id=f"{_ids(case)}-{'off' if off_policy else 'on'}-n{num_items}")
+    for case in LIGER_CASES for off_policy in (False, True)
+    # num_items_in_batch only changes dapo / cispo
+    for num_items in ((None, 37) if case["loss_type"] in ("dapo", "cispo") else (None,))
+])
+def test_matches_liger(case, off_policy, num_items):
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=8, length=8, seed=LIGER_CASES.index(case))
+    ctor = dict(case, temperature=0.8)
+    forward = dict(ref_per_token_logps=ref, old_per_token_logps=old if off_policy else None,
+                   num_items_in_batch=None if num_items is None else torch.tensor(float(num_items)))
+    expected = _run_grpo_loss(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **ctor), h, w, b, targets, mask,
+                              adv, forward)
+    got = _run_grpo_loss(FusedLinearGRPOLoss(**ctor), h, w, b, targets, mask, adv, forward)
+    assert_close(got[0], expected[0], torch.float32, "loss")
+    assert len(got[1]) == len(expected[1]) == (2 if case["beta"] else 1)
+    for i, (a, e) in enumerate(zip(got[1], expected[1])):
+        assert_close(a, e, torch.float32, f"metric {i}")
+    for name, a, e in zip(("hidden", "weight", "bias"), got[2], expected[2]):
+        assert_close(a, e, torch.float32, f"d{name}", grad=True)
+    if off_policy and case["loss_type"] != "cispo":
+        assert got[1][-1] > 0, "clip range never reached: the off-policy comparison is vacuous"
+
+
+@needs_liger
+def test_matches_liger_ref_input_and_no_ref_model():
+    h, w, b, targets, mask, adv, old, _ = _linear_case(seed=5)
+    ref_h = h + 0.1 * torch.randn_like(h)
+    ref_w = w + 0.05 * torch.randn_like(w)
+    for ctor, forward in [
+        (dict(beta=0.1, loss_type="bnpo"), dict(ref_input=ref_h, ref_weight=ref_w, ref_bias=b)),
+        (dict(beta=0.1, loss_type="grpo", use_ref_model=False), {}),
+    ]:
+        forward = dict(forward, old_per_token_logps=old)
+        expected = _run_grpo_loss(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **ctor), h, w, b, targets,
+                                  mask, adv, forward)
+        got = _run_grpo_loss(FusedLinearGRPOLoss(**ctor), h, w, b, targets, mask, adv, forward)
+        assert_close(got[0], expected[0], torch.float32, "loss")
+        for a, e in zip(got[1], expected[1]):
+            assert_close(a, e, torch.float32, "metric")
+        for a, e in zip(got[2], expected[2]):
+            assert_close(a, e, torch.float32, "grad", grad=True)
+
+
+@needs_liger
+def test_liger_signature_compatible():
+    import inspect
+
+    liger = liger_grpo.LigerFusedLinearGRPOLoss
+    for fn_ours, fn_liger in ((FusedLinearGRPOLoss.__init__, liger.__init__),
+                              (FusedLinearGRPOLoss.forward, liger.forward)):
+        ours = inspect.signature(fn_ours).parameters
+        theirs = inspect.signature(fn_liger).parameters
+        positional = [n for n, p in theirs.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+        assert [n for n in ours if n in positional] == positional, "positional order differs from Liger"
+        for name, param in theirs.items():
+            assert ours[name].default == param.default, f"default of {name} differs from Liger"
+
+
+@pytest.mark.parametrize("ctor, forward, exc, needle", [
+    (dict(loss_type="sapo"), {}, NotImplementedError, "sapo"),
+    (dict(delta=2.0), {}, NotImplementedError, "delta"),
+    (dict(use_bias_correction_kl=True), {}, NotImplementedError, "use_bias_correction_kl"),
+    (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 6)), NotImplementedError, "vllm_is_ratio"),
+    (dict(beta=0.04), {}, ValueError, "ref_per_token_logps"),
+])
+def test_liger_unsupported_raise(ctor, forward, exc, needle):
+    h, w, b, targets, mask, adv, _, _ = _linear_case()
+    with pytest.raises(exc, match=needle):
+        FusedLinearGRPOLoss(**ctor)(h, w, targets, mask, adv, **forward)
+
+
+def test_frozen_weight_without_bias():
+    """A frozen lm_head (LoRA) without bias: no weight / bias gradient is requested."""
+    h, w, _, targets, mask, adv, old, _ = _linear_case(bias=False)
+    leaves = h.clone().requires_grad_(True)
+    expected_h = h.clone().requires_grad_(True)
+    expected = fused_rl.reference.linear_policy_loss(expected_h, w, targets, adv, mask, old_logprobs=old)
+    expected.loss.backward()
+    got = FusedLinearPolicyLoss()(leaves, w, targets, adv, mask, old_logprobs=old)
+    got.loss.backward()
+    assert_close(leaves.grad, expected_h.grad, torch.float32, "dhidden", grad=True)

@@ -1,0 +1,250 @@
+"""Stock TRL ``GRPOTrainer`` vs ``fused_rl.integrations.trl.FusedGRPOTrainer``, same seed, tiny local model.
+
+Both trainers start from the same saved random Llama (no download) and the same seed, generate the
+same completions and must log the same losses and metrics and produce the same gradients at every
+optimizer step (SGD, no gradient clipping, so each gradient is seen unscaled).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from fused_rl.integrations.trl import FusedGRPOTrainer, patch_grpo_trainer, unsupported_options  # noqa: E402
+
+CHARS = "abcdefghijklmnopqrstuvwxyz "
+#: Backend of the fused trainer: the shipped default ("auto": the chunked torch fused-linear path on CPU).
+LINEAR_BACKEND = os.environ.get("FUSED_RL_TEST_LINEAR_BACKEND", "auto")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a busy 2-core machine are ~20x faster single-threaded (both trainers alike)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama and a character-level tokenizer, saved locally (TRL reloads the ref model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for ch in CHARS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                        bos_token="<bos>")
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(vocab) + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def reward_fn(completions, **kwargs):
+    """Deterministic: vowels count +1, everything else -0.25 (varied rewards within each group)."""
+    return [sum(1.0 if ch in "aeiou" else -0.25 for ch in c) for c in completions]
+
+
+class GradRecorder(transformers.TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def run(model_dir, trainer_cls, tmp_path, *, max_steps=3, patch=False, **overrides):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    kwargs = dict(output_dir=str(tmp_path / trainer_cls.__name__), use_cpu=True, report_to="none", bf16=False,
+                  per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
+                  max_completion_length=8, max_steps=max_steps, logging_steps=1, learning_rate=0.05, optim="sgd",
+                  max_grad_norm=0.0, lr_scheduler_type="constant", seed=7, save_strategy="no",
+                  disable_tqdm=True, dataloader_num_workers=0)
+    if overrides.get("beta", 0.0) != 0.0:
+        kwargs["use_bias_correction_kl"] = False  # TRL's default True is not supported (raises; tested below)
+    kwargs.update(overrides)
+    args = GRPOConfig(**kwargs)
+    dataset = Dataset.from_dict({"prompt": ["abc", "hello there", "xyz q", "the cat", "mo", "dog e"]})
+    recorder = GradRecorder()
+    extra = {"fused_backend": LINEAR_BACKEND} if trainer_cls is FusedGRPOTrainer else {}
+    trainer = trainer_cls(model=model_dir, reward_funcs=reward_fn, args=args, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[recorder], **extra)
+    if patch:
+        patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return logs, recorder.grads, params
+
+
+#: Metrics both trainers must log identically (when present in the stock log).
+METRIC_KEYS = ("loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+               "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "completions/mean_length", "reward")
+
+CASES = {
+    "grpo-beta0": dict(loss_type="grpo", beta=0.0),
+    "grpo-beta-iter2-temp": dict(loss_type="grpo", beta=0.1, num_iterations=2, temperature=0.7, epsilon=0.05),
+    "bnpo-beta": dict(loss_type="bnpo", beta=0.1, num_iterations=2, epsilon=0.05),
+    "bnpo-beta0-iter2": dict(loss_type="bnpo", beta=0.0, num_iterations=2, epsilon=0.05),
+    "dr_grpo-beta0-iter2": dict(loss_type="dr_grpo", beta=0.0, num_iterations=2, epsilon=0.05),
+    "dr_grpo-beta": dict(loss_type="dr_grpo", beta=0.04),
+    "dapo-beta0": dict(loss_type="dapo", beta=0.0),
+    "dapo-beta0-iter2": dict(loss_type="dapo", beta=0.0, num_iterations=2, epsilon=0.05, epsilon_high=0.08),
+    "dapo-beta": dict(loss_type="dapo", beta=0.04, num_iterations=2, epsilon=0.05, epsilon_high=0.08),
+    # steps_per_generation 4 > accumulation 2: dapo's normalizer rescales num_items_in_batch by 2 / 4
+    "dapo-beta-spg4": dict(loss_type="dapo", beta=0.04, steps_per_generation=4, epsilon=0.05),
+    "cispo-iter2": dict(loss_type="cispo", beta=0.0, num_iterations=2, epsilon_high=1.02),
+    "gspo-seq-iter2": dict(loss_type="grpo", beta=0.02, num_iterations=2, importance_sampling_level="sequence",
+                           epsilon=0.01, epsilon_high=0.01),
+}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the fused loss calls, so a test cannot pass by silently running TRL's own loss."""
+    import fused_rl.integrations.trl as integration
+
+    calls = []
+    original = integration.linear_policy_loss
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("config"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "linear_policy_loss", counting)
+    return calls
+
+
+def assert_same_training(stock, fused):
+    stock_logs, stock_grads, stock_params = stock
+    fused_logs, fused_grads, fused_params = fused
+
+    assert len(stock_logs) == len(fused_logs) == 3
+    for step, (s, f) in enumerate(zip(stock_logs, fused_logs)):
+        for key in METRIC_KEYS:
+            if key not in s:
+                continue
+            assert key in f, f"step {step}: fused trainer did not log {key!r}"
+            assert math.isclose(f[key], s[key], rel_tol=1e-5, abs_tol=1e-6), \
+                f"step {step} {key}: fused {f[key]!r} vs stock {s[key]!r}"
+        extra = set(f) - set(s)
+        assert not extra, f"fused trainer logged metrics TRL does not: {extra}"
+    assert len(stock_grads) == len(fused_grads) == 3
+    nonzero = 0
+    for step, (gs, gf) in enumerate(zip(stock_grads, fused_grads)):
+        assert gs.keys() == gf.keys()
+        for name in gs:
+            err = _rel_err(gf[name], gs[name])
+            assert err < 1e-5 or (gs[name] - gf[name]).abs().max() < 1e-8, \
+                f"step {step} grad {name}: relative error {err:.2e}"
+            nonzero += int(gs[name].abs().max() > 0)
+    assert nonzero > 0, "all gradients are zero: the comparison would prove nothing"
+    for name in stock_params:
+        torch.testing.assert_close(fused_params[name], stock_params[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_trainer_matches_stock(model_dir, tmp_path, fused_calls, case):
+    overrides = CASES[case]
+    stock = run(model_dir, trl.GRPOTrainer, tmp_path, **overrides)
+    assert not fused_calls
+    fused = run(model_dir, FusedGRPOTrainer, tmp_path, **overrides)
+    # 3 optimizer steps x 2 accumulated micro-batches, each computed by fused_rl.
+    assert len(fused_calls) == 6
+    assert_same_training(stock, fused)
+
+
+def test_patch_function_matches_stock(model_dir, tmp_path, fused_calls):
+    overrides = dict(loss_type="dapo", beta=0.04, num_iterations=2, epsilon=0.05)
+    stock = run(model_dir, trl.GRPOTrainer, tmp_path, **overrides)
+    patched = run(model_dir, trl.GRPOTrainer, tmp_path, patch=True, **overrides)
+    assert len(fused_calls) == 6
+    assert_same_training(stock, patched)
+
+
+@pytest.mark.parametrize("backend", ["reference", LINEAR_BACKEND])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # both normalizer branches, in eval mode
+def test_eval_loss_matches_stock(model_dir, tmp_path, fused_calls, loss_type, backend):
+    from datasets import Dataset
+
+    results = []
+    for cls in (trl.GRPOTrainer, FusedGRPOTrainer):
+        kwargs = _trainer(model_dir, tmp_path, loss_type=loss_type, beta=0.04, use_bias_correction_kl=False,
+                          per_device_eval_batch_size=4, seed=3)
+        kwargs["eval_dataset"] = Dataset.from_dict({"prompt": ["abc", "hello"]})
+        if cls is FusedGRPOTrainer:
+            kwargs["fused_backend"] = backend
+        results.append(cls(**kwargs).evaluate())
+    assert fused_calls, "the fused loss was not used in evaluation"
+    stock, fused = results
+    for key in ("eval_loss", "eval_kl", "eval_entropy", "eval_clip_ratio/region_mean"):
+        assert math.isclose(fused[key], stock[key], rel_tol=1e-5, abs_tol=1e-7), (key, fused[key], stock[key])
+
+
+def test_clipping_is_exercised(model_dir, tmp_path):
+    """The off-policy cases are only meaningful if some ratios leave the clip range."""
+    logs, _, _ = run(model_dir, FusedGRPOTrainer, tmp_path, **CASES["dapo-beta0-iter2"])
+    assert max(h.get("clip_ratio/region_mean", 0.0) for h in logs) > 0
+
+
+def _trainer(model_dir, tmp_path, **overrides):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    kwargs = dict(output_dir=str(tmp_path / "unsupported"), use_cpu=True, report_to="none", bf16=False,
+                  per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=1,
+                  save_strategy="no", disable_tqdm=True)
+    kwargs.update(overrides)
+    return dict(model=model_dir, reward_funcs=reward_fn, args=GRPOConfig(**kwargs),
+                train_dataset=Dataset.from_dict({"prompt": ["abc", "hello"]}),
+                processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(beta=0.04), "use_bias_correction_kl"),  # TRL's default
+    (dict(loss_type="sapo"), "loss_type='sapo'"),
+    (dict(loss_type="luspo", importance_sampling_level="sequence"), "loss_type='luspo'"),
+    (dict(delta=2.0), "delta"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    (dict(entropy_coef=0.01), "entropy bonus"),
+    (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), "cispo"),
+])
+def test_unsupported_options_raise(model_dir, tmp_path, overrides, needle):
+    with pytest.raises(NotImplementedError, match=needle.replace("(", r"\(")):
+        FusedGRPOTrainer(**_trainer(model_dir, tmp_path, **overrides))
+
+
+def test_cispo_cap_below_one_raises(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="epsilon_high"):
+        FusedGRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="cispo", epsilon_high=0.2))
+
+
+def test_supported_trainer_has_no_unsupported_options(model_dir, tmp_path):
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="dapo", beta=0.04,
+                                         use_bias_correction_kl=False))
+    assert unsupported_options(trainer) == []

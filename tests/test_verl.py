@@ -1,0 +1,177 @@
+"""fused_rl.integrations.verl against values derived by hand from verl's definitions (core_algos.py)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl import PolicyLossConfig
+from fused_rl.integrations.verl import (compute_policy_loss, compute_policy_loss_from_hidden,
+                                        policy_loss_config_from_verl)
+
+# Two responses, T = 3. Row 0: A = +1, ratios 1.5, 0.5, 1.0. Row 1: A = -2, ratios 4.0, 0.5, (1.1 masked).
+RATIOS = torch.tensor([[1.5, 0.5, 1.0], [4.0, 0.5, 1.1]], dtype=torch.float64)
+ADV = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]], dtype=torch.float64)
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.5, -2.5]], dtype=torch.float64)
+CONFIG = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "policy_loss": {"loss_mode": "vanilla"}}
+
+# Per-token vanilla losses by hand (clip 0.2, dual clip c = 3):
+#   row 0 (A=1):  r=1.5 -> max(-1.5, -1.2) = -1.2 (clipped); r=0.5 -> max(-0.5, -0.8) = -0.5; r=1 -> -1
+#   row 1 (A=-2): r=4 -> max(8, 2.4) = 8, capped at -c A = 6 (dual clip); r=0.5 -> max(1, 1.6) = 1.6 (clipped)
+TOKEN_LOSS = [[-1.2, -0.5, -1.0], [6.0, 1.6]]
+HAND = {
+    "token-mean": (-1.2 - 0.5 - 1.0 + 6.0 + 1.6) / 5,
+    "seq-mean-token-mean": ((-1.2 - 0.5 - 1.0) / 3 + (6.0 + 1.6) / 2) / 2,
+    "seq-mean-token-sum": ((-1.2 - 0.5 - 1.0) + (6.0 + 1.6)) / 2,
+    "seq-mean-token-sum-norm": ((-1.2 - 0.5 - 1.0) + (6.0 + 1.6)) / 3,  # verl: / T, no / B
+}
+
+
+def _log_prob():
+    return (OLD + RATIOS.log()).clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("agg", sorted(HAND))
+def test_vanilla_hand_values(agg):
+    log_prob = _log_prob()
+    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(OLD, log_prob, ADV, MASK, agg, CONFIG)
+    assert pg_loss.item() == pytest.approx(HAND[agg], rel=1e-6)
+    # clipped term active: (row 0, r=1.5, A>0) and (row 1, r=0.5, A<0): 2 of 5 tokens; dual cap: 1 of 5
+    assert clipfrac.item() == pytest.approx(0.4)
+    assert clipfrac_lower.item() == pytest.approx(0.2)
+    assert ppo_kl.item() == pytest.approx(-math.log(1.5 * 0.5 * 1.0 * 4.0 * 0.5) / 5, rel=1e-6)
+    pg_loss.backward()
+    # Only unclipped tokens have a gradient: d(-r A)/dlogp = -r A: row 0 tokens r=0.5 and r=1.
+    weights = {"token-mean": [[1 / 5] * 3, [1 / 5] * 3], "seq-mean-token-mean": [[1 / 6] * 3, [1 / 4] * 3],
+               "seq-mean-token-sum": [[1 / 2] * 3, [1 / 2] * 3],
+               "seq-mean-token-sum-norm": [[1 / 3] * 3, [1 / 3] * 3]}[agg]
+    expected = torch.tensor([[0.0, -0.5 * weights[0][1], -1.0 * weights[0][2]], [0.0, 0.0, 0.0]],
+                            dtype=torch.float64)
+    torch.testing.assert_close(log_prob.grad, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_clip_ratio_low_high_and_attribute_config():
+    # clip_ratio_high 0.6 un-clips r=1.5 (A>0): its loss becomes -1.5, and the clip fraction drops to 1/5.
+    config = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.6, clip_ratio_c=10.0,
+                             policy_loss=SimpleNamespace(loss_mode="vanilla"))
+    pg_loss, clipfrac, _, clipfrac_lower = compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", config)
+    # c = 10 no longer caps r=4 (A=-2): max(8, 2*1.6=3.2) = 8.
+    assert pg_loss.item() == pytest.approx((-1.5 - 0.5 - 1.0 + 8.0 + 1.6) / 5, rel=1e-6)
+    assert clipfrac.item() == pytest.approx(0.2)
+    assert clipfrac_lower.item() == 0.0
+
+
+def test_gspo_hand_values():
+    # s_0 = (1.5 * 0.5 * 1)^(1/3), A=+1, inside [0.8, 1.2]: l = -s_0.
+    # s_1 = (4 * 0.5)^(1/2) = sqrt 2, A=-2: max(2 sqrt 2, 2 * 1.2) = 2 sqrt 2. verl's gspo is seq-mean-token-mean.
+    s0, s1 = 0.75 ** (1 / 3), math.sqrt(2.0)
+    config = {"clip_ratio": 0.2, "policy_loss": {"loss_mode": "gspo"}}
+    log_prob = _log_prob()
+    pg_loss, clipfrac, _, clipfrac_lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)
+    assert pg_loss.item() == pytest.approx((-s0 + 2 * s1) / 2, rel=1e-6)
+    assert clipfrac.item() == 0.0 and clipfrac_lower.item() == 0.0
+    pg_loss.backward()
+    # d/dlogp_t of (1/B) mean_t(l): row 0: -s0 / (B * 3) per token; row 1: 2 s1 / (B * 2) on its 2 tokens.
+    expected = torch.tensor([[-s0 / 6] * 3, [2 * s1 / 4] * 2 + [0.0]], dtype=torch.float64)
+    torch.testing.assert_close(log_prob.grad, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_gpg_hand_values():
+    log_prob = _log_prob()
+    pg_loss, clipfrac, ppo_kl, lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "seq-mean-token-sum",
+                                                           {"policy_loss": {"loss_mode": "gpg"}})
+    lp = (OLD + RATIOS.log())
+    hand = (-(lp[0] * 1.0).sum() + (2.0 * lp[1, :2]).sum()) / 2
+    assert pg_loss.item() == pytest.approx(hand.item(), rel=1e-6)
+    assert clipfrac.item() == ppo_kl.item() == lower.item() == 0.0
+
+
+def test_config_mapping():
+    cfg, scale = policy_loss_config_from_verl(
+        {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "use_kl_loss": True,
+         "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01},
+        "seq-mean-token-sum-norm", response_length=64, batch_size=8, kl=True, entropy=True)
+    assert cfg == PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-sum-norm",
+                                   max_len=64, kl="low_var_kl", beta=0.001, entropy_coef=0.01)
+    assert scale == 8.0
+    for verl_name, ours in (("kl", "k1"), ("k1", "k1"), ("mse", "k2"), ("abs", "abs"), ("k3", "low_var_kl")):
+        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1}, response_length=4,
+                                              batch_size=2, kl=True)
+        assert cfg.kl == ours
+    cfg, _ = policy_loss_config_from_verl({"use_kl_loss": False}, response_length=4, batch_size=2, kl=True)
+    assert cfg.kl is None
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(config={"policy_loss": {"loss_mode": "clip_cov"}}), "clip_cov"),
+    (dict(config={"policy_loss": {"loss_mode": "geo_mean"}}), "geo_mean"),
+    (dict(loss_agg_mode="token-mean-unbiased"), "token-mean-unbiased"),
+    (dict(config={"kl_loss_type": "full"}, kl=True), "full"),
+    (dict(config={"kl_loss_type": "low_var_kl+"}, kl=True), "low_var_kl+"),
+])
+def test_unsupported_raise(kwargs, needle):
+    with pytest.raises(NotImplementedError, match=needle.replace("+", r"\+")):
+        policy_loss_config_from_verl(response_length=4, batch_size=2, **kwargs)
+
+
+def test_rollout_is_weights_raise():
+    with pytest.raises(NotImplementedError, match="rollout_is_weights"):
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", CONFIG, torch.ones_like(OLD))
+
+
+def test_dual_clip_c_must_exceed_one():
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", {"clip_ratio_c": 1.0})
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_from_hidden_matches_verl_actor_composition(agg):
+    """verl's actor loss: pg_loss - entropy_coeff * agg(H) + kl_loss_coef * agg(kl), on log-probs of the
+    tempered logits ``hidden @ W.T``; here built by hand from the reference log-softmax."""
+    g = torch.Generator().manual_seed(0)
+    batch, length, hidden_size, vocab, tau = 3, 5, 8, 1000, 0.7
+    hidden = torch.randn(batch, length, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * 0.3
+    responses = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    adv = torch.randn(batch, 1, generator=g).expand(batch, length)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden @ weight.T / tau, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
+    ref = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
+    config = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "use_kl_loss": True, "kl_loss_coef": 0.05,
+              "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01}
+
+    h_ref, w_ref = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
+    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pg_loss, *_ = compute_policy_loss(old, log_prob, adv, mask, agg, config)
+    d = (ref - log_prob).clamp(-20, 20)
+    kl = (d.exp() - d - 1).clamp(-10, 10)  # verl's low_var_kl
+
+    def verl_agg(x):
+        if agg == "token-mean":
+            return (x * mask).sum() / mask.sum()
+        return (x * mask).sum() / length
+
+    expected = pg_loss - 0.01 * verl_agg(entropy) + 0.05 * verl_agg(kl)
+    expected.backward()
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, clipfrac, ppo_kl, lower, out = compute_policy_loss_from_hidden(
+        h, w, responses, old, adv, mask, agg, config, ref_log_prob=ref, temperature=tau)
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-6)
+    _, clipfrac_ref, ppo_kl_ref, lower_ref = compute_policy_loss(old, log_prob.detach(), adv, mask, agg, config)
+    torch.testing.assert_close(clipfrac, clipfrac_ref)
+    torch.testing.assert_close(ppo_kl, ppo_kl_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lower, lower_ref)
+    assert clipfrac > 0
