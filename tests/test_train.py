@@ -115,6 +115,27 @@ def test_reward_function_errors_are_reported(tmp_path):
         Trainer(small(tmp_path, rewards=[f"{tmp_path}/my_rewards.py:nope"]), quiet=True)
 
 
+def test_jsonl_task_gsm8k_style(tmp_path):
+    from fused_rl.train.tasks import make_task
+
+    path = tmp_path / "gsm.jsonl"
+    rows = [{"question": f"Q{i}: what is {i} + 1?", "answer": f"{i} plus one is {i + 1}.\n#### {i + 1}"}
+            for i in range(10)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    task = make_task("jsonl", {"path": str(path), "prompt_key": "question", "heldout_fraction": 0.2})
+    import random
+
+    train = task.sample(random.Random(0), 20)
+    held = task.heldout(5)
+    assert len(held) == 2 and {e["prompt"] for e in held}.isdisjoint({e["prompt"] for e in train})
+    completions = [f"so #### {int(e['answer'].split('#### ')[1])}" for e in held]
+    assert numeric([e["prompt"] for e in held], completions, [e["answer"] for e in held]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="lacks 'prompt'"):
+        make_task("jsonl", {"path": str(path)})
+    with pytest.raises(ValueError, match="unknown task"):
+        make_task("gsm9k", {})
+
+
 # ---------------------------------------------------------------------------------------------- log-probs
 def test_training_logprobs_match_the_sampling_distribution(tmp_path):
     """The hidden-state + linear-loss log-probs equal log_softmax(generate's logits / T) at the sampled
@@ -212,6 +233,8 @@ def test_every_algorithm_runs(tmp_path, overrides):
         for key in ("reward", "entropy", "clip_frac", "length", "loss", "grad_norm", "tokens_per_s"):
             assert math.isfinite(m[key]), (key, m)
     assert any(not torch.equal(v, before[k]) for k, v in t.policy.state_dict().items())
+    if overrides["algorithm"] == "ppo":
+        assert not torch.equal(t.policy.value_head.weight, before["value_head.weight"])
     if overrides.get("beta"):
         assert hist[-1]["kl"] > 0  # the policy moved away from the reference
     if overrides.get("num_iterations", 1) > 1:

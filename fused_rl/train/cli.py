@@ -124,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         return COMMANDS[cmd](argv[1:])
-    except (ConfigError, RewardFunctionError) as exc:
+    except (ConfigError, RewardFunctionError, FileNotFoundError) as exc:
         print(f"fused-rl {cmd}: error: {exc}", file=sys.stderr)
         return 2
 
