@@ -87,7 +87,7 @@ def test_ddp_step_equals_single_process(tmp_path):
                                        msg=lambda m: f"{algorithm} parameter {key}: {m}")
         # Adam's first step is nearly invariant to the gradient's scale: the (pre-clipping) gradient norm
         # is what catches a wrong loss normalisation across processes.
-        for key in ("grad_norm", "reward", "accuracy", "length", "entropy", "clip_frac"):
+        for key in ("grad_norm", "loss", "reward", "accuracy", "length", "entropy", "clip_frac"):
             assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-6), (algorithm, key)
 
 

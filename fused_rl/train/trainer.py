@@ -221,6 +221,8 @@ class Trainer:
                             returns=None if returns is None else returns[idx], vf_coef=cfg.vf_coef)
                         share = len(idx) / len(mb_idx)
                         loss = out.loss * (self.world if token_mean else share)
+                        # summed over micro-batches and processes this is the minibatch's policy loss
+                        sums["loss"] = sums.get("loss", 0.0) + loss.detach().float() / self.world
                         if value_loss is not None:
                             loss = loss + cfg.vf_coef * value_loss * share
                         loss.backward()
@@ -228,7 +230,6 @@ class Trainer:
                     for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean")):
                         if name in out.metrics and (key != "kl" or ref is not None):
                             sums[key] = sums.get(key, 0.0) + out.metrics[name].detach().float() * tokens
-                    sums["loss"] = sums.get("loss", 0.0) + out.loss.detach().float() * share
                     sums["tokens"] = sums.get("tokens", 0.0) + tokens
                 if cfg.max_grad_norm > 0:
                     gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
@@ -237,7 +238,7 @@ class Trainer:
                                         if p.grad is not None))
                 grad_norms.append(gn.detach().float())
                 self.optimizer.step()
-        n_updates = cfg.num_iterations * (n // mb)
+        n_updates = len(grad_norms)
         tokens = sums.pop("tokens")
         keys = [k for k in ("kl", "clip_frac", "entropy") if k in sums]
         local = torch.stack([sums[k] for k in keys] + [sums["loss"] / n_updates, tokens,
@@ -250,7 +251,7 @@ class Trainer:
         count = tot[k + 7]
         metrics = {key: float(tot[i] / tot[k + 1].clamp(min=1)) for i, key in enumerate(keys)}
         mean_r = float(tot[k + 2] / count)
-        metrics.update(loss=float(tot[k] / self.world), reward=mean_r,
+        metrics.update(loss=float(tot[k]), reward=mean_r,
                        reward_std=math.sqrt(max(0.0, float(tot[k + 3] / count) - mean_r ** 2)),
                        accuracy=float(tot[k + 4] / count), length=float(tot[k + 5] / count),
                        truncated=float(tot[k + 6] / count), grad_norm=float(torch.stack(grad_norms).mean()),
