@@ -51,7 +51,8 @@ register(ReferenceBackend())
 register(TorchBackend())
 _load_optional()
 for _name in ("triton", "cpu", "cuda"):
-    register_missing(_name, f"backend {_name!r} is not built into this installation")
+    if _name not in _MISSING:  # keep the specific reason an optional module recorded
+        register_missing(_name, f"backend {_name!r} is not built into this installation")
 
 
 def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> Backend:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One-shot GPU check of the Triton backend (H200: torch 2.11 / CUDA 13 / triton 3.6 expected).
+#   bash bench/gpu_check.sh OUTDIR        (default: $OUT, else ./gpu_check_out)
+# 1. pytest -m cuda tests/test_triton.py   (TRITON_INTERPRET=0: real kernels on the GPU)
+# 2. bench/gpu_logits_bench.py: N=16384, V=151936, bf16, forward+backward of policy_loss
+# Results: OUTDIR/{env.txt,pytest_cuda.txt,pytest_junit.xml,bench.txt,logits_bench.json,logits_bench.md}.
+# Budget: <= 170 s tests + <= 120 s benchmark (each step has its own timeout; the script always finishes).
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR="${1:-${OUT:-gpu_check_out}}"
+mkdir -p "$OUTDIR"
+PY="${PYTHON:-python}"
+export TRITON_INTERPRET=0
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+  "$PY" -c "import torch, triton, fused_rl; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print('fused_rl from', fused_rl.__file__); print(fused_rl.available_backends(torch.device('cuda')))"
+} > "$OUTDIR/env.txt" 2>&1
+cat "$OUTDIR/env.txt"
+
+echo "== pytest -m cuda tests/test_triton.py"
+timeout 170 "$PY" -m pytest -m cuda tests/test_triton.py -q -p no:cacheprovider --durations=10 \
+  --junitxml="$OUTDIR/pytest_junit.xml" -W ignore::RuntimeWarning > "$OUTDIR/pytest_cuda.txt" 2>&1
+echo "pytest exit code: $?" >> "$OUTDIR/pytest_cuda.txt"
+tail -25 "$OUTDIR/pytest_cuda.txt"
+
+echo "== logits-pass benchmark"
+timeout 120 "$PY" bench/gpu_logits_bench.py "$OUTDIR" > "$OUTDIR/bench.txt" 2>&1
+echo "bench exit code: $?" >> "$OUTDIR/bench.txt"
+tail -40 "$OUTDIR/bench.txt"

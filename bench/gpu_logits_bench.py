@@ -1,0 +1,297 @@
+"""Logits-pass benchmark of policy_loss on a CUDA GPU: triton (single pass, in place, two pass),
+the chunked torch backend and the eager reference. Needs only torch + triton (Liger-Kernel if present).
+
+Usage: python bench/gpu_logits_bench.py OUTDIR [--n 16384] [--vocab 151936] [--quick]
+
+Writes OUTDIR/logits_bench.json and OUTDIR/logits_bench.md. Times are medians of
+``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions) of forward + backward
+(``loss.backward()``), ``logits.grad`` reset each time. Bytes (bf16, 2 B per element):
+
+* single pass: ``read N*V + write N*V`` (the gradient loop re-reads each row; from L2 if it is still
+  resident, else that is one more ``N*V`` read, reported separately as the "3-pass" bound);
+* two pass (stats forward, grad backward): ``read N*V`` + ``read N*V + write N*V``;
+* peak extra memory: ``max_memory_allocated`` during one forward+backward minus the memory before it
+  (the logits themselves excluded; the gradient buffer, ``N*V`` elements unless in place, included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DRY = "--cpu-dry-run" in sys.argv  # exercise this script's logic on the CPU interpreter with tiny shapes
+os.environ.setdefault("TRITON_INTERPRET", "1" if DRY else "0")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import fused_rl  # noqa: E402
+from fused_rl import PolicyLossConfig  # noqa: E402
+from fused_rl.backends import get_backend  # noqa: E402
+from fused_rl.backends.base import Backend  # noqa: E402
+from fused_rl.kernels import logits as K  # noqa: E402
+from fused_rl.validation import prepare_policy_inputs  # noqa: E402
+
+
+OUT_DIR, INFO = ".", {}
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_inputs(n_tokens, vocab, dtype, seq=1024):
+    batch = max(1, n_tokens // seq)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    logits = (torch.randn(batch, seq, vocab, device=DEV, generator=g, dtype=torch.float32) * 2).to(dtype)
+    targets = torch.randint(0, vocab, (batch, seq), device=DEV, generator=g)
+    lengths = torch.randint(seq // 2, seq + 1, (batch,), device=DEV, generator=g)
+    mask = torch.arange(seq, device=DEV)[None] < lengths[:, None]
+    adv = torch.randn(batch, device=DEV, generator=g)
+    with torch.no_grad():
+        lp = fused_rl.token_logprobs(logits, targets, backend="triton", check_inputs=False)
+    old = lp + 0.3 * torch.randn(batch, seq, device=DEV, generator=g)
+    ref = lp + 0.3 * torch.randn(batch, seq, device=DEV, generator=g)
+    return logits, targets, adv, mask, old, ref
+
+
+DEV = "cpu" if DRY else "cuda"
+if DRY:  # no-op stand-ins for the CUDA-only calls
+    torch.cuda.synchronize = torch.cuda.empty_cache = torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0
+
+
+def bench(fn):
+    """Median ms over repetitions (CUDA events, L2 flushed between them)."""
+    if DRY:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    try:
+        ms = do_bench(fn, warmup=5, rep=60, return_mode="median")
+    except TypeError:  # older triton without return_mode
+        ms = do_bench(fn, warmup=5, rep=60, quantiles=[0.5])
+    return float(ms[0] if isinstance(ms, (tuple, list)) else ms)
+
+
+def measure(name, step, logits, results, bytes_moved=None, extra=None):
+    """Median ms of ``step()`` and its peak extra memory."""
+    try:
+        step()  # warm-up / compile
+        torch.cuda.synchronize()
+        logits.grad = None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        logits.grad = None
+        ms = bench(step)
+        row = dict(name=name, ms=float(ms), peak_extra_gib=peak / 2**30)
+        if bytes_moved is not None:
+            row["bytes"] = bytes_moved
+            row["GBps"] = bytes_moved / (ms * 1e-3) / 1e9
+        row.update(extra or {})
+        log(json.dumps(row))
+        results.append(row)
+        dump(OUT_DIR, INFO, results)
+    except Exception as exc:  # keep going: one failing variant must not lose the others
+        log(f"{name}: FAILED {type(exc).__name__}: {exc}")
+        results.append(dict(name=name, error=f"{type(exc).__name__}: {exc}"))
+        dump(OUT_DIR, INFO, results)
+    finally:
+        logits.grad = None
+        torch.cuda.empty_cache()
+
+
+def dump(out, info, results, final=False):
+    """Write OUT/logits_bench.json and .md (after every measurement, so a timeout keeps what was done)."""
+    copy_gbps = info.get("copy_GBps") or float("nan")
+    vocab, dtype = info["vocab"], info["dtype"]
+    pass_bytes = info.get("pass_bytes", 0)
+    summary = dict(info=info, results=results)
+    with open(os.path.join(out, "logits_bench.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    ref_row = next((r for r in results if r["name"].startswith("reference") and "ms" in r), None)
+    lines = [f"# logits-pass benchmark: {info['device']}, torch {info['torch']}, triton {info['triton']}",
+             f"N={info.get('tokens')} tokens, V={vocab}, {dtype}; measured copy bandwidth {copy_gbps:.0f} GB/s; "
+             f"one pass over the logits = {pass_bytes / 1e9:.2f} GB", "",
+             "| variant | ms | GB/s (formula bytes) | % of copy BW | peak extra GiB | vs reference |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        if "ms" not in r:
+            lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
+            continue
+        gbps = r.get("GBps")
+        speed = ""
+        if ref_row:
+            mem_ratio = ref_row["peak_extra_gib"] / max(r["peak_extra_gib"], 1e-9)
+            speed = f"{ref_row['ms'] / r['ms']:.2f}x faster, {mem_ratio:.2f}x less memory"
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | "
+                     f"{r['peak_extra_gib']:.2f} | {speed} |" if gbps else
+                     f"| {r['name']} | {r['ms']:.3f} | | | {r['peak_extra_gib']:.2f} | {speed} |")
+    with open(os.path.join(out, "logits_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if final:
+        print("\n".join(lines))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--quick", action="store_true", help="skip the block / grid sweep")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on the CPU interpreter (no numbers)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dtype = torch.bfloat16
+    if DRY:
+        sms, name = 2, "cpu dry run"
+    else:
+        props = torch.cuda.get_device_properties(0)
+        sms, name = props.multi_processor_count, props.name
+    global OUT_DIR, INFO
+    OUT_DIR = args.out
+    info = INFO = dict(device=name, sms=sms, torch=torch.__version__, triton=triton.__version__,
+                n_tokens=args.n, vocab=args.vocab, dtype=str(dtype))
+    log(json.dumps(info))
+    results = []
+
+    # measured copy bandwidth (read + write of a 4 GiB buffer): the roofline the targets refer to
+    src = torch.empty(2**10 if DRY else 2**31, dtype=torch.bfloat16, device=DEV)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    copy_gbps = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+    info["copy_GBps"] = copy_gbps
+    log(f"copy bandwidth {copy_gbps:.0f} GB/s")
+    del src, dst
+    torch.cuda.empty_cache()
+
+    logits, targets, adv, mask, old, ref = make_inputs(args.n, args.vocab, dtype, seq=min(1024, args.n))
+    batch, seq, vocab = logits.shape
+    nv = batch * seq * vocab
+    pass_bytes = nv * logits.element_size()
+    info["tokens"] = batch * seq
+    info["pass_bytes"] = pass_bytes
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
+    x = logits.clone().requires_grad_(True)
+
+    def step_for(backend, inplace=False, scale=1.0, compute_entropy=True, src=None):
+        leaf = x if src is None else src
+
+        def step():
+            leaf.grad = None
+            out = fused_rl.policy_loss(leaf, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
+                                       backend=backend, inplace=inplace, check_inputs=False,
+                                       compute_entropy=compute_entropy)
+            (out.loss * scale if scale != 1.0 else out.loss).backward()
+        return step
+
+    two = dict(bytes_moved=3 * pass_bytes)
+    one = dict(bytes_moved=2 * pass_bytes)
+    measure("triton single-pass", step_for("triton"), x, results, **one)
+    measure("triton single-pass, no entropy", step_for("triton", compute_entropy=False), x, results, **one)
+    measure("triton single-pass, grad_output=2 (+ in-place scale pass)", step_for("triton", scale=2.0), x,
+            results, bytes_moved=4 * pass_bytes)
+
+    # in place: the gradient is written over the logits storage; the values left there by one step are
+    # the next step's logits (same work per element, and no clone inside the timed step)
+    x_inplace = logits.clone().requires_grad_(True)
+    measure("triton single-pass in place", step_for("triton", inplace=True, src=x_inplace), x_inplace, results,
+            **one)
+    del x_inplace
+    torch.cuda.empty_cache()
+
+    # two-pass composition (stats forward + grad backward) on the same kernels
+    be = get_backend("triton", logits.device, dtype)
+    inputs = prepare_policy_inputs(tuple(x.shape), x.device, targets, adv, mask, old_logprobs=old,
+                                   ref_logprobs=ref, config=cfg, token_normalizer=None,
+                                   compute_dtype=torch.float32, check_inputs=False)
+
+    def step_two_pass():
+        x.grad = None
+        Backend.policy_loss(be, x, inputs, cfg, True).loss.backward()
+
+    measure("triton two-pass (token_logprobs + loss_math)", step_two_pass, x, results, **two)
+    measure("torch (chunked) backend", step_for("torch"), x, results, **two)
+    try:
+        measure("reference (eager fp32 log_softmax)", step_for("reference"), x, results, **two)
+    except torch.cuda.OutOfMemoryError as exc:
+        results.append(dict(name="reference", error=str(exc)))
+
+    # full-size agreement of triton with the reference (loss, metrics, a few rows of dlogits)
+    try:
+        got = {}
+        for backend in ("triton", "reference"):
+            x.grad = None
+            out = fused_rl.policy_loss(x, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
+                                       backend=backend, check_inputs=False)
+            out.loss.backward()
+            got[backend] = (out.loss.item(), {k: v.item() for k, v in out.metrics.items()},
+                            x.grad[:, :4].float().clone())
+        info["check_loss"] = dict(triton=got["triton"][0], reference=got["reference"][0])
+        info["check_metrics"] = dict(triton=got["triton"][1], reference=got["reference"][1])
+        info["check_dlogits_max_abs_diff_first4"] = (got["triton"][2] - got["reference"][2]).abs().max().item()
+        info["check_dlogits_max_abs_first4"] = got["reference"][2].abs().max().item()
+        log(f"full-size check: {info['check_loss']}, dlogits max diff {info['check_dlogits_max_abs_diff_first4']:.3e}"
+            f" (max |g| {info['check_dlogits_max_abs_first4']:.3e})")
+        del got
+    except Exception as exc:
+        info["check_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"full-size check failed: {info['check_error']}")
+    x.grad = None
+    torch.cuda.empty_cache()
+
+    # forward only (no gradient): the stats loop + epilogue, one read
+    def fwd_only():
+        with torch.no_grad():
+            fused_rl.policy_loss(logits, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
+                                 backend="triton", check_inputs=False)
+
+    measure("triton forward only (no grad)", fwd_only, x, results, bytes_moved=pass_bytes)
+
+    try:  # Liger-Kernel's triton_grpo_loss at equal work (it takes (B, T+1, V) logits and drops the last)
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        x_liger = torch.cat([logits, logits[:, :1]], dim=1).requires_grad_(True)
+        del x
+        torch.cuda.empty_cache()
+        for inplace in (False, True):
+            def step_liger(inplace=inplace):
+                x_liger.grad = None
+                loss, _ = triton_grpo_loss(x_liger, old, ref, targets, adv, mask.to(torch.float32), temperature=1.0,
+                                           beta=0.04, eps_low=0.2, eps_high=0.28, inplace=inplace,
+                                           loss_type="dapo", reduce=True)
+                loss.backward()
+            measure(f"liger triton_grpo_loss (inplace={inplace})", step_liger, x_liger, results, **one)
+        del x_liger
+        torch.cuda.empty_cache()
+        x = logits.clone().requires_grad_(True)
+    except Exception as exc:
+        log(f"liger-kernel skipped: {type(exc).__name__}: {exc}")
+        if "x" not in locals():
+            x = logits.clone().requires_grad_(True)
+
+    if not args.quick:
+        # block / grid sweep of the single pass
+        for block in ((256,) if DRY else (4096, 8192, 16384)):
+            for warps in (8, 16):
+                for progs in (None, sms):
+                    K.MAX_BLOCK_V, K.NUM_WARPS, K.MAX_PROGRAMS = block, warps, progs
+                    measure(f"sweep single-pass BLOCK_V={block} warps={warps} programs={progs or 'tiles'}",
+                            step_for("triton"), x, results, extra=dict(block_v=block, warps=warps, programs=progs),
+                            **one)
+        K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
+
+    dump(args.out, info, results, final=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+// pybind11 module fused_rl._C: raw pointers (tensor.data_ptr()), sizes, strides in elements and dtype
+// codes only, so the extension does not depend on the torch C++ ABI. Python allocates every output.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "cpu_kernels.h"
+#include "policy_epilogue.h"
+#ifdef FRL_WITH_CUDA
+#include "cuda_kernels.h"
+#endif
+
+namespace py = pybind11;
+using namespace fused_rl;
+
+namespace {
+
+template <class T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+RowsView rows(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st) {
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("fused_rl._C: bad logits dtype code");
+  return RowsView{ptr<const void>(x), dtype, B, T, V, sb, st};
+}
+
+EpilogueParams params(int policy, int kl, bool has_old, bool has_dual, float clip_low, float clip_high,
+                      float dual_clip, float beta, float entropy_coef) {
+  EpilogueParams p;
+  p.policy = policy; p.kl = kl; p.has_old = has_old ? 1 : 0; p.has_dual = has_dual ? 1 : 0;
+  p.clip_low = clip_low; p.clip_high = clip_high; p.dual_clip = dual_clip; p.beta = beta;
+  p.entropy_coef = entropy_coef;
+  return p;
+}
+
+StatsArgs stats_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                     uintptr_t targets, int tdtype, float inv_tau, uintptr_t logp, uintptr_t ent, uintptr_t lse,
+                     int nthreads) {
+  return StatsArgs{rows(x, dtype, B, T, V, sb, st), ptr<const void>(targets), tdtype, inv_tau,
+                   ptr<float>(logp), ptr<float>(ent), ptr<float>(lse), nthreads};
+}
+
+GradArgs grad_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                   uintptr_t targets, int tdtype, float inv_tau, uintptr_t lse, uintptr_t g_logp, uintptr_t ent,
+                   uintptr_t g_ent, uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
+  return GradArgs{rows(x, dtype, B, T, V, sb, st), ptr<const void>(targets), tdtype, inv_tau,
+                  ptr<const float>(lse), ptr<const float>(g_logp), ptr<const float>(ent),
+                  ptr<const float>(g_ent), ptr<void>(out), osb, ost, nthreads};
+}
+
+PolicyArgs policy_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                       uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old, uintptr_t ref,
+                       uintptr_t w, int policy, int kl, bool has_dual, float clip_low, float clip_high,
+                       float dual_clip, float beta, float entropy_coef, uintptr_t logp, uintptr_t ent,
+                       uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
+  if (policy == kGspo) throw std::invalid_argument("fused_rl._C: gspo is sequence-level; not fused");
+  return PolicyArgs{rows(x, dtype, B, T, V, sb, st), ptr<const void>(targets), tdtype, inv_tau,
+                    ptr<const float>(adv), ptr<const float>(old), ptr<const float>(ref), ptr<const float>(w),
+                    params(policy, kl, old != 0, has_dual, clip_low, clip_high, dual_clip, beta, entropy_coef),
+                    ptr<float>(logp), ptr<float>(ent), ptr<void>(out), osb, ost, nthreads};
+}
+
+#define FRL_STATS_ARGS                                                                                    \
+  py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("T"), py::arg("V"), py::arg("sb"), py::arg("st"), \
+      py::arg("targets"), py::arg("tdtype"), py::arg("inv_tau"), py::arg("logp"), py::arg("ent"),         \
+      py::arg("lse"), py::arg("nthreads")
+#define FRL_GRAD_ARGS                                                                                     \
+  py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("T"), py::arg("V"), py::arg("sb"), py::arg("st"), \
+      py::arg("targets"), py::arg("tdtype"), py::arg("inv_tau"), py::arg("lse"), py::arg("g_logp"),      \
+      py::arg("ent"), py::arg("g_ent"), py::arg("out"), py::arg("osb"), py::arg("ost"), py::arg("nthreads")
+#define FRL_POLICY_ARGS                                                                                   \
+  py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("T"), py::arg("V"), py::arg("sb"), py::arg("st"), \
+      py::arg("targets"), py::arg("tdtype"), py::arg("inv_tau"), py::arg("adv"), py::arg("old"),         \
+      py::arg("ref"), py::arg("w"), py::arg("policy"), py::arg("kl"), py::arg("has_dual"),               \
+      py::arg("clip_low"), py::arg("clip_high"), py::arg("dual_clip"), py::arg("beta"),                  \
+      py::arg("entropy_coef"), py::arg("logp"), py::arg("ent"), py::arg("out"), py::arg("osb"),          \
+      py::arg("ost"), py::arg("nthreads")
+
+#ifdef FRL_WITH_CUDA
+void check(const std::string& err) {
+  if (!err.empty()) throw std::runtime_error("fused_rl._C CUDA kernel failed: " + err);
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fused_rl native kernels (CPU, optionally CUDA); raw-pointer interface, see fused_rl/backends/native.py";
+
+  m.def("cpu_token_stats", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                              uintptr_t targets, int tdtype, float inv_tau, uintptr_t logp, uintptr_t ent,
+                              uintptr_t lse, int nthreads) {
+    const StatsArgs a = stats_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, logp, ent, lse, nthreads);
+    py::gil_scoped_release nogil;
+    cpu::token_stats(a);
+  }, FRL_STATS_ARGS);
+
+  m.def("cpu_token_grad", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                             uintptr_t targets, int tdtype, float inv_tau, uintptr_t lse, uintptr_t g_logp,
+                             uintptr_t ent, uintptr_t g_ent, uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
+    const GradArgs a = grad_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, lse, g_logp, ent, g_ent,
+                                 out, osb, ost, nthreads);
+    py::gil_scoped_release nogil;
+    cpu::token_grad(a);
+  }, FRL_GRAD_ARGS);
+
+  m.def("cpu_policy_fused", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                               uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old,
+                               uintptr_t ref, uintptr_t w, int policy, int kl, bool has_dual, float clip_low,
+                               float clip_high, float dual_clip, float beta, float entropy_coef, uintptr_t logp,
+                               uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
+    const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, w, policy,
+                                     kl, has_dual, clip_low, clip_high, dual_clip, beta, entropy_coef, logp, ent,
+                                     out, osb, ost, nthreads);
+    py::gil_scoped_release nogil;
+    cpu::policy_fused(a);
+  }, FRL_POLICY_ARGS);
+
+  m.def("epilogue", [](int64_t n, uintptr_t logp, uintptr_t ent, uintptr_t adv, uintptr_t old, uintptr_t ref,
+                       uintptr_t w, int policy, int kl, bool has_dual, float clip_low, float clip_high,
+                       float dual_clip, float beta, float entropy_coef, uintptr_t loss, uintptr_t g_logp,
+                       uintptr_t g_ent) {
+    const EpilogueParams p = params(policy, kl, old != 0, has_dual, clip_low, clip_high, dual_clip, beta,
+                                    entropy_coef);
+    const float *lp = ptr<const float>(logp), *h = ptr<const float>(ent), *a = ptr<const float>(adv),
+                *o = ptr<const float>(old), *r = ptr<const float>(ref), *ww = ptr<const float>(w);
+    float *l = ptr<float>(loss), *gl = ptr<float>(g_logp), *ge = ptr<float>(g_ent);
+    for (int64_t i = 0; i < n; ++i) {
+      const EpilogueOut e = policy_epilogue(p, lp[i], h[i], a[i], o ? o[i] : 0.0f, r ? r[i] : 0.0f, ww[i]);
+      l[i] = e.loss; gl[i] = e.g_logp; ge[i] = e.g_ent;
+    }
+  }, "Evaluate the shared loss epilogue (policy_epilogue.h) on per-token fp32 arrays (for tests).");
+
+  m.def("advise_hugepages", [](uintptr_t p, int64_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    // Ask for transparent huge pages on a fresh, untouched output buffer: first-touch page faults
+    // of a multi-GB dlogits buffer otherwise cost as much as the kernel itself.
+    const uintptr_t huge = uintptr_t(2) << 20;
+    const uintptr_t start = (p + huge - 1) & ~(huge - 1), end = (p + uintptr_t(nbytes)) & ~(huge - 1);
+    if (end > start) return madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE) == 0;
+#endif
+    (void)p; (void)nbytes;
+    return false;
+  }, py::arg("ptr"), py::arg("nbytes"), "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a buffer");
+
+  m.def("cpu_set_isa", &cpu::set_isa, py::arg("mode"), "0: auto (AVX2 when available), 1: baseline build");
+  m.def("cpu_isa", &cpu::isa_name);
+  m.def("cpu_max_threads", &cpu::max_threads);
+
+#ifdef FRL_WITH_CUDA
+  m.attr("has_cuda") = true;
+  m.def("cuda_device_count", &cuda::device_count);
+  m.def("cuda_token_stats", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                               uintptr_t targets, int tdtype, float inv_tau, uintptr_t logp, uintptr_t ent,
+                               uintptr_t lse, uintptr_t stream) {
+    const StatsArgs a = stats_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, logp, ent, lse, 0);
+    check(cuda::token_stats(a, stream));
+  });
+  m.def("cuda_token_grad", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                              uintptr_t targets, int tdtype, float inv_tau, uintptr_t lse, uintptr_t g_logp,
+                              uintptr_t ent, uintptr_t g_ent, uintptr_t out, int64_t osb, int64_t ost,
+                              uintptr_t stream) {
+    const GradArgs a = grad_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, lse, g_logp, ent, g_ent,
+                                 out, osb, ost, 0);
+    check(cuda::token_grad(a, stream));
+  });
+  m.def("cuda_policy_fused", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                                uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old,
+                                uintptr_t ref, uintptr_t w, int policy, int kl, bool has_dual, float clip_low,
+                                float clip_high, float dual_clip, float beta, float entropy_coef, uintptr_t logp,
+                                uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost, uintptr_t stream) {
+    const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, w, policy,
+                                     kl, has_dual, clip_low, clip_high, dual_clip, beta, entropy_coef, logp, ent,
+                                     out, osb, ost, 0);
+    check(cuda::policy_fused(a, stream));
+  });
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

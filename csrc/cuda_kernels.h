@@ -1,0 +1,18 @@
+// Host-side launchers of the CUDA kernels (implemented in logits_cuda.cu); same argument structs as
+// the CPU kernels, pointers are device pointers, `stream` a cudaStream_t as an integer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cpu_kernels.h"
+
+namespace fused_rl {
+namespace cuda {
+// Each returns an empty string on success, else the CUDA error text.
+std::string token_stats(const StatsArgs& a, uintptr_t stream);
+std::string token_grad(const GradArgs& a, uintptr_t stream);
+std::string policy_fused(const PolicyArgs& a, uintptr_t stream);
+int device_count();
+}  // namespace cuda
+}  // namespace fused_rl

@@ -1,0 +1,349 @@
+// CUDA kernels of the fused logits pass: one block per row, grid-stride over rows (any N, no 65,535
+// limit), 128-bit vectorized loads when a row is 16-byte aligned, warp-shuffle reductions, exp2 with
+// log2(e) folded into the 1/tau scale, fp32 accumulation, the shared epilogue of policy_epilogue.h.
+//
+// In the base-2 domain y = x * (log2(e) / tau), per thread and then per block:
+//   m = max y, s = sum 2^(y - m), u = sum 2^(y - m) (y - m)
+//   lse = ln2 (m + log2 s), logp = ln2 y_t - lse, H = ln2 (log2 s - u / s)
+//   dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau, p = 2^(y - lse2), E[z] - z = -H - (z - lse).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda_kernels.h"
+#include "policy_epilogue.h"
+
+namespace fused_rl {
+namespace cuda {
+namespace {
+
+// 512 threads per row and 2 resident rows per SM: the rows in flight (2 x SMs, e.g. 264 x 128 KiB for
+// fp32 V = 32000 on H100/H200) fit in L2, so the second (gradient) sweep re-reads them from L2.
+constexpr int kThreads = 512;
+constexpr int kRowsPerSm = 2;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <class T> struct Elem;
+template <> struct Elem<float> {
+  static constexpr int kVec = 4;
+  __device__ static float load(const float* p) { return *p; }
+  __device__ static void store(float* p, float v) { *p = v; }
+  __device__ static void load_vec(const float* p, float* v) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+  }
+  __device__ static void store_vec(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+};
+template <> struct Elem<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+  __device__ static void load_vec(const __nv_bfloat16* p, float* v) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }
+  }
+  __device__ static void store_vec(__nv_bfloat16* p, const float* v) {
+    uint4 q;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = q;
+  }
+};
+template <> struct Elem<__half> {
+  static constexpr int kVec = 8;
+  __device__ static float load(const __half* p) { return __half2float(*p); }
+  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
+  __device__ static void load_vec(const __half* p, float* v) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 f = __half22float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }
+  }
+  __device__ static void store_vec(__half* p, const float* v) {
+    uint4 q;
+    __half2* h = reinterpret_cast<__half2*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = q;
+  }
+};
+
+struct Acc {
+  float m, s, u;  // base-2 running max, sum 2^(y-m), sum 2^(y-m) (y-m)
+};
+
+__device__ __forceinline__ Acc acc_empty() { return Acc{-INFINITY, 0.0f, 0.0f}; }
+
+// Add a group of values y[0..n) (base-2 domain) to the accumulator: one rescale per group.
+template <int N>
+__device__ __forceinline__ void acc_add(Acc& a, const float* y) {
+  float gm = y[0];
+#pragma unroll
+  for (int i = 1; i < N; ++i) gm = fmaxf(gm, y[i]);
+  if (gm > a.m) {
+    if (a.m != -INFINITY) {
+      const float d = a.m - gm;
+      const float sc = exp2f(d);
+      a.u = sc * (a.u + a.s * d);
+      a.s *= sc;
+    }
+    a.m = gm;
+  }
+  if (a.m == -INFINITY) return;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float d = y[i] - a.m;
+    const float e = exp2f(d);  // exp2(-inf) = 0
+    a.s += e;
+    a.u += (e > 0.0f) ? e * d : 0.0f;
+  }
+}
+
+__device__ __forceinline__ Acc acc_merge(Acc a, Acc b) {
+  if (b.m == -INFINITY) return a;
+  if (a.m == -INFINITY) return b;
+  const float m = fmaxf(a.m, b.m);
+  const float da = a.m - m, db = b.m - m;
+  const float ea = exp2f(da), eb = exp2f(db);
+  return Acc{m, a.s * ea + b.s * eb, ea * (a.u + a.s * da) + eb * (b.u + b.s * db)};
+}
+
+__device__ __forceinline__ Acc warp_merge(Acc a) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    Acc b;
+    b.m = __shfl_xor_sync(0xffffffffu, a.m, off);
+    b.s = __shfl_xor_sync(0xffffffffu, a.s, off);
+    b.u = __shfl_xor_sync(0xffffffffu, a.u, off);
+    a = acc_merge(a, b);
+  }
+  return a;
+}
+
+// Block-wide (m, s, u) of one row; every thread gets the result.
+template <class T>
+__device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
+  using E = Elem<T>;
+  constexpr int VEC = E::kVec;
+  Acc a = acc_empty();
+  int64_t start = 0;
+  if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+    const int64_t nvec = V / VEC;
+    for (int64_t k = threadIdx.x; k < nvec; k += blockDim.x) {
+      float v[VEC];
+      E::load_vec(row + k * VEC, v);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] *= scale2;
+      acc_add<VEC>(a, v);
+    }
+    start = nvec * VEC;
+  }
+  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) {
+    float v[1] = {E::load(row + j) * scale2};
+    acc_add<1>(a, v);
+  }
+  a = warp_merge(a);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) smem[warp] = a;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x >> 5;
+    Acc b = lane < nw ? smem[lane] : acc_empty();
+    b = warp_merge(b);
+    if (lane == 0) smem[32] = b;
+  }
+  __syncthreads();
+  const Acc r = smem[32];
+  __syncthreads();  // smem is reused by the next row
+  return r;
+}
+
+// dlogits of one row (out may alias row: each element is read before it is written by the same thread).
+template <class T>
+__device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float inv_tau, float lse2, float H,
+                         float g_logp, float g_ent, int64_t target) {
+  using E = Elem<T>;
+  constexpr int VEC = E::kVec;
+  const float cgl = g_logp * inv_tau, cge = g_ent * inv_tau;
+  const float lse = lse2 * kLn2;
+  int64_t start = 0;
+  if (((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
+    const int64_t nvec = V / VEC;
+    for (int64_t k = threadIdx.x; k < nvec; k += blockDim.x) {
+      float v[VEC];
+      E::load_vec(row + k * VEC, v);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float y = v[i] * scale2;
+        const float p = exp2f(y - lse2);
+        const float dz = y * kLn2 - lse;  // z - lse
+        float g = (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
+        if (k * VEC + i == target) g += cgl;
+        v[i] = g;
+      }
+      E::store_vec(out + k * VEC, v);
+    }
+    start = nvec * VEC;
+  }
+  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) {
+    const float y = E::load(row + j) * scale2;
+    const float p = exp2f(y - lse2);
+    const float dz = y * kLn2 - lse;
+    float g = (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
+    if (j == target) g += cgl;
+    E::store(out + j, g);
+  }
+}
+
+template <class T>
+__device__ void row_zero(T* out, int64_t V) {
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) Elem<T>::store(out + j, 0.0f);
+}
+
+__device__ __forceinline__ int64_t target_at(const void* t, int tdtype, int64_t i) {
+  return tdtype == kInt32 ? int64_t(static_cast<const int32_t*>(t)[i]) : static_cast<const int64_t*>(t)[i];
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
+  __shared__ Acc smem[33];
+  const T* x = static_cast<const T*>(a.in.x);
+  const int64_t N = a.in.B * a.in.T, V = a.in.V;
+  const float scale2 = a.inv_tau * kLog2e;
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const int64_t t = target_at(a.targets, a.tdtype, i);
+    if (t == kIgnoreIndex) {
+      if (threadIdx.x == 0) { a.logp[i] = 0.0f; a.lse[i] = 0.0f; if (a.ent) a.ent[i] = 0.0f; }
+      continue;
+    }
+    const T* row = x + (i / a.in.T) * a.in.sb + (i % a.in.T) * a.in.st;
+    const Acc r = row_reduce<T>(row, V, scale2, smem);
+    if (threadIdx.x == 0) {
+      const float l2s = log2f(r.s);
+      const float lse = (r.m + l2s) * kLn2;
+      const float zt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * a.inv_tau : NAN;
+      a.logp[i] = zt - lse;
+      a.lse[i] = lse;
+      if (a.ent) a.ent[i] = kLn2 * (l2s - r.u / r.s);
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
+  const T* x = static_cast<const T*>(a.in.x);
+  T* out = static_cast<T*>(a.out);
+  const int64_t N = a.in.B * a.in.T, V = a.in.V;
+  const float scale2 = a.inv_tau * kLog2e;
+  const bool with_ent = a.ent != nullptr && a.g_ent != nullptr;
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const int64_t b = i / a.in.T, tt = i % a.in.T;
+    T* orow = out + b * a.osb + tt * a.ost;
+    const int64_t t = target_at(a.targets, a.tdtype, i);
+    const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
+    if (t == kIgnoreIndex || (gl == 0.0f && ge == 0.0f)) { row_zero<T>(orow, V); continue; }
+    const T* row = x + b * a.in.sb + tt * a.in.st;
+    row_grad<T>(row, orow, V, scale2, a.inv_tau, a.lse[i] * kLog2e, with_ent ? a.ent[i] : 0.0f, gl, ge, t);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
+  __shared__ Acc smem[33];
+  __shared__ float coef[4];
+  const T* x = static_cast<const T*>(a.in.x);
+  T* out = static_cast<T*>(a.out);
+  const int64_t N = a.in.B * a.in.T, V = a.in.V;
+  const float scale2 = a.inv_tau * kLog2e;
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const int64_t b = i / a.in.T, tt = i % a.in.T;
+    T* orow = out + b * a.osb + tt * a.ost;
+    const int64_t t = target_at(a.targets, a.tdtype, i);
+    if (t == kIgnoreIndex) {
+      if (threadIdx.x == 0) { a.logp[i] = 0.0f; a.ent[i] = 0.0f; }
+      row_zero<T>(orow, V);
+      continue;
+    }
+    const T* row = x + b * a.in.sb + tt * a.in.st;
+    const Acc r = row_reduce<T>(row, V, scale2, smem);
+    if (threadIdx.x == 0) {
+      const float l2s = log2f(r.s);
+      const float lse2 = r.m + l2s;
+      const float zt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * a.inv_tau : NAN;
+      const float logp = zt - lse2 * kLn2;
+      const float H = kLn2 * (l2s - r.u / r.s);
+      a.logp[i] = logp;
+      a.ent[i] = H;
+      const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
+                                            a.ref ? a.ref[i] : 0.0f, a.w[i]);
+      coef[0] = lse2; coef[1] = H; coef[2] = e.g_logp; coef[3] = e.g_ent;
+    }
+    __syncthreads();
+    const float lse2 = coef[0], H = coef[1], gl = coef[2], ge = coef[3];
+    __syncthreads();
+    if (gl == 0.0f && ge == 0.0f) row_zero<T>(orow, V);
+    else row_grad<T>(row, orow, V, scale2, a.inv_tau, lse2, H, gl, ge, t);
+  }
+}
+
+int grid_for(int64_t rows) {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    sms = 108;
+  const int64_t g = int64_t(sms) * kRowsPerSm;
+  return int(rows < g ? (rows > 0 ? rows : 1) : g);
+}
+
+std::string last_error() {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? std::string() : std::string(cudaGetErrorString(e));
+}
+
+template <class Args>
+std::string launch(const Args& a, uintptr_t stream, void (*f32)(Args), void (*bf16)(Args), void (*f16)(Args)) {
+  const int64_t rows = a.in.B * a.in.T;
+  if (rows == 0) return std::string();
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const int grid = grid_for(rows);
+  switch (a.in.dtype) {
+    case kFloat32: f32<<<grid, kThreads, 0, s>>>(a); break;
+    case kBFloat16: bf16<<<grid, kThreads, 0, s>>>(a); break;
+    default: f16<<<grid, kThreads, 0, s>>>(a); break;
+  }
+  return last_error();
+}
+
+}  // namespace
+
+std::string token_stats(const StatsArgs& a, uintptr_t stream) {
+  return launch(a, stream, stats_kernel<float>, stats_kernel<__nv_bfloat16>, stats_kernel<__half>);
+}
+
+std::string token_grad(const GradArgs& a, uintptr_t stream) {
+  return launch(a, stream, grad_kernel<float>, grad_kernel<__nv_bfloat16>, grad_kernel<__half>);
+}
+
+std::string policy_fused(const PolicyArgs& a, uintptr_t stream) {
+  return launch(a, stream, policy_kernel<float>, policy_kernel<__nv_bfloat16>, policy_kernel<__half>);
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error (no driver / no device)
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace cuda
+}  // namespace fused_rl

@@ -1,0 +1,373 @@
+"""The ``"cpu"`` and ``"cuda"`` backends: the compiled kernels of ``csrc/`` (module ``fused_rl._C``).
+
+The extension takes raw data pointers, sizes, strides (in elements), dtype codes and, on CUDA, the
+current stream; every output is allocated here with torch, so one build works with any torch
+version. The kernels are wrapped as ``torch.library`` custom ops with fake implementations and
+autograd formulas (the pattern of :mod:`fused_rl.backends.torch_chunked`), so ``torch.compile``
+sees opaque calls.
+
+Per row (``z = logits / tau``): ``lse = logsumexp(z)``, ``logp = z_target - lse``, ``H = lse - E[z]``;
+``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``.
+
+``policy_loss`` (token-level configs) is a single pass: the kernel evaluates the closed-form
+epilogue of ``csrc/policy_epilogue.h`` per token (``g_logp = w dl/dlogp``, ``g_H = w dl/dH`` with the
+aggregation weights ``w`` of :func:`fused_rl.loss_math.aggregation_weights`) and writes ``dlogits``
+in the forward (over ``logits`` with ``inplace=True``); the loss value and metrics are then computed
+by :func:`fused_rl.loss_math.compute_policy_loss` from the kernel's per-token log-probs. The backward
+only scales the stored ``dlogits`` by the incoming gradient (in place: a second backward through the
+same graph is not supported). Sequence-level configs (gspo) use the two-pass base composition.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..config import IGNORE_INDEX, PolicyLossConfig
+from ..loss_math import aggregation_weights, compute_policy_loss
+from ..outputs import PolicyLossOutput
+from ..validation import PolicyInputs
+from . import register, register_missing
+from .base import Backend
+
+try:
+    from .. import _C  # type: ignore[attr-defined]
+    LOAD_ERROR: Optional[str] = None
+except ImportError as exc:  # not built, or built for another Python / platform
+    import importlib.util
+
+    _C = None
+    _spec = importlib.util.find_spec("fused_rl._C")
+    if _spec is None:
+        LOAD_ERROR = ("the native extension fused_rl._C is not built in this installation (building it needs g++ "
+                      "with OpenMP at install time; see the pip log, or run `python setup.py build_ext --inplace`)")
+    else:
+        LOAD_ERROR = f"the native extension {_spec.origin} failed to load: {exc}"
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_INDEX_CODES = {torch.int32: 0, torch.int64: 1}
+POLICY_CODES = {"ppo_clip": 0, "gspo": 1, "cispo": 2, "reinforce": 3}
+KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
+
+#: Threads of the CPU kernels; ``None`` follows ``torch.get_num_threads()``.
+_NUM_THREADS: Optional[int] = None
+
+
+def set_num_threads(n: Optional[int]) -> None:
+    """Thread count of the CPU kernels (``None``: ``torch.get_num_threads()``). Results do not depend on it."""
+    global _NUM_THREADS
+    _NUM_THREADS = None if n is None else int(n)
+
+
+def _threads() -> int:
+    return _NUM_THREADS if _NUM_THREADS is not None else torch.get_num_threads()
+
+
+def _rows(logits: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, int]:
+    """``(x, B, T, V, stride_b, stride_t)`` describing the rows of ``(..., V)`` logits without a copy
+    when possible."""
+    vocab = logits.shape[-1]
+    if logits.dim() == 2:
+        return logits, 1, logits.shape[0], vocab, 0, logits.stride(0)
+    if logits.dim() > 3:
+        try:
+            logits = logits.view(-1, logits.shape[-2], vocab)
+        except RuntimeError:
+            logits = logits.reshape(-1, logits.shape[-2], vocab)
+    b, t = logits.shape[0], logits.shape[1]
+    return logits, b, t, vocab, logits.stride(0), logits.stride(1)
+
+
+def _ptr(x: Optional[torch.Tensor]) -> int:
+    return 0 if x is None else x.data_ptr()
+
+
+def _stream(x: torch.Tensor) -> int:
+    return torch.cuda.current_stream(x.device).cuda_stream
+
+
+#: With ``FUSED_RL_HUGEPAGES=1``, CPU output buffers at least this large are advised to use
+#: transparent huge pages before first touch. First-touch page faults of a fresh dlogits buffer can
+#: cost as much as the kernel; huge pages remove most of that, but where the kernel compacts memory
+#: on demand (THP defrag=madvise) some calls stall instead, so it is opt-in (see docs/native.md).
+HUGEPAGE_MIN_BYTES = 1 << 25
+USE_HUGEPAGES = os.environ.get("FUSED_RL_HUGEPAGES", "0") == "1"
+
+
+def _new_output(shape, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized output buffer (optionally with transparent huge pages, see USE_HUGEPAGES)."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    nbytes = out.numel() * out.element_size()
+    if USE_HUGEPAGES and out.device.type == "cpu" and nbytes >= HUGEPAGE_MIN_BYTES:
+        _C.advise_hugepages(out.data_ptr(), nbytes)
+    return out
+
+
+def _f32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.detach().to(torch.float32).contiguous()
+
+
+# ---------------------------------------------------------------- token_logprobs: stats + grad ops
+@torch.library.custom_op("fused_rl::native_token_stats", mutates_args=())
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat fp32 ``(logp, entropy, lse)`` of length ``N``; ``entropy`` empty unless ``with_entropy``."""
+    x, b, t, v, sb, st = _rows(logits)
+    n = targets.numel()
+    tg = targets.reshape(-1).contiguous()
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+    args = (x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, tg.data_ptr(), _INDEX_CODES[tg.dtype],
+            1.0 / temperature, logp.data_ptr(), entropy.data_ptr() if with_entropy else 0, lse.data_ptr())
+    if logits.is_cuda:
+        with torch.cuda.device(logits.device):
+            _C.cuda_token_stats(*args, _stream(logits))
+    else:
+        _C.cpu_token_stats(*args, _threads())
+    return logp, entropy, lse
+
+
+@token_stats.register_fake
+def _(logits, targets, temperature, with_entropy):
+    n = targets.numel()
+    f = torch.float32
+    return logits.new_empty(n, dtype=f), logits.new_empty(n if with_entropy else 0, dtype=f), logits.new_empty(n, dtype=f)
+
+
+@torch.library.custom_op("fused_rl::native_token_grad", mutates_args=())
+def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
+               entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+               temperature: float) -> torch.Tensor:
+    """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, contiguous, in the logits dtype."""
+    x, b, t, v, sb, st = _rows(logits)
+    out = _new_output(logits.shape, logits)
+    tg = targets.reshape(-1).contiguous()
+    gl = _f32(g_logp)
+    with_ent = entropy is not None and g_entropy is not None
+    ent = _f32(entropy) if with_ent else None
+    ge = _f32(g_entropy) if with_ent else None
+    args = (x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, tg.data_ptr(), _INDEX_CODES[tg.dtype],
+            1.0 / temperature, lse.data_ptr(), gl.data_ptr(), _ptr(ent), _ptr(ge), out.data_ptr(), t * v, v)
+    if logits.is_cuda:
+        with torch.cuda.device(logits.device):
+            _C.cuda_token_grad(*args, _stream(logits))
+    else:
+        _C.cpu_token_grad(*args, _threads())
+    return out
+
+
+@token_grad.register_fake
+def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _stats_setup_context(ctx, inputs, output):
+    logits, targets, temperature, with_entropy = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, targets, entropy, lse)
+    ctx.temperature = temperature
+    ctx.with_entropy = with_entropy
+    ctx.mark_non_differentiable(lse)
+
+
+def _stats_backward(ctx, g_logp, g_entropy, g_lse):
+    logits, targets, entropy, lse = ctx.saved_tensors
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if not ctx.with_entropy:
+        entropy = g_entropy = None
+    return token_grad(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
+
+
+token_stats.register_autograd(_stats_backward, setup_context=_stats_setup_context)
+
+
+# ---------------------------------------------------------------- single-pass policy loss
+def _policy_args(x, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip, beta,
+                 entropy_coef, temperature, logp, ent, out, osb, ost):
+    xr, b, t, v, sb, st = _rows(x)
+    return (xr.data_ptr(), _DTYPE_CODES[xr.dtype], b, t, v, sb, st, targets.data_ptr(), _INDEX_CODES[targets.dtype],
+            1.0 / temperature, adv.data_ptr(), _ptr(old), _ptr(ref), w.data_ptr(), policy, kl, has_dual,
+            clip_low, clip_high, dual_clip, beta, entropy_coef, logp.data_ptr(), ent.data_ptr(), out.data_ptr(),
+            osb, ost)
+
+
+def _launch_policy(x: torch.Tensor, args: tuple) -> None:
+    if x.is_cuda:
+        with torch.cuda.device(x.device):
+            _C.cuda_policy_fused(*args, _stream(x))
+    else:
+        _C.cpu_policy_fused(*args, _threads())
+
+
+@torch.library.custom_op("fused_rl::native_policy_fwd", mutates_args=())
+def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
+               ref: Optional[torch.Tensor], w: torch.Tensor, policy: int, kl: int, has_dual: bool,
+               clip_low: float, clip_high: float, dual_clip: float, beta: float, entropy_coef: float,
+               temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token fp32 ``(logp, entropy)`` (flat) and ``dlogits`` of ``sum_t w_t l_t`` (contiguous,
+    logits dtype). ``targets`` must be ``IGNORE_INDEX`` wherever the mask is off; per-token tensors are
+    contiguous fp32 of ``B*T`` elements."""
+    n = targets.numel()
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    ent = torch.empty(n, dtype=torch.float32, device=logits.device)
+    out = _new_output(logits.shape, logits)
+    v = logits.shape[-1]
+    args = _policy_args(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip,
+                        beta, entropy_coef, temperature, logp, ent, out, logits.shape[1] * v, v)
+    _launch_policy(logits, args)
+    return logp, ent, out
+
+
+@policy_fwd.register_fake
+def _(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip, beta,
+      entropy_coef, temperature):
+    n = targets.numel()
+    return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32),
+            torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
+
+
+@torch.library.custom_op("fused_rl::native_policy_fwd_inplace", mutates_args=("logits",))
+def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
+                       ref: Optional[torch.Tensor], w: torch.Tensor, policy: int, kl: int, has_dual: bool,
+                       clip_low: float, clip_high: float, dual_clip: float, beta: float, entropy_coef: float,
+                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`policy_fwd`, writing ``dlogits`` over ``logits`` (same strides)."""
+    n = targets.numel()
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    ent = torch.empty(n, dtype=torch.float32, device=logits.device)
+    args = _policy_args(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip,
+                        beta, entropy_coef, temperature, logp, ent, logits, logits.stride(0), logits.stride(1))
+    _launch_policy(logits, args)
+    return logp, ent
+
+
+@policy_fwd_inplace.register_fake
+def _(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip, beta,
+      entropy_coef, temperature):
+    n = targets.numel()
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fused_rl::native_scale_grad_", mutates_args=("grad",))
+def scale_grad_(grad: torch.Tensor, g: torch.Tensor) -> None:
+    """``grad *= g`` in place (skipped on CPU when ``g == 1``, the usual ``loss.backward()``)."""
+    if grad.is_cuda or float(g) != 1.0:
+        grad.mul_(g.to(grad.dtype))
+
+
+@scale_grad_.register_fake
+def _(grad, g):
+    return None
+
+
+@torch.library.custom_op("fused_rl::native_attach_grad", mutates_args=())
+def attach_grad(loss: torch.Tensor, logits: torch.Tensor, dlogits: torch.Tensor) -> torch.Tensor:
+    """Returns ``loss``; its gradient w.r.t. ``logits`` is the precomputed ``dlogits`` (times the
+    incoming gradient)."""
+    return loss.clone()
+
+
+@attach_grad.register_fake
+def _(loss, logits, dlogits):
+    return torch.empty_like(loss)
+
+
+def _attach_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _attach_backward(ctx, g):
+    (dlogits,) = ctx.saved_tensors
+    scale_grad_(dlogits, g)
+    return None, dlogits, None
+
+
+attach_grad.register_autograd(_attach_backward, setup_context=_attach_setup_context)
+
+
+def _is_compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except AttributeError:
+        return False
+
+
+class NativeBackend(Backend):
+    """Shared body of the ``cpu`` and ``cuda`` backends (the device decides which kernels run)."""
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def token_logprobs(self, logits, targets, temperature, return_entropy):
+        logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
+        lead = targets.shape
+        return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
+
+    def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
+                    compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
+        if config.is_sequence_level or not (torch.is_grad_enabled() and logits.requires_grad):
+            return super().policy_loss(logits, inputs, config, compute_entropy, inplace)
+        batch, length, _ = logits.shape
+        mask = inputs.mask
+        targets = torch.where(mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX)).contiguous()
+        w = aggregation_weights(mask, config, inputs.token_normalizer).to(torch.float32).contiguous()
+        adv = _f32(inputs.advantages)
+        old = _f32(inputs.old)
+        ref = _f32(inputs.ref) if config.kl is not None else None
+        params = (POLICY_CODES[config.policy_loss], KL_CODES[config.kl], config.dual_clip is not None,
+                  config.clip_low, config.clip_high, config.dual_clip or 0.0, config.beta, config.entropy_coef,
+                  config.temperature)
+        x = logits.detach()
+        # In place only over a non-leaf buffer (model output): a leaf would end up aliasing its own .grad.
+        if inplace and not logits.is_leaf and not _is_compiling():
+            logp, ent = policy_fwd_inplace(x, targets, adv, old, ref, w, *params)
+            dlogits = x
+        else:
+            logp, ent, dlogits = policy_fwd(x, targets, adv, old, ref, w, *params)
+        logp = logp.view(batch, length)
+        want_entropy = compute_entropy or config.needs_entropy_grad
+        entropy = ent.view(batch, length) if want_entropy else None
+        value, metrics = compute_policy_loss(logp, inputs.advantages, mask, config, old_logprobs=inputs.old,
+                                             ref_logprobs=inputs.ref, entropy=entropy,
+                                             token_normalizer=inputs.token_normalizer)
+        loss = attach_grad(value, logits, dlogits)
+        return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=metrics)
+
+
+class CpuBackend(NativeBackend):
+    """C++ kernels on CPU tensors (OpenMP over rows, AVX2 when the CPU has it)."""
+
+    name = "cpu"
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        if device.type != "cpu":
+            return f"the 'cpu' backend runs on CPU tensors only, not {device.type}"
+        return None
+
+
+class CudaBackend(NativeBackend):
+    """Hand-written CUDA kernels (one block per row) on CUDA tensors."""
+
+    name = "cuda"
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        if device.type != "cuda":
+            return f"the 'cuda' backend runs on CUDA tensors only, not {device.type}"
+        if _C.cuda_device_count() <= 0:
+            return "the CUDA kernels of fused_rl._C see no CUDA device (driver missing or too old?)"
+        return None
+
+
+if _C is None:
+    register_missing("cpu", LOAD_ERROR)
+    register_missing("cuda", LOAD_ERROR)
+else:
+    register(CpuBackend())
+    if getattr(_C, "has_cuda", False):
+        register(CudaBackend())
+    else:
+        register_missing("cuda", "fused_rl._C was built without its CUDA kernels (nvcc was not found at build "
+                                 "time, or FUSED_RL_CUDA=0); reinstall with nvcc on PATH or FUSED_RL_CUDA=1")

@@ -1,0 +1,266 @@
+"""Triton backend (``backend="triton"``): the vocabulary work in Triton kernels (``fused_rl.kernels``).
+
+* :meth:`TritonBackend.token_logprobs`: two passes. Forward (stats kernel, one read of the logits)
+  saves per-row ``lse`` (and ``H``); backward (grad kernel, one read + one write) computes
+  ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` for arbitrary upstream gradients.
+* :meth:`TritonBackend.policy_loss`, every token-level config (all but ``policy_loss="gspo"``):
+  one kernel runs the stats loop, the loss epilogue (:mod:`fused_rl.kernels.epilogue`) and writes
+  ``dlogits = d loss / d logits`` in the forward (over the logits with ``inplace=True``); the
+  backward only scales it by ``grad_output`` in place, on the device (a no-op when it is 1, with no
+  host sync). gspo uses the base-class composition on top of :meth:`token_logprobs`.
+
+The loss value is ``sum_t (w_t l_t)`` of the kernel's per-token values (``w`` from
+:func:`fused_rl.loss_math.aggregation_weights`, computed in torch, O(N)); the metrics are
+:func:`fused_rl.loss_math.metrics` applied to the kernel's per-token ratio / KL / entropy (O(N) torch).
+
+Every kernel call is a ``torch.library`` custom op with a fake implementation, so
+``torch.compile(fullgraph=True)`` sees opaque calls. The kernels are imported on first use, so that
+``TRITON_INTERPRET=1`` set before that (e.g. by a test module) takes effect.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from ..config import IGNORE_INDEX, PolicyLossConfig
+from ..loss_math import aggregation_weights, metrics as loss_metrics
+from ..outputs import PolicyLossOutput
+from ..validation import PolicyInputs
+from . import register, register_missing
+from .base import Backend
+
+# triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
+# functions, so an early import (e.g. at `import fused_rl` during test collection) would break the
+# interpreter for a test module that sets the variable afterwards.
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["triton"] is None
+        return False
+
+
+_INSTALLED = _installed()
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising something else
+        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _kernels():
+    from ..kernels import logits
+
+    return logits
+
+
+# --------------------------------------------------------------------------- token_logprobs ops
+@torch.library.custom_op("fused_rl::triton_token_stats", mutates_args=())
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat fp32 ``(logp, entropy, lse)``; ``entropy`` empty unless ``with_entropy``."""
+    return _kernels().token_stats(logits, targets, temperature, with_entropy)
+
+
+@token_stats.register_fake
+def _(logits, targets, temperature, with_entropy):
+    n = targets.numel()
+    return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n if with_entropy else 0, dtype=torch.float32),
+            logits.new_empty(n, dtype=torch.float32))
+
+
+@torch.library.custom_op("fused_rl::triton_token_grad", mutates_args=())
+def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
+               entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+               temperature: float) -> torch.Tensor:
+    """Contiguous dlogits in the logits dtype and shape."""
+    return _kernels().token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature)
+
+
+@token_grad.register_fake
+def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _stats_setup_context(ctx, inputs, output):
+    logits, targets, temperature, with_entropy = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, targets, entropy, lse)
+    ctx.temperature = temperature
+    ctx.with_entropy = with_entropy
+    ctx.mark_non_differentiable(lse)
+
+
+def _stats_backward(ctx, g_logp, g_entropy, g_lse):
+    logits, targets, entropy, lse = ctx.saved_tensors
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if not ctx.with_entropy:
+        entropy = g_entropy = None
+    return token_grad(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
+
+
+token_stats.register_autograd(_stats_backward, setup_context=_stats_setup_context)
+
+
+# --------------------------------------------------------------------------- single-pass policy loss ops
+def _epilogue(policy: int, clip_low: float, clip_high: float, dual_clip: Optional[float], kl: int, beta: float,
+              entropy_coef: float, on_policy: bool) -> dict:
+    return dict(clip_low=clip_low, clip_high=clip_high, dual_clip=0.0 if dual_clip is None else dual_clip,
+                beta=beta, entropy_coef=entropy_coef, POLICY=policy, HAS_DUAL=dual_clip is not None, KL=kl,
+                ADD_KL=kl != 0 and beta != 0.0, ADD_ENT=entropy_coef != 0.0, ON_POLICY=on_policy)
+
+
+def _fake_token_outputs(logits, targets, kl, with_entropy):
+    n = targets.numel()
+    new = lambda k: logits.new_empty(k, dtype=torch.float32)
+    return new(n), new(n if with_entropy else 0), new(n), new(n), new(n if kl != 0 else 0)
+
+
+@torch.library.custom_op("fused_rl::triton_policy_fwd", mutates_args=())
+def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+               old: Optional[torch.Tensor], ref: Optional[torch.Tensor], temperature: float, policy: int,
+               clip_low: float, clip_high: float, dual_clip: Optional[float], kl: int, beta: float,
+               entropy_coef: float, with_entropy: bool, write_grad: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat fp32 ``(logp, entropy, w * l, ratio, kl)`` and the contiguous ``dlogits`` (empty unless
+    ``write_grad``) of the single-pass kernel; ``targets`` flat, IGNORE_INDEX at masked positions."""
+    epi = _epilogue(policy, clip_low, clip_high, dual_clip, kl, beta, entropy_coef, old is None)
+    out = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
+    outs = _kernels().policy_fused(logits, targets, advantages, weights, old, ref, out, temperature, epi,
+                                   with_entropy, write_grad)
+    return (*outs, out)
+
+
+@policy_fwd.register_fake
+def _(logits, targets, advantages, weights, old, ref, temperature, policy, clip_low, clip_high, dual_clip, kl,
+      beta, entropy_coef, with_entropy, write_grad):
+    out = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
+    return (*_fake_token_outputs(logits, targets, kl, with_entropy), out)
+
+
+@torch.library.custom_op("fused_rl::triton_policy_fwd_inplace", mutates_args=("logits",))
+def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
+                       weights: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+                       temperature: float, policy: int, clip_low: float, clip_high: float,
+                       dual_clip: Optional[float], kl: int, beta: float, entropy_coef: float, with_entropy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``triton_policy_fwd`` but writes ``dlogits`` over ``logits`` (each block is read before it is
+    overwritten by the same program)."""
+    epi = _epilogue(policy, clip_low, clip_high, dual_clip, kl, beta, entropy_coef, old is None)
+    return _kernels().policy_fused(logits, targets, advantages, weights, old, ref, logits, temperature, epi,
+                                   with_entropy, True)
+
+
+@policy_fwd_inplace.register_fake
+def _(logits, targets, advantages, weights, old, ref, temperature, policy, clip_low, clip_high, dual_clip, kl,
+      beta, entropy_coef, with_entropy):
+    return _fake_token_outputs(logits, targets, kl, with_entropy)
+
+
+@torch.library.custom_op("fused_rl::triton_scale_", mutates_args=("x",))
+def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
+    """``x *= g`` in place on the device (``g`` one element); reads nothing of ``x`` when ``g == 1``."""
+    _kernels().scale_(x, g)
+
+
+@scale_.register_fake
+def _(x, g):
+    return None
+
+
+@torch.library.custom_op("fused_rl::triton_attach_grad", mutates_args=())
+def attach_grad(loss_terms: torch.Tensor, logits: torch.Tensor, dlogits: torch.Tensor) -> torch.Tensor:
+    """``sum(loss_terms)``, whose gradient w.r.t. ``logits`` is ``grad_output * dlogits`` (precomputed)."""
+    return loss_terms.sum()
+
+
+@attach_grad.register_fake
+def _(loss_terms, logits, dlogits):
+    return loss_terms.new_empty(())
+
+
+def _attach_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+    ctx.consumed = False
+
+
+def _attach_backward(ctx, grad):
+    if ctx.consumed:
+        raise RuntimeError("the single-pass triton policy loss scales its stored gradient in place: "
+                           "it supports one backward only (use retain_graph-free training, or backend='torch')")
+    ctx.consumed = True
+    (dlogits,) = ctx.saved_tensors
+    scale_(dlogits, grad)
+    return None, dlogits, None
+
+
+attach_grad.register_autograd(_attach_backward, setup_context=_attach_setup_context)
+
+
+_POLICY_CODES = {"ppo_clip": 0, "cispo": 1, "reinforce": 2}
+_KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
+
+
+class TritonBackend(Backend):
+    """Triton kernels on CUDA (or on the CPU interpreter with ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        kind = torch.device(device).type
+        if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return (f"Triton kernels need a CUDA device, not {kind!r} "
+                    "(set TRITON_INTERPRET=1 before the first use to run them in the slow CPU interpreter)")
+        return _import_error()
+
+    def token_logprobs(self, logits, targets, temperature, return_entropy):
+        logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
+        lead = targets.shape
+        return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
+
+    def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
+                    compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
+        """Single pass for token-level configs; gspo (sequence ratio) falls back to the composition."""
+        if config.is_sequence_level:
+            return super().policy_loss(logits, inputs, config, compute_entropy, inplace)
+        batch, length, _ = logits.shape
+        mask = inputs.mask
+        targets = torch.where(mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX)).reshape(-1)
+        weights = aggregation_weights(mask, config, inputs.token_normalizer).reshape(-1).contiguous()
+        flat = lambda x: None if x is None else x.to(torch.float32).reshape(-1).contiguous()
+        adv, old = flat(inputs.advantages), flat(inputs.old)
+        ref = flat(inputs.ref) if config.kl is not None else None
+        want_entropy = bool(compute_entropy or config.needs_entropy_grad)
+        write_grad = logits.requires_grad and torch.is_grad_enabled()
+        args = (targets.contiguous(), adv, weights, old, ref, float(config.temperature),
+                _POLICY_CODES[config.policy_loss], float(config.clip_low), float(config.clip_high),
+                config.dual_clip, _KL_CODES[config.kl], float(config.beta), float(config.entropy_coef), want_entropy)
+        x = logits.detach()
+        if inplace and write_grad:
+            logp, entropy, loss_terms, ratio, kl = policy_fwd_inplace(x, *args)
+            dlogits = x
+        else:
+            logp, entropy, loss_terms, ratio, kl, dlogits = policy_fwd(x, *args, write_grad)
+        loss = attach_grad(loss_terms, logits, dlogits) if write_grad else loss_terms.sum()
+        shape = (batch, length)
+        logp = logp.view(shape)
+        entropy = entropy.view(shape) if want_entropy else None
+        kl = kl.view(shape) if config.kl is not None else None
+        mets = loss_metrics(ratio.view(shape), inputs.advantages, mask, config, kl, entropy)
+        return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=mets)
+
+
+if _INSTALLED:
+    register(TritonBackend())
+else:
+    register_missing("triton", "the triton package is not installed (pip install 'fused_rl[gpu]')")

@@ -1,0 +1,318 @@
+"""Triton kernels over vocabulary logits ``(B, T, V)`` (any ``stride(0)``, ``stride(1)``; unit stride along V).
+
+One program per row ``n = b * T + t`` on grid axis 0 (up to 2^31 - 1 rows, no 65,535 limit); all
+pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 whatever the input dtype:
+
+* **stats** (one read of the row): online ``m = max z``, ``s = sum exp(z - m)`` and
+  ``q = sum exp(z - m) (z - m)`` over blocks of ``BLOCK_V`` (``m`` starts at ``-inf``, masked lanes
+  load ``-inf``), giving ``lse = m + log s``, ``logp = z_target - lse`` and
+  ``H = -sum p log p = log s - q / s``;
+* **grad** (one read + one write): ``dlogits_j = (g_logp (onehot_j - p_j) + g_H p_j (E[z] - z_j)) / tau``
+  with ``p_j = exp(z_j - lse)`` and ``E[z] = lse - H``, from the saved per-row ``lse`` (and ``H``);
+* **fused policy loss** (stats loop, then the epilogue of :mod:`fused_rl.kernels.epilogue` on the
+  row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): writes the
+  per-token ``logp, H, w l, r, kl`` and ``dlogits`` (optionally over the logits themselves).
+
+Rows whose target is ``IGNORE_INDEX`` (the callers also set it at masked positions) read nothing and
+get ``logp = H = 0`` and zero ``dlogits``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .epilogue import token_epilogue
+
+IGNORE_INDEX = tl.constexpr(-100)  # compiled Triton reads only constexpr globals
+
+#: Upper bound of BLOCK_V (None: the heuristic of :func:`block_config`). Tests set a small value.
+MAX_BLOCK_V: Optional[int] = None
+#: Cap on the number of programs (grid axis 0); each program loops over row tiles ``pid, pid + grid, ...``.
+#: None: one program per tile. A cap of a few programs per SM bounds the rows in flight, so the second
+#: read of a row (the gradient loop) can hit L2; ``bench/gpu_logits_bench.py`` measures both.
+MAX_PROGRAMS: Optional[int] = None
+#: Override of num_warps (None: the heuristic of :func:`block_config`).
+NUM_WARPS: Optional[int] = None
+#: Elements of one ``BLOCK_N x BLOCK_V`` tile: small vocabularies get several rows per program.
+TILE_ELEMENTS = 4096
+
+
+def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 8192 vocabulary entries for 2-byte logits and
+    4096 for fp32 (16 KiB per row block load, 16-32 elements per thread), i.e. 19 / 38 blocks per row at
+    V = 151936 with one row per program; ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per
+    program for small vocabularies; 4 warps up to 1024 elements per tile, 8 up to 4096, 16 above."""
+    cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else (8192 if dtype.itemsize <= 2 else 4096)
+    block = max(min(triton.next_power_of_2(vocab), triton.next_power_of_2(cap)), 16)
+    rows = max(1, TILE_ELEMENTS // block)
+    tile = rows * block
+    warps = 4 if tile <= 1024 else (8 if tile <= 4096 else 16)
+    return rows, block, NUM_WARPS or warps
+
+
+@triton.jit
+def _row_offset(rows, T, s0, s1):
+    b = rows // T
+    t = rows - b * T
+    return b * s0 + t * s1
+
+
+@triton.jit
+def _rows(tile, N, BLOCK_N: tl.constexpr):
+    rows = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # < N + BLOCK_N: fits int32 before the cast
+    return rows, rows < N
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.constexpr,
+               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
+    """``(lse, logp, H)`` (natural log) of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where
+    not ``valid``; the caller masks). Ignored rows load nothing.
+
+    The loop works in base 2 on ``u = x log2(e) / tau`` (one multiply and one ``exp2`` per element):
+    ``m = max u``, ``s = sum 2^(u - m)``, ``q = sum 2^(u - m) (u - m)``; then ``lse = ln2 (m + log2 s)``,
+    ``logp = ln2 (u_t - m - log2 s)``, ``H = ln2 (log2 s - q / s)``."""
+    scale = LOG2E / temperature
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    q = tl.zeros([BLOCK_N], tl.float32)
+    # a tile without a valid row skips the loop; the mask keeps `cols < V` separate from the per-row
+    # `valid` so that the compiler still proves 16-byte vector loads (V divisible by 16)
+    n_cols = tl.where(tl.max(valid.to(tl.int32), axis=0) > 0, V, 0)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < V),
+                    other=float("-inf")).to(tl.float32)
+        u = x * scale
+        m_new = tl.maximum(m, tl.max(u, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        uc = u - m_safe[:, None]
+        e = tl.exp2(uc)
+        if WITH_ENT:
+            shift = tl.where(s > 0.0, m - m_safe, 0.0)
+            q = alpha * (q + shift * s) + tl.sum(tl.where(e > 0.0, e * uc, 0.0), axis=1)
+        s = alpha * s + tl.sum(e, axis=1)
+        m = m_new
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.where(s > 0.0, s, 1.0)  # ignored rows (nothing loaded): lse = 0 there, masked by the caller
+    log2_s = tl.log2(s)
+    # in-row address even for ignored rows; rows past N (valid is False there too) load nothing
+    ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32) * scale
+    lse = LN2 * (m_fin + log2_s)
+    logp = LN2 * ((ut - m_fin) - log2_s)
+    ent = tl.zeros([BLOCK_N], tl.float32)
+    if WITH_ENT:
+        ent = LN2 * (log2_s - q / s)
+    return lse, logp, ent
+
+
+@triton.jit
+def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, lse, ez, g_logp, g_h,
+              BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
+    """Writes ``(g_logp (onehot - p) + g_h p (ez - z)) / tau`` over the rows (zeros where not ``valid``).
+
+    Per element, in base 2 (``u = x log2(e) / tau``, ``p = 2^(u - lse log2 e)``):
+    ``a onehot - a p + b p (E[u] - u)`` with the per-row ``a = g_logp / tau``, ``b = g_h ln2 / tau``:
+    no division in the loop."""
+    scale = LOG2E / temperature
+    lse2 = lse * LOG2E
+    a = tl.where(valid, g_logp / temperature, 0.0)
+    b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
+    eu = ez * LOG2E
+    for start in range(0, V, BLOCK_V):  # ignored rows load nothing and store zeros
+        cols = start + tl.arange(0, BLOCK_V)
+        inb = cols[None, :] < V
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & inb,
+                    other=float("-inf")).to(tl.float32)
+        u = x * scale
+        p = tl.exp2(u - lse2[:, None])  # 0 on masked lanes and ignored rows (lse = 0 there)
+        g = tl.where(cols[None, :] == tgt[:, None], a[:, None], 0.0) - a[:, None] * p
+        if GRAD_ENT:
+            g += b[:, None] * tl.where(p > 0.0, p * (eu[:, None] - u), 0.0)
+        tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
+                 mask=in_rows[:, None] & inb)
+
+
+@triton.jit
+def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr, temperature,
+                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
+    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        rows, in_rows = _rows(tile, N, BLOCK_N)
+        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        valid = tgt != IGNORE_INDEX
+        lse, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V, temperature,
+                                    BLOCK_N, BLOCK_V, WITH_ENT)
+        tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
+        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=in_rows)
+        if WITH_ENT:
+            tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=in_rows)
+
+
+@triton.jit
+def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, glogp_ptr, ent_ptr, gent_ptr,
+                 temperature, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
+    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        rows, in_rows = _rows(tile, N, BLOCK_N)
+        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        valid = tgt != IGNORE_INDEX
+        lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+        g_logp = tl.load(glogp_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+        ez = tl.zeros([BLOCK_N], tl.float32)
+        g_h = tl.zeros([BLOCK_N], tl.float32)
+        if GRAD_ENT:
+            ez = lse - tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
+            g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+        _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
+                  valid, V, temperature, lse, ez, g_logp, g_h, BLOCK_V, GRAD_ENT)
+
+
+@triton.jit
+def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, out_ptr, os0, os1,
+                   logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr,
+                   temperature, clip_low, clip_high, dual_clip, beta, entropy_coef,
+                   POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, KL: tl.constexpr, ADD_KL: tl.constexpr,
+                   ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr,
+                   WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        rows, in_rows = _rows(tile, N, BLOCK_N)
+        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        valid = tgt != IGNORE_INDEX
+        x_off = _row_offset(rows, T, xs0, xs1)
+        lse, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
+                                    WITH_ENT)
+        logp = tl.where(valid, logp, 0.0)
+        ent = tl.where(valid, ent, 0.0)
+        adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
+        w = tl.load(w_ptr + rows, mask=in_rows, other=0.0)
+        old = logp
+        ref = logp
+        if not ON_POLICY:
+            old = tl.load(old_ptr + rows, mask=in_rows, other=0.0)
+        if KL != 0:
+            ref = tl.load(ref_ptr + rows, mask=in_rows, other=0.0)
+        loss, dlogp, dh, ratio, kl = token_epilogue(logp, ent, old, ref, adv, valid, clip_low, clip_high,
+                                                    dual_clip, beta, entropy_coef, POLICY, HAS_DUAL, KL, ADD_KL,
+                                                    ADD_ENT, ON_POLICY)
+        tl.store(logp_ptr + rows, logp, mask=in_rows)
+        if WITH_ENT:
+            tl.store(ent_ptr + rows, ent, mask=in_rows)
+        tl.store(loss_ptr + rows, w * loss, mask=in_rows)
+        tl.store(ratio_ptr + rows, ratio, mask=in_rows)
+        if KL != 0:
+            tl.store(kl_ptr + rows, kl, mask=in_rows)
+        if WRITE_GRAD:
+            _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
+                      lse, lse - ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT)
+
+
+@triton.jit
+def _scale_kernel(x_ptr, s0, s1, N, T, V, g_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Rows of ``x`` (``(B, T, V)``, any row strides) ``*= g`` in place, ``g`` a 0-dim tensor read on the
+    device: no host sync, and no memory traffic at all when ``g == 1``."""
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            rows, in_rows = _rows(tile, N, BLOCK_N)
+            off = _row_offset(rows, T, s0, s1)
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                m = in_rows[:, None] & (cols[None, :] < V)
+                ptrs = x_ptr + off[:, None] + cols[None, :]
+                x = tl.load(ptrs, mask=m).to(tl.float32)
+                tl.store(ptrs, (x * g).to(x_ptr.dtype.element_ty), mask=m)
+
+
+# --------------------------------------------------------------------------- launchers
+def _grid(rows: int, block_n: int) -> tuple[int]:
+    tiles = triton.cdiv(rows, block_n)
+    return (tiles if MAX_PROGRAMS is None else max(1, min(tiles, MAX_PROGRAMS)),)
+
+
+def as_rows(logits: torch.Tensor) -> torch.Tensor:
+    """A ``(B, T, V)`` view of ``(..., V)`` logits (a copy only if the leading dims cannot be viewed so)."""
+    if logits.dim() == 3:
+        return logits
+    if logits.dim() == 2:
+        return logits.unsqueeze(0)
+    try:
+        return logits.view(-1, logits.shape[-2], logits.shape[-1])
+    except RuntimeError:
+        return logits.reshape(-1, logits.shape[-2], logits.shape[-1])
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """Flat fp32 ``(logp, entropy, lse)`` (``entropy`` empty unless ``with_entropy``)."""
+    x = as_rows(logits)
+    B, T, V = x.shape
+    n = B * T
+    tgt = targets.reshape(-1).contiguous()
+    logp = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
+    bn, block, warps = block_config(V, x.dtype)
+    _stats_kernel[_grid(n, bn)](
+        x, x.stride(0), x.stride(1), n, T, V, tgt, logp, ent if with_entropy else logp, lse, float(temperature),
+        BLOCK_N=bn, BLOCK_V=block, WITH_ENT=bool(with_entropy), num_warps=warps)
+    return logp, ent, lse
+
+
+def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, out=None):
+    """dlogits ``(B, T, V)`` in the logits dtype (contiguous unless ``out`` is given)."""
+    x = as_rows(logits)
+    B, T, V = x.shape
+    o = torch.empty((B, T, V), dtype=x.dtype, device=x.device) if out is None else as_rows(out)
+    grad_ent = entropy is not None and g_entropy is not None
+    bn, block, warps = block_config(V, x.dtype)
+    g_logp = g_logp.reshape(-1).contiguous()
+    ent = entropy.reshape(-1).contiguous() if grad_ent else lse
+    g_ent = g_entropy.reshape(-1).contiguous() if grad_ent else g_logp
+    _grad_kernel[_grid(B * T, bn)](
+        x, x.stride(0), x.stride(1), B * T, T, V, targets.reshape(-1).contiguous(), o, o.stride(0), o.stride(1),
+        lse, g_logp, ent, g_ent, float(temperature), BLOCK_N=bn, BLOCK_V=block, GRAD_ENT=grad_ent,
+        num_warps=warps)
+    return o.view(logits.shape) if out is None else out
+
+
+def policy_fused(logits, targets, advantages, weights, old, ref, out, temperature, epilogue: dict,
+                 with_entropy: bool, write_grad: bool):
+    """Single pass of the token-level policy loss. ``targets`` flat with masked positions already
+    ``IGNORE_INDEX``; ``advantages``, ``weights``, ``old``, ``ref`` flat fp32 (``old=None``: on-policy).
+    Writes dlogits into ``out`` (``(B, T, V)``, any row strides; may be ``logits`` itself) when
+    ``write_grad``. Returns flat fp32 ``(logp, entropy, w * l, ratio, kl)``."""
+    x = as_rows(logits)
+    B, T, V = x.shape
+    n = B * T
+    dev = x.device
+    new = lambda k: torch.empty(k, dtype=torch.float32, device=dev)
+    logp, loss, ratio = new(n), new(n), new(n)
+    ent = new(n if with_entropy else 0)
+    kl = new(n if epilogue["KL"] != 0 else 0)
+    o = as_rows(out) if write_grad else x
+    bn, block, warps = block_config(V, x.dtype)
+    _policy_kernel[_grid(n, bn)](
+        x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
+        advantages if old is None else old, advantages if ref is None else ref,
+        o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
+        kl if epilogue["KL"] != 0 else logp, float(temperature),
+        WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,
+        **epilogue)
+    return logp, ent, loss, ratio, kl
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
+    """In-place ``x *= g`` for ``(..., V)`` ``x`` with any row strides; ``g`` a one-element tensor."""
+    r = as_rows(x)
+    B, T, V = r.shape
+    bn, block, warps = block_config(V, r.dtype)
+    _scale_kernel[_grid(B * T, bn)](r, r.stride(0), r.stride(1), B * T, T, V,
+                                             g.reshape(()).to(torch.float32), BLOCK_N=bn, BLOCK_V=block,
+                                             num_warps=warps)

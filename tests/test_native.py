@@ -1,0 +1,346 @@
+"""The C++ CPU kernels (backend "cpu") and the CUDA kernels (backend "cuda") against the reference,
+and the shared epilogue header against autograd of fused_rl.loss_math."""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+if os.environ.get("FUSED_RL_REQUIRE_NATIVE") == "1":  # CI: a missing extension is a failure, not a skip
+    import fused_rl._C  # noqa: F401
+else:
+    pytest.importorskip("fused_rl._C", reason="the native extension is not built (python setup.py build_ext --inplace)")
+
+import fused_rl  # noqa: E402
+from fused_rl import PolicyLossConfig, _C  # noqa: E402
+from fused_rl.backends import get_backend, native  # noqa: E402
+from fused_rl.loss_math import per_token_loss  # noqa: E402
+from helpers import CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E731
+
+
+@pytest.fixture(params=["auto", "baseline"])
+def isa(request):
+    """Run a test on the AVX2 build (when the CPU has it) and on the baseline build."""
+    _C.cpu_set_isa(1 if request.param == "baseline" else 0)
+    yield _C.cpu_isa()
+    _C.cpu_set_isa(0)
+
+
+# ------------------------------------------------------------------------------ policy_loss vs reference
+@pytest.mark.parametrize("config", CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize("kind", LOGIT_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [1000, 4099])
+def test_policy_loss_matches_reference(config, kind, dtype, vocab):
+    compare_policy_loss("cpu", make_case(vocab=vocab, kind=kind, dtype=dtype, seed=3), config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_both_isa_builds(isa, dtype):
+    for config in CONFIGS[:2]:
+        compare_policy_loss("cpu", make_case(batch=3, length=5, vocab=4099, kind="peaked", dtype=dtype, seed=8), config)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=cfg_id)
+def test_on_policy_per_token_adv_and_normalizer(config):
+    case = make_case(vocab=777, seed=11, off_policy=False, per_token_adv=True)
+    norm = 17.0 if config.agg == "token-mean" else None
+    compare_policy_loss("cpu", case, config, token_normalizer=norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sliced_logits_int32_targets(dtype):
+    """A non-contiguous (B, T-1, V) view of HF-style logits and int32 targets, without a copy."""
+    case = make_case(batch=3, length=7, vocab=4099, dtype=dtype, seed=5)
+    full = make_logits((3, 8, 4099), generator=torch.Generator().manual_seed(1), dtype=dtype)
+    case.logits = full[:, :-1]
+    case.targets = case.targets.to(torch.int32)
+    assert not case.logits.is_contiguous()
+    for config in CONFIGS:
+        compare_policy_loss("cpu", case, config)
+
+
+def test_masked_vocabulary_entries():
+    """-inf logits (a masked vocabulary) give p = 0 and a zero, finite gradient there."""
+    case = make_case(batch=3, length=5, vocab=1000, seed=6)
+    logits = case.logits.clone()
+    logits[..., 500:] = float("-inf")
+    case.targets = case.targets % 500
+    case.logits = logits
+    compare_policy_loss("cpu", case, CONFIGS[1])
+
+
+def _check_inplace(backend, case, config):
+    """inplace=True writes the gradient over the logits buffer (a non-leaf, as model logits are); the
+    gradient equals the out-of-place one bit for bit."""
+    expected = case.logits.detach().clone().requires_grad_(True)
+    fused_rl.policy_loss(expected, case.targets, case.advantages, case.mask, config=config, backend=backend,
+                         **case.kwargs()).loss.backward()
+    base = case.logits.detach().clone().requires_grad_(True)
+    buf = base.clone()
+    out = fused_rl.policy_loss(buf, case.targets, case.advantages, case.mask, config=config, backend=backend,
+                               inplace=True, **case.kwargs())
+    assert not torch.equal(buf.detach(), case.logits)  # overwritten by dlogits in the forward
+    (2.0 * out.loss).backward()
+    torch.testing.assert_close(base.grad, 2.0 * expected.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inplace(dtype):
+    _check_inplace("cpu", make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2), CONFIGS[1])
+
+
+def test_inplace_ignored_for_leaf():
+    case = make_case(batch=3, length=4, vocab=300, seed=2)
+    x = case.logits.clone().requires_grad_(True)
+    fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[0], backend="cpu",
+                         inplace=True, **case.kwargs()).loss.backward()
+    assert torch.equal(x.detach(), case.logits) and x.grad.data_ptr() != x.data_ptr()
+
+
+def test_inplace_on_sliced_view():
+    case = make_case(batch=3, length=7, vocab=1000, seed=9)
+    full = make_logits((3, 8, 1000), generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+    ref = full.detach().clone().requires_grad_(True)
+    fused_rl.policy_loss(ref[:, :-1], case.targets, case.advantages, case.mask, config=CONFIGS[0],
+                         backend="reference", **case.kwargs()).loss.backward()
+    fused_rl.policy_loss((full * 1.0)[:, :-1], case.targets, case.advantages, case.mask, config=CONFIGS[0],
+                         backend="cpu", inplace=True, **case.kwargs()).loss.backward()
+    assert_close(full.grad, ref.grad, torch.float32, "dlogits", grad=True)
+
+
+def test_no_grad_and_compute_entropy_false():
+    case = make_case(vocab=500, seed=7)
+    for config in (CONFIGS[0], CONFIGS[1]):
+        with torch.no_grad():
+            got = fused_rl.policy_loss(case.logits, case.targets, case.advantages, case.mask, config=config,
+                                       backend="cpu", **case.kwargs())
+        exp = fused_rl.reference.policy_loss(case.logits, case.targets, case.advantages, case.mask, config=config,
+                                             **case.kwargs())
+        assert_close(got.loss, exp.loss, torch.float32, "loss")
+        x = case.logits.clone().requires_grad_(True)
+        got = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=config, backend="cpu",
+                                   compute_entropy=False, **case.kwargs())
+        exp = fused_rl.reference.policy_loss(case.logits, case.targets, case.advantages, case.mask, config=config,
+                                             compute_entropy=False, **case.kwargs())
+        assert (got.entropy is None) == (exp.entropy is None)
+        assert set(got.metrics) == set(exp.metrics)
+
+
+def test_hugepage_outputs(monkeypatch):
+    """The opt-in FUSED_RL_HUGEPAGES path (madvise on the fresh dlogits buffer) changes no value."""
+    monkeypatch.setattr(native, "USE_HUGEPAGES", True)
+    monkeypatch.setattr(native, "HUGEPAGE_MIN_BYTES", 0)
+    compare_policy_loss("cpu", make_case(batch=4, length=64, vocab=4099, seed=13), CONFIGS[1])
+
+
+def test_many_rows():
+    """More rows than a 65,535 grid dimension would allow."""
+    case = make_case(batch=2, length=35000, vocab=8, seed=1)
+    compare_policy_loss("cpu", case, CONFIGS[0])
+
+
+# ------------------------------------------------------------------------------ token_logprobs
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 5, 333), (10, 4099), (2, 2, 3, 257)], ids=str)
+def test_token_logprobs_grad_of_both_outputs(temperature, dtype, shape):
+    g = torch.Generator().manual_seed(2)
+    x = make_logits(shape, "peaked", generator=g, dtype=dtype)
+    lead = shape[:-1]
+    t = torch.randint(0, shape[-1], lead, generator=g)
+    t.view(-1)[0] = fused_rl.IGNORE_INDEX
+    wl, we = torch.randn(lead, generator=g), torch.randn(lead, generator=g)
+    results = {}
+    for backend in ("reference", "cpu"):
+        xb = (x.float() if backend == "reference" else x).clone().requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(xb, t, temperature=temperature, return_entropy=True, backend=backend)
+        ((lp * wl).sum() + (ent * we).sum()).backward()
+        results[backend] = (lp, ent, xb.grad)
+    for a, b, what in zip(results["cpu"], results["reference"], ("logp", "entropy", "grad")):
+        assert_close(a, b, dtype, what, grad=what == "grad")
+    assert results["cpu"][0].view(-1)[0] == 0 and results["cpu"][2].reshape(-1, shape[-1])[0].abs().max() == 0
+
+
+def test_token_logprobs_without_entropy_sliced():
+    g = torch.Generator().manual_seed(3)
+    full = make_logits((3, 9, 1000), "negative", generator=g)
+    x = full[:, 1:].clone().requires_grad_(True)
+    t = torch.randint(0, 1000, (3, 8), generator=g, dtype=torch.int32)
+    lp = fused_rl.token_logprobs(full[:, 1:], t, backend="cpu")
+    ref = fused_rl.token_logprobs(x, t, backend="reference")
+    assert_close(lp, ref, torch.float32, "logp")
+
+
+# ------------------------------------------------------------------------------ compile, determinism, routing
+def test_compile_fullgraph():
+    case = make_case(vocab=257, seed=4)
+    for config in (CONFIGS[1], CONFIGS[2]):
+        def loss_fn(logits):
+            return fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=config,
+                                        backend="cpu", check_inputs=False, **case.kwargs()).loss
+
+        compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+        x1 = case.logits.clone().requires_grad_(True)
+        x2 = case.logits.clone().requires_grad_(True)
+        loss_fn(x1).backward()
+        compiled(x2).backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+
+    def lp_fn(logits):
+        lp, ent = fused_rl.token_logprobs(logits, case.targets, return_entropy=True, backend="cpu", check_inputs=False)
+        return (lp * 2).sum() + ent.sum()
+
+    x1 = case.logits.clone().requires_grad_(True)
+    x2 = case.logits.clone().requires_grad_(True)
+    lp_fn(x1).backward()
+    torch.compile(lp_fn, fullgraph=True, backend="aot_eager")(x2).backward()
+    torch.testing.assert_close(x2.grad, x1.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bitwise_deterministic_across_runs_and_threads(dtype):
+    case = make_case(batch=5, length=9, vocab=4099, dtype=dtype, seed=12)
+    config = CONFIGS[1]
+    outs = []
+    try:
+        for threads in (1, 2, 3, 1, 2):
+            native.set_num_threads(threads)
+            x = case.logits.clone().requires_grad_(True)
+            out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=config, backend="cpu",
+                                       **case.kwargs())
+            out.loss.backward()
+            lp, ent = fused_rl.token_logprobs(case.logits, case.targets, return_entropy=True, backend="cpu")
+            outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent))
+    finally:
+        native.set_num_threads(None)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_auto_routing():
+    cpu = torch.device("cpu")
+    assert get_backend("auto", cpu, torch.float32).name == "cpu"
+    assert get_backend("auto", cpu, torch.bfloat16).name == "cpu"
+    assert get_backend("auto", cpu, torch.float64).name == "torch"
+    with pytest.raises(ValueError):
+        get_backend("cpu", cpu, torch.float64)
+    reasons = fused_rl.available_backends(cpu)
+    assert reasons["cpu"] is None and reasons["cuda"]
+
+
+def test_info_runs(capsys):
+    from fused_rl import info
+    info.main()
+    out = capsys.readouterr().out
+    assert "cpu" in out and "fused_rl" in out
+
+
+# ------------------------------------------------------------------------------ the epilogue header
+EPILOGUE_CONFIGS = [
+    PolicyLossConfig(),
+    PolicyLossConfig(clip_low=0.1, clip_high=0.3),
+    PolicyLossConfig(dual_clip=2.0, clip_low=0.2, clip_high=0.28),
+    PolicyLossConfig(policy_loss="cispo", clip_high=0.3),
+    PolicyLossConfig(policy_loss="reinforce"),
+    PolicyLossConfig(entropy_coef=0.05),
+    PolicyLossConfig(policy_loss="reinforce", entropy_coef=-0.02, kl="k1", beta=0.3),
+] + [PolicyLossConfig(kl=k, beta=0.2) for k in ("k1", "k2", "k3", "abs", "low_var_kl")] + [
+    PolicyLossConfig(policy_loss="cispo", kl="low_var_kl", beta=0.5, entropy_coef=0.1),
+    PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.05, entropy_coef=0.01),
+    PolicyLossConfig(kl="k2", beta=0.0),  # kl reported, not in the loss
+]
+
+
+def _epilogue(config, logp, ent, adv, old, ref, w):
+    n = logp.numel()
+    loss, gl, ge = (torch.empty(n) for _ in range(3))
+    _C.epilogue(n, logp.data_ptr(), ent.data_ptr(), adv.data_ptr(), native._ptr(old), native._ptr(ref), w.data_ptr(),
+                native.POLICY_CODES[config.policy_loss], native.KL_CODES[config.kl], config.dual_clip is not None,
+                config.clip_low, config.clip_high, config.dual_clip or 0.0, config.beta, config.entropy_coef,
+                loss.data_ptr(), gl.data_ptr(), ge.data_ptr())
+    return loss, gl, ge
+
+
+@pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=lambda c: f"{c.policy_loss}-{c.kl}-d{c.dual_clip}-e{c.entropy_coef}")
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    logp = -torch.rand(n, generator=g) * 6
+    # log-ratios spread over both sides of every clip bound (and past the dual-clip cap)
+    old = None if on_policy else logp - torch.randn(n, generator=g) * 0.8
+    ref = logp + torch.randn(n, generator=g) * 12  # |d| beyond 20 and k3 beyond 10 for low_var_kl
+    ref[:8] = logp[:8]  # d == 0 exactly (abs: zero subgradient)
+    adv = torch.randn(n, generator=g)
+    adv[8:16] = 0.0
+    ent = torch.rand(n, generator=g) * 3
+    w = torch.rand(n, generator=g) / n
+    mask = torch.ones(1, n, dtype=torch.bool)
+
+    lp = logp.clone().view(1, n).requires_grad_(True)
+    en = ent.clone().view(1, n).requires_grad_(True)
+    loss_t, _, _ = per_token_loss(lp, adv.view(1, n), mask, config, old_logprobs=None if old is None else old.view(1, n),
+                                  ref_logprobs=ref.view(1, n) if config.kl else None, entropy=en)
+    (loss_t * w.view(1, n)).sum().backward()
+    got_loss, got_gl, got_ge = _epilogue(config, logp, ent, adv, old, ref if config.kl else None, w)
+    torch.testing.assert_close(got_loss, loss_t.detach().view(-1), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got_gl, lp.grad.view(-1), rtol=2e-5, atol=1e-9)
+    exp_ge = torch.zeros(n) if en.grad is None else en.grad.view(-1)
+    torch.testing.assert_close(got_ge, exp_ge, rtol=1e-6, atol=1e-12)
+    if config.policy_loss == "ppo_clip" and not on_policy:  # the inputs did reach every branch
+        r = torch.exp(logp - old)
+        assert ((r < 1 - config.clip_low) & (adv > 0)).any() and ((r > 1 + config.clip_high) & (adv > 0)).any()
+        assert ((r < 1 - config.clip_low) & (adv < 0)).any() and ((r > 1 + config.clip_high) & (adv < 0)).any()
+        if config.dual_clip is not None:
+            assert ((r > config.dual_clip) & (adv < 0)).any()
+
+
+# ------------------------------------------------------------------------------ CUDA (run where a GPU is present)
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    reason = fused_rl.available_backends(torch.device("cuda"))["cuda"]
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _to_cuda(case):
+    for f in ("logits", "targets", "advantages", "mask", "old", "ref"):
+        v = getattr(case, f)
+        if v is not None:
+            setattr(case, f, v.cuda())
+    return case
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab,kind", list(itertools.product([1000, 4099], LOGIT_KINDS)))
+def test_cuda_policy_loss_matches_reference(config, dtype, vocab, kind):
+    _cuda_or_skip()
+    compare_policy_loss("cuda", _to_cuda(make_case(vocab=vocab, kind=kind, dtype=dtype, seed=3)), config)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_sliced_inplace_and_token_logprobs(dtype):
+    _cuda_or_skip()
+    case = _to_cuda(make_case(batch=3, length=7, vocab=4099, dtype=dtype, seed=5))
+    case.logits = make_logits((3, 8, 4099), generator=torch.Generator().manual_seed(1), dtype=dtype).cuda()[:, :-1]
+    compare_policy_loss("cuda", case, CONFIGS[1])
+    _check_inplace("cuda", _to_cuda(make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2)), CONFIGS[1])
+    x = case.logits.detach().clone().requires_grad_(True)
+    lp, ent = fused_rl.token_logprobs(x, case.targets, return_entropy=True, temperature=0.7, backend="cuda")
+    (lp.sum() + ent.sum()).backward()
+    xr = case.logits.detach().float().requires_grad_(True)
+    lpr, entr = fused_rl.token_logprobs(xr, case.targets, return_entropy=True, temperature=0.7, backend="reference")
+    (lpr.sum() + entr.sum()).backward()
+    assert_close(lp, lpr, dtype, "logp")
+    assert_close(ent, entr, dtype, "entropy")
+    assert_close(x.grad, xr.grad, dtype, "grad", grad=True)

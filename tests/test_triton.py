@@ -1,0 +1,419 @@
+"""The Triton backend against the reference, on the CPU interpreter (``TRITON_INTERPRET=1``, set here
+unless the environment says otherwise) and, marked ``cuda``, on a GPU (run with ``TRITON_INTERPRET=0``).
+
+Small shapes (4 x 6 tokens) and ``BLOCK_V = 256`` keep the interpreter fast while every vocabulary
+(1000, 4099) ends in a partial block.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported (they are lazy)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fused_rl  # noqa: E402
+from fused_rl import PolicyLossConfig  # noqa: E402
+from fused_rl.backends import get_backend  # noqa: E402
+from fused_rl.loss_math import metrics as loss_metrics, per_token_loss  # noqa: E402
+from helpers import CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits  # noqa: E402
+
+# numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU and TRITON_INTERPRET unset/0")]),
+]
+TOKEN_CONFIGS = [c for c in CONFIGS if not c.is_sequence_level]
+
+
+def cfg_id(c):
+    return f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}-e{c.entropy_coef}-d{c.dual_clip}"
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    from fused_rl.kernels import logits as K
+
+    monkeypatch.setattr(K, "MAX_BLOCK_V", 256)
+    return K
+
+
+def to_device(case, device):
+    for name in ("logits", "targets", "advantages", "mask", "old", "ref"):
+        x = getattr(case, name)
+        if x is not None:
+            setattr(case, name, x.to(device))
+    return case
+
+
+# --------------------------------------------------------------------------- the epilogue helper
+EPILOGUE_CONFIGS = TOKEN_CONFIGS + [
+    PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=2.0, kl="k1", beta=0.3),
+    PolicyLossConfig(policy_loss="cispo", clip_low=0.0, clip_high=0.5, kl="k3", beta=0.2, entropy_coef=0.1),
+    PolicyLossConfig(policy_loss="reinforce", kl="abs", beta=0.5, entropy_coef=0.03),
+    PolicyLossConfig(kl="low_var_kl", beta=1.0),
+    PolicyLossConfig(kl="k2", beta=0.0),  # kl metric without a KL term in the loss
+]
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+@pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
+    """``token_epilogue``'s (l, dl/dlogp, dl/dH, r, kl) against autograd of ``loss_math.per_token_loss``."""
+    from fused_rl.kernels.epilogue import apply_epilogue
+
+    g = torch.Generator().manual_seed(7)
+    n = 512
+    logp = (-5 * torch.rand(n, generator=g)).to(device)
+    ent = (3 * torch.rand(n, generator=g)).to(device)
+    old = None if on_policy else logp + 0.6 * torch.randn(n, generator=g).to(device)
+    ref = logp + 8 * torch.randn(n, generator=g).to(device)  # |d| up to ~25: every low_var_kl clamp side
+    adv = torch.randn(n, generator=g).to(device)
+    valid = (torch.rand(n, generator=g) < 0.85).to(device)
+    logp[~valid] = float("nan")  # masked garbage must not leak
+    lp = logp.clone().requires_grad_(True)
+    h = ent.clone().requires_grad_(True)
+    loss_t, ratio, kl = per_token_loss(lp.view(1, n), adv.view(1, n), valid.view(1, n), config,
+                                       old_logprobs=None if old is None else old.view(1, n),
+                                       ref_logprobs=ref.view(1, n), entropy=h.view(1, n))
+    loss_t.sum().backward()
+    got = apply_epilogue(logp, ent, old, ref, adv, valid, config)
+    names = ("loss", "dloss/dlogp", "dloss/dH", "ratio", "kl")
+    h_grad = h.grad if h.grad is not None else torch.zeros_like(ent)
+    expected = (loss_t.view(n), lp.grad, h_grad, ratio.view(n), kl.view(n) if kl is not None else None)
+    for name, a, b in zip(names, got, expected):
+        if b is None:
+            continue
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    # both sides of every clip are exercised
+    if not on_policy and config.policy_loss == "ppo_clip":
+        mets = loss_metrics(ratio.detach(), adv.view(1, n), valid.view(1, n), config, None, None)
+        assert 0 < mets["clip_frac_low"] and 0 < mets["clip_frac_high"] and mets["clip_frac"] < 1
+        if config.dual_clip is not None:
+            assert 0 < mets["clip_frac_dual"] < 1
+    if config.kl == "low_var_kl":
+        d = (ref - logp)[valid]
+        assert (d > 20).any() and (d < -20).any() and ((d.abs() < 2)).any()
+
+
+# --------------------------------------------------------------------------- policy_loss vs reference
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ci", range(len(CONFIGS)), ids=lambda i: cfg_id(CONFIGS[i]))
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_loss_matches_reference(ci, dtype, device):
+    kind = LOGIT_KINDS[ci % len(LOGIT_KINDS)]
+    case = to_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=3 + ci), device)
+    compare_policy_loss("triton", case, CONFIGS[ci])
+
+
+@pytest.mark.parametrize("kind,dtype", [(k, torch.float32) for k in LOGIT_KINDS] + [("peaked", torch.float16)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, dtype, device):
+    cfg = PolicyLossConfig(clip_low=0.1, clip_high=0.3, dual_clip=3.0, kl="k3", beta=0.05, entropy_coef=0.01,
+                           temperature=0.8)
+    case = to_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=11, off_policy=False, per_token_adv=True),
+                     device)
+    compare_policy_loss("triton", case, cfg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, small_blocks):
+    """V = 4099 (partial last block), a non-contiguous ``logits[:, :-1]`` view (no copy), int32 targets,
+    and a capped grid: 2 programs loop over the row tiles."""
+    monkeypatch.setattr(small_blocks, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(small_blocks, "TILE_ELEMENTS", 512)  # 2 rows of 256 per tile: 8 tiles for 15 rows
+    case = make_case(batch=3, length=5, vocab=4099, seed=5)
+    full = make_logits((3, 6, 4099), "peaked", generator=torch.Generator().manual_seed(1))
+    case.logits = full[:, :-1]
+    case.targets = case.targets.to(torch.int32)
+    case = to_device(case, device)
+    assert not case.logits.is_contiguous()
+    cfg = PolicyLossConfig(policy_loss="cispo", clip_high=0.2, kl="low_var_kl", beta=0.1, temperature=1.7,
+                           entropy_coef=0.02)
+    compare_policy_loss("triton", case, cfg, token_normalizer=torch.tensor(7.0, device=device))
+    compare_policy_loss("triton", case, CONFIGS[2])  # gspo: the two-pass composition on the same view
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_normalizer_and_compute_entropy_off(device):
+    case = to_device(make_case(vocab=1000, seed=8, dtype=torch.bfloat16), device)
+    cfg = PolicyLossConfig(clip_high=0.28)
+    compare_policy_loss("triton", case, cfg, token_normalizer=13)
+    x1 = case.logits.clone().requires_grad_(True)
+    x2 = case.logits.clone().requires_grad_(True)
+    off = _loss(case, x1, cfg, backend="triton", token_normalizer=13, compute_entropy=False)
+    on = _loss(case, x2, cfg, backend="triton", token_normalizer=13)
+    off.loss.backward()
+    on.loss.backward()
+    assert off.entropy is None and "entropy_mean" not in off.metrics
+    torch.testing.assert_close(off.loss, on.loss)
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+# --------------------------------------------------------------------------- token_logprobs (two passes)
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_logprobs_grad_of_both_outputs(temperature, dtype, device):
+    g = torch.Generator().manual_seed(2)
+    x = make_logits((2, 5, 1000), "peaked", dtype=dtype, generator=g).to(device)
+    t = torch.randint(0, 1000, (2, 5), generator=g).to(device)
+    t[0, 0] = fused_rl.IGNORE_INDEX
+    wl, we = torch.randn(2, 5, generator=g).to(device), torch.randn(2, 5, generator=g).to(device)
+    results = {}
+    for backend in ("reference", "triton"):
+        xb = (x.float() if backend == "reference" else x).clone().requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(xb, t, temperature=temperature, return_entropy=True, backend=backend)
+        ((lp * wl).sum() + (ent * we).sum()).backward()
+        results[backend] = (lp, ent, xb.grad)
+    for a, b, what in zip(results["triton"], results["reference"], ("logp", "entropy", "grad")):
+        assert_close(a, b, dtype, what, grad=what == "grad")
+    assert results["triton"][0][0, 0] == 0 and results["triton"][2][0, 0].abs().max() == 0
+    assert results["triton"][2].dtype == dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_logprobs_shapes_int32_and_logp_only_grad(device, monkeypatch, small_blocks):
+    """2-D ``(N, V)`` and 4-D inputs, int32 targets, a row-strided 2-D view, gradient of logp only;
+    a single program looping over all row tiles."""
+    monkeypatch.setattr(small_blocks, "MAX_PROGRAMS", 1)
+    monkeypatch.setattr(small_blocks, "TILE_ELEMENTS", 512)
+    g = torch.Generator().manual_seed(4)
+    base = make_logits((7, 1100), "negative", generator=g).to(device)
+    x2 = base[:, :1000]  # row stride 1100
+    t = torch.randint(0, 1000, (7,), generator=g, dtype=torch.int32).to(device)
+    xa = x2.clone().requires_grad_(True)
+    xb = x2.clone().requires_grad_(True)
+    ref = fused_rl.token_logprobs(xa, t, backend="reference")
+    got = fused_rl.token_logprobs(xb, t, backend="triton")
+    ref.sum().backward()
+    got.sum().backward()
+    assert_close(got, ref, torch.float32, "logp")
+    assert_close(xb.grad, xa.grad, torch.float32, "grad", grad=True)
+    x4 = make_logits((2, 2, 3, 257), generator=g).to(device)
+    t4 = torch.randint(0, 257, (2, 2, 3), generator=g).to(device)
+    lp, ent = fused_rl.token_logprobs(x4, t4, return_entropy=True, backend="triton")
+    lp_r, ent_r = fused_rl.token_logprobs(x4, t4, return_entropy=True, backend="reference")
+    assert_close(lp, lp_r, torch.float32, "logp 4d")
+    assert_close(ent, ent_r, torch.float32, "entropy 4d")
+
+
+# --------------------------------------------------------------------------- single-pass specifics
+def _loss(case, logits, cfg, **kw):
+    return fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=cfg, **case.kwargs(), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_output_scaling_and_single_backward(device):
+    """The stored gradient is scaled by ``grad_output`` on the device (no ``== 1`` host check)."""
+    case = to_device(make_case(vocab=1000, seed=9), device)
+    cfg = CONFIGS[1]
+    xr = case.logits.clone().requires_grad_(True)
+    xt = case.logits.clone().requires_grad_(True)
+    (_loss(case, xr, cfg, backend="reference").loss * -2.5).backward()
+    out = _loss(case, xt, cfg, backend="triton")
+    (out.loss * -2.5).backward()
+    assert_close(xt.grad, xr.grad, torch.float32, "scaled dlogits", grad=True)
+    out2 = _loss(case, case.logits.clone().requires_grad_(True), cfg, backend="triton")
+    out2.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        out2.loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_writes_grad_over_logits(dtype, device):
+    case = to_device(make_case(vocab=1000, seed=10, dtype=dtype), device)
+    full = make_logits((4, 7, 1000), generator=torch.Generator().manual_seed(3), dtype=dtype).to(device)
+    case.logits = full[:, 1:].clone()
+    cfg = CONFIGS[5]  # temperature 0.7, entropy bonus
+    xr = case.logits.float().clone().requires_grad_(True)
+    _loss(case, xr, cfg, backend="reference").loss.backward()
+    # a non-leaf, non-contiguous view as from an HF model: the gradient lands in its storage
+    buf = full.clone().requires_grad_(True)
+    view = buf * 1.0
+    logits = view[:, 1:]
+    out = _loss(case, logits, cfg, backend="triton", inplace=True)
+    out.loss.backward()
+    assert_close(buf.grad[:, 1:], xr.grad, dtype, "inplace dlogits", grad=True)
+    assert (buf.grad[:, 0] == 0).all()
+    assert_close(logits.detach(), xr.grad, dtype, "logits storage holds dlogits", grad=True)
+    assert_close(view.detach()[:, 0], full[:, 0], dtype, "untouched column")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_failed_check_writes_nothing(device):
+    case = to_device(make_case(vocab=1000, seed=12), device)
+    case.targets[2, 0] = 1000  # out of range where mask is set
+    case.mask[2, 0] = True
+    logits = case.logits.clone().requires_grad_(True)
+    before = logits.detach().clone()
+    with pytest.raises(ValueError, match="targets must be in"):
+        _loss(case, logits, CONFIGS[0], backend="triton", inplace=True)
+    assert torch.equal(logits.detach(), before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_path_matches(device):
+    case = to_device(make_case(vocab=1000, seed=13), device)
+    with torch.no_grad():
+        got = _loss(case, case.logits, CONFIGS[3], backend="triton")
+        ref = _loss(case, case.logits, CONFIGS[3], backend="reference")
+    assert got.loss.grad_fn is None
+    assert_close(got.loss, ref.loss, torch.float32, "loss")
+    for k in ref.metrics:
+        assert_close(got.metrics[k], ref.metrics[k], torch.float32, k)
+
+
+COMPILE_CASES = [
+    pytest.param(1, False, "aot_eager", id="ppo-dual-k3-ent"),
+    pytest.param(1, True, "aot_eager", id="ppo-dual-k3-ent-inplace"),
+    pytest.param(2, False, "aot_eager", id="gspo"),
+    pytest.param(1, False, "inductor", id="ppo-inductor", marks=pytest.mark.skipif(
+        not HAS_CUDA or INTERPRET, reason="inductor variant on CUDA only")),
+]
+
+
+@pytest.mark.parametrize("ci,inplace,compile_backend", COMPILE_CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(ci, inplace, compile_backend, device):
+    """``torch.compile(fullgraph=True)`` traces policy_loss (no graph break) and matches eager, with a
+    ``grad_output`` of 2 (the on-device scaling of the stored gradient)."""
+    case = to_device(make_case(vocab=257, seed=4), device)
+    cfg = CONFIGS[ci]
+
+    def loss_fn(logits):
+        logits = logits * 1.0  # a non-leaf, as from an lm_head (in-place mode overwrites it)
+        out = fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=cfg,
+                                   backend="triton", check_inputs=False, inplace=inplace, **case.kwargs())
+        return out.loss, out.metrics["clip_frac"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=compile_backend)
+    x1 = case.logits.clone().requires_grad_(True)
+    x2 = case.logits.clone().requires_grad_(True)
+    l1, c1 = loss_fn(x1)
+    (2.0 * l1).backward()
+    l2, c2 = compiled(x2)
+    (2.0 * l2).backward()
+    torch.testing.assert_close(l2, l1)
+    torch.testing.assert_close(c2, c1)
+    torch.testing.assert_close(x2.grad, x1.grad)
+
+
+def test_kernels_compile_for_sm90():
+    """Ahead-of-time code generation for sm_90 (no GPU needed): what the interpreter cannot check."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "compile_sm90.py")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    res = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
+    if res.returncode != 0 and ("ptxas" in res.stderr and "not found" in res.stderr):
+        pytest.skip("no ptxas in this triton install")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "sm_90 compile OK" in res.stdout
+    import re
+
+    locals_ = re.findall(r"LOCAL:(\d+)", res.stdout)
+    assert locals_ and all(v == "0" for v in locals_), res.stdout  # no register spills
+    for line in res.stdout.splitlines():  # 16-byte vector loads of the logits at V = 151936
+        if line.startswith(("bf16 stats", "bf16 grad", "bf16 policy", "bf16 scale")):
+            assert "vec16" in line, line
+
+
+# --------------------------------------------------------------------------- availability, heuristics
+def test_unavailable_reason(monkeypatch):
+    be = get_backend("reference", torch.device("cpu"))  # registry import
+    from fused_rl.backends import _REGISTRY
+
+    tb = _REGISTRY["triton"]
+    assert tb.unavailable_reason(torch.device("cuda")) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tb.unavailable_reason(torch.device("cpu")) is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    reason = tb.unavailable_reason(torch.device("cpu"))
+    assert isinstance(reason, str) and "CUDA" in reason
+    with pytest.raises(RuntimeError, match="cannot run"):
+        get_backend("triton", torch.device("cpu"))
+    assert get_backend("auto", torch.device("cpu")).name != "triton"
+    assert be.name == "reference"
+
+
+def test_missing_triton_registers_a_reason():
+    """Without triton, importing fused_rl works and backend='triton' names the reason."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # import triton now raises ImportError\n"
+        "import torch, fused_rl\n"
+        "r = fused_rl.available_backends(torch.device('cuda'))['triton']\n"
+        "assert r and 'not installed' in r, r\n"
+        "try:\n"
+        "    fused_rl.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), backend='triton')\n"
+        "except RuntimeError as e: print('OK', e)\n"
+    )
+    root = os.path.join(os.path.dirname(__file__), "..")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert res.returncode == 0 and "OK backend 'triton' is unavailable" in res.stdout, res.stderr[-2000:]
+
+
+def test_block_heuristic(monkeypatch):
+    from fused_rl.kernels import logits as K
+
+    monkeypatch.setattr(K, "MAX_BLOCK_V", None)
+    assert K.block_config(151936, torch.bfloat16) == (1, 8192, 16)
+    assert K.block_config(151936, torch.float32) == (1, 4096, 8)
+    assert K.block_config(1000, torch.bfloat16) == (4, 1024, 8)
+    monkeypatch.setattr(K, "MAX_BLOCK_V", 256)
+    assert K.block_config(1000, torch.float32) == (16, 256, 8)
+
+
+# --------------------------------------------------------------------------- CUDA-only scale checks
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU")
+def test_cuda_large_vocab_default_blocks(monkeypatch):
+    from fused_rl.kernels import logits as K
+
+    monkeypatch.setattr(K, "MAX_BLOCK_V", None)
+    case = to_device(make_case(batch=4, length=16, vocab=151936, dtype=torch.bfloat16, seed=1), "cuda")
+    compare_policy_loss("triton", case, CONFIGS[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU")
+def test_cuda_many_rows_and_int64_offsets(monkeypatch):
+    """N > 65,535 rows, and N * V > 2^31 elements (offsets past int32)."""
+    from fused_rl.kernels import logits as K
+
+    monkeypatch.setattr(K, "MAX_BLOCK_V", None)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, v = 70_000, 512
+    x = torch.randn(1, n, v, device="cuda", generator=g)
+    t = torch.randint(0, v, (1, n), device="cuda", generator=g)
+    got = fused_rl.token_logprobs(x, t, backend="triton")
+    ref = fused_rl.token_logprobs(x, t, backend="reference")
+    assert_close(got, ref, torch.float32, "70k rows")
+    n, v = 14_200, 151_936  # 2.16e9 elements of bf16 (4.3 GB)
+    x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    xr = x.detach().requires_grad_(True)
+    lp = fused_rl.token_logprobs(xr, t, backend="triton")
+    lp[-8:].sum().backward()
+    tail = x[-8:].float().requires_grad_(True)
+    lp_ref = torch.log_softmax(tail, -1).gather(-1, t[-8:].long().unsqueeze(-1)).squeeze(-1)
+    lp_ref.sum().backward()
+    assert_close(lp[-8:], lp_ref, torch.bfloat16, "logp past 2^31")
+    assert_close(xr.grad[-8:], tail.grad, torch.bfloat16, "grad past 2^31", grad=True)
+    assert xr.grad[:-8].abs().max() == 0
