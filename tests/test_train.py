@@ -16,19 +16,23 @@ from fused_rl.train.tasks import RewardFunctionError, call_reward, exact_match, 
     numeric, partial_match
 
 
-def _linear_backend() -> str:
-    """``auto`` when it has a fused-linear implementation on CPU; else the reference backend."""
-    h = torch.randn(1, 2, 4)
-    w = torch.randn(5, 4)
-    try:
-        fused_rl.linear_policy_loss(h, w, torch.zeros(1, 2, dtype=torch.long), torch.ones(1),
-                                    torch.ones(1, 2, dtype=torch.bool), backend="auto")
-        return "auto"
-    except NotImplementedError:
-        return "reference"
+#: The shipped default; the trainer resolves it to a backend with a fused-linear implementation.
+BACKEND = "auto"
 
 
-BACKEND = _linear_backend()
+def test_auto_backend_resolves_to_a_fused_linear_implementation():
+    from fused_rl.train.models import resolve_linear_backend
+
+    name = resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
+    assert name not in ("auto", "reference")
+    h, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(11, 8)
+    t = torch.randint(0, 11, (2, 3))
+    out = fused_rl.linear_policy_loss(h, w, t, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), backend=name)
+    ref = fused_rl.linear_policy_loss(h, w, t, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), backend="reference")
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    assert resolve_linear_backend("reference", torch.device("cpu"), torch.float32) == "reference"
+
+
 SMALL_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 
@@ -167,7 +171,7 @@ def test_training_logprobs_match_the_sampling_distribution(tmp_path):
     P = ids.shape[1]
     full_attn = torch.cat([attn, torch.ones_like(seq[:, P:])], 1)
     lp, _ = t.policy.token_logprobs(seq, full_attn, position_ids_from(full_attn), P, seq[:, P:],
-                                    torch.ones_like(seq[:, P:], dtype=torch.bool), 1.0, backend=BACKEND)
+                                    torch.ones_like(seq[:, P:], dtype=torch.bool), 1.0, backend=t.backend)
     gen_lp = torch.stack([torch.log_softmax(l.float(), -1) for l in out.logits], 1).gather(
         -1, seq[:, P:].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(lp, gen_lp, atol=1e-4, rtol=1e-4)

@@ -57,7 +57,7 @@ def _worker(out_dir: str, backend: str) -> None:
 
 
 def test_ddp_step_equals_single_process(tmp_path):
-    from test_train import BACKEND
+    BACKEND = "auto"
 
     from fused_rl.train.trainer import Trainer
 

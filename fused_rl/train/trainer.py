@@ -33,7 +33,7 @@ from fused_rl import advantages as adv_lib
 
 from . import checkpoint
 from .config import TrainConfig, to_dict
-from .models import PolicyModule, load_policy
+from .models import PolicyModule, load_policy, resolve_linear_backend
 from .rollout import Rollout, rollout
 from .tasks import make_task, resolve_reward
 
@@ -113,6 +113,7 @@ class Trainer:
         self.advantage = cfg.resolved_advantage
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         lm, self.tokenizer = load_policy(cfg, self.task, self.device)
+        self.backend = resolve_linear_backend(cfg.backend, self.device, next(lm.parameters()).dtype)
         self.policy = PolicyModule(lm, value_head=self.advantage == "gae").to(self.device)
         self.ref: Optional[PolicyModule] = None
         if self.loss_config.kl is not None:
@@ -155,7 +156,7 @@ class Trainer:
         for idx in self._chunks(batch.targets.shape[0]):
             lp, v = module.token_logprobs(batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
                                           batch.prompt_len, batch.targets[idx], batch.mask[idx],
-                                          self.loss_config.temperature, backend=self.cfg.backend,
+                                          self.loss_config.temperature, backend=self.backend,
                                           with_values=with_values)
             logps.append(lp)
             values.append(v)
@@ -217,7 +218,7 @@ class Trainer:
                             batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
                             batch.prompt_len, batch.targets[idx], advantages[idx], batch.mask[idx],
                             old_logprobs=old[idx], ref_logprobs=None if ref is None else ref[idx],
-                            loss_config=self.loss_config, token_normalizer=normalizer, backend=cfg.backend,
+                            loss_config=self.loss_config, token_normalizer=normalizer, backend=self.backend,
                             returns=None if returns is None else returns[idx], vf_coef=cfg.vf_coef)
                         share = len(idx) / len(mb_idx)
                         loss = out.loss * (self.world if token_mean else share)
@@ -316,6 +317,10 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="fused-rl train", dynamic_ncols=True)
+        if not self.quiet:
+            n_params = sum(p.numel() for p in self.policy.parameters())
+            print(f"fused-rl train: {n_params / 1e6:.2f} M parameters on {self.device}, loss backend "
+                  f"{self.backend!r}, world size {self.world}, run dir {self.run_dir}", flush=True)
         start = time.perf_counter()
         if cfg.eval_every and self.step == 0 and self.rank == 0:  # the starting point of the curve
             ev = self.evaluate()
