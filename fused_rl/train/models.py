@@ -164,25 +164,11 @@ def find_smollm2_gguf() -> Optional[str]:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """A concrete backend name for the fused-linear loss: ``"auto"`` becomes the first backend of
-    ``AUTO_ORDER[device]`` that is usable *and implements* ``linear_policy_loss`` and
-    ``linear_token_logprobs`` (``get_backend("auto")`` alone may pick one that only has the logits
-    ops, e.g. the native ``cpu`` backend), falling back to ``torch``."""
-    if name != "auto":
-        return name
-    from fused_rl.backends import AUTO_ORDER, get_backend
-    from fused_rl.backends.base import Backend
+    """The concrete backend ``fused_rl`` runs the fused-linear loss on for ``name`` (``"auto"``: the
+    fastest usable one that implements the fused-linear operations), for logging and checkpoints."""
+    from fused_rl.backends import get_backend
 
-    for candidate in AUTO_ORDER.get(device.type, ("torch",)):
-        try:
-            be = get_backend(candidate, device, dtype)
-        except (RuntimeError, ValueError):
-            continue
-        cls = type(be)
-        if (cls.linear_policy_loss is not Backend.linear_policy_loss
-                and cls.linear_token_logprobs is not Backend.linear_token_logprobs):
-            return candidate
-    return "torch"
+    return get_backend(name, device, dtype, linear=True).name
 
 
 class PolicyModule(nn.Module):
