@@ -31,6 +31,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing
 from .base import Backend
+from .custom_ops import register_token_ops
 
 try:
     from .. import _C  # type: ignore[attr-defined]
@@ -159,30 +160,7 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
     return out
 
 
-@token_grad.register_fake
-def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-
-
-def _stats_setup_context(ctx, inputs, output):
-    logits, targets, temperature, with_entropy = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(logits, targets, entropy, lse)
-    ctx.temperature = temperature
-    ctx.with_entropy = with_entropy
-    ctx.mark_non_differentiable(lse)
-
-
-def _stats_backward(ctx, g_logp, g_entropy, g_lse):
-    logits, targets, entropy, lse = ctx.saved_tensors
-    if g_logp is None:
-        g_logp = torch.zeros_like(lse)
-    if not ctx.with_entropy:
-        entropy = g_entropy = None
-    return token_grad(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
-
-
-token_stats.register_autograd(_stats_backward, setup_context=_stats_setup_context)
+register_token_ops(token_stats, token_grad)
 
 
 # ---------------------------------------------------------------- single-pass policy loss

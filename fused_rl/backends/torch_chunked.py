@@ -17,6 +17,7 @@ import torch
 
 from ..config import IGNORE_INDEX
 from .base import Backend
+from .custom_ops import register_token_ops
 
 #: Elements of one fp32 chunk (8 MiB); a few such temporaries are alive at once.
 CHUNK_ELEMENTS = 1 << 21
@@ -117,31 +118,7 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
     return out
 
 
-@token_grad.register_fake
-def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-
-
-def _setup_context(ctx, inputs, output):
-    logits, targets, temperature, with_entropy = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(logits, targets, entropy, lse)
-    ctx.temperature = temperature
-    ctx.with_entropy = with_entropy
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, g_logp, g_entropy, g_lse):
-    logits, targets, entropy, lse = ctx.saved_tensors
-    if g_logp is None:
-        g_logp = torch.zeros_like(lse)
-    if not ctx.with_entropy:
-        entropy = g_entropy = None
-    dlogits = token_grad(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature)
-    return dlogits, None, None, None
-
-
-token_stats.register_autograd(_backward, setup_context=_setup_context)
+register_token_ops(token_stats, token_grad)
 
 
 class TorchBackend(Backend):

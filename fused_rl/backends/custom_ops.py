@@ -1,0 +1,40 @@
+"""The autograd and fake-tensor glue shared by every backend's token-stats / token-grad op pair.
+
+Each backend defines two ``torch.library`` custom ops with the same schema:
+
+* ``stats(logits, targets, temperature, with_entropy) -> (logp, entropy, lse)`` (flat, length ``N``;
+  ``entropy`` empty unless ``with_entropy``);
+* ``grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature) -> dlogits`` with
+  ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, ``E[z] = lse - H``.
+
+:func:`register_token_ops` wires the backward of ``stats`` to ``grad`` and gives ``grad`` its fake
+implementation, so the three backends do not each repeat it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def register_token_ops(stats_op, grad_op) -> None:
+    @grad_op.register_fake
+    def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):
+        return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+    def setup_context(ctx, inputs, output):
+        logits, targets, temperature, with_entropy = inputs
+        _, entropy, lse = output
+        ctx.save_for_backward(logits, targets, entropy, lse)
+        ctx.temperature = temperature
+        ctx.with_entropy = with_entropy
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, g_logp, g_entropy, g_lse):
+        logits, targets, entropy, lse = ctx.saved_tensors
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        if not ctx.with_entropy:
+            entropy = g_entropy = None
+        return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
+
+    stats_op.register_autograd(backward, setup_context=setup_context)
