@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the Triton backend (H200: torch 2.11 / CUDA 13 / triton 3.6 expected).
+# One-shot GPU check (H200: torch 2.11 / CUDA 13 / triton 3.6 expected).
 #   bash bench/gpu_check.sh OUTDIR        (default: $OUT, else ./gpu_check_out)
+# 0. build the native extension in place if it is missing (CUDA kernels need nvcc there)
 # 1. pytest -m cuda tests/test_triton.py   (TRITON_INTERPRET=0: real kernels on the GPU)
-# 2. bench/gpu_logits_bench.py: N=16384, V=151936, bf16, forward+backward of policy_loss
-# Results: OUTDIR/{env.txt,pytest_cuda.txt,pytest_junit.xml,bench.txt,logits_bench.json,logits_bench.md}.
-# Budget: <= 170 s tests + <= 120 s benchmark (each step has its own timeout; the script always finishes).
+# 2. pytest -m cuda on the native (CUDA C++), linear and hardening tests
+# 3. bench/gpu_logits_bench.py: N=16384, V=151936, bf16, forward+backward of policy_loss
+# Results: OUTDIR/{env.txt,build.txt,pytest_cuda.txt,pytest_native.txt,pytest_junit.xml,bench.txt,
+#          logits_bench.json,logits_bench.md}.
+# Budget: <= 240 s build + 170 s + 120 s tests + 120 s benchmark (each step has its own timeout).
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-gpu_check_out}}"
@@ -19,11 +22,24 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } > "$OUTDIR/env.txt" 2>&1
 cat "$OUTDIR/env.txt"
 
+if ! ls fused_rl/_C*.so > /dev/null 2>&1; then
+  echo "== build_ext --inplace"
+  timeout 240 "$PY" setup.py build_ext --inplace > "$OUTDIR/build.txt" 2>&1
+  echo "build exit code: $?" >> "$OUTDIR/build.txt"
+  tail -5 "$OUTDIR/build.txt"
+fi
+
 echo "== pytest -m cuda tests/test_triton.py"
 timeout 170 "$PY" -m pytest -m cuda tests/test_triton.py -q -p no:cacheprovider --durations=10 \
   --junitxml="$OUTDIR/pytest_junit.xml" -W ignore::RuntimeWarning > "$OUTDIR/pytest_cuda.txt" 2>&1
 echo "pytest exit code: $?" >> "$OUTDIR/pytest_cuda.txt"
 tail -25 "$OUTDIR/pytest_cuda.txt"
+
+echo "== pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_hardening.py"
+timeout 120 "$PY" -m pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_hardening.py -q \
+  -p no:cacheprovider -W ignore::RuntimeWarning > "$OUTDIR/pytest_native.txt" 2>&1
+echo "pytest exit code: $?" >> "$OUTDIR/pytest_native.txt"
+tail -15 "$OUTDIR/pytest_native.txt"
 
 echo "== logits-pass benchmark"
 timeout 120 "$PY" bench/gpu_logits_bench.py "$OUTDIR" > "$OUTDIR/bench.txt" 2>&1
