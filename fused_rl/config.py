@@ -252,6 +252,10 @@ class PolicyLossConfig:
 #:   ``epsilon_high = eps_max = 1 + clip_high = 5.0`` (the ScaleRL recommendation), token mean
 #:   over the accumulated batch.
 #: * ``ppo``     -> classic PPO-clip (eps 0.2), token mean.
+#: * ``gspo_token`` -> the GSPO paper's GSPO-token (sequence ratio value, token gradient), gspo's clip range.
+#: * ``gmpo``    -> verl ``policy_loss.loss_mode="geo_mean"`` (GMPO paper: log-space clip 0.4 / 0.4), mean over
+#:   sequences.
+#: * ``sapo``    -> TRL ``loss_type="sapo"`` (temperatures 1.0 / 1.05; TRL aggregates as ``"grpo"``).
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"),
     "bnpo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="token-mean"),
@@ -260,4 +264,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gspo": dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
     "cispo": dict(policy_loss="cispo", clip_low=0.0, clip_high=4.0, agg="token-mean"),
     "ppo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="token-mean"),
+    "gspo_token": dict(policy_loss="gspo_token", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
+    "gmpo": dict(policy_loss="gmpo", clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean"),
+    "sapo": dict(policy_loss="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, agg="seq-mean-token-mean"),
 }

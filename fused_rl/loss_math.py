@@ -121,7 +121,8 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
         x = sign * torch.minimum(sign * log_ratio, sign * clipped)
         return -a * torch.exp(_sequence_mean(torch.where(mask, x, torch.zeros_like(x)), mask))
     if config.policy_loss == "sapo":
-        tau = torch.where(a > 0, config.sapo_temperature_pos, config.sapo_temperature_neg).to(ratio.dtype)
+        tau = torch.where(a > 0, torch.full_like(ratio, config.sapo_temperature_pos),
+                          torch.full_like(ratio, config.sapo_temperature_neg))
         return -a * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     if config.policy_loss == "cispo":
         return -ratio.clamp(max=1.0 + config.clip_high).detach() * a * logp
