@@ -109,14 +109,40 @@ def test_config_mapping():
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(config={"policy_loss": {"loss_mode": "clip_cov"}}), "clip_cov"),
-    (dict(config={"policy_loss": {"loss_mode": "geo_mean"}}), "geo_mean"),
     (dict(loss_agg_mode="token-mean-unbiased"), "token-mean-unbiased"),
     (dict(config={"kl_loss_type": "full"}, kl=True), "full"),
-    (dict(config={"kl_loss_type": "low_var_kl+"}, kl=True), "low_var_kl+"),
+    (dict(config={"kl_loss_type": "full+"}, kl=True), "full"),
 ])
 def test_unsupported_raise(kwargs, needle):
     with pytest.raises(NotImplementedError, match=needle.replace("+", r"\+")):
         policy_loss_config_from_verl(response_length=4, batch_size=2, **kwargs)
+
+
+def test_new_modes_and_straight_through_kl_mapping():
+    for verl_name, ours in (("kl+", "k1+"), ("k1+", "k1+"), ("mse+", "k2"), ("abs+", "abs+"), ("k3+", "low_var_kl+"),
+                            ("low_var_kl+", "low_var_kl+")):
+        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1}, response_length=4,
+                                              batch_size=2, kl=True)
+        assert cfg.kl == ours
+    cfg, _ = policy_loss_config_from_verl({"clip_ratio_low": 0.4, "clip_ratio_high": 0.4,
+                                           "policy_loss": {"loss_mode": "geo_mean"}}, "token-mean",
+                                          response_length=4, batch_size=2)
+    assert cfg == PolicyLossConfig.preset("gmpo")
+    cfg, _ = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "gspo"}}, response_length=4, batch_size=2)
+    assert cfg.policy_loss == "gspo_token"
+
+
+def test_geo_mean_hand_values():
+    """verl's geo_mean: -mean_i A_i exp(mean_t sgn(A) min(sgn(A) x, sgn(A) clip(x, -0.4, 0.4))), x = log r."""
+    log_prob = _log_prob()
+    config = {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4, "policy_loss": {"loss_mode": "geo_mean"}}
+    pg_loss, clipfrac, _, _ = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)
+    x = RATIOS.log()
+    a0, a1 = 1.0, -2.0
+    row0 = [min(v, min(max(v, -0.4), 0.4)) for v in x[0].tolist()]  # A > 0: capped above only
+    row1 = [max(v, min(max(v, -0.4), 0.4)) for v in x[1, :2].tolist()]  # A < 0: floored below only
+    hand = (-a0 * math.exp(sum(row0) / 3) - a1 * math.exp(sum(row1) / 2)) / 2
+    assert pg_loss.item() == pytest.approx(hand, rel=1e-6)
 
 
 def test_rollout_is_weights_raise():

@@ -16,13 +16,15 @@ Option mapping (``config`` is verl's actor config: a dict, ``DictConfig`` or obj
 verl                                       fused_rl
 =========================================  ===================================================
 ``policy_loss.loss_mode="vanilla"``        ``policy_loss="ppo_clip"``, ``dual_clip=clip_ratio_c``
-``policy_loss.loss_mode="gspo"``           ``policy_loss="gspo"``, ``agg="seq-mean-token-mean"``
+``policy_loss.loss_mode="gspo"``           ``policy_loss="gspo_token"``, ``agg="seq-mean-token-mean"``
+``policy_loss.loss_mode="geo_mean"``       ``policy_loss="gmpo"`` (clip_ratio_low/high are log bounds),
+                                           ``agg="seq-mean-token-mean"``
 ``policy_loss.loss_mode="gpg"``            ``policy_loss="reinforce"``
 ``clip_ratio``, ``clip_ratio_low/high``    ``clip_low``, ``clip_high`` (low/high default to clip_ratio)
 ``clip_ratio_c`` (default 3.0)             ``dual_clip`` (vanilla only)
 ``loss_agg_mode``                          ``agg`` (same names; ``seq-mean-token-sum-norm`` see below)
-``kl_loss_type`` kl/k1, mse/k2, abs,       ``kl`` k1, k2, abs, ``low_var_kl``
-low_var_kl/k3
+``kl_loss_type`` kl/k1, mse/k2, abs,       ``kl`` k1, k2, abs, ``low_var_kl``; with a ``"+"`` suffix
+low_var_kl/k3 (each with ``"+"``)          the straight-through ``k1+``, ``abs+``, ``low_var_kl+``
 ``kl_loss_coef`` (with ``use_kl_loss``)    ``beta``
 ``entropy_coeff``                          ``entropy_coef``
 =========================================  ===================================================
@@ -36,11 +38,12 @@ Differences from verl, all documented in ``docs/migration.md``:
   at 10; fused_rl does not: identical whenever the log ratio stays inside those bounds.
 * verl's ``token-mean`` / ``seq-mean-token-mean`` divide by ``sum(mask)`` unclamped (NaN for an empty
   batch / empty response); fused_rl clamps the count at 1 (0 loss, 0 gradient for empty rows).
-* verl's GSPO ratio ``sg(s_i) * pi / sg(pi)`` has the per-token gradient ``s_i``; fused_rl's
-  ``s_i = exp(mean_t log r_t)`` spreads ``s_i / |y_i|`` over the tokens. Both give the same loss and,
-  for advantages constant over each response (outcome rewards), the same gradient.
-* Other loss modes (``clip_cov``, ``kl_cov``, ``geo_mean``, ...), ``kl_loss_type="full"`` and the
-  straight-through ``"+"`` KL variants raise ``NotImplementedError``.
+* verl's GSPO ratio ``sg(s_i) * pi / sg(pi)`` is fused_rl's ``gspo_token`` exactly (fused_rl's plain
+  ``gspo`` spreads ``s_i / |y_i|`` over the tokens instead: the same gradient for advantages constant
+  over each response).
+* GMPO's ``pg_clipfrac`` is fused_rl's ``clip_frac`` (token log-ratios beyond the bounds, sign-aware).
+* Other loss modes (``clip_cov``, ``kl_cov``, ...) and ``kl_loss_type="full"`` raise
+  ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ from ..loss_math import compute_policy_loss as _compute_policy_loss
 from ..ops import linear_policy_loss
 from ..outputs import PolicyLossOutput
 
-LOSS_MODES = ("vanilla", "gspo", "gpg")
+LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg")
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
              "k3": "low_var_kl"}
+# "X+": the value of X with the gradient of k2 (k2+ is k2 itself)
+_KL_TYPES.update({f"{name}+": ("k2" if ours == "k2" else f"{ours}+") for name, ours in list(_KL_TYPES.items())})
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -103,9 +108,9 @@ def policy_loss_config_from_verl(
         if not clip_ratio_c > 1.0:
             raise ValueError(f"verl clip_ratio_c must be > 1 (dual-clip PPO), got {clip_ratio_c!r}")
         fields.update(policy_loss="ppo_clip", dual_clip=clip_ratio_c)
-    elif loss_mode == "gspo":
-        fields.update(policy_loss="gspo")
-        loss_agg_mode = "seq-mean-token-mean"  # verl's gspo ignores loss_agg_mode
+    elif loss_mode in ("gspo", "geo_mean"):
+        fields.update(policy_loss="gspo_token" if loss_mode == "gspo" else "gmpo")
+        loss_agg_mode = "seq-mean-token-mean"  # verl's gspo and geo_mean ignore loss_agg_mode
     else:
         fields.update(policy_loss="reinforce")
     fields["agg"] = loss_agg_mode
