@@ -119,7 +119,8 @@ def grpo_policy_loss_config(
 
 class FusedPolicyLoss(torch.nn.Module):
     """``policy_loss`` as a module: ``forward(logits, targets, advantages, mask, old_logprobs=None,
-    ref_logprobs=None, token_normalizer=None)`` returns a :class:`PolicyLossOutput`.
+    ref_logprobs=None, token_normalizer=None, rollout_logprobs=None, truncated=None)`` returns a
+    :class:`PolicyLossOutput`.
 
     ``logits (B, T, V)`` (any row strides, unit vocabulary stride), ``targets/mask (B, T)``,
     ``advantages (B,)`` or ``(B, T)``. See :class:`PolicyLossConfig` for the formulas.
@@ -138,8 +139,10 @@ class FusedPolicyLoss(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
-                token_normalizer: Normalizer = None) -> PolicyLossOutput:
+                token_normalizer: Normalizer = None, rollout_logprobs: Optional[torch.Tensor] = None,
+                truncated: Optional[torch.Tensor] = None) -> PolicyLossOutput:
         return policy_loss(logits, targets, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                           rollout_logprobs=rollout_logprobs, truncated=truncated,
                            config=self.config, token_normalizer=token_normalizer, backend=self.backend,
                            compute_entropy=self.compute_entropy, inplace=self.inplace,
                            check_inputs=self.check_inputs)
@@ -150,7 +153,8 @@ class FusedPolicyLoss(torch.nn.Module):
 
 class FusedLinearPolicyLoss(torch.nn.Module):
     """``linear_policy_loss`` as a module: ``forward(hidden, weight, targets, advantages, mask, bias=None,
-    old_logprobs=None, ref_logprobs=None, token_normalizer=None)``; the logits ``hidden @ weight.T + bias``
+    old_logprobs=None, ref_logprobs=None, token_normalizer=None, rollout_logprobs=None,
+    truncated=None)``; the logits ``hidden @ weight.T + bias``
     are never materialized by fused backends. ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``."""
 
     def __init__(self, config: Optional[PolicyLossConfig] = None, *, backend: str = "auto",
@@ -165,9 +169,12 @@ class FusedLinearPolicyLoss(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
-                ref_logprobs: Optional[torch.Tensor] = None, token_normalizer: Normalizer = None) -> PolicyLossOutput:
+                ref_logprobs: Optional[torch.Tensor] = None, token_normalizer: Normalizer = None,
+                rollout_logprobs: Optional[torch.Tensor] = None,
+                truncated: Optional[torch.Tensor] = None) -> PolicyLossOutput:
         return linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, old_logprobs=old_logprobs,
-                                  ref_logprobs=ref_logprobs, config=self.config, token_normalizer=token_normalizer,
+                                  ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, truncated=truncated,
+                                  config=self.config, token_normalizer=token_normalizer,
                                   backend=self.backend, compute_entropy=self.compute_entropy,
                                   check_inputs=self.check_inputs)
 

@@ -120,3 +120,15 @@ def test_bad_inputs_raise(kwargs, message):
     case = make_case(batch=4, length=5, vocab=100, seed=1)
     with pytest.raises(ValueError, match=message):
         fused_rl.policy_loss(case.logits, case.targets, case.advantages, case.mask, **kwargs)
+
+
+def test_modules_pass_rollout_and_truncated():
+    from fused_rl.nn import FusedPolicyLoss
+
+    case = make_case(batch=4, length=5, vocab=100, seed=4)
+    config = PolicyLossConfig(rollout_is="sequence_mask", rollout_is_max=2.0, mask_truncated_completions=True)
+    extra = dict(rollout_logprobs=case.old - 0.1, truncated=torch.tensor([False, False, True, False]))
+    got = FusedPolicyLoss(config)(case.logits, case.targets, case.advantages, case.mask, case.old, case.ref, **extra)
+    expected = fused_rl.reference.policy_loss(case.logits, case.targets, case.advantages, case.mask, config=config,
+                                              **case.kwargs(), **extra)
+    torch.testing.assert_close(got.loss, expected.loss)
