@@ -27,8 +27,10 @@ GEMM precision (``GEMM_MODE``): ``"fp32"`` (16-bit inputs upcast, one fp32 copy 
 default on CPU, which has no fast 16-bit GEMM here) or ``"mixed"`` (the default for 16-bit inputs on
 CUDA): the GEMMs read the 16-bit ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32 logits
 and the fp32 weight gradient (``torch.mm(..., out_dtype=torch.float32)``, CUDA only; on CPU the
-mode is emulated by upcasting, for the tests). Either way the kernel reads fp32 logits: rounding the
-logits to bf16 would cost ~``|z| 2^-9`` of log-prob accuracy.
+mode is emulated by upcasting, for the tests). The kernel reads fp32 logits either way (rounding the
+logits to bf16 would cost ~``|z| 2^-9`` of log-prob accuracy); in mixed mode it writes ``dz`` in the
+input dtype into a second ``(n, V)`` buffer (the Triton kernel rounds on store; the C++ one writes
+in place and is copied), the one rounding the GEMMs of the backward would do anyway.
 
 The operation is one ``torch.library`` custom op with a fake implementation and registered
 autograd, so ``torch.compile(fullgraph=True)`` sees one opaque call.
@@ -83,26 +85,34 @@ def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, device: torch.
 
 
 # ------------------------------------------------------------------------------------ the kernels
-def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool):
-    """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile, dlogits written over it; ``(logp, H)``."""
+def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
+                   out: Optional[torch.Tensor] = None):
+    """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile, dlogits written over it (then copied to
+    ``out`` if given); ``(logp, H)``."""
     from . import native
 
     params = (native.POLICY_CODES[config.policy_loss], native.KL_CODES[config.kl], config.dual_clip is not None,
               float(config.clip_low), float(config.clip_high), float(config.dual_clip or 0.0), float(config.beta),
               float(config.entropy_coef), float(config.temperature))
     # a (1, n, V) view: the op takes its output row strides from dims 0 and 1
-    return native.policy_fwd_inplace(z.unsqueeze(0), targets, adv, old, ref, w, *params)
+    logp, ent = native.policy_fwd_inplace(z.unsqueeze(0), targets, adv, old, ref, w, *params)
+    if out is not None and write_grad:
+        out.copy_(z)
+    return logp, ent
 
 
-def _triton_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool):
-    """Triton single pass over the ``(n, V)`` tile (dlogits over it when ``write_grad``); ``(logp, H)``."""
+def _triton_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
+                   out: Optional[torch.Tensor] = None):
+    """Triton single pass over the ``(n, V)`` tile; with ``write_grad`` dlogits go over it, or straight
+    into ``out`` (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``."""
     from . import triton as tb
 
     epi = tb._epilogue(tb._POLICY_CODES[config.policy_loss], float(config.clip_low), float(config.clip_high),
                        config.dual_clip, tb._KL_CODES[config.kl], float(config.beta), float(config.entropy_coef),
                        old is None)
     x = z.unsqueeze(0)
-    logp, ent, _, _, _ = tb._kernels().policy_fused(x, targets, adv, w, old, ref, x, float(config.temperature), epi,
+    o = x if out is None else out.unsqueeze(0)
+    logp, ent, _, _, _ = tb._kernels().policy_fused(x, targets, adv, w, old, ref, o, float(config.temperature), epi,
                                                      want_ent, write_grad)
     return logp, ent
 
@@ -128,10 +138,10 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
 
 
 class _MixedGrads(_Grads):
-    """:class:`torch_linear._Grads` with 16-bit GEMM operands: ``dz`` in fp32 (the workspace) for the
-    bias, its 16-bit copy for the two GEMMs, the weight gradient accumulated in fp32."""
+    """:class:`torch_linear._Grads` with 16-bit GEMM operands: the 16-bit ``dz`` (fp32 accumulation in
+    the GEMMs and in the bias sum), the weight gradient accumulated in fp32."""
 
-    def add_mixed(self, tile, dz, dz16, h, weight, ok):
+    def add_mixed(self, tile, dz16, h, weight, ok):
         if self.h is not None:
             gh = torch.mm(dz16, weight) if dz16.is_cuda else torch.mm(dz16.float(), weight.float())
             if tile.contiguous is not None:
@@ -143,7 +153,7 @@ class _MixedGrads(_Grads):
             _mm_f32(dz16.t(), h, self.w, self.w_written)
             self.w_written = True
         if self.b is not None:
-            self.b.add_(dz.sum(dim=0))
+            self.b.add_(dz16.sum(dim=0, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------------------------ the op
@@ -200,18 +210,18 @@ def tiled_linear_policy_loss_op(
             torch.mm(h, weight_c.t(), out=z)
         else:
             torch.addmm(bias_c, h, weight_c.t(), out=z)
+        dz16 = ws16[:n * vocab].view(n, vocab) if ws16.numel() else None
         lp, ent = run_kernel(z, t.contiguous(), take(adv_flat).contiguous(), take(w_flat).contiguous(),
                              None if old_flat is None else take(old_flat).contiguous(),
-                             None if ref_flat is None else take(ref_flat).contiguous(), config, want_ent, need_grad)
+                             None if ref_flat is None else take(ref_flat).contiguous(), config, want_ent, need_grad,
+                             out=dz16)
         logp[tile.idx] = lp
         if want_ent:
             entropy[tile.idx] = ent
         if not need_grad:
             continue
         if mixed:
-            dz16 = ws16[:n * vocab].view(n, vocab)
-            dz16.copy_(z)
-            grads.add_mixed(tile, z, dz16, h, weight_c, ok)
+            grads.add_mixed(tile, dz16, h, weight_c, ok)
         else:
             grads.add(tile, z.t(), h, weight_c, ok)  # _Grads takes the transposed (V, n) gradient
     del ws, ws16
