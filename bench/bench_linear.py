@@ -14,7 +14,8 @@
 Implementations: ``reference`` (``fused_rl.reference.linear_policy_loss``: fp32 logits, log_softmax,
 loss math, autograd), ``fused`` (``fused_rl.linear_policy_loss(backend="torch")``, the chunked torch
 backend), ``tiled`` (``backend="cpu"``: MKL matmul tiles fed to the C++ single-pass kernel,
-:mod:`fused_rl.backends.tiled_linear`; ``--chunk`` forces its tile size), ``liger``
+:mod:`fused_rl.backends.tiled_linear`; ``--chunk`` forces its tile size, and ``tiled:N`` runs it with
+``N``-token tiles, so ``--impls tiled:512,tiled:1024,...`` is an interleaved sweep), ``liger``
 (``LigerFusedLinearGRPOLoss(compiled=False, loss_type="bnpo", beta=0)``, the same token-mean ppo_clip
 loss). Loss: default :class:`fused_rl.PolicyLossConfig` (ppo_clip 0.2, token-mean), off-policy.
 """
@@ -73,14 +74,22 @@ def make_step(impl, inp, compute_entropy):
             return loss
         return step
 
-    fn = fused_rl.reference.linear_policy_loss if impl == "reference" else \
-        (lambda *a, **k: fused_rl.linear_policy_loss(*a, backend=BACKENDS[impl], **k))
+    name, _, chunk = impl.partition(":")
+    fn = fused_rl.reference.linear_policy_loss if name == "reference" else \
+        (lambda *a, **k: fused_rl.linear_policy_loss(*a, backend=BACKENDS[name], **k))
+    from fused_rl.backends import tiled_linear
 
     def step():
         hidden.grad = weight.grad = None
-        out = fn(hidden, weight, inp["targets"], inp["advantages"], inp["mask"], old_logprobs=inp["old"],
-                 compute_entropy=compute_entropy, check_inputs=False)
-        out.loss.backward()
+        saved = tiled_linear.CHUNK_TOKENS
+        if chunk:
+            tiled_linear.CHUNK_TOKENS = int(chunk)
+        try:
+            out = fn(hidden, weight, inp["targets"], inp["advantages"], inp["mask"], old_logprobs=inp["old"],
+                     compute_entropy=compute_entropy, check_inputs=False)
+            out.loss.backward()
+        finally:
+            tiled_linear.CHUNK_TOKENS = saved
         return out.loss
     return step
 

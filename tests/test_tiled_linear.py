@@ -1,7 +1,10 @@
 """The tiled fused linear loss (chunked matmuls feeding the single-pass logits kernels,
-``fused_rl.backends.tiled_linear``) of the ``cpu`` and ``triton`` backends against the reference
-(full fp32 logits, ``log_softmax``, loss math, autograd). The triton backend runs in the interpreter on
-CPU here: its shapes stay tiny (B*T <= 24, V <= 1000)."""
+``fused_rl.backends.tiled_linear``) of the ``cpu``, ``triton`` and ``cuda`` backends against the reference
+(full fp32 logits, ``log_softmax``, loss math, autograd). Without a GPU the triton backend runs in the
+interpreter on CPU tensors: its shapes stay tiny (B*T <= 24, V <= 1000); with one, the triton and
+cuda tests run on CUDA tensors (16-bit inputs then take the real mixed GEMM mode)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,9 +18,19 @@ TOKEN_CONFIGS = [c for c in CONFIGS if c.has_token_epilogue]
 OTHER_CONFIGS = [c for c in CONFIGS if not c.has_token_epilogue]
 cid = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}{'-biascorr' if c.kl_bias_correction else ''}"
 
+GPU = "cuda" if torch.cuda.is_available() else "cpu"  # where the triton tests run
 _available = fused_rl.available_backends(torch.device("cpu"))
+_gpu_available = fused_rl.available_backends(torch.device(GPU))
 needs_cpu = pytest.mark.skipif(_available["cpu"] is not None, reason=str(_available["cpu"]))
-needs_triton = pytest.mark.skipif(_available["triton"] is not None, reason=str(_available["triton"]))
+needs_triton = pytest.mark.skipif(_gpu_available["triton"] is not None, reason=str(_gpu_available["triton"]))
+needs_cuda = pytest.mark.skipif(GPU != "cuda" or _gpu_available["cuda"] is not None,
+                                reason=str(_gpu_available["cuda"]) if GPU == "cuda" else "no CUDA device")
+
+
+def _on(case, device: str):
+    """The case with every tensor on ``device``."""
+    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
+    return dataclasses.replace(case, **{f.name: move(getattr(case, f.name)) for f in dataclasses.fields(case)})
 
 
 def _valid(case) -> int:
@@ -236,7 +249,7 @@ def test_cpu_compile_fullgraph():
 @pytest.mark.parametrize("tiles", ["auto", "fixed"], indirect=True)
 @pytest.mark.parametrize("config", CONFIGS, ids=cid)
 def test_triton_matches_reference(config, tiles, kernel_calls):
-    compare_linear(make_linear_case(batch=4, length=5, vocab=1000, seed=21), config, backend="triton")
+    compare_linear(_on(make_linear_case(batch=4, length=5, vocab=1000, seed=21), GPU), config, backend="triton")
     assert all(k == "triton" for k, _ in kernel_calls) and bool(kernel_calls) == config.has_token_epilogue
 
 
@@ -245,15 +258,34 @@ def test_triton_matches_reference(config, tiles, kernel_calls):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_dtypes_bias_small_tiles(dtype, bias, tiles):
-    compare_linear(make_linear_case(batch=4, length=6, vocab=300, bias=bias, dtype=dtype, seed=22), CONFIGS[5],
-                   backend="triton")
+    compare_linear(_on(make_linear_case(batch=4, length=6, vocab=300, bias=bias, dtype=dtype, seed=22), GPU),
+                   CONFIGS[5], backend="triton")
 
 
 @needs_triton
 @pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
 def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
-    compare_linear(make_linear_case(batch=3, length=5, vocab=300, seed=23), CONFIGS[1], frozen_weight=True,
+    compare_linear(_on(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1], frozen_weight=True,
                    backend="triton")
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
-    compare_linear(make_linear_case(batch=3, length=5, vocab=300, dtype=torch.bfloat16, seed=24), CONFIGS[6],
-                   backend="triton")
+    compare_linear(_on(make_linear_case(batch=3, length=5, vocab=300, dtype=torch.bfloat16, seed=24), GPU),
+                   CONFIGS[6], backend="triton")
+
+
+# ------------------------------------------------------------------------- cuda backend (GPU only)
+@needs_cuda
+@pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
+@pytest.mark.parametrize("config", CONFIGS, ids=cid)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_matches_reference(config, dtype, tiles):
+    compare_linear(_on(make_linear_case(vocab=4099, dtype=dtype, seed=31), "cuda"), config, backend="cuda")
+
+
+@needs_triton
+@pytest.mark.skipif(GPU != "cuda", reason="the triton-on-CUDA default mode and compile need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_triton_gpu_default_mode_frozen_weight(dtype):
+    """On CUDA 16-bit inputs take the mixed mode by default; frozen weight and bias on top."""
+    case = _on(make_linear_case(vocab=4099, dtype=dtype, seed=32), "cuda")
+    compare_linear(case, CONFIGS[1], backend="triton")
+    compare_linear(case, CONFIGS[0], frozen_weight=True, backend="triton")
