@@ -27,6 +27,14 @@ needs_cuda = pytest.mark.skipif(GPU != "cuda" or _gpu_available["cuda"] is not N
                                 reason=str(_gpu_available["cuda"]) if GPU == "cuda" else "no CUDA device")
 
 
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def on_gpu(fn):
+    """``pytest.mark.cuda`` (what ``bench/gpu_check.sh`` selects) on tests that run on CUDA tensors here."""
+    return pytest.mark.cuda(fn) if GPU == "cuda" else fn
+
+
 def _on(case, device: str):
     """The case with every tensor on ``device``."""
     move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
@@ -197,13 +205,15 @@ def test_auto_picks_the_tiled_cpu_backend(kernel_calls):
 @needs_cpu
 @pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]], ids=cid)
-def test_cpu_mixed_gemm_mode(config, tiles, monkeypatch):
-    """The mixed GEMM mode (16-bit operands, fp32 logits and weight gradient; CUDA's default for
-    16-bit inputs) emulated on CPU: the tile logic around it, with ``dz`` rounded to bf16 once."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cpu_mixed_gemm_mode(config, dtype, tiles, monkeypatch):
+    """The mixed GEMM mode (bf16 operands, fp32 logits and weight gradient; CUDA's default for bf16
+    inputs) emulated on CPU: the tile logic around it, with ``dz`` rounded to bf16 once. fp16 stays in
+    fp32 mode (its range cannot hold ``dz``)."""
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
-    compare_linear(make_linear_case(vocab=1000, dtype=torch.bfloat16, seed=13), config, backend="cpu")
-    compare_linear(make_linear_case(vocab=1000, dtype=torch.bfloat16, seed=14), config, frozen_weight=True,
-                   backend="cpu")
+    assert tiled_linear._mode(torch.device("cuda"), dtype) == ("mixed" if dtype == torch.bfloat16 else "fp32")
+    compare_linear(make_linear_case(vocab=1000, dtype=dtype, seed=13), config, backend="cpu")
+    compare_linear(make_linear_case(vocab=4099, dtype=dtype, seed=14), config, frozen_weight=True, backend="cpu")
 
 
 def test_chunk_rule(monkeypatch):
@@ -244,7 +254,8 @@ def test_cpu_compile_fullgraph():
         torch.testing.assert_close(a.grad, b.grad)
 
 
-# ------------------------------------------------------------------------- triton backend (interpreter)
+# ------------------------------------------------------- triton backend (interpreter on CPU; CUDA tensors on a GPU)
+@on_gpu
 @needs_triton
 @pytest.mark.parametrize("tiles", ["auto", "fixed"], indirect=True)
 @pytest.mark.parametrize("config", CONFIGS, ids=cid)
@@ -253,6 +264,7 @@ def test_triton_matches_reference(config, tiles, kernel_calls):
     assert all(k == "triton" for k, _ in kernel_calls) and bool(kernel_calls) == config.has_token_epilogue
 
 
+@on_gpu
 @needs_triton
 @pytest.mark.parametrize("tiles", ["small"], indirect=True)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -262,6 +274,7 @@ def test_triton_dtypes_bias_small_tiles(dtype, bias, tiles):
                    CONFIGS[5], backend="triton")
 
 
+@on_gpu
 @needs_triton
 @pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
 def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
@@ -273,6 +286,7 @@ def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
 
 
 # ------------------------------------------------------------------------- cuda backend (GPU only)
+@on_gpu
 @needs_cuda
 @pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
 @pytest.mark.parametrize("config", CONFIGS, ids=cid)
@@ -281,11 +295,12 @@ def test_cuda_matches_reference(config, dtype, tiles):
     compare_linear(_on(make_linear_case(vocab=4099, dtype=dtype, seed=31), "cuda"), config, backend="cuda")
 
 
+@on_gpu
 @needs_triton
-@pytest.mark.skipif(GPU != "cuda", reason="the triton-on-CUDA default mode and compile need a GPU")
+@pytest.mark.skipif(GPU != "cuda", reason="the default mixed mode of 16-bit inputs is CUDA's")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_triton_gpu_default_mode_frozen_weight(dtype):
-    """On CUDA 16-bit inputs take the mixed mode by default; frozen weight and bias on top."""
+    """On CUDA bf16 inputs take the mixed mode by default (fp16 the fp32 one); frozen weight, bias."""
     case = _on(make_linear_case(vocab=4099, dtype=dtype, seed=32), "cuda")
     compare_linear(case, CONFIGS[1], backend="triton")
     compare_linear(case, CONFIGS[0], frozen_weight=True, backend="triton")

@@ -24,13 +24,14 @@ are gathered; elsewhere tiles are fixed slices whose masked rows get target ``IG
 gradient rows) and zeroed hidden rows (NaN padding cannot reach ``grad_W``).
 
 GEMM precision (``GEMM_MODE``): ``"fp32"`` (16-bit inputs upcast, one fp32 copy of ``W``; the
-default on CPU, which has no fast 16-bit GEMM here) or ``"mixed"`` (the default for 16-bit inputs on
-CUDA): the GEMMs read the 16-bit ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32 logits
+default on CPU, which has no fast 16-bit GEMM here, and for fp16) or ``"mixed"`` (the default for bf16
+inputs on CUDA): the GEMMs read the bf16 ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32 logits
 and the fp32 weight gradient (``torch.mm(..., out_dtype=torch.float32)``, CUDA only; on CPU the
 mode is emulated by upcasting, for the tests). The kernel reads fp32 logits either way (rounding the
 logits to bf16 would cost ~``|z| 2^-9`` of log-prob accuracy); in mixed mode it writes ``dz`` in the
 input dtype into a second ``(n, V)`` buffer (the Triton kernel rounds on store; the C++ one writes
-in place and is copied), the one rounding the GEMMs of the backward would do anyway.
+in place and is copied), the one rounding the GEMMs of the backward would do anyway. Not for fp16:
+``dz ~ w_t p`` (``1/N`` times ``1/V``, ~1e-9 at N = 8192, V = 128256) underflows fp16's range.
 
 The operation is one ``torch.library`` custom op with a fake implementation and registered
 autograd, so ``torch.compile(fullgraph=True)`` sees one opaque call.
@@ -51,7 +52,8 @@ from .torch_linear import _config_from_literal, _Grads, _needs_grad, _prepare, _
 
 #: Force the tile size in tokens (``None``: derive it from the memory budget, see :func:`chunk_tokens`).
 CHUNK_TOKENS: Optional[int] = None
-#: ``"fp32"`` or ``"mixed"`` (see the module doc); ``None``: mixed for 16-bit inputs on CUDA, else fp32.
+#: ``"fp32"`` or ``"mixed"`` (see the module doc; mixed applies to bf16 only); ``None``: mixed for bf16
+#: inputs on CUDA, else fp32.
 GEMM_MODE: Optional[str] = None
 #: Default budget on CUDA when neither ``memory_budget_bytes`` nor ``torch_linear.MEMORY_BUDGET_BYTES``
 #: is set: 1 GiB (about 2000 tokens at V = 128256 in mixed mode). Thin tiles cost GEMM efficiency on
@@ -63,8 +65,8 @@ def _mode(device: torch.device, dtype: torch.dtype) -> str:
     if GEMM_MODE is not None:
         if GEMM_MODE not in ("fp32", "mixed"):
             raise ValueError(f"tiled_linear.GEMM_MODE must be 'fp32', 'mixed' or None, got {GEMM_MODE!r}")
-        return GEMM_MODE if dtype.itemsize == 2 else "fp32"
-    return "mixed" if device.type == "cuda" and dtype.itemsize == 2 else "fp32"
+        return GEMM_MODE if dtype == torch.bfloat16 else "fp32"
+    return "mixed" if device.type == "cuda" and dtype == torch.bfloat16 else "fp32"
 
 
 def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, device: torch.device,
