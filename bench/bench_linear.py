@@ -128,7 +128,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-mib", type=float, default=None,
                    help="fused: torch_linear.MEMORY_BUDGET_BYTES (default: the module default, 128 MiB)")
-    p.add_argument("--chunk", type=int, default=None, help="tiled: tiled_linear.CHUNK_TOKENS (default: from the budget)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="tiled: tiled_linear.CHUNK_TOKENS (default: from the budget)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--memory-only", action="store_true")
     p.add_argument("--time-only", action="store_true")
