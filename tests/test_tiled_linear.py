@@ -14,8 +14,6 @@ from fused_rl.backends import get_backend, tiled_linear, torch_linear
 from helpers import CONFIGS
 from test_linear import _leaves, assert_close, compare_linear, make_linear_case
 
-TOKEN_CONFIGS = [c for c in CONFIGS if c.has_token_epilogue]
-OTHER_CONFIGS = [c for c in CONFIGS if not c.has_token_epilogue]
 cid = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}{'-biascorr' if c.kl_bias_correction else ''}"
 
 GPU = "cuda" if torch.cuda.is_available() else "cpu"  # where the triton tests run
