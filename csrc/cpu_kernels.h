@@ -25,7 +25,7 @@ struct StatsArgs {
   float inv_tau;
   float* logp;  // B*T
   float* ent;   // B*T or nullptr
-  float* lse;   // B*T
+  float* lse;   // 2*B*T: row max m at [i], log s at [B*T + i] (kept apart: m + log s would round)
   int nthreads;
 };
 
@@ -34,7 +34,7 @@ struct GradArgs {
   const void* targets;
   int tdtype;
   float inv_tau;
-  const float* lse;
+  const float* lse;  // as StatsArgs::lse
   const float* g_logp;
   const float* ent;    // nullptr: no entropy term
   const float* g_ent;  // nullptr: no entropy term

@@ -6,8 +6,9 @@
 // any thread count):
 //   online over vocabulary blocks of FRL_BLOCK: M = running max (from -inf), S = sum exp(z - M),
 //   U = sum exp(z - M) (z - M), rescaled by exp(M_old - M_new) when the max grows;
-//   lse = M + log S, logp = z_target - lse, H = log S - U / S (= lse - E[z]).
-// Gradient: dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau with p = exp(z - lse).
+//   logp = (z_target - M) - log S, H = log S - U / S (= lse - E[z]); M and log S are saved apart
+//   (lse = M + log S rounded to one float loses log S at large |M|, and with it 1 - p of a sure token).
+// Gradient: dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau with p = exp(d), d = (z - M) - log S.
 #ifndef FRL_NS
 #error "define FRL_NS before including logits_cpu_impl.h"
 #endif
@@ -71,6 +72,13 @@ inline v8f vexp(v8f x) {
 inline float sexp(float x) {  // the scalar twin of vexp (same arithmetic in lane 0)
   return vexp(splat(x))[0];
 }
+
+// z - m = x * inv_tau - m for one element, by the vector arithmetic of the row loops (which the compiler
+// may contract into an FMA): the target's logp and 1 - p must see the same z - m as the row sums.
+inline float shifted(float x, float inv_tau, float m) { return (splat(x) * splat(inv_tau) - splat(m))[0]; }
+
+// log p <= 0 despite rounding (NaN, the mark of an out-of-range target, passes through)
+inline float nonpositive(float logp) { return logp > 0.0f ? 0.0f : logp; }
 
 // ---- element types -------------------------------------------------------------------------------
 struct F32 {
@@ -209,29 +217,29 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
   return RowStats{M, S, U};
 }
 
-// dlogits row: (g_logp (onehot - p) + g_ent p (E[z] - z)) / tau, p = exp(z - lse); E[z] - z = -H - (z - lse).
+// dlogits row: (g_logp (onehot - p) + g_ent p (E[z] - z)) / tau, p = exp(d), d = (z - m) - logs; E[z] - z = -H - d.
 template <class D>
-inline void row_grad(const typename D::T* x, typename D::T* out, int64_t V, float inv_tau, float lse, float H,
-                     float g_logp, float g_ent, int64_t target) {
-  const float zt = (target >= 0 && target < V) ? D::load1(x + target) * inv_tau : NAN;  // before any write
-  const v8f vt = splat(inv_tau), vl = splat(lse), vgl = splat(-g_logp * inv_tau), vge = splat(g_ent * inv_tau),
-            vnh = splat(-H);
+inline void row_grad(const typename D::T* x, typename D::T* out, int64_t V, float inv_tau, float m, float logs,
+                     float H, float g_logp, float g_ent, int64_t target) {
+  const float xt = (target >= 0 && target < V) ? D::load1(x + target) : NAN;  // before any write
+  const v8f vt = splat(inv_tau), vm = splat(m), vls = splat(logs), vgl = splat(-g_logp * inv_tau),
+            vge = splat(g_ent * inv_tau), vnh = splat(-H);
   const int64_t nv = V & ~int64_t(W - 1);
   for (int64_t j = 0; j < nv; j += W) {
-    const v8f d = vmax(D::load8(x + j) * vt - vl, splat(kExpLo));
+    const v8f d = vmax((D::load8(x + j) * vt - vm) - vls, splat(kExpLo));
     const v8f p = vexp(d);
     D::store8(out + j, p * (vgl + vge * (vnh - d)));
   }
   if (nv < V) {
-    const v8f d = vmax(load_tail<D>(x + nv, V - nv, -INFINITY) * vt - vl, splat(kExpLo));
+    const v8f d = vmax((load_tail<D>(x + nv, V - nv, -INFINITY) * vt - vm) - vls, splat(kExpLo));
     const v8f p = vexp(d);
     const v8f g = p * (vgl + vge * (vnh - d));
     for (int64_t l = 0; l < V - nv; ++l) D::store1(out + nv + l, g[l]);
   }
   if (target >= 0 && target < V) {
-    const float d = fmaxf(zt - lse, kExpLo);
-    const float p = sexp(d);
-    D::store1(out + target, (g_logp * (1.0f - p) + g_ent * p * (-H - d)) * inv_tau);
+    // 1 - p by expm1: a near-certain token's 1 - p is below the error of the vector exp
+    const float d = nonpositive(fmaxf(shifted(xt, inv_tau, m) - logs, kExpLo));
+    D::store1(out + target, (g_logp * -std::expm1(d) + g_ent * std::exp(d) * (-H - d)) * inv_tau);
   }
 }
 
@@ -252,17 +260,17 @@ void stats_impl(const StatsArgs& a) {
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = target_at(a.targets, a.tdtype, i);
     if (t == kIgnoreIndex) {
-      a.logp[i] = 0.0f; a.lse[i] = 0.0f;
+      a.logp[i] = 0.0f; a.lse[i] = 0.0f; a.lse[N + i] = 0.0f;
       if (a.ent) a.ent[i] = 0.0f;
       continue;
     }
     const typename D::T* row = x + (i / T) * a.in.sb + (i % T) * a.in.st;
     const RowStats st = row_stats<D>(row, V, a.inv_tau);
     const float logs = float(std::log(st.s));
-    const float lse = st.m + logs;
-    const float zt = (t >= 0 && t < V) ? D::load1(row + t) * a.inv_tau : NAN;
-    a.logp[i] = zt - lse;
-    a.lse[i] = lse;
+    const float xt = (t >= 0 && t < V) ? D::load1(row + t) : NAN;
+    a.logp[i] = nonpositive(shifted(xt, a.inv_tau, st.m) - logs);
+    a.lse[i] = st.m;
+    a.lse[N + i] = logs;
     if (a.ent) a.ent[i] = float(double(logs) - st.u / st.s);
   }
 }
@@ -281,9 +289,8 @@ void grad_impl(const GradArgs& a) {
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
     if (t == kIgnoreIndex || (gl == 0.0f && ge == 0.0f)) { row_zero<D>(orow, V); continue; }
     const typename D::T* row = x + b * a.in.sb + tt * a.in.st;
-    const float lse = a.lse[i];
     const float H = with_ent ? a.ent[i] : 0.0f;
-    row_grad<D>(row, orow, V, a.inv_tau, lse, H, gl, ge, t);
+    row_grad<D>(row, orow, V, a.inv_tau, a.lse[i], a.lse[N + i], H, gl, ge, t);
   }
 }
 
@@ -305,16 +312,15 @@ void policy_impl(const PolicyArgs& a) {
     const typename D::T* row = x + b * a.in.sb + tt * a.in.st;
     const RowStats st = row_stats<D>(row, V, a.inv_tau);
     const float logs = float(std::log(st.s));
-    const float lse = st.m + logs;
-    const float zt = (t >= 0 && t < V) ? D::load1(row + t) * a.inv_tau : NAN;
-    const float logp = zt - lse;
+    const float xt = (t >= 0 && t < V) ? D::load1(row + t) : NAN;
+    const float logp = nonpositive(shifted(xt, a.inv_tau, st.m) - logs);
     const float H = float(double(logs) - st.u / st.s);
     a.logp[i] = logp;
     a.ent[i] = H;
     const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
                                           a.ref ? a.ref[i] : 0.0f, a.w[i]);
     if (e.g_logp == 0.0f && e.g_ent == 0.0f) { row_zero<D>(orow, V); continue; }
-    row_grad<D>(row, orow, V, a.inv_tau, lse, H, e.g_logp, e.g_ent, t);
+    row_grad<D>(row, orow, V, a.inv_tau, st.m, logs, H, e.g_logp, e.g_ent, t);
   }
 }
 

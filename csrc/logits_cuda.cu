@@ -4,8 +4,9 @@
 //
 // In the base-2 domain y = x * (log2(e) / tau), per thread and then per block:
 //   m = max y, s = sum 2^(y - m), u = sum 2^(y - m) (y - m)
-//   lse = ln2 (m + log2 s), logp = ln2 y_t - lse, H = ln2 (log2 s - u / s)
-//   dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau, p = 2^(y - lse2), E[z] - z = -H - (z - lse).
+//   logp = ln2 ((y_t - m) - log2 s), H = ln2 (log2 s - u / s); m and log2 s are saved apart (lse buffer 2N)
+//   dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau, p = 2^d2, d2 = (y - m) - log2 s,
+//   E[z] - z = -H - ln2 d2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -168,13 +169,14 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
 }
 
 // dlogits of one row (out may alias row: each element is read before it is written by the same thread).
+// In base 2: d2 = (y - m2) - l2s = log2 p, with m2 and l2s = log2 s kept apart (their sum rounded to one
+// float would lose l2s at large |m2|, and with it 1 - p of a near-certain token).
 template <class T>
-__device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float inv_tau, float lse2, float H,
-                         float g_logp, float g_ent, int64_t target) {
+__device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float inv_tau, float m2, float l2s,
+                         float H, float g_logp, float g_ent, int64_t target) {
   using E = Elem<T>;
   constexpr int VEC = E::kVec;
   const float cgl = g_logp * inv_tau, cge = g_ent * inv_tau;
-  const float lse = lse2 * kLn2;
   int64_t start = 0;
   if (((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
     const int64_t nvec = V / VEC;
@@ -183,11 +185,11 @@ __device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float in
       E::load_vec(row + k * VEC, v);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const float y = v[i] * scale2;
-        const float p = exp2f(y - lse2);
-        const float dz = y * kLn2 - lse;  // z - lse
+        const float d2 = (v[i] * scale2 - m2) - l2s;
+        const float p = exp2f(d2);
+        const float dz = d2 * kLn2;  // z - lse
         float g = (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
-        if (k * VEC + i == target) g += cgl;
+        if (k * VEC + i == target) g = cgl * -expm1f(dz) + p * cge * (-H - dz);  // exact 1 - p
         v[i] = g;
       }
       E::store_vec(out + k * VEC, v);
@@ -195,11 +197,11 @@ __device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float in
     start = nvec * VEC;
   }
   for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) {
-    const float y = E::load(row + j) * scale2;
-    const float p = exp2f(y - lse2);
-    const float dz = y * kLn2 - lse;
+    const float d2 = (E::load(row + j) * scale2 - m2) - l2s;
+    const float p = exp2f(d2);
+    const float dz = d2 * kLn2;
     float g = (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
-    if (j == target) g += cgl;
+    if (j == target) g = cgl * -expm1f(dz) + p * cge * (-H - dz);  // exact 1 - p
     E::store(out + j, g);
   }
 }
@@ -222,17 +224,17 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const int64_t t = target_at(a.targets, a.tdtype, i);
     if (t == kIgnoreIndex) {
-      if (threadIdx.x == 0) { a.logp[i] = 0.0f; a.lse[i] = 0.0f; if (a.ent) a.ent[i] = 0.0f; }
+      if (threadIdx.x == 0) { a.logp[i] = 0.0f; a.lse[i] = 0.0f; a.lse[N + i] = 0.0f; if (a.ent) a.ent[i] = 0.0f; }
       continue;
     }
     const T* row = x + (i / a.in.T) * a.in.sb + (i % a.in.T) * a.in.st;
     const Acc r = row_reduce<T>(row, V, scale2, smem);
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);
-      const float lse = (r.m + l2s) * kLn2;
-      const float zt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * a.inv_tau : NAN;
-      a.logp[i] = zt - lse;
-      a.lse[i] = lse;
+      const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
+      a.logp[i] = ((yt - r.m) - l2s) * kLn2;
+      a.lse[i] = r.m;  // base 2, as row_grad reads them
+      a.lse[N + i] = l2s;
       if (a.ent) a.ent[i] = kLn2 * (l2s - r.u / r.s);
     }
   }
@@ -252,14 +254,14 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
     if (t == kIgnoreIndex || (gl == 0.0f && ge == 0.0f)) { row_zero<T>(orow, V); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
-    row_grad<T>(row, orow, V, scale2, a.inv_tau, a.lse[i] * kLog2e, with_ent ? a.ent[i] : 0.0f, gl, ge, t);
+    row_grad<T>(row, orow, V, scale2, a.inv_tau, a.lse[i], a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);
   }
 }
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
   __shared__ Acc smem[33];
-  __shared__ float coef[4];
+  __shared__ float coef[5];
   const T* x = static_cast<const T*>(a.in.x);
   T* out = static_cast<T*>(a.out);
   const int64_t N = a.in.B * a.in.T, V = a.in.V;
@@ -277,21 +279,20 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
     const Acc r = row_reduce<T>(row, V, scale2, smem);
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);
-      const float lse2 = r.m + l2s;
-      const float zt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * a.inv_tau : NAN;
-      const float logp = zt - lse2 * kLn2;
+      const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
+      const float logp = ((yt - r.m) - l2s) * kLn2;
       const float H = kLn2 * (l2s - r.u / r.s);
       a.logp[i] = logp;
       a.ent[i] = H;
       const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
                                             a.ref ? a.ref[i] : 0.0f, a.w[i]);
-      coef[0] = lse2; coef[1] = H; coef[2] = e.g_logp; coef[3] = e.g_ent;
+      coef[0] = r.m; coef[1] = l2s; coef[2] = H; coef[3] = e.g_logp; coef[4] = e.g_ent;
     }
     __syncthreads();
-    const float lse2 = coef[0], H = coef[1], gl = coef[2], ge = coef[3];
+    const float m2 = coef[0], l2s = coef[1], H = coef[2], gl = coef[3], ge = coef[4];
     __syncthreads();
     if (gl == 0.0f && ge == 0.0f) row_zero<T>(orow, V);
-    else row_grad<T>(row, orow, V, scale2, a.inv_tau, lse2, H, gl, ge, t);
+    else row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t);
   }
 }
 

@@ -11,12 +11,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-PolicyLossName = Literal["ppo_clip", "gspo", "cispo", "reinforce"]
-KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl"]]
+PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce"]
+KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"]]
+RolloutISName = Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]]
 AggName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
-POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "reinforce")
-KL_ESTIMATORS = (None, "k1", "k2", "k3", "abs", "low_var_kl")
+POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce")
+#: ``"X+"``: the value of estimator ``X`` with the gradient of ``k2`` (straight-through).
+KL_ESTIMATORS = (None, "k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+")
+ROLLOUT_IS_MODES = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+#: Losses whose ratio is clipped PPO-style (``clip_low`` / ``clip_high``, ``dual_clip``, ``delta``).
+PPO_STYLE = ("ppo_clip", "gspo", "gspo_token")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 #: Target id meaning "no token here": log-prob 0, entropy 0, zero gradient, and masked in the loss.
@@ -35,20 +40,45 @@ def _finite_number(name: str, value: Any) -> float:
 class PolicyLossConfig:
     """Which policy loss to compute, and how to aggregate it.
 
-    With ``r_t = exp(logp_t - old_t)``, advantage ``A``, ``d_t = ref_t - logp_t`` and mask ``m``:
+    With ``r_t = exp(logp_t - old_t)``, advantage ``A``, ``d_t = ref_t - logp_t``, mask ``m`` and
+    ``sg`` the stop-gradient, the per-token loss is
+    ``l_t = c_t * pg_t + beta * kl_t - entropy_coef * H_t`` where ``c_t`` (detached, 1 by default) is
+    the product of the rollout correction and the token masks below:
 
-    * ``policy_loss``:
+    * ``policy_loss`` (``pg_t``):
         - ``"ppo_clip"``: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``; with ``dual_clip=c``
-          the result is further capped at ``-c A`` where ``A < 0``.
+          the result is further capped at ``-c A`` where ``A < 0``; with ``delta`` (TRL's two-sided
+          clip) the unclipped term uses ``min(r, delta)``.
         - ``"gspo"``: as ppo_clip, with ``r`` replaced by the sequence ratio
           ``s_i = exp(sum_t m (logp - old) / sum_t m)`` on every token of sequence ``i``.
+        - ``"gspo_token"``: GSPO-token, as gspo with ``s_it = exp(sg(log s_i) + logp_t - sg(logp_t))``:
+          the value of ``s_i``, the gradient of a token ratio (per-token advantages).
+        - ``"gmpo"``: GMPO (verl ``geo_mean``), ``-A * exp(sum_t m x_t / sum_t m)`` on every token, with
+          the sign-aware log-space clip ``x_t = sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -clip_low,
+          clip_high))`` (``clip_low`` / ``clip_high`` are log-ratio bounds here).
+        - ``"sapo"``: SAPO, ``-A * 4/tau * sigmoid(tau (r - 1))`` with ``tau = sapo_temperature_pos``
+          where ``A > 0``, else ``sapo_temperature_neg``.
         - ``"cispo"``: ``-sg(min(r, 1+clip_high)) * A * logp``.
         - ``"reinforce"``: ``-A * logp``.
     * ``kl`` (estimator of KL(pi || ref), added as ``beta * kl``): ``k1 = -d``, ``k2 = d^2/2``,
-      ``k3 = exp(d) - d - 1``, ``abs = |d|``, ``low_var_kl = clamp(k3, -10, 10)``.
+      ``k3 = exp(d) - d - 1``, ``abs = |d|``, ``low_var_kl = clamp(k3, -10, 10)``; ``"X+"`` is
+      straight-through: the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
     * ``kl_bias_correction``: the KL term is ``beta * r * kl`` with the (differentiable) importance
-      ratio ``r`` (gspo: the sequence ratio), DeepSeek-V3.2's unbiased KL gradient off-policy; TRL's
-      ``use_bias_correction_kl``.
+      ratio ``r`` (sequence ratio for gspo / gspo_token / gmpo), DeepSeek-V3.2's unbiased KL gradient
+      off-policy; TRL's ``use_bias_correction_kl``.
+    * ``rollout_is`` (needs ``rollout_logprobs``, the sampler's log-probs): importance weight
+      ``rho = exp(old - rollout)`` (``old = sg(logp)`` on-policy) of the training policy against the
+      inference engine, per token (``token_*``) or per sequence (``sequence_*``: ``exp(sum_t m (old -
+      rollout))``); ``*_truncate``: ``c *= clamp(rho, rollout_is_min, rollout_is_max)``; ``*_mask``:
+      ``c *= 1[rollout_is_min <= rho <= rollout_is_max]`` (a ``None`` bound is no bound). TRL's
+      ``vllm_importance_sampling_*``, verl's ``rollout_correction``.
+    * ``off_policy_mask=delta``: DeepSeek-V3.2's off-policy sequence mask: ``c *= 0`` on sequences with
+      ``A < 0`` whose mean ``sum_t m (q - sg(logp)) / sum_t m`` exceeds ``delta``, ``q`` the rollout
+      log-probs if given, else ``old`` (TRL's ``off_policy_mask_threshold``).
+    * ``top_entropy_quantile=rho < 1``: ``c *= 1[H_t >= quantile_{1-rho}(H)]``, the quantile (linear
+      interpolation) over the batch's unmasked tokens: train only the highest-entropy fraction
+      ("Beyond the 80/20 rule", TRL's ``top_entropy_quantile``). The entropy comes from the same pass.
+    * ``mask_truncated_completions``: sequences flagged in the ``truncated`` argument are masked out.
     * ``entropy_coef``: the per-token loss gets ``- entropy_coef * H_t``.
     * ``agg`` over masked per-token losses ``l``:
         - ``"token-mean"``: ``sum(l m) / sum(m)`` (or ``/ token_normalizer``);
@@ -63,9 +93,18 @@ class PolicyLossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
+    delta: Optional[float] = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
     kl: KLName = None
     beta: float = 0.0
     kl_bias_correction: bool = False
+    rollout_is: RolloutISName = None
+    rollout_is_min: Optional[float] = None
+    rollout_is_max: Optional[float] = 2.0
+    off_policy_mask: Optional[float] = None
+    top_entropy_quantile: float = 1.0
+    mask_truncated_completions: bool = False
     agg: AggName = "token-mean"
     max_len: Optional[int] = None
     temperature: float = 1.0
@@ -78,42 +117,67 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.kl must be one of {KL_ESTIMATORS}, got {self.kl!r}")
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"PolicyLossConfig.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
-        clip_low = _finite_number("clip_low", self.clip_low)
-        clip_high = _finite_number("clip_high", self.clip_high)
-        if not 0.0 <= clip_low < 1.0:
+        if self.rollout_is not in ROLLOUT_IS_MODES:
+            raise ValueError(f"PolicyLossConfig.rollout_is must be one of {ROLLOUT_IS_MODES}, got {self.rollout_is!r}")
+        floats = {name: _finite_number(name, getattr(self, name))
+                  for name in ("clip_low", "clip_high", "sapo_temperature_pos", "sapo_temperature_neg", "beta",
+                               "top_entropy_quantile", "temperature", "entropy_coef")}
+        if self.policy_loss == "gmpo":
+            if floats["clip_low"] < 0.0:
+                raise ValueError(f"PolicyLossConfig.clip_low (gmpo: a log-ratio bound) must be >= 0, got {self.clip_low!r}")
+        elif not 0.0 <= floats["clip_low"] < 1.0:
             raise ValueError(f"PolicyLossConfig.clip_low must be in [0, 1), got {self.clip_low!r}")
-        if clip_high < 0.0:
+        if floats["clip_high"] < 0.0:
             raise ValueError(f"PolicyLossConfig.clip_high must be >= 0, got {self.clip_high!r}")
-        if self.dual_clip is not None:
-            c = _finite_number("dual_clip", self.dual_clip)
-            if c <= 1.0:
-                raise ValueError(f"PolicyLossConfig.dual_clip must be > 1 (or None), got {self.dual_clip!r}")
-            if self.policy_loss not in ("ppo_clip", "gspo"):
-                raise ValueError(f"PolicyLossConfig.dual_clip applies to ppo_clip/gspo only, not {self.policy_loss!r}")
-        beta = _finite_number("beta", self.beta)
-        if beta < 0.0:
+        for name in ("dual_clip", "delta"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            floats[name] = _finite_number(name, value)
+            if self.policy_loss not in PPO_STYLE:
+                raise ValueError(f"PolicyLossConfig.{name} applies to {PPO_STYLE} only, not {self.policy_loss!r}")
+        if self.dual_clip is not None and floats["dual_clip"] <= 1.0:
+            raise ValueError(f"PolicyLossConfig.dual_clip must be > 1 (or None), got {self.dual_clip!r}")
+        if self.delta is not None and floats["delta"] <= 1.0 + floats["clip_high"]:
+            raise ValueError(f"PolicyLossConfig.delta must be > 1 + clip_high = {1.0 + floats['clip_high']!r} "
+                             f"(or None), got {self.delta!r}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if floats[name] <= 0.0:
+                raise ValueError(f"PolicyLossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if floats["beta"] < 0.0:
             raise ValueError(f"PolicyLossConfig.beta must be >= 0, got {self.beta!r}")
-        if beta > 0.0 and self.kl is None:
-            raise ValueError("PolicyLossConfig.beta > 0 needs a KL estimator: set kl to one of 'k1','k2','k3','abs','low_var_kl'")
-        if not isinstance(self.kl_bias_correction, bool):
-            raise ValueError(f"PolicyLossConfig.kl_bias_correction must be a bool, got {self.kl_bias_correction!r}")
+        if floats["beta"] > 0.0 and self.kl is None:
+            raise ValueError("PolicyLossConfig.beta > 0 needs a KL estimator: set kl to one of "
+                             + ", ".join(repr(k) for k in KL_ESTIMATORS[1:]))
+        for name in ("kl_bias_correction", "mask_truncated_completions"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PolicyLossConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kl_bias_correction and self.kl is None:
             raise ValueError("PolicyLossConfig.kl_bias_correction multiplies the KL term: set kl (and beta)")
-        temperature = _finite_number("temperature", self.temperature)
-        if temperature <= 0.0:
+        for name in ("rollout_is_min", "rollout_is_max", "off_policy_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                floats[name] = _finite_number(name, value)
+                if floats[name] < 0.0:
+                    raise ValueError(f"PolicyLossConfig.{name} must be >= 0 (or None), got {value!r}")
+        if self.rollout_is is not None:
+            lo, hi = floats.get("rollout_is_min"), floats.get("rollout_is_max")
+            if lo is None and hi is None:
+                raise ValueError("PolicyLossConfig.rollout_is needs rollout_is_max and/or rollout_is_min")
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"PolicyLossConfig.rollout_is_min ({lo}) must be <= rollout_is_max ({hi})")
+        if not 0.0 <= floats["top_entropy_quantile"] <= 1.0:
+            raise ValueError(f"PolicyLossConfig.top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
+        if floats["temperature"] <= 0.0:
             raise ValueError(f"PolicyLossConfig.temperature must be > 0, got {self.temperature!r}")
-        _finite_number("entropy_coef", self.entropy_coef)
         if self.max_len is not None:
             if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len <= 0:
                 raise ValueError(f"PolicyLossConfig.max_len must be a positive int (or None), got {self.max_len!r}")
             if self.agg != "seq-mean-token-sum-norm":
                 raise ValueError("PolicyLossConfig.max_len is only used by agg='seq-mean-token-sum-norm'")
         # Normalize numeric fields to float so equal configs hash (and compile) identically.
-        for name, value in (("clip_low", clip_low), ("clip_high", clip_high), ("beta", beta),
-                            ("temperature", temperature), ("entropy_coef", float(self.entropy_coef))):
+        for name, value in floats.items():
             object.__setattr__(self, name, value)
-        if self.dual_clip is not None:
-            object.__setattr__(self, "dual_clip", float(self.dual_clip))
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -142,15 +206,35 @@ class PolicyLossConfig:
         return self.entropy_coef != 0.0
 
     @property
+    def needs_entropy(self) -> bool:
+        """True when the loss reads the entropy (bonus or top-entropy mask), whatever ``compute_entropy``."""
+        return self.entropy_coef != 0.0 or self.top_entropy_quantile < 1.0
+
+    @property
+    def uses_rollout_logprobs(self) -> bool:
+        """True when ``rollout_logprobs`` enter the loss (rollout correction, off-policy mask)."""
+        return self.rollout_is is not None or self.off_policy_mask is not None
+
+    @property
     def is_sequence_level(self) -> bool:
-        """True when a token's loss depends on other tokens' log-probs (gspo's sequence ratio)."""
-        return self.policy_loss == "gspo"
+        """True when a token's loss depends on other tokens of its sequence (sequence ratios, sequence
+        masks); the loss stays row-local: each sequence depends only on its own tokens."""
+        return (self.policy_loss in ("gspo", "gspo_token", "gmpo") or self.off_policy_mask is not None
+                or (self.rollout_is is not None and self.rollout_is.startswith("sequence")))
+
+    @property
+    def is_batch_level(self) -> bool:
+        """True when a token's loss depends on the whole batch beyond the aggregation weights (the
+        top-entropy quantile): fused-linear tiles cannot finish a token before all are seen."""
+        return self.top_entropy_quantile < 1.0
 
     @property
     def has_token_epilogue(self) -> bool:
         """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config;
         otherwise the backends use the two-pass composition with :mod:`fused_rl.loss_math`."""
-        return not self.is_sequence_level and not self.kl_bias_correction
+        return (self.policy_loss in ("ppo_clip", "cispo", "reinforce") and self.delta is None
+                and self.kl in (None, "k1", "k2", "k3", "abs", "low_var_kl") and not self.kl_bias_correction
+                and self.rollout_is is None and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
 
 
 #: Presets and the TRL ``GRPOTrainer`` ``loss_type`` they reproduce (TRL 0.2x / 1.x semantics):
@@ -168,6 +252,10 @@ class PolicyLossConfig:
 #:   ``epsilon_high = eps_max = 1 + clip_high = 5.0`` (the ScaleRL recommendation), token mean
 #:   over the accumulated batch.
 #: * ``ppo``     -> classic PPO-clip (eps 0.2), token mean.
+#: * ``gspo_token`` -> the GSPO paper's GSPO-token (sequence ratio value, token gradient), gspo's clip range.
+#: * ``gmpo``    -> verl ``policy_loss.loss_mode="geo_mean"`` (GMPO paper: log-space clip 0.4 / 0.4), mean over
+#:   sequences.
+#: * ``sapo``    -> TRL ``loss_type="sapo"`` (temperatures 1.0 / 1.05; TRL aggregates as ``"grpo"``).
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"),
     "bnpo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="token-mean"),
@@ -176,4 +264,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gspo": dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
     "cispo": dict(policy_loss="cispo", clip_low=0.0, clip_high=4.0, agg="token-mean"),
     "ppo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="token-mean"),
+    "gspo_token": dict(policy_loss="gspo_token", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
+    "gmpo": dict(policy_loss="gmpo", clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean"),
+    "sapo": dict(policy_loss="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, agg="seq-mean-token-mean"),
 }

@@ -15,16 +15,13 @@ Conventions (``m`` the boolean mask, ``r = exp(logp - old)``, ``d = ref - logp``
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from .config import PolicyLossConfig
 
 Normalizer = Union[None, int, float, torch.Tensor]
-
-METRIC_NAMES = ("kl_mean", "clip_frac_low", "clip_frac_high", "clip_frac", "clip_frac_dual", "ratio_mean",
-                "entropy_mean")
 
 
 def aggregation_weights(mask: torch.Tensor, config: PolicyLossConfig,
@@ -59,8 +56,12 @@ def aggregation_weights(mask: torch.Tensor, config: PolicyLossConfig,
 def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimator of KL(pi || ref) with ``d = ref - logp``.
 
-    k1 ``-d``; k2 ``d^2 / 2``; k3 ``exp(d) - d - 1``; abs ``|d|``; low_var_kl ``clamp(k3, -10, 10)``.
+    k1 ``-d``; k2 ``d^2 / 2``; k3 ``exp(d) - d - 1``; abs ``|d|``; low_var_kl ``clamp(k3, -10, 10)``;
+    ``"X+"``: straight-through, the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
     """
+    if kind.endswith("+"):
+        k2 = kl_estimator(logp, ref, "k2")
+        return k2 + (kl_estimator(logp, ref, kind[:-1]) - k2).detach()
     d = ref - logp
     if kind == "k1":
         return -d
@@ -78,30 +79,111 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
+def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_t m x / max(sum_t m, 1)`` per row, shape ``(B, 1)`` (``x`` already 0 where masked)."""
+    count = mask.sum(dim=1, keepdim=True).clamp(min=1).to(x.dtype)
+    return x.sum(dim=1, keepdim=True) / count
+
+
 def importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                      config: PolicyLossConfig) -> torch.Tensor:
-    """``r_t = exp(logp_t - old_t)``; for gspo ``s_i = exp(sum_t m (logp - old) / max(sum_t m, 1))``
-    broadcast over the sequence. Masked positions contribute ``log r = 0``."""
+    """``r_t = exp(logp_t - old_t)``; for gspo and gmpo the sequence ratio
+    ``s_i = exp(sum_t m (logp - old) / max(sum_t m, 1))`` broadcast over the sequence (the geometric mean
+    of the token ratios; gmpo clips its terms in :func:`policy_gradient_loss`); for gspo_token
+    ``exp(sg(log s_i) + logp_t - sg(logp_t))``. Masked positions contribute ``log r = 0``."""
     log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
-    if config.policy_loss == "gspo":
-        count = mask.sum(dim=1, keepdim=True).clamp(min=1).to(logp.dtype)
-        log_ratio = (log_ratio.sum(dim=1, keepdim=True) / count).expand_as(logp)
+    if config.policy_loss in ("gspo", "gmpo"):
+        log_ratio = _sequence_mean(log_ratio, mask).expand_as(logp)
+    elif config.policy_loss == "gspo_token":
+        token = torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))
+        log_ratio = _sequence_mean(log_ratio, mask).detach() + token
     return torch.exp(log_ratio)
 
 
 def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
-                         config: PolicyLossConfig) -> torch.Tensor:
-    """Per-token surrogate (to minimize) of ``config.policy_loss``; see :class:`PolicyLossConfig`."""
+                         config: PolicyLossConfig, log_ratio: Optional[torch.Tensor] = None,
+                         mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-token surrogate (to minimize) of ``config.policy_loss``; see :class:`PolicyLossConfig`.
+    gmpo also needs the masked token log-ratios ``log_ratio`` and the ``mask``."""
     a = advantages
-    if config.policy_loss in ("ppo_clip", "gspo"):
+    if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
         clipped = ratio.clamp(min=1.0 - config.clip_low, max=1.0 + config.clip_high)
-        loss = torch.maximum(-a * ratio, -a * clipped)
+        unclipped = ratio if config.delta is None else ratio.clamp(max=config.delta)
+        loss = torch.maximum(-a * unclipped, -a * clipped)
         if config.dual_clip is not None:
             loss = torch.where(a < 0, torch.minimum(loss, -config.dual_clip * a), loss)
         return loss
+    if config.policy_loss == "gmpo":
+        if log_ratio is None or mask is None:
+            raise ValueError("gmpo needs the token log-ratios and the mask")
+        sign = torch.sign(a)
+        clipped = log_ratio.clamp(min=-config.clip_low, max=config.clip_high)
+        x = sign * torch.minimum(sign * log_ratio, sign * clipped)
+        return -a * torch.exp(_sequence_mean(torch.where(mask, x, torch.zeros_like(x)), mask))
+    if config.policy_loss == "sapo":
+        tau = torch.where(a > 0, torch.full_like(ratio, config.sapo_temperature_pos),
+                          torch.full_like(ratio, config.sapo_temperature_neg))
+        return -a * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     if config.policy_loss == "cispo":
         return -ratio.clamp(max=1.0 + config.clip_high).detach() * a * logp
     return -a * logp  # reinforce
+
+
+def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+                    config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rho, w)``, detached: the importance weight ``rho = exp(old - rollout)`` of the training policy
+    against the sampler (per sequence: ``exp(sum_t m (old - rollout))``, broadcast) and the factor ``w``
+    applied to the policy term: ``clamp(rho, min, max)`` (``*_truncate``) or ``rho 1[min <= rho <= max]``
+    (``*_mask``). Masked positions get ``rho = w = 1``."""
+    diff = torch.where(mask, old.detach() - rollout, torch.zeros_like(old))
+    if config.rollout_is.startswith("sequence"):
+        diff = diff.sum(dim=1, keepdim=True).expand_as(old)
+    rho = torch.exp(diff)
+    lo, hi = config.rollout_is_min, config.rollout_is_max
+    if config.rollout_is.endswith("truncate"):
+        w = rho.clamp(min=lo, max=hi)
+    else:
+        keep = torch.ones_like(mask) if lo is None else rho >= lo
+        if hi is not None:
+            keep = keep & (rho <= hi)
+        w = torch.where(keep, rho, torch.zeros_like(rho))
+    one = torch.ones_like(rho)
+    return torch.where(mask, rho, one), torch.where(mask, w, one)
+
+
+def off_policy_keep(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    config: PolicyLossConfig) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (bool, detached): keep a token unless its ``A < 0`` and
+    its sequence's mean ``sum_t m (behaviour - sg(logp)) / sum_t m`` exceeds ``config.off_policy_mask``."""
+    kl = torch.where(mask, behaviour.detach() - logp.detach(), torch.zeros_like(logp))
+    return (advantages >= 0) | (_sequence_mean(kl, mask) <= config.off_policy_mask)
+
+
+def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """``m & (H >= q)`` (bool, detached) with ``q`` the ``(1 - quantile)`` quantile of the unmasked
+    entropies, linearly interpolated as ``torch.quantile`` does; computed by one sort, without a host
+    sync or a size limit."""
+    h = entropy.detach()
+    values = torch.where(mask, h, torch.full_like(h, float("inf"))).reshape(-1).sort().values
+    count = mask.sum()
+    pos = (count - 1).clamp(min=0).to(h.dtype) * (1.0 - quantile)
+    lo = pos.floor()
+    lo_idx, hi_idx = lo.long(), pos.ceil().long()
+    low, high = values[lo_idx], values[hi_idx]
+    threshold = torch.where(hi_idx > lo_idx, torch.lerp(low, high, pos - lo), low)
+    return mask & (h >= threshold)
+
+
+class TokenTerms(NamedTuple):
+    """Per-token pieces of the loss, all ``(B, T)``: ``loss`` (0 where masked), the importance ``ratio``,
+    the KL estimate (``None`` without ``config.kl``) and ``extras``, detached tensors for the metrics:
+    ``log_ratio`` (gmpo's token log-ratios), ``rollout_rho`` / ``rollout_is`` (:func:`rollout_weights`),
+    ``off_policy_keep`` and ``entropy_keep`` (the masks), only those the config uses."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    kl: Optional[torch.Tensor]
+    extras: dict
 
 
 def per_token_loss(
@@ -113,20 +195,45 @@ def per_token_loss(
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(l, r, kl)``: per-token loss ``l_t = pg_t + beta * kl_t - entropy_coef * H_t`` (0 where masked;
-    ``kl_t`` times the ratio ``r_t`` with ``config.kl_bias_correction``),
-    the importance ratio and the KL estimate (``None`` without ``config.kl``).
+    rollout_logprobs: Optional[torch.Tensor] = None,
+) -> TokenTerms:
+    """Per-token loss ``l_t = c_t pg_t + beta * kl_t - entropy_coef * H_t`` (0 where masked; ``kl_t``
+    times the ratio ``r_t`` with ``config.kl_bias_correction``; ``c_t`` the detached product of the
+    rollout weight and the off-policy / top-entropy masks, 1 when none is configured).
 
-    Each row ``b`` depends only on row ``b`` of the inputs (gspo's ratio included), so callers may
-    evaluate it on any subset of whole sequences. Shapes ``(B, T)``; ``mask`` boolean.
+    Each row ``b`` depends only on row ``b`` of the inputs (sequence ratios and masks included),
+    except with ``config.is_batch_level`` (the top-entropy quantile is over all given rows). Shapes
+    ``(B, T)``; ``mask`` boolean.
     """
     zeros = torch.zeros_like(logp)
     old = logp.detach() if old_logprobs is None else old_logprobs
     a = torch.where(mask, advantages, zeros)
     ratio = importance_ratio(logp, old, mask, config)
     safe_logp = torch.where(mask, logp, zeros)
-    loss = policy_gradient_loss(safe_logp, ratio, a, config)
+    extras: dict = {}
+    log_ratio = None
+    if config.policy_loss == "gmpo":
+        log_ratio = torch.where(mask, logp - old, zeros)
+        extras["log_ratio"] = log_ratio.detach()
+    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask)
+    scale = None
+    if config.rollout_is is not None and rollout_logprobs is None:
+        raise ValueError(f"config.rollout_is={config.rollout_is!r} needs rollout_logprobs")
+    if config.off_policy_mask is not None:
+        behaviour = old if rollout_logprobs is None else torch.where(mask, rollout_logprobs, zeros)
+        extras["off_policy_keep"] = keep = off_policy_keep(logp, behaviour, a, mask, config)
+        scale = keep.to(logp.dtype)
+    if config.top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("config.top_entropy_quantile < 1 needs the entropy")
+        extras["entropy_keep"] = keep = top_entropy_keep(entropy, mask, config.top_entropy_quantile)
+        scale = keep.to(logp.dtype) if scale is None else scale * keep
+    if config.rollout_is is not None:
+        rho, w = rollout_weights(old, torch.where(mask, rollout_logprobs, zeros), mask, config)
+        extras["rollout_rho"], extras["rollout_is"] = rho, w
+        scale = w if scale is None else scale * w
+    if scale is not None:
+        loss = loss * scale
     kl = None
     if config.kl is not None:
         if ref_logprobs is None:
@@ -140,7 +247,7 @@ def per_token_loss(
         if entropy is None:
             raise ValueError("config.entropy_coef != 0 needs the entropy")
         loss = loss - config.entropy_coef * torch.where(mask, entropy, zeros)
-    return torch.where(mask, loss, zeros), ratio, kl
+    return TokenTerms(torch.where(mask, loss, zeros), ratio, kl, extras)
 
 
 def compute_policy_loss(
@@ -152,6 +259,7 @@ def compute_policy_loss(
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None,
     token_normalizer: Normalizer = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and metrics from per-token log-probs: ``loss = sum_t w_t l_t`` with ``l`` from
@@ -160,18 +268,26 @@ def compute_policy_loss(
     Shapes: all ``(B, T)``; ``advantages`` already broadcast; ``mask`` boolean. Metrics are
     detached 0-dim fp32 tensors averaged over masked tokens (no host sync).
     """
-    loss_t, ratio, kl = per_token_loss(logp, advantages, mask, config, old_logprobs=old_logprobs,
-                                       ref_logprobs=ref_logprobs, entropy=entropy)
+    terms = per_token_loss(logp, advantages, mask, config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                           entropy=entropy, rollout_logprobs=rollout_logprobs)
     weights = aggregation_weights(mask, config, token_normalizer, dtype=logp.dtype)
-    loss = (loss_t * weights).sum()
-    return loss, metrics(ratio, advantages, mask, config, kl, entropy)
+    loss = (terms.loss * weights).sum()
+    return loss, metrics(terms.ratio, advantages, mask, config, terms.kl, entropy, terms.extras)
 
 
 def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig,
-            kl: Optional[torch.Tensor], entropy: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Masked means: clip fractions follow TRL (``low``: ``r < 1-clip_low`` and ``A < 0``; ``high``:
-    ``r > 1+clip_high`` and ``A > 0``); cispo's ``high`` counts every truncated weight ``r > 1+clip_high``;
-    ``dual``: tokens where the dual-clip cap ``-c A`` is the active value."""
+            kl: Optional[torch.Tensor], entropy: Optional[torch.Tensor],
+            extras: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """Masked means over the unmasked tokens.
+
+    Clip fractions follow TRL (``low``: ``r < 1-clip_low`` and ``A < 0``; ``high``: ``r > 1+clip_high``
+    and ``A > 0``; gmpo: the token log-ratio beyond ``-clip_low`` / ``clip_high``); cispo's ``high``
+    counts every truncated weight ``r > 1+clip_high``; ``dual``: tokens where the dual-clip cap ``-c A``
+    is the active value. With the options that use them (``extras`` of :class:`TokenTerms`):
+    ``rollout_is_mean`` (the applied rollout weight), ``rollout_is_clip_frac`` (tokens whose ``rho`` is
+    outside ``[rollout_is_min, rollout_is_max]``), ``off_policy_mask_frac`` and ``entropy_mask_frac``
+    (tokens dropped by each mask)."""
+    extras = {} if extras is None else extras
     m = mask.to(torch.float32)
     count = m.sum().clamp(min=1.0)
     ratio = ratio.detach()
@@ -182,15 +298,19 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
 
     false = torch.zeros_like(mask)
     low = high = dual = false
-    if config.policy_loss in ("ppo_clip", "gspo"):
+    if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
         low = (ratio < 1.0 - config.clip_low) & (a < 0)
         high = (ratio > 1.0 + config.clip_high) & (a > 0)
         if config.dual_clip is not None:
             # for A < 0 the clipped surrogate is |A| max(r, 1 - clip_low); the cap |A| c binds when r > c.
             dual = (a < 0) & (ratio > config.dual_clip)
+    elif config.policy_loss == "gmpo":
+        log_ratio = extras["log_ratio"]
+        low = (log_ratio < -config.clip_low) & (a < 0)
+        high = (log_ratio > config.clip_high) & (a > 0)
     elif config.policy_loss == "cispo":
         high = ratio > 1.0 + config.clip_high
-    metrics = {
+    out = {
         "kl_mean": mean(kl) if kl is not None else m.new_zeros(()),
         "clip_frac_low": mean(low),
         "clip_frac_high": mean(high),
@@ -199,5 +319,18 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
         "ratio_mean": mean(ratio),
     }
     if entropy is not None:
-        metrics["entropy_mean"] = mean(entropy)
-    return metrics
+        out["entropy_mean"] = mean(entropy)
+    if config.rollout_is is not None:
+        rho = extras["rollout_rho"]
+        outside = torch.zeros_like(mask)
+        if config.rollout_is_min is not None:
+            outside = outside | (rho < config.rollout_is_min)
+        if config.rollout_is_max is not None:
+            outside = outside | (rho > config.rollout_is_max)
+        out["rollout_is_mean"] = mean(extras["rollout_is"])
+        out["rollout_is_clip_frac"] = mean(outside)
+    if config.off_policy_mask is not None:
+        out["off_policy_mask_frac"] = mean(~extras["off_policy_keep"])
+    if config.top_entropy_quantile < 1.0:
+        out["entropy_mask_frac"] = mean(~extras["entropy_keep"])
+    return out

@@ -24,9 +24,9 @@ from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
 
 #: TRL / Liger ``loss_type`` values fused_rl computes exactly.
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 #: TRL / Liger ``loss_type`` values it cannot express (yet).
-UNSUPPORTED_LOSS_TYPES = ("sapo", "vespo", "luspo")
+UNSUPPORTED_LOSS_TYPES = ("vespo", "luspo")
 #: ``loss_type`` values whose token-mean denominator is TRL's ``num_items_in_batch``.
 NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo")
 
@@ -42,6 +42,13 @@ def grpo_policy_loss_config(
     temperature: float = 1.0,
     delta: Optional[float] = None,
     use_bias_correction_kl: bool = False,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: Optional[float] = None,
+    vllm_importance_sampling_mode: Optional[str] = None,
+    vllm_importance_sampling_clip_min: Optional[float] = None,
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0,
 ) -> PolicyLossConfig:
     """The :class:`PolicyLossConfig` of a TRL ``GRPOTrainer`` / Liger ``LigerFusedLinearGRPOLoss`` setup.
 
@@ -54,11 +61,17 @@ def grpo_policy_loss_config(
     * ``dapo``: same surrogate, ``agg="token-mean"``; pass TRL's normalizer as ``token_normalizer``;
     * ``cispo``: ``-sg(min(r, epsilon_high)) A logp`` (TRL's ``epsilon_high`` is the cap itself, so
       ``clip_high = epsilon_high - 1``), ``agg="token-mean"``;
-    * ``beta > 0``: ``+ beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` (TRL's estimator).
+    * ``sapo``: ``-A 4/tau sigmoid(tau (r - 1))`` with TRL's ``sapo_temperature_pos/neg``, aggregated as grpo;
+    * ``beta > 0``: ``+ beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` (TRL's estimator);
+    * ``delta``: TRL's two-sided clip (``min(r, delta)`` in the unclipped term);
+    * ``top_entropy_quantile``, ``off_policy_mask_threshold``: fused_rl's ``top_entropy_quantile`` /
+      ``off_policy_mask``; ``vllm_importance_sampling_mode`` (with ``use_vllm`` and the correction on;
+      ``None`` otherwise) and its ``clip_min`` / ``clip_max``: ``rollout_is`` / ``rollout_is_min`` /
+      ``rollout_is_max`` (pass the sampler's log-probs as ``rollout_logprobs``).
 
-    Raises ``NotImplementedError`` for ``sapo``/``vespo``/``luspo``, ``delta`` (two-sided clip),
-    and sequence-level cispo; ``ValueError`` for options
-    out of range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without ``max_completion_length``).
+    Raises ``NotImplementedError`` for ``vespo``/``luspo``, sequence-level cispo and sapo;
+    ``ValueError`` for options out of range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without
+    ``max_completion_length``).
     """
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -69,10 +82,20 @@ def grpo_policy_loss_config(
         raise ValueError(f"unknown loss_type {loss_type!r}; fused_rl supports {SUPPORTED_LOSS_TYPES}")
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
-    if delta is not None:
-        raise NotImplementedError(f"delta={delta!r} (INTELLECT-2 two-sided clipping) is not supported by fused_rl yet; "
-                                  "set delta=None")
     kl = dict(kl="k3", beta=float(beta), kl_bias_correction=bool(use_bias_correction_kl)) if beta != 0.0 else {}
+    kl.update(top_entropy_quantile=float(top_entropy_quantile), off_policy_mask=off_policy_mask_threshold,
+              temperature=temperature)
+    if vllm_importance_sampling_mode is not None:
+        kl.update(rollout_is=vllm_importance_sampling_mode, rollout_is_min=vllm_importance_sampling_clip_min,
+                  rollout_is_max=vllm_importance_sampling_clip_max)
+    if delta is not None and loss_type in ("cispo", "sapo"):
+        raise ValueError(f"delta (two-sided clipping) applies to the clipped losses, not loss_type={loss_type!r}")
+    if loss_type == "sapo":
+        if importance_sampling_level == "sequence":
+            raise NotImplementedError("loss_type='sapo' with importance_sampling_level='sequence' is not supported "
+                                      "by fused_rl; use importance_sampling_level='token'")
+        return PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=float(sapo_temperature_pos),
+                                sapo_temperature_neg=float(sapo_temperature_neg), agg="seq-mean-token-mean", **kl)
     if loss_type == "cispo":
         if importance_sampling_level == "sequence":
             raise NotImplementedError("loss_type='cispo' with importance_sampling_level='sequence' is not supported "
@@ -81,7 +104,7 @@ def grpo_policy_loss_config(
             raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high, which fused_rl needs >= 1 "
                              f"(clip_high = epsilon_high - 1); got epsilon_high={epsilon_high!r}")
         return PolicyLossConfig(policy_loss="cispo", clip_low=0.0, clip_high=float(epsilon_high) - 1.0,
-                                agg="token-mean", temperature=temperature, **kl)
+                                agg="token-mean", **kl)
     agg = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
            "dapo": "token-mean"}[loss_type]
     extra = {}
@@ -91,7 +114,7 @@ def grpo_policy_loss_config(
         extra["max_len"] = int(max_completion_length)
     policy = "gspo" if importance_sampling_level == "sequence" else "ppo_clip"
     return PolicyLossConfig(policy_loss=policy, clip_low=float(epsilon_low), clip_high=float(epsilon_high), agg=agg,
-                            temperature=temperature, **kl, **extra)
+                            delta=delta, **kl, **extra)
 
 
 class FusedPolicyLoss(torch.nn.Module):
@@ -214,6 +237,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.importance_sampling_level = importance_sampling_level
         self.temperature = temperature
         self.delta = delta
+        if loss_type == "sapo" or delta is not None:  # not checked against Liger's own implementation
+            raise NotImplementedError(f"FusedLinearGRPOLoss does not take {'loss_type=sapo' if loss_type == 'sapo' else 'delta'}"
+                                      " (Liger parity unverified); use fused_rl.nn.grpo_policy_loss_config + "
+                                      "FusedLinearPolicyLoss")
         self.use_bias_correction_kl = use_bias_correction_kl
         self.backend = backend
         self.check_inputs = check_inputs

@@ -50,6 +50,8 @@ def policy_loss(
     *,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    truncated: Optional[torch.Tensor] = None,
     config: Optional[PolicyLossConfig] = None,
     token_normalizer: Normalizer = None,
     backend: str = "auto",
@@ -61,6 +63,9 @@ def policy_loss(
 
     ``logits (B, T, V)``, ``targets / mask / old_logprobs / ref_logprobs (B, T)``, ``advantages (B,)``
     or ``(B, T)``. ``old_logprobs=None`` means on-policy (ratio 1, gradient of ``logp``).
+    ``rollout_logprobs (B, T)``: the inference engine's log-probs of the sampled tokens, for
+    ``config.rollout_is`` / ``config.off_policy_mask``; ``truncated (B,)`` bool: completions cut at the
+    length limit, masked out with ``config.mask_truncated_completions``.
     ``token_normalizer`` replaces the token count of ``agg="token-mean"`` (TRL's
     ``num_items_in_batch``). ``check_inputs`` runs the value checks (one host sync).
     ``inplace=True`` lets a single-pass backend write the gradient over ``logits`` (which must not be
@@ -75,7 +80,8 @@ def policy_loss(
     inputs = prepare_policy_inputs(
         tuple(logits.shape), logits.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
-        token_normalizer=token_normalizer, compute_dtype=compute_dtype(logits.dtype), check_inputs=check_inputs)
+        token_normalizer=token_normalizer, compute_dtype=compute_dtype(logits.dtype), check_inputs=check_inputs,
+        rollout_logprobs=rollout_logprobs, truncated=truncated)
     return be.policy_loss(logits, inputs, config, compute_entropy, inplace)
 
 
@@ -108,6 +114,8 @@ def linear_policy_loss(
     bias: Optional[torch.Tensor] = None,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    truncated: Optional[torch.Tensor] = None,
     config: Optional[PolicyLossConfig] = None,
     token_normalizer: Normalizer = None,
     backend: str = "auto",
@@ -123,7 +131,8 @@ def linear_policy_loss(
     inputs = prepare_policy_inputs(
         (batch, length, weight.shape[0]), hidden.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
-        token_normalizer=token_normalizer, compute_dtype=compute_dtype(hidden.dtype), check_inputs=check_inputs)
+        token_normalizer=token_normalizer, compute_dtype=compute_dtype(hidden.dtype), check_inputs=check_inputs,
+        rollout_logprobs=rollout_logprobs, truncated=truncated)
     return be.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy)
 
 

@@ -97,8 +97,9 @@ def token_logprobs_checks(logits: torch.Tensor, targets: torch.Tensor, temperatu
 class PolicyInputs:
     """Normalized per-token inputs of the loss, all ``(B, T)`` on the logits' device.
 
-    ``mask`` is boolean and already excludes ``IGNORE_INDEX`` targets; ``advantages``, ``old`` and
-    ``ref`` are fp32 (fp64 if the logits are fp64); ``targets`` keep their dtype.
+    ``mask`` is boolean and already excludes ``IGNORE_INDEX`` targets (and truncated completions with
+    ``config.mask_truncated_completions``); ``advantages``, ``old``, ``ref`` and ``rollout`` are fp32
+    (fp64 if the logits are fp64); ``targets`` keep their dtype.
     """
 
     targets: torch.Tensor
@@ -107,6 +108,7 @@ class PolicyInputs:
     old: Optional[torch.Tensor]
     ref: Optional[torch.Tensor]
     token_normalizer: Normalizer
+    rollout: Optional[torch.Tensor] = None
 
 
 def _check_per_token(x: Optional[torch.Tensor], name: str, shape: tuple, device: torch.device,
@@ -136,6 +138,8 @@ def prepare_policy_inputs(
     token_normalizer: Normalizer,
     compute_dtype: torch.dtype,
     check_inputs: bool,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    truncated: Optional[torch.Tensor] = None,
 ) -> PolicyInputs:
     """Validate the per-token arguments of ``policy_loss`` and bring them to one form.
 
@@ -160,12 +164,25 @@ def prepare_policy_inputs(
     _check_per_token(mask, "mask", shape, device)
     if mask.is_complex():
         _fail(f"mask must be boolean or 0/1 numbers, got {mask.dtype}")
-    for x, name in ((old_logprobs, "old_logprobs"), (ref_logprobs, "ref_logprobs")):
+    per_token = ((old_logprobs, "old_logprobs"), (ref_logprobs, "ref_logprobs"), (rollout_logprobs, "rollout_logprobs"))
+    for x, name in per_token:
         _check_per_token(x, name, shape, device)
         if x is not None and not x.is_floating_point():
             _fail(f"{name} must be a floating tensor, got {x.dtype}")
     if config.kl is not None and ref_logprobs is None:
         _fail(f"config.kl={config.kl!r} needs ref_logprobs")
+    if config.rollout_is is not None and rollout_logprobs is None:
+        _fail(f"config.rollout_is={config.rollout_is!r} needs rollout_logprobs (the sampler's log-probs)")
+    if rollout_logprobs is not None and not config.uses_rollout_logprobs:
+        _fail("rollout_logprobs are only used with config.rollout_is or config.off_policy_mask; set one of them")
+    if config.mask_truncated_completions:
+        if truncated is None:
+            _fail("config.mask_truncated_completions needs truncated, a (B,) bool tensor of truncated completions")
+        _check_per_token(truncated, "truncated", shape[:1], device)
+        if truncated.dtype != torch.bool:
+            _fail(f"truncated must be a bool tensor, got {truncated.dtype}")
+    elif truncated is not None:
+        _fail("truncated is only used with config.mask_truncated_completions=True")
     if token_normalizer is not None:
         if config.agg != "token-mean":
             _fail(f"token_normalizer only applies to agg='token-mean', not {config.agg!r}")
@@ -179,6 +196,8 @@ def prepare_policy_inputs(
 
     bool_mask = mask if mask.dtype == torch.bool else mask != 0
     valid = bool_mask & (targets != IGNORE_INDEX)
+    if truncated is not None:
+        valid = valid & ~truncated.unsqueeze(1)
     if check_inputs and not _is_compiling():
         checks = [(f"targets must be in [0, {vocab}) (or {IGNORE_INDEX}) where mask is set",
                    target_range_ok(targets, vocab, bool_mask))]
@@ -186,7 +205,7 @@ def prepare_policy_inputs(
             checks.append(("mask must contain only 0 and 1", ((mask == 0) | (mask == 1)).all()))
         adv_where = valid if advantages.dim() == 2 else valid.any(dim=1)
         checks.append(("advantages contain NaN or inf", (torch.isfinite(advantages) | ~adv_where).all()))
-        for x, name in ((old_logprobs, "old_logprobs"), (ref_logprobs, "ref_logprobs")):
+        for x, name in per_token:
             if x is not None:
                 checks.append((f"{name} contain NaN or inf where mask is set", (torch.isfinite(x) | ~valid).all()))
         if isinstance(token_normalizer, torch.Tensor):
@@ -204,4 +223,5 @@ def prepare_policy_inputs(
         old=None if old_logprobs is None else old_logprobs.detach().to(compute_dtype),
         ref=None if ref_logprobs is None else ref_logprobs.detach().to(compute_dtype),
         token_normalizer=token_normalizer,
+        rollout=None if rollout_logprobs is None else rollout_logprobs.detach().to(compute_dtype),
     )

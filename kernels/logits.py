@@ -5,10 +5,12 @@ pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 wha
 
 * **stats** (one read of the row): online ``m = max z``, ``s = sum exp(z - m)`` and
   ``q = sum exp(z - m) (z - m)`` over blocks of ``BLOCK_V`` (``m`` starts at ``-inf``, masked lanes
-  load ``-inf``), giving ``lse = m + log s``, ``logp = z_target - lse`` and
-  ``H = -sum p log p = log s - q / s``;
+  load ``-inf``), giving ``logp = (z_target - m) - log s`` and ``H = -sum p log p = log s - q / s``;
+  ``m`` and ``log s`` are saved apart (``lse = m + log s`` rounded to one fp32 loses ``log s`` when
+  ``|m|`` is large, and with it ``1 - p`` of a near-certain token);
 * **grad** (one read + one write): ``dlogits_j = (g_logp (onehot_j - p_j) + g_H p_j (E[z] - z_j)) / tau``
-  with ``p_j = exp(z_j - lse)`` and ``E[z] = lse - H``, from the saved per-row ``lse`` (and ``H``);
+  with ``p_j = exp((z_j - m) - log s)`` and ``E[z] - z_j = -H - log p_j``, from the saved ``m``,
+  ``log s`` (and ``H``);
 * **fused policy loss** (stats loop, then the epilogue of :mod:`fused_rl.kernels.epilogue` on the
   row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): writes the
   per-token ``logp, H, w l, r, kl`` and ``dlogits`` (optionally over the logits themselves).
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .epilogue import token_epilogue
+from .epilogue import expm1, token_epilogue
 
 IGNORE_INDEX = tl.constexpr(-100)  # compiled Triton reads only constexpr globals
 
@@ -74,12 +76,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.constexpr,
                BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
-    """``(lse, logp, H)`` (natural log) of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where
-    not ``valid``; the caller masks). Ignored rows load nothing.
+    """``(m, log2 s, logp, H)`` of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where not
+    ``valid``; the caller masks); ``logp`` and ``H`` in natural log. Ignored rows load nothing.
 
     The loop works in base 2 on ``u = x log2(e) / tau`` (one multiply and one ``exp2`` per element):
-    ``m = max u``, ``s = sum 2^(u - m)``, ``q = sum 2^(u - m) (u - m)``; then ``lse = ln2 (m + log2 s)``,
-    ``logp = ln2 (u_t - m - log2 s)``, ``H = ln2 (log2 s - q / s)``."""
+    ``m = max u``, ``s = sum 2^(u - m)``, ``q = sum 2^(u - m) (u - m)``; then
+    ``logp = ln2 (u_t - m - log2 s)``, ``H = ln2 (log2 s - q / s)`` (``lse = ln2 (m + log2 s)`` is never
+    rounded into one number: ``m`` and ``log2 s`` stay apart for the gradient)."""
     scale = LOG2E / temperature
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
@@ -107,37 +110,39 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     log2_s = tl.log2(s)
     # in-row address even for ignored rows; rows past N (valid is False there too) load nothing
     ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32) * scale
-    lse = LN2 * (m_fin + log2_s)
     logp = LN2 * ((ut - m_fin) - log2_s)
     ent = tl.zeros([BLOCK_N], tl.float32)
     if WITH_ENT:
         ent = LN2 * (log2_s - q / s)
-    return lse, logp, ent
+    return m_fin, log2_s, logp, ent
 
 
 @triton.jit
-def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, lse, ez, g_logp, g_h,
+def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, m2, log2_s, ent, g_logp, g_h,
               BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
-    """Writes ``(g_logp (onehot - p) + g_h p (ez - z)) / tau`` over the rows (zeros where not ``valid``).
+    """Writes ``(g_logp (onehot - p) + g_h p (E[z] - z)) / tau`` over the rows (zeros where not ``valid``).
 
-    Per element, in base 2 (``u = x log2(e) / tau``, ``p = 2^(u - lse log2 e)``):
-    ``a onehot - a p + b p (E[u] - u)`` with the per-row ``a = g_logp / tau``, ``b = g_h ln2 / tau``:
-    no division in the loop."""
+    Per element, in base 2 (``u = x log2(e) / tau``, ``d = (u - m) - log2 s``, ``p = 2^d``):
+    ``a onehot - a p + b p (E[u] - u)`` with ``E[u] - u = -H log2(e) - d`` and the per-row
+    ``a = g_logp / tau``, ``b = g_h ln2 / tau``: no division in the loop, and no rounding of
+    ``m + log2 s`` (``1 - p`` of a near-certain token stays exact at any ``|u|``)."""
     scale = LOG2E / temperature
-    lse2 = lse * LOG2E
     a = tl.where(valid, g_logp / temperature, 0.0)
     b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
-    eu = ez * LOG2E
+    h2 = ent * LOG2E
+    # the target's 1 - p by expm1 (a near-certain token's 1 - p is below the error of exp2)
+    ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=valid, other=0.0).to(tl.float32) * scale
+    one_minus_pt = -expm1(((ut - m2) - log2_s) * LN2)
     for start in range(0, V, BLOCK_V):  # ignored rows load nothing and store zeros
         cols = start + tl.arange(0, BLOCK_V)
         inb = cols[None, :] < V
         x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & inb,
                     other=float("-inf")).to(tl.float32)
-        u = x * scale
-        p = tl.exp2(u - lse2[:, None])  # 0 on masked lanes and ignored rows (lse = 0 there)
-        g = tl.where(cols[None, :] == tgt[:, None], a[:, None], 0.0) - a[:, None] * p
+        d = (x * scale - m2[:, None]) - log2_s[:, None]
+        p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
+        g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
         if GRAD_ENT:
-            g += b[:, None] * tl.where(p > 0.0, p * (eu[:, None] - u), 0.0)
+            g += b[:, None] * tl.where(p > 0.0, p * (-h2[:, None] - d), 0.0)
         tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
                  mask=in_rows[:, None] & inb)
 
@@ -149,10 +154,11 @@ def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr,
         rows, in_rows = _rows(tile, N, BLOCK_N)
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
         valid = tgt != IGNORE_INDEX
-        lse, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V, temperature,
-                                    BLOCK_N, BLOCK_V, WITH_ENT)
+        m2, log2_s, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V,
+                                           temperature, BLOCK_N, BLOCK_V, WITH_ENT)
         tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
-        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=in_rows)
+        tl.store(lse_ptr + rows, tl.where(valid, m2, 0.0), mask=in_rows)
+        tl.store(lse_ptr + N + rows, tl.where(valid, log2_s, 0.0), mask=in_rows)
         if WITH_ENT:
             tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=in_rows)
 
@@ -164,15 +170,16 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
         rows, in_rows = _rows(tile, N, BLOCK_N)
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
         valid = tgt != IGNORE_INDEX
-        lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+        m2 = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+        log2_s = tl.load(lse_ptr + N + rows, mask=in_rows, other=0.0)
         g_logp = tl.load(glogp_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-        ez = tl.zeros([BLOCK_N], tl.float32)
+        ent = tl.zeros([BLOCK_N], tl.float32)
         g_h = tl.zeros([BLOCK_N], tl.float32)
         if GRAD_ENT:
-            ez = lse - tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
+            ent = tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
             g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
         _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
-                  valid, V, temperature, lse, ez, g_logp, g_h, BLOCK_V, GRAD_ENT)
+                  valid, V, temperature, m2, log2_s, ent, g_logp, g_h, BLOCK_V, GRAD_ENT)
 
 
 @triton.jit
@@ -187,8 +194,8 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
         valid = tgt != IGNORE_INDEX
         x_off = _row_offset(rows, T, xs0, xs1)
-        lse, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
-                                    WITH_ENT)
+        m2, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
+                                           WITH_ENT)
         logp = tl.where(valid, logp, 0.0)
         ent = tl.where(valid, ent, 0.0)
         adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
@@ -211,7 +218,7 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
             tl.store(kl_ptr + rows, kl, mask=in_rows)
         if WRITE_GRAD:
             _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
-                      lse, lse - ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT)
+                      m2, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT)
 
 
 @triton.jit
@@ -250,13 +257,14 @@ def as_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
-    """Flat fp32 ``(logp, entropy, lse)`` (``entropy`` empty unless ``with_entropy``)."""
+    """Flat fp32 ``(logp, entropy, lse)`` (``entropy`` empty unless ``with_entropy``); ``lse`` is
+    ``(2, N)``: the base-2 row max ``m`` and ``log2 s``, which :func:`token_grad` reads."""
     x = as_rows(logits)
     B, T, V = x.shape
     n = B * T
     tgt = targets.reshape(-1).contiguous()
     logp = torch.empty(n, dtype=torch.float32, device=x.device)
-    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse = torch.empty(2, n, dtype=torch.float32, device=x.device)
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
     bn, block, warps = block_config(V, x.dtype)
     _stats_kernel[_grid(n, bn)](
@@ -273,7 +281,7 @@ def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, ou
     grad_ent = entropy is not None and g_entropy is not None
     bn, block, warps = block_config(V, x.dtype)
     g_logp = g_logp.reshape(-1).contiguous()
-    ent = entropy.reshape(-1).contiguous() if grad_ent else lse
+    ent = entropy.reshape(-1).contiguous() if grad_ent else g_logp
     g_ent = g_entropy.reshape(-1).contiguous() if grad_ent else g_logp
     _grad_kernel[_grid(B * T, bn)](
         x, x.stride(0), x.stride(1), B * T, T, V, targets.reshape(-1).contiguous(), o, o.stride(0), o.stride(1),

@@ -47,7 +47,7 @@ def test_frozen_hashable_and_normalized():
 
 
 def test_presets():
-    assert set(PRESETS) == {"grpo", "bnpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo"}
+    assert set(PRESETS) == {"grpo", "bnpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo", "gspo_token", "gmpo", "sapo"}
     assert PolicyLossConfig.preset("dapo").clip_high == 0.28
     assert PolicyLossConfig.preset("grpo", beta=0.04).kl == "k3"  # TRL's estimator
     assert PolicyLossConfig.preset("grpo", beta=0.04, kl="k1").kl == "k1"
@@ -126,3 +126,35 @@ def test_presets_match_trl(preset, trl_args, beta, bias_correction):
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
     # TRL's padding positions receive gradient 0 in both; compare the whole gradient
     torch.testing.assert_close(lp1.grad, lp2.grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(delta=1.1), "delta must be > 1 \\+ clip_high"),
+    (dict(policy_loss="cispo", delta=2.0), "delta applies to"),
+    (dict(policy_loss="sapo", dual_clip=3.0), "dual_clip applies to"),
+    (dict(policy_loss="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
+    (dict(policy_loss="gmpo", clip_low=-0.1), "gmpo: a log-ratio bound"),
+    (dict(kl="k2+", beta=0.1), "kl must be one of"),
+    (dict(rollout_is="token_clip"), "rollout_is must be one of"),
+    (dict(rollout_is="token_mask", rollout_is_max=None), "needs rollout_is_max and/or rollout_is_min"),
+    (dict(rollout_is="token_mask", rollout_is_min=3.0, rollout_is_max=2.0), "must be <= rollout_is_max"),
+    (dict(rollout_is_max=float("nan")), "must be finite"),
+    (dict(off_policy_mask=-0.1), "off_policy_mask must be >= 0"),
+    (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in"),
+    (dict(mask_truncated_completions=1), "must be a bool"),
+])
+def test_new_fields_are_validated(fields, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyLossConfig(**fields)
+
+
+def test_new_fields_route_the_backends():
+    assert PolicyLossConfig(policy_loss="gmpo", clip_low=1.5).clip_low == 1.5  # log-space: may exceed 1
+    assert PolicyLossConfig().has_token_epilogue
+    for cfg in (PolicyLossConfig(policy_loss="sapo"), PolicyLossConfig(delta=2.0), PolicyLossConfig(kl="k3+"),
+                PolicyLossConfig(rollout_is="token_truncate"), PolicyLossConfig(top_entropy_quantile=0.2)):
+        assert not cfg.has_token_epilogue
+    assert PolicyLossConfig(rollout_is="sequence_mask").is_sequence_level
+    assert not PolicyLossConfig(rollout_is="token_mask").is_sequence_level
+    assert PolicyLossConfig(off_policy_mask=0.1).is_sequence_level
+    assert PolicyLossConfig(top_entropy_quantile=0.2).is_batch_level and PolicyLossConfig(top_entropy_quantile=0.2).needs_entropy

@@ -12,35 +12,88 @@ from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from fused_rl.loss_math import compute_policy_loss
 
 
-def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_logp=None):
+def _kl(kind, d):
+    return {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1, "abs": abs(d),
+            "low_var_kl": min(max(math.exp(d) - d - 1, -10), 10)}[kind]
+
+
+def _sign(x):
+    return (x > 0) - (x < 0)
+
+
+def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_logp=None, rollout=None):
     """Plain-Python evaluation of the documented formulas (lists of lists, math module only).
 
-    ``frozen_logp`` supplies the log-probs of cispo's stop-gradient weight (for finite differences)."""
+    ``frozen_logp`` supplies the log-probs behind every stop-gradient (cispo's weight, gspo_token's
+    sequence ratio, the "+" KL value, the off-policy mask) for finite differences; ``rollout`` the
+    sampler's log-probs."""
     B, T = len(logp), len(logp[0])
+    frozen = logp if frozen_logp is None else frozen_logp
     per = [[0.0] * T for _ in range(B)]
+    valid_ent = sorted(ent[b][t] for b in range(B) for t in range(T) if mask[b][t])
+    if cfg.top_entropy_quantile < 1.0 and valid_ent:
+        pos = (len(valid_ent) - 1) * (1.0 - cfg.top_entropy_quantile)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        ent_threshold = valid_ent[lo] + (pos - lo) * (valid_ent[hi] - valid_ent[lo])
     for b in range(B):
-        n_b = sum(mask[b])
-        seq_log_ratio = sum(logp[b][t] - old[b][t] for t in range(T) if mask[b][t]) / max(n_b, 1)
-        for t in range(T):
-            if not mask[b][t]:
-                continue
+        toks = [t for t in range(T) if mask[b][t]]
+        n_b = max(len(toks), 1)
+        seq_log_ratio = sum(logp[b][t] - old[b][t] for t in toks) / n_b
+        frozen_seq = sum(frozen[b][t] - old[b][t] for t in toks) / n_b
+        if cfg.policy_loss == "gmpo":
+            xs = []
+            for t in toks:
+                x, s = logp[b][t] - old[b][t], _sign(adv[b][t])
+                xs.append(s * min(s * x, s * min(max(x, -cfg.clip_low), cfg.clip_high)))
+            geo = math.exp(sum(xs) / n_b)
+        if cfg.rollout_is is not None:
+            seq_rho = math.exp(sum(old[b][t] - rollout[b][t] for t in toks))
+        if cfg.off_policy_mask is not None:
+            behaviour = rollout if rollout is not None else old
+            seq_kl = sum(behaviour[b][t] - frozen[b][t] for t in toks) / n_b
+        for t in toks:
             A = adv[b][t]
-            r = math.exp(seq_log_ratio) if cfg.policy_loss == "gspo" else math.exp(logp[b][t] - old[b][t])
-            if cfg.policy_loss in ("ppo_clip", "gspo"):
+            if cfg.policy_loss in ("gspo", "gmpo"):
+                r = math.exp(seq_log_ratio)
+            elif cfg.policy_loss == "gspo_token":
+                r = math.exp(frozen_seq + logp[b][t] - frozen[b][t])
+            else:
+                r = math.exp(logp[b][t] - old[b][t])
+            if cfg.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
                 clipped = min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high)
-                l = max(-A * r, -A * clipped)
+                unclipped = r if cfg.delta is None else min(r, cfg.delta)
+                l = max(-A * unclipped, -A * clipped)
                 if cfg.dual_clip is not None and A < 0:
                     l = min(l, -cfg.dual_clip * A)
+            elif cfg.policy_loss == "gmpo":
+                l = -A * geo
+            elif cfg.policy_loss == "sapo":
+                tau = cfg.sapo_temperature_pos if A > 0 else cfg.sapo_temperature_neg
+                l = -A * 4 / tau / (1 + math.exp(-tau * (r - 1)))
             elif cfg.policy_loss == "cispo":
-                if frozen_logp is not None:
-                    r = math.exp(frozen_logp[b][t] - old[b][t])
-                l = -min(r, 1 + cfg.clip_high) * A * logp[b][t]
+                rf = math.exp(frozen[b][t] - old[b][t])
+                l = -min(rf, 1 + cfg.clip_high) * A * logp[b][t]
             else:
                 l = -A * logp[b][t]
+            if cfg.off_policy_mask is not None and A < 0 and seq_kl > cfg.off_policy_mask:
+                l = 0.0
+            if cfg.top_entropy_quantile < 1.0 and ent[b][t] < ent_threshold:
+                l = 0.0
+            if cfg.rollout_is is not None:
+                rho = seq_rho if cfg.rollout_is.startswith("sequence") else math.exp(old[b][t] - rollout[b][t])
+                lo, hi = cfg.rollout_is_min, cfg.rollout_is_max
+                if cfg.rollout_is.endswith("truncate"):
+                    w = min(max(rho, -math.inf if lo is None else lo), math.inf if hi is None else hi)
+                else:
+                    w = rho if (lo is None or rho >= lo) and (hi is None or rho <= hi) else 0.0
+                l *= w
             if cfg.kl is not None and cfg.beta:
                 d = ref[b][t] - logp[b][t]
-                kl = {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1, "abs": abs(d),
-                      "low_var_kl": min(max(math.exp(d) - d - 1, -10), 10)}[cfg.kl]
+                if cfg.kl.endswith("+"):  # value of X, gradient of k2
+                    df = ref[b][t] - frozen[b][t]
+                    kl = _kl("k2", d) + _kl(cfg.kl[:-1], df) - _kl("k2", df)
+                else:
+                    kl = _kl(cfg.kl, d)
                 l += cfg.beta * kl * (r if cfg.kl_bias_correction else 1.0)
             l -= cfg.entropy_coef * ent[b][t]
             per[b][t] = l
@@ -75,7 +128,7 @@ COMBOS = list(itertools.product(POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS))
 def test_every_combination_matches_scalar_derivation(policy, kl, agg):
     cfg = PolicyLossConfig(policy_loss=policy, kl=kl, beta=0.1 if kl else 0.0, agg=agg, clip_low=0.15,
                            clip_high=0.25, entropy_coef=0.01,
-                           dual_clip=2.0 if policy in ("ppo_clip", "gspo") else None,
+                           dual_clip=2.0 if policy in ("ppo_clip", "gspo", "gspo_token") else None,
                            max_len=7 if agg == "seq-mean-token-sum-norm" else None)
     logp, old, ref, ent, adv, mask = _inputs(hash((policy, kl, agg)) % 1000)
     loss, metrics = compute_policy_loss(logp, adv, mask, cfg, old_logprobs=old, ref_logprobs=ref, entropy=ent)
@@ -91,9 +144,115 @@ def test_every_combination_matches_scalar_derivation(policy, kl, agg):
         minus = [row[:] for row in base]
         plus[b][t] += h
         minus[b][t] -= h
-        args = (old.tolist(), ref.tolist(), ent.tolist(), adv.tolist(), mask.tolist(), cfg)
+        args = (old.tolist(), ref.tolist(), ent.tolist(), adv.tolist(), mask.tolist(), cfg)  # noqa: B023
         numeric = (scalar_loss(plus, *args, frozen_logp=base) - scalar_loss(minus, *args, frozen_logp=base)) / (2 * h)
         assert x.grad[b, t].item() == pytest.approx(numeric, rel=1e-5, abs=1e-8), (b, t)
+
+
+def _check_against_scalar(cfg, seed, rollout_spread=0.5):
+    """Loss equal to the scalar derivation (1e-12) and gradients equal to its central differences,
+    with every stop-gradient input held at the base point."""
+    logp, old, ref, ent, adv, mask = _inputs(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    rollout = old + rollout_spread * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    kwargs = dict(old_logprobs=old, ref_logprobs=ref, entropy=ent)
+    if cfg.uses_rollout_logprobs:
+        kwargs["rollout_logprobs"] = rollout
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(x, adv, mask, cfg, **kwargs)
+    args = (old.tolist(), ref.tolist(), ent.tolist(), adv.tolist(), mask.tolist(), cfg)
+    extra = dict(rollout=rollout.tolist() if cfg.uses_rollout_logprobs else None)
+    assert loss.item() == pytest.approx(scalar_loss(logp.tolist(), *args, **extra), rel=1e-12, abs=1e-14)
+    loss.backward()
+    base, h = logp.tolist(), 1e-6
+    for b, t in itertools.product(range(logp.shape[0]), range(logp.shape[1])):
+        plus = [row[:] for row in base]
+        minus = [row[:] for row in base]
+        plus[b][t] += h
+        minus[b][t] -= h
+        numeric = (scalar_loss(plus, *args, frozen_logp=base, **extra)
+                   - scalar_loss(minus, *args, frozen_logp=base, **extra)) / (2 * h)
+        assert x.grad[b, t].item() == pytest.approx(numeric, rel=1e-5, abs=1e-8), (b, t)
+    return metrics
+
+
+#: Every option of #10, alone and combined (each formula and its source in PolicyLossConfig).
+VARIANTS = {
+    "gspo_token": PolicyLossConfig(policy_loss="gspo_token", clip_low=0.1, clip_high=0.15),
+    "gspo_token_dual_delta": PolicyLossConfig(policy_loss="gspo_token", dual_clip=2.0, delta=1.6),
+    "gmpo": PolicyLossConfig.preset("gmpo"),
+    "gmpo_tight": PolicyLossConfig(policy_loss="gmpo", clip_low=0.1, clip_high=0.05, kl="k3", beta=0.1,
+                                   kl_bias_correction=True),
+    "sapo": PolicyLossConfig.preset("sapo"),
+    "sapo_temps": PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=3.0, sapo_temperature_neg=0.5,
+                                   kl="k1", beta=0.2),
+    "delta": PolicyLossConfig(clip_high=0.28, delta=1.5),
+    "delta_gspo": PolicyLossConfig(policy_loss="gspo", delta=1.3, agg="seq-mean-token-mean"),
+    "k1+": PolicyLossConfig(kl="k1+", beta=0.3),
+    "k3+": PolicyLossConfig(kl="k3+", beta=0.3, kl_bias_correction=True),
+    "abs+": PolicyLossConfig(policy_loss="reinforce", kl="abs+", beta=0.2),
+    "low_var_kl+": PolicyLossConfig(policy_loss="cispo", kl="low_var_kl+", beta=0.2),
+    "tis_token": PolicyLossConfig(rollout_is="token_truncate", rollout_is_max=1.3),
+    "tis_token_min": PolicyLossConfig(rollout_is="token_truncate", rollout_is_min=0.8, rollout_is_max=1.2,
+                                      kl="k3", beta=0.1),
+    "mis_token": PolicyLossConfig(rollout_is="token_mask", rollout_is_max=1.4),
+    "tis_seq": PolicyLossConfig(rollout_is="sequence_truncate", rollout_is_max=2.0, agg="seq-mean-token-mean"),
+    "mis_seq": PolicyLossConfig(rollout_is="sequence_mask", rollout_is_min=0.2, rollout_is_max=3.0),
+    "off_policy_mask": PolicyLossConfig(off_policy_mask=0.05),
+    "off_policy_mask_rollout": PolicyLossConfig(off_policy_mask=0.0, rollout_is="token_truncate"),
+    "top_entropy": PolicyLossConfig(top_entropy_quantile=0.4),
+    "top_entropy_0": PolicyLossConfig(top_entropy_quantile=0.0, entropy_coef=0.01, agg="seq-mean-token-sum"),
+    "all": PolicyLossConfig(policy_loss="sapo", kl="k3+", beta=0.1, rollout_is="sequence_mask",
+                            rollout_is_max=2.5, off_policy_mask=0.1, top_entropy_quantile=0.6, entropy_coef=0.02,
+                            agg="seq-mean-token-sum-norm", max_len=8),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variants_match_scalar_derivation(name):
+    metrics = _check_against_scalar(VARIANTS[name], seed=len(name) * 7 + 3)
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_variant_metrics_count_what_they_say():
+    logp, old, ref, ent, adv, mask = _inputs(3)
+    rollout = old + 0.7 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    cfg = PolicyLossConfig(rollout_is="token_mask", rollout_is_max=1.5, off_policy_mask=0.0,
+                           top_entropy_quantile=0.5)
+    _, m = compute_policy_loss(logp, adv, mask, cfg, old_logprobs=old, entropy=ent, rollout_logprobs=rollout)
+    n = mask.sum()
+    rho = torch.exp(old - rollout)
+    assert m["rollout_is_clip_frac"].item() == pytest.approx(((rho > 1.5) & mask).sum().item() / n.item())
+    assert m["rollout_is_mean"].item() == pytest.approx((torch.where(rho <= 1.5, rho, 0.0)[mask]).mean().item())
+    seq_kl = (torch.where(mask, rollout - logp, 0.0).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
+    dropped = mask & (adv < 0) & (seq_kl > 0.0)
+    assert m["off_policy_mask_frac"].item() == pytest.approx(dropped.sum().item() / n.item())
+    assert m["entropy_mask_frac"].item() == pytest.approx(
+        (mask & (ent < torch.quantile(ent[mask], 0.5))).sum().item() / n.item())
+
+
+def test_top_entropy_keep_matches_torch_quantile():
+    from fused_rl.loss_math import top_entropy_keep
+
+    g = torch.Generator().manual_seed(0)
+    for rho in (0.0, 0.2, 0.5, 0.77, 1.0):
+        ent = torch.rand(6, 9, generator=g) * 5
+        mask = torch.rand(6, 9, generator=g) > 0.3
+        expected = mask & (ent >= torch.quantile(ent[mask], 1 - rho))
+        assert torch.equal(top_entropy_keep(ent, mask, rho), expected)
+    assert not top_entropy_keep(ent, torch.zeros_like(mask), 0.5).any()
+
+
+def test_on_policy_rollout_weight_uses_detached_logp():
+    """on-policy (old=None) the rollout weight is exp(sg(logp) - rollout): no gradient through it."""
+    logp, _, _, _, adv, mask = _inputs(5)
+    rollout = logp - 0.3
+    cfg = PolicyLossConfig(policy_loss="reinforce", rollout_is="token_truncate", rollout_is_max=10.0)
+    x = logp.clone().requires_grad_(True)
+    compute_policy_loss(x, adv, mask, cfg, rollout_logprobs=rollout)[0].backward()
+    w = torch.exp(torch.tensor(0.3, dtype=torch.float64))
+    expected = torch.where(mask, -adv * w / mask.sum(), 0.0)
+    torch.testing.assert_close(x.grad, expected)
 
 
 @pytest.mark.parametrize("policy", ["ppo_clip", "gspo"])

@@ -285,7 +285,7 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
 
     lp = logp.clone().view(1, n).requires_grad_(True)
     en = ent.clone().view(1, n).requires_grad_(True)
-    loss_t, _, _ = per_token_loss(lp, adv.view(1, n), mask, config, old_logprobs=None if old is None else old.view(1, n),
+    loss_t, _, _, _ = per_token_loss(lp, adv.view(1, n), mask, config, old_logprobs=None if old is None else old.view(1, n),
                                   ref_logprobs=ref.view(1, n) if config.kl else None, entropy=en)
     (loss_t * w.view(1, n)).sum().backward()
     got_loss, got_gl, got_ge = _epilogue(config, logp, ent, adv, old, ref if config.kl else None, w)

@@ -91,11 +91,11 @@ def test_grpo_policy_loss_config_mapping():
 
 
 @pytest.mark.parametrize("kwargs, exc, needle", [
-    (dict(loss_type="sapo"), NotImplementedError, "sapo"),
+    (dict(loss_type="sapo", importance_sampling_level="sequence"), NotImplementedError, "sapo"),
     (dict(loss_type="vespo"), NotImplementedError, "vespo"),
     (dict(loss_type="luspo"), NotImplementedError, "luspo"),
     (dict(loss_type="nope"), ValueError, "unknown loss_type"),
-    (dict(loss_type="dapo", delta=1.5), NotImplementedError, "delta"),
+    (dict(loss_type="cispo", epsilon_high=5.0, delta=1.5), ValueError, "delta"),
     (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), NotImplementedError,
      "sequence"),
     (dict(loss_type="cispo", epsilon_high=0.2), ValueError, "epsilon_high"),
@@ -105,6 +105,17 @@ def test_grpo_policy_loss_config_mapping():
 def test_grpo_policy_loss_config_rejects(kwargs, exc, needle):
     with pytest.raises(exc, match=needle):
         grpo_policy_loss_config(**kwargs)
+
+
+def test_grpo_policy_loss_config_maps_the_new_trl_options():
+    assert grpo_policy_loss_config("sapo", sapo_temperature_pos=2.0) == PolicyLossConfig(
+        policy_loss="sapo", sapo_temperature_pos=2.0, agg="seq-mean-token-mean")
+    assert grpo_policy_loss_config("dapo", epsilon_high=0.28, delta=1.5).delta == 1.5
+    cfg = grpo_policy_loss_config("grpo", top_entropy_quantile=0.2, off_policy_mask_threshold=0.5,
+                                  vllm_importance_sampling_mode="token_truncate",
+                                  vllm_importance_sampling_clip_max=2.0)
+    assert (cfg.top_entropy_quantile, cfg.off_policy_mask, cfg.rollout_is, cfg.rollout_is_max) == (
+        0.2, 0.5, "token_truncate", 2.0)
 
 
 def test_bias_correction_maps_to_kl_bias_correction():

@@ -82,7 +82,7 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
     logp[~valid] = float("nan")  # masked garbage must not leak
     lp = logp.clone().requires_grad_(True)
     h = ent.clone().requires_grad_(True)
-    loss_t, ratio, kl = per_token_loss(lp.view(1, n), adv.view(1, n), valid.view(1, n), config,
+    loss_t, ratio, kl, _ = per_token_loss(lp.view(1, n), adv.view(1, n), valid.view(1, n), config,
                                        old_logprobs=None if old is None else old.view(1, n),
                                        ref_logprobs=ref.view(1, n), entropy=h.view(1, n))
     loss_t.sum().backward()

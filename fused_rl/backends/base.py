@@ -49,11 +49,11 @@ class Backend:
 
         ``inplace`` is a permission, not a request: this two-pass composition does not use it."""
         targets = torch.where(inputs.mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX))
-        want_entropy = compute_entropy or config.needs_entropy_grad
+        want_entropy = compute_entropy or config.needs_entropy
         logp, entropy = self.token_logprobs(logits, targets, config.temperature, want_entropy)
         loss, metrics = compute_policy_loss(
             logp, inputs.advantages, inputs.mask, config,
-            old_logprobs=inputs.old, ref_logprobs=inputs.ref, entropy=entropy,
+            old_logprobs=inputs.old, ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
             token_normalizer=inputs.token_normalizer)
         return PolicyLossOutput(loss=loss, logprobs=logp.detach(),
                                 entropy=None if entropy is None else entropy.detach(), metrics=metrics)

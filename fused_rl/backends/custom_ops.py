@@ -3,6 +3,7 @@
 Each backend defines two ``torch.library`` custom ops with the same schema:
 
 * ``stats(logits, targets, temperature, with_entropy) -> (logp, entropy, lse)`` (flat, length ``N``;
+  ``lse`` in any layout the backend's ``grad`` reads, its last dimension ``N``;
   ``entropy`` empty unless ``with_entropy``);
 * ``grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature) -> dlogits`` with
   ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, ``E[z] = lse - H``.
@@ -32,7 +33,7 @@ def register_token_ops(stats_op, grad_op) -> None:
     def backward(ctx, g_logp, g_entropy, g_lse):
         logits, targets, entropy, lse = ctx.saved_tensors
         if g_logp is None:
-            g_logp = torch.zeros_like(lse)
+            g_logp = lse.new_zeros(lse.shape[-1])
         if not ctx.with_entropy:
             entropy = g_entropy = None
         return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None

@@ -6,8 +6,10 @@ version. The kernels are wrapped as ``torch.library`` custom ops with fake imple
 autograd formulas (the pattern of :mod:`fused_rl.backends.torch_chunked`), so ``torch.compile``
 sees opaque calls.
 
-Per row (``z = logits / tau``): ``lse = logsumexp(z)``, ``logp = z_target - lse``, ``H = lse - E[z]``;
-``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``.
+Per row (``z = logits / tau``, ``m = max z``, ``s = sum exp(z - m)``): ``logp = (z_target - m) - log s``,
+``H = log s - E[z - m]``; ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with
+``p = exp((z - m) - log s)``. The saved ``lse`` is ``(2, N)``, ``m`` and ``log s`` apart (the CUDA
+kernels keep both in base 2), so ``1 - p`` of a near-certain token survives a large ``|m|``.
 
 ``policy_loss`` (token-level configs) is a single pass: the kernel evaluates the closed-form
 epilogue of ``csrc/policy_epilogue.h`` per token (``g_logp = w dl/dlogp``, ``g_H = w dl/dH`` with the
@@ -119,7 +121,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     n = targets.numel()
     tg = targets.reshape(-1).contiguous()
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(2, n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
     args = (x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, tg.data_ptr(), _INDEX_CODES[tg.dtype],
             1.0 / temperature, logp.data_ptr(), entropy.data_ptr() if with_entropy else 0, lse.data_ptr())
@@ -135,7 +137,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
 def _(logits, targets, temperature, with_entropy):
     n = targets.numel()
     f = torch.float32
-    return logits.new_empty(n, dtype=f), logits.new_empty(n if with_entropy else 0, dtype=f), logits.new_empty(n, dtype=f)
+    return logits.new_empty(n, dtype=f), logits.new_empty(n if with_entropy else 0, dtype=f), logits.new_empty((2, n), dtype=f)
 
 
 @torch.library.custom_op("fused_rl::native_token_grad", mutates_args=())
@@ -306,7 +308,7 @@ class NativeBackend(Backend):
         else:
             logp, ent, dlogits = policy_fwd(x, targets, adv, old, ref, w, *params)
         logp = logp.view(batch, length)
-        want_entropy = compute_entropy or config.needs_entropy_grad
+        want_entropy = compute_entropy or config.needs_entropy
         entropy = ent.view(batch, length) if want_entropy else None
         value, metrics = compute_policy_loss(logp, inputs.advantages, mask, config, old_logprobs=inputs.old,
                                              ref_logprobs=inputs.ref, entropy=entropy,

@@ -54,12 +54,16 @@ def _chunks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns flat ``(logp, entropy, lse)`` of length ``N = prod(logits.shape[:-1])`` (``entropy``
-    empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``."""
+    empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``.
+
+    ``lse`` is ``(2, N)``: the row max ``m`` and ``log s`` (``s = sum exp(z - m)``) kept apart, so the
+    backward's ``p = exp((z - m) - log s)`` does not lose ``log s`` to the rounding of ``m + log s``
+    (``1 - p`` of a near-certain token at ``|z| ~ 1e3`` would be 0)."""
     cdtype = _compute_dtype(logits.dtype)
     flat_targets = targets.reshape(-1)
     n = flat_targets.numel()
     logp = torch.empty(n, dtype=cdtype, device=logits.device)
-    lse = torch.empty(n, dtype=cdtype, device=logits.device)
+    lse = torch.empty(2, n, dtype=cdtype, device=logits.device)
     entropy = torch.empty(n if with_entropy else 0, dtype=cdtype, device=logits.device)
     for start, chunk in _chunks(logits):
         stop = start + chunk.shape[0]
@@ -68,16 +72,19 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
         z = chunk.to(cdtype) / temperature
         m = z.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(z - m)
+        zs = z - m
+        e = torch.exp(zs)
         s = e.sum(dim=-1)
-        row_lse = m.squeeze(-1) + torch.log(s)
+        log_s = torch.log(s)
         zt = z.gather(-1, torch.where(ignored, 0, t).long().unsqueeze(-1)).squeeze(-1)
         zero = torch.zeros_like(zt)
-        logp[start:stop] = torch.where(ignored, zero, zt - row_lse)
-        lse[start:stop] = row_lse
+        logp[start:stop] = torch.where(ignored, zero, (zt - m.squeeze(-1)) - log_s)
+        lse[0, start:stop] = m.squeeze(-1)
+        lse[1, start:stop] = log_s
         if with_entropy:
-            ez = (e * torch.where(e > 0, z, torch.zeros_like(z))).sum(dim=-1) / s
-            entropy[start:stop] = torch.where(ignored, zero, row_lse - ez)
+            # H = log s - E_p[z - m], on the shifted logits: no cancellation of two large |lse| terms
+            ez = (e * torch.where(e > 0, zs, torch.zeros_like(zs))).sum(dim=-1) / s
+            entropy[start:stop] = torch.where(ignored, zero, log_s - ez)
     return logp, entropy, lse
 
 
@@ -86,14 +93,15 @@ def _(logits, targets, temperature, with_entropy):
     n = targets.numel()
     cdtype = _compute_dtype(logits.dtype)
     return (logits.new_empty(n, dtype=cdtype), logits.new_empty(n if with_entropy else 0, dtype=cdtype),
-            logits.new_empty(n, dtype=cdtype))
+            logits.new_empty((2, n), dtype=cdtype))
 
 
 @torch.library.custom_op("fused_rl::torch_token_grad", mutates_args=())
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                temperature: float) -> torch.Tensor:
-    """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``E[z] = lse - H``;
+    """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``p = exp((z - m) - log s)``
+    and ``E[z] - z = (log s - H) - (z - m)`` (``lse = (m, log s)`` of :func:`token_stats`);
     contiguous, in the logits dtype."""
     cdtype = _compute_dtype(logits.dtype)
     vocab = logits.shape[-1]
@@ -105,15 +113,16 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
         t = flat_targets[start:stop]
         ignored = (t == IGNORE_INDEX).unsqueeze(-1)
         z = chunk.to(cdtype) / temperature
-        row_lse = lse[start:stop].unsqueeze(-1)
-        p = torch.exp(z - row_lse)
+        zs = z - lse[0, start:stop].unsqueeze(-1)
+        log_s = lse[1, start:stop].unsqueeze(-1)
+        p = torch.exp(zs - log_s)
         gl = torch.where(ignored, 0.0, g_logp[start:stop].to(cdtype).unsqueeze(-1))
         g = -gl * p
         g.scatter_add_(-1, torch.where(ignored.squeeze(-1), 0, t).long().unsqueeze(-1), gl)
         if g_entropy is not None and entropy is not None:
             ge = torch.where(ignored, 0.0, g_entropy[start:stop].to(cdtype).unsqueeze(-1))
-            ez = row_lse - entropy[start:stop].unsqueeze(-1)
-            g += ge * torch.where(p > 0, p * (ez - z), torch.zeros_like(p))
+            ezs = log_s - entropy[start:stop].unsqueeze(-1)
+            g += ge * torch.where(p > 0, p * (ezs - zs), torch.zeros_like(p))
         out_rows[start:stop] = (g / temperature).to(logits.dtype)
     return out
 

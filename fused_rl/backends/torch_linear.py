@@ -41,7 +41,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..config import IGNORE_INDEX, PolicyLossConfig
-from ..loss_math import aggregation_weights, metrics, per_token_loss
+from ..loss_math import aggregation_weights, compute_policy_loss, metrics, per_token_loss
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 
@@ -302,7 +302,7 @@ def _autograd_inside_op():
 
 
 def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, valid, weights, old, ref,
-                  length: int, need_grad: bool):
+                  rollout, length: int, need_grad: bool):
     """Loss of the group and ``(g_logp, g_H)`` per tile, by autograd of ``sum(w * l)`` on the rows
     ``[r0, r1)`` that hold the group (tokens outside the group are masked there)."""
     r0, r1 = tile_groups[0].r0, tile_groups[-1].r1
@@ -325,10 +325,9 @@ def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, 
         in_group = torch.zeros(block[0] * block[1], dtype=torch.bool, device=lp_vals.device)
         in_group[sel] = True
         mask_b = in_group.view(block) & valid[r0:r1]
-        loss_t, _, _ = per_token_loss(
-            logp_b.view(block), adv[r0:r1], mask_b, config,
-            old_logprobs=None if old is None else old[r0:r1],
-            ref_logprobs=None if ref is None else ref[r0:r1], entropy=ent_b)
+        rows = lambda x: None if x is None else x[r0:r1]
+        loss_t = per_token_loss(logp_b.view(block), adv[r0:r1], mask_b, config, old_logprobs=rows(old),
+                                ref_logprobs=rows(ref), entropy=ent_b, rollout_logprobs=rows(rollout)).loss
         loss = (loss_t * weights[r0:r1]).sum()
         if not need_grad:
             return loss.detach(), [(None, None)] * len(tile_groups)
@@ -347,8 +346,8 @@ def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, 
 def linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
-    ref: Optional[torch.Tensor], config_literal: str, with_entropy: bool, need_h: bool, need_w: bool,
-    need_b: bool, n_tile: int,
+    ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], config_literal: str, with_entropy: bool,
+    need_h: bool, need_w: bool, need_b: bool, n_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias)``; each
     gradient is empty unless its ``need_*`` flag is set. ``weights`` are the aggregation weights."""
@@ -356,7 +355,7 @@ def linear_policy_loss_op(
     batch, length, _ = hidden.shape
     cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
     inv_tau = 1.0 / config.temperature
-    want_ent = with_entropy or config.needs_entropy_grad
+    want_ent = with_entropy or config.needs_entropy
     need_grad = need_h or need_w or need_b
     targets_flat = targets.reshape(-1)
     valid_flat = valid.reshape(-1)
@@ -380,7 +379,7 @@ def linear_policy_loss_op(
             kept.append((h, t, ok, tile_state) if one_pass else None)
             del tile_state
         g_loss, coeffs = _coefficients(group, lp_parts, ent_parts if want_ent else None, config, advantages,
-                                       valid, weights, old, ref, length, need_grad)
+                                       valid, weights, old, ref, rollout, length, need_grad)
         loss = loss + g_loss
         for tile, lp, ent in zip(group, lp_parts, ent_parts):
             logp[tile.idx] = lp
@@ -401,12 +400,12 @@ def linear_policy_loss_op(
 
 
 @linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_literal, with_entropy, need_h,
-      need_w, need_b, n_tile):
+def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, config_literal, with_entropy,
+      need_h, need_w, need_b, n_tile):
     config = _config_from_literal(config_literal)
     batch, length, _ = hidden.shape
     cdtype = _compute_dtype(hidden.dtype)
-    want_ent = with_entropy or config.needs_entropy_grad
+    want_ent = with_entropy or config.needs_entropy
     return (hidden.new_empty((), dtype=cdtype), hidden.new_empty((batch, length), dtype=cdtype),
             hidden.new_empty((batch, length) if want_ent else (0,), dtype=cdtype),
             hidden.new_empty(hidden.shape if need_h else (0,)),
@@ -416,7 +415,7 @@ def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, confi
 
 def _loss_setup_context(ctx, inputs, output):
     _, _, _, gh, gw, gb = output
-    need_h, need_w, need_b = inputs[11], inputs[12], inputs[13]
+    need_h, need_w, need_b = inputs[12], inputs[13], inputs[14]
     ctx.flags = (need_h, need_w, need_b)
     ctx.save_for_backward(gh, gw, gb)
     ctx.mark_non_differentiable(*output[1:])
@@ -426,7 +425,7 @@ def _loss_backward(ctx, g_loss, *_):
     gh, gw, gb = ctx.saved_tensors
     need_h, need_w, need_b = ctx.flags
     return (gh * g_loss.to(gh.dtype) if need_h else None, gw * g_loss.to(gw.dtype) if need_w else None,
-            gb * g_loss.to(gb.dtype) if need_b else None) + (None,) * 12
+            gb * g_loss.to(gb.dtype) if need_b else None) + (None,) * 13
 
 
 linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
@@ -439,21 +438,35 @@ def _needs_grad(x: Optional[torch.Tensor]) -> bool:
 def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        inputs: PolicyInputs, config: PolicyLossConfig, compute_entropy: bool,
                        memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
-    """The backend method: aggregation weights and metrics on ``(B, T)`` vectors around one op call."""
+    """The backend method: aggregation weights and metrics on ``(B, T)`` vectors around one op call.
+
+    A batch-level config (the top-entropy quantile: no token's coefficient is known before every
+    token's entropy is) takes two passes instead: :func:`linear_token_logprobs` (stats; its backward
+    recomputes the tiles) and :func:`fused_rl.loss_math.compute_policy_loss` on the ``(B, T)`` vectors."""
     batch, length, _ = hidden.shape
+    want_ent = compute_entropy or config.needs_entropy
+    if config.is_batch_level:
+        targets = torch.where(inputs.mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX))
+        logp, entropy = linear_token_logprobs(hidden, weight, bias, targets, config.temperature, want_ent,
+                                              memory_budget_bytes)
+        loss, mets = compute_policy_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
+                                         ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
+                                         token_normalizer=inputs.token_normalizer)
+        return PolicyLossOutput(loss=loss, logprobs=logp.detach(),
+                                entropy=None if entropy is None else entropy.detach(), metrics=mets)
     cdtype = _compute_dtype(hidden.dtype)
     weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer).to(cdtype)
-    want_ent = compute_entropy or config.needs_entropy_grad
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes)
     loss, logp, entropy, _, _, _ = linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
-        config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
+        inputs.rollout, config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
         _needs_grad(bias), n_tile)
     entropy = entropy if want_ent else None
-    _, ratio, kl = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
-                                  ref_logprobs=inputs.ref, entropy=entropy)
+    terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
+                           ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout)
     return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy,
-                            metrics=metrics(ratio, inputs.advantages, inputs.mask, config, kl, entropy))
+                            metrics=metrics(terms.ratio, inputs.advantages, inputs.mask, config, terms.kl, entropy,
+                                            terms.extras))
 
 
 # --------------------------------------------------------------------------- linear token logprobs

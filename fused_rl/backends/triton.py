@@ -75,7 +75,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
 def _(logits, targets, temperature, with_entropy):
     n = targets.numel()
     return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n if with_entropy else 0, dtype=torch.float32),
-            logits.new_empty(n, dtype=torch.float32))
+            logits.new_empty((2, n), dtype=torch.float32))
 
 
 @torch.library.custom_op("fused_rl::triton_token_grad", mutates_args=())
@@ -218,7 +218,7 @@ class TritonBackend(Backend):
         flat = lambda x: None if x is None else x.to(torch.float32).reshape(-1).contiguous()
         adv, old = flat(inputs.advantages), flat(inputs.old)
         ref = flat(inputs.ref) if config.kl is not None else None
-        want_entropy = bool(compute_entropy or config.needs_entropy_grad)
+        want_entropy = bool(compute_entropy or config.needs_entropy)
         write_grad = logits.requires_grad and torch.is_grad_enabled()
         args = (targets.contiguous(), adv, weights, old, ref, float(config.temperature),
                 _POLICY_CODES[config.policy_loss], float(config.clip_low), float(config.clip_high),

@@ -23,10 +23,14 @@ penalty against ``inputs["ref_per_token_logps"]``, times the importance ratio wi
 ``beta != 0``), ``entropy``, ``clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max}``
 (cispo: ``cispo_clip_ratio``), with TRL's cross-process reductions.
 
-Not supported (``NotImplementedError`` at construction, naming the option): ``loss_type`` sapo /
-vespo / luspo, ``delta``, ``top_entropy_quantile < 1``,
-``off_policy_mask_threshold``, ``vllm_importance_sampling_correction`` with ``use_vllm``, the entropy
-bonus (``entropy_coef != 0`` / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
+Also honoured: ``loss_type="sapo"``, ``delta``, ``top_entropy_quantile``, ``off_policy_mask_threshold``
+(against ``inputs["sampling_per_token_logps"]`` when vLLM provides them, else the old log-probs) and
+``vllm_importance_sampling_correction`` (every mode, ``clip_min`` / ``clip_max``; fused_rl recomputes
+TRL's ratio from the old and sampling log-probs, and raises on NaN sampling log-probs where TRL
+substitutes ratio 1).
+
+Not supported (``NotImplementedError`` at construction, naming the option): ``loss_type``
+vespo / luspo, the entropy bonus (``entropy_coef != 0`` / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
 soft-capping or logit scaling, sequence-level cispo; multimodal inputs raise at the first step.
 """
 
@@ -70,23 +74,15 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
     """Every TRL option of ``trainer`` that fused_rl cannot compute exactly (empty when all are fine)."""
     args = trainer.args
     problems = []
-    if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
+    if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"):
         problems.append(f"loss_type={trainer.loss_type!r}")
-    if getattr(args, "delta", None) is not None:
-        problems.append(f"delta={args.delta!r} (two-sided clipping)")
-    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
-        problems.append(f"top_entropy_quantile={trainer.top_entropy_quantile!r}")
-    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
-        problems.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold!r}")
-    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
-        problems.append("vllm_importance_sampling_correction=True (with use_vllm)")
     if getattr(trainer, "_entropy_bonus_enabled", False):
         problems.append(f"entropy_coef={getattr(args, 'entropy_coef', None)!r} / use_adaptive_entropy "
                         f"(entropy bonus)")
     if getattr(trainer, "aux_loss_enabled", False):
         problems.append("router_aux_loss_coef (MoE auxiliary loss)")
-    if trainer.loss_type == "cispo" and trainer.importance_sampling_level == "sequence":
-        problems.append("importance_sampling_level='sequence' with loss_type='cispo'")
+    if trainer.loss_type in ("cispo", "sapo") and trainer.importance_sampling_level == "sequence":
+        problems.append(f"importance_sampling_level='sequence' with loss_type={trainer.loss_type!r}")
     base = _base_model(trainer.model)
     text_config = base.config.get_text_config()
     if getattr(text_config, "final_logit_softcapping", None) is not None:
@@ -96,6 +92,10 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
         if value is not None and value != 1:
             problems.append(f"{name}={value!r} (model config logit scaling)")
     return problems
+
+
+def _vllm_is(trainer: GRPOTrainer) -> bool:
+    return bool(getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
 
 
 def _base_model(model):
@@ -140,7 +140,15 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
         trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, beta=trainer.beta,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length, temperature=trainer.temperature,
-        use_bias_correction_kl=bool(getattr(trainer.args, "use_bias_correction_kl", False)))
+        use_bias_correction_kl=bool(getattr(trainer.args, "use_bias_correction_kl", False)),
+        delta=getattr(trainer.args, "delta", None),
+        sapo_temperature_pos=getattr(trainer.args, "sapo_temperature_pos", 1.0),
+        sapo_temperature_neg=getattr(trainer.args, "sapo_temperature_neg", 1.05),
+        top_entropy_quantile=getattr(trainer, "top_entropy_quantile", 1.0),
+        off_policy_mask_threshold=getattr(trainer, "off_policy_mask_threshold", None),
+        vllm_importance_sampling_mode=trainer.vllm_importance_sampling_mode if _vllm_is(trainer) else None,
+        vllm_importance_sampling_clip_min=getattr(trainer, "vllm_importance_sampling_clip_min", None),
+        vllm_importance_sampling_clip_max=getattr(trainer, "vllm_importance_sampling_clip_max", 3.0))
     _add_fused_head_forward(_base_model(trainer.model))
 
 
@@ -182,6 +190,9 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     ref = inputs["ref_per_token_logps"] if self.beta != 0.0 else None
     mode = "train" if self.model.training else "eval"
     config = self._fused_rl_config
+    rollout = inputs.get("sampling_per_token_logps") if config.uses_rollout_logprobs else None
+    if config.rollout_is is not None and rollout is None:
+        raise ValueError("vllm_importance_sampling_correction needs inputs['sampling_per_token_logps']")
     accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
     normalizer = None
     if self.loss_type in NUM_ITEMS_LOSS_TYPES:
@@ -200,7 +211,8 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
             hidden = hidden.to(weight.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             return linear_policy_loss(hidden, weight, completion_ids, advantages, bool_mask, bias=bias,
-                                      old_logprobs=old, ref_logprobs=ref, config=config, token_normalizer=normalizer,
+                                      old_logprobs=old, ref_logprobs=ref, rollout_logprobs=rollout, config=config,
+                                      token_normalizer=normalizer,
                                       backend=self._fused_rl_backend, compute_entropy=True)
 
     with self.accelerator.autocast():
@@ -245,6 +257,8 @@ def _log_trl_metrics(self: GRPOTrainer, mode: str, out, advantages: torch.Tensor
             per_token_kl = per_token_kl * coef_1
         metrics["kl"].append(global_masked_mean(per_token_kl))
     metrics["entropy"].append(global_masked_mean(out.entropy))
+    if self.loss_type == "sapo":  # TRL logs no clip ratios for the soft gate
+        return
     if self.loss_type == "cispo":
         clipped = (coef_1 > self.epsilon_high) & (advantages > 0)
         metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))

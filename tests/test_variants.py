@@ -1,0 +1,122 @@
+"""The #10 variants (rollout correction, token masks, gspo_token / gmpo / sapo, TRL's delta clip, the "+"
+straight-through KL estimators, truncated-completion masking) on every backend against the reference,
+fp32 and bf16, on the ragged batches of ``helpers.make_case`` (all-masked row, length-1 row,
+IGNORE_INDEX target, vocabularies that are no multiple of a block, peaked and all-negative logits).
+
+The formulas themselves are checked against a scalar derivation in ``test_loss_math.py``; here every
+backend must reproduce the reference (full ``log_softmax`` + :mod:`fused_rl.loss_math`) exactly, with
+the same tolerances as the original variants."""
+
+import copy
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl import PolicyLossConfig
+from helpers import compare_policy_loss, fused_backends, make_case, supports
+from test_linear import compare_linear, make_linear_case
+
+VARIANTS = {
+    "gspo_token": PolicyLossConfig.preset("gspo_token", clip_low=0.05, clip_high=0.1),
+    "gmpo": PolicyLossConfig(policy_loss="gmpo", clip_low=0.1, clip_high=0.15, agg="seq-mean-token-mean"),
+    "sapo": PolicyLossConfig.preset("sapo", kl="k3", beta=0.05),
+    "delta": PolicyLossConfig(clip_high=0.28, delta=1.3, dual_clip=3.0, entropy_coef=0.01),
+    "k3+": PolicyLossConfig(kl="k3+", beta=0.2, kl_bias_correction=True),
+    "k1+": PolicyLossConfig(policy_loss="cispo", kl="k1+", beta=0.2, temperature=0.7),
+    "tis_token": PolicyLossConfig(rollout_is="token_truncate", rollout_is_max=1.2, kl="k2", beta=0.1),
+    "mis_sequence": PolicyLossConfig(rollout_is="sequence_mask", rollout_is_min=0.5, rollout_is_max=2.0,
+                                     agg="seq-mean-token-mean"),
+    "off_policy_mask": PolicyLossConfig(off_policy_mask=0.02, rollout_is="token_mask", rollout_is_max=3.0),
+    "top_entropy": PolicyLossConfig(top_entropy_quantile=0.3, entropy_coef=0.01, agg="seq-mean-token-sum"),
+    "truncated": PolicyLossConfig.preset("grpo", mask_truncated_completions=True),
+    "all": PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.1, rollout_is="sequence_truncate",
+                            rollout_is_max=2.5, off_policy_mask=0.1, top_entropy_quantile=0.6, entropy_coef=0.02,
+                            mask_truncated_completions=True, agg="seq-mean-token-sum-norm", max_len=8),
+}
+BACKENDS = fused_backends()
+#: The Triton interpreter runs every program in Python: a smaller vocabulary there.
+VOCAB = {"triton": 257}
+
+
+def with_extras(case, config, seed: int = 0):
+    """``case`` whose ``kwargs()`` also carry ``rollout_logprobs`` (the old / current log-probs moved by
+    0.3 randn, so the weights fall on both sides of the bounds) and ``truncated`` when ``config`` uses them."""
+    extra = {}
+    g = torch.Generator().manual_seed(seed + 99)
+    if config.uses_rollout_logprobs:
+        base = case.old if case.old is not None else fused_rl.reference.token_logprobs(
+            case.logits.float(), torch.where(case.mask, case.targets, fused_rl.IGNORE_INDEX), check_inputs=False)
+        extra["rollout_logprobs"] = base + 0.3 * torch.randn(base.shape, generator=g)
+    if config.mask_truncated_completions:
+        extra["truncated"] = torch.arange(case.targets.shape[0]) % 3 == 2
+    base_kwargs = case.kwargs()
+    case = copy.copy(case)
+    case.kwargs = lambda: {**base_kwargs, **extra}
+    return case
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backend_matches_reference(name, backend, dtype):
+    if not supports(backend, dtype):
+        pytest.skip(f"{backend} does not take {dtype}")
+    config = VARIANTS[name]
+    vocab = VOCAB.get(backend, 1000)
+    for kind, off_policy in (("randn", True), ("peaked", False), ("negative", True)):
+        case = make_case(batch=5, length=6, vocab=vocab, kind=kind, dtype=dtype, seed=len(name),
+                         off_policy=off_policy, per_token_adv=name == "gspo_token")
+        compare_policy_loss(backend, with_extras(case, config), config)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_linear_matches_reference(name, dtype):
+    config = VARIANTS[name]
+    case = make_linear_case(batch=5, length=7, vocab=1000, dtype=dtype, seed=len(name))
+    compare_linear(with_extras(case, config), config)
+
+
+@pytest.mark.parametrize("name", ["gmpo", "mis_sequence", "off_policy_mask", "top_entropy"])
+def test_fused_linear_small_tiles(name, monkeypatch):
+    """Sequence-level variants over tiles that cut sequences (two passes), and the batch-level quantile."""
+    from fused_rl.backends import torch_linear
+
+    monkeypatch.setattr(torch_linear, "CHUNK_TOKENS", 3)
+    config = VARIANTS[name]
+    case = make_linear_case(batch=5, length=7, vocab=1000, seed=3, per_token_adv=True)
+    compare_linear(with_extras(case, config), config)
+
+
+def test_truncated_rows_contribute_nothing():
+    case = make_case(batch=4, length=5, vocab=100, seed=2)
+    config = PolicyLossConfig(mask_truncated_completions=True)
+    truncated = torch.tensor([False, True, False, True])
+    logits = case.logits.clone().requires_grad_(True)
+    out = fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, truncated=truncated,
+                               config=config, **case.kwargs())
+    out.loss.backward()
+    assert (logits.grad[truncated] == 0).all()
+    expected = fused_rl.policy_loss(case.logits, case.targets, case.advantages, case.mask & ~truncated[:, None],
+                                    **case.kwargs())
+    torch.testing.assert_close(out.loss, expected.loss)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(config=PolicyLossConfig(rollout_is="token_mask")), "needs rollout_logprobs"),
+    (dict(rollout_logprobs=torch.zeros(4, 5)), "only used with config.rollout_is or config.off_policy_mask"),
+    (dict(config=PolicyLossConfig(mask_truncated_completions=True)), "needs truncated"),
+    (dict(truncated=torch.zeros(4, dtype=torch.bool)), "only used with config.mask_truncated_completions"),
+    (dict(config=PolicyLossConfig(mask_truncated_completions=True), truncated=torch.zeros(4)), "bool tensor"),
+    (dict(config=PolicyLossConfig(mask_truncated_completions=True), truncated=torch.zeros(5, dtype=torch.bool)),
+     "truncated must have shape"),
+    (dict(config=PolicyLossConfig(rollout_is="token_mask"), rollout_logprobs=torch.zeros(4, 4)),
+     "rollout_logprobs must have shape"),
+    (dict(config=PolicyLossConfig(rollout_is="token_mask"), rollout_logprobs=torch.full((4, 5), float("nan"))),
+     "rollout_logprobs contain NaN"),
+])
+def test_bad_inputs_raise(kwargs, message):
+    case = make_case(batch=4, length=5, vocab=100, seed=1)
+    with pytest.raises(ValueError, match=message):
+        fused_rl.policy_loss(case.logits, case.targets, case.advantages, case.mask, **kwargs)
