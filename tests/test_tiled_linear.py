@@ -13,6 +13,7 @@ import fused_rl
 from fused_rl.backends import get_backend, tiled_linear, torch_linear
 from helpers import CONFIGS
 from test_linear import _leaves, assert_close, compare_linear, make_linear_case
+from test_variants import VARIANTS, with_extras
 
 cid = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}{'-biascorr' if c.kl_bias_correction else ''}"
 
@@ -93,6 +94,18 @@ def test_cpu_tile_boundaries(config, tiles, kernel_calls):
     if config.has_token_epilogue:
         rows = case.mask.numel() if tiles == "fixed" else _valid(case)
         assert [n for _, n in kernel_calls] == [min(3, rows - s) for s in range(0, rows, 3)]
+
+
+@needs_cpu
+@pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_cpu_variants(name, tiles, kernel_calls):
+    """The #10 variants: those with a token epilogue run tiled, the others (rollout corrections,
+    masks, sequence ratios, ...) are delegated to torch_linear."""
+    config = VARIANTS[name]
+    case = make_linear_case(batch=5, length=7, vocab=1000, seed=len(name))
+    compare_linear(with_extras(case, config), config, backend="cpu")
+    assert bool(kernel_calls) == config.has_token_epilogue
 
 
 @needs_cpu

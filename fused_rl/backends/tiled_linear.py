@@ -14,8 +14,9 @@ The kernels are the ones behind ``policy_loss`` (``kernels/logits.py::policy_fus
 ``csrc/policy_epilogue.h``), so the math has no new copy. The loss is token-local for the configs
 they cover (``config.has_token_epilogue``), so each tile's gradient is exact as soon as its logits
 exist: one pass, three GEMMs in all, gradients computed in the forward, and the backward only
-scales them by ``grad_output``. Other configs (gspo, ``kl_bias_correction``) and
-``linear_token_logprobs`` go to :mod:`fused_rl.backends.torch_linear`.
+scales them by ``grad_output``. Other configs (sequence- and batch-level variants,
+``kl_bias_correction``, rollout corrections, ...) and ``linear_token_logprobs`` go to
+:mod:`fused_rl.backends.torch_linear`.
 
 Tiles, masked tokens, the gradient buffers (no weight-gradient buffer for a frozen weight; the
 first tile writes it, no zero fill) and the fp32 upcast of 16-bit inputs are torch_linear's
@@ -181,7 +182,7 @@ def tiled_linear_policy_loss_op(
         _, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
         hdtype = f32
     run_kernel = KERNELS[kernel]
-    want_ent = with_entropy or config.needs_entropy_grad
+    want_ent = with_entropy or config.needs_entropy
     need_grad = need_h or need_w or need_b
     dev = hidden.device
     targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
@@ -229,8 +230,9 @@ def tiled_linear_policy_loss_op(
     del ws, ws16
     shape = (batch, length)
     ent_bt = entropy.view(shape) if want_ent else None
-    loss_t, _, _ = per_token_loss(logp.view(shape), advantages, valid, config, old_logprobs=old, ref_logprobs=ref,
-                                  entropy=ent_bt)
+    # token-epilogue configs read no rollout log-probs (has_token_epilogue excludes those variants)
+    loss_t = per_token_loss(logp.view(shape), advantages, valid, config, old_logprobs=old, ref_logprobs=ref,
+                            entropy=ent_bt).loss
     loss = (loss_t * weights).sum().to(f32)
     gh, gw, gb = grads.results(hidden, weight)
     return loss, logp.view(shape), entropy.view(shape) if want_ent else entropy, gh, gw, gb
@@ -242,7 +244,7 @@ def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, confi
     config = _config_from_literal(config_literal)
     batch, length, _ = hidden.shape
     f32 = torch.float32
-    want_ent = with_entropy or config.needs_entropy_grad
+    want_ent = with_entropy or config.needs_entropy
     return (hidden.new_empty((), dtype=f32), hidden.new_empty((batch, length), dtype=f32),
             hidden.new_empty((batch, length) if want_ent else (0,), dtype=f32),
             hidden.new_empty(hidden.shape if need_h else (0,)),
@@ -278,17 +280,18 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     batch, length, _ = hidden.shape
     mixed = _mode(hidden.device, hidden.dtype) == "mixed"
     weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer)
-    want_ent = compute_entropy or config.needs_entropy_grad
+    want_ent = compute_entropy or config.needs_entropy
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
     loss, logp, entropy, _, _, _ = tiled_linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
         torch_linear.config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
         _needs_grad(bias), n_tile, kernel, mixed)
     entropy = entropy if want_ent else None
-    _, ratio, kl = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
-                                  ref_logprobs=inputs.ref, entropy=entropy)
+    terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
+                           ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout)
     return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy,
-                            metrics=metrics(ratio, inputs.advantages, inputs.mask, config, kl, entropy))
+                            metrics=metrics(terms.ratio, inputs.advantages, inputs.mask, config, terms.kl, entropy,
+                                            terms.extras))
 
 
 def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool):
