@@ -12,7 +12,10 @@
   after one warm-up step each.
 
 Implementations: ``reference`` (``fused_rl.reference.linear_policy_loss``: fp32 logits, log_softmax,
-loss math, autograd), ``fused`` (``fused_rl.linear_policy_loss(backend="torch")``), ``liger``
+loss math, autograd), ``fused`` (``fused_rl.linear_policy_loss(backend="torch")``, the chunked torch
+backend), ``tiled`` (``backend="cpu"``: MKL matmul tiles fed to the C++ single-pass kernel,
+:mod:`fused_rl.backends.tiled_linear`; ``--chunk`` forces its tile size, and ``tiled:N`` runs it with
+``N``-token tiles, so ``--impls tiled:512,tiled:1024,...`` is an interleaved sweep), ``liger``
 (``LigerFusedLinearGRPOLoss(compiled=False, loss_type="bnpo", beta=0)``, the same token-mean ppo_clip
 loss). Loss: default :class:`fused_rl.PolicyLossConfig` (ppo_clip 0.2, token-mean), off-policy.
 """
@@ -35,7 +38,8 @@ sys.path.insert(0, ROOT)
 
 import fused_rl  # noqa: E402
 
-IMPLS = ("reference", "fused", "liger")
+IMPLS = ("reference", "fused", "tiled", "liger")
+BACKENDS = {"fused": "torch", "tiled": "cpu"}
 
 
 def make_inputs(B, T, H, V, pad, seed=0):
@@ -70,14 +74,22 @@ def make_step(impl, inp, compute_entropy):
             return loss
         return step
 
-    fn = fused_rl.reference.linear_policy_loss if impl == "reference" else \
-        (lambda *a, **k: fused_rl.linear_policy_loss(*a, backend="torch", **k))
+    name, _, chunk = impl.partition(":")
+    fn = fused_rl.reference.linear_policy_loss if name == "reference" else \
+        (lambda *a, **k: fused_rl.linear_policy_loss(*a, backend=BACKENDS[name], **k))
+    from fused_rl.backends import tiled_linear
 
     def step():
         hidden.grad = weight.grad = None
-        out = fn(hidden, weight, inp["targets"], inp["advantages"], inp["mask"], old_logprobs=inp["old"],
-                 compute_entropy=compute_entropy, check_inputs=False)
-        out.loss.backward()
+        saved = tiled_linear.CHUNK_TOKENS
+        if chunk:
+            tiled_linear.CHUNK_TOKENS = int(chunk)
+        try:
+            out = fn(hidden, weight, inp["targets"], inp["advantages"], inp["mask"], old_logprobs=inp["old"],
+                     compute_entropy=compute_entropy, check_inputs=False)
+            out.loss.backward()
+        finally:
+            tiled_linear.CHUNK_TOKENS = saved
         return out.loss
     return step
 
@@ -116,6 +128,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-mib", type=float, default=None,
                    help="fused: torch_linear.MEMORY_BUDGET_BYTES (default: the module default, 128 MiB)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="tiled: tiled_linear.CHUNK_TOKENS (default: from the budget)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--memory-only", action="store_true")
     p.add_argument("--time-only", action="store_true")
@@ -125,12 +139,17 @@ def main():
         from fused_rl.backends import torch_linear
 
         torch_linear.MEMORY_BUDGET_BYTES = int(args.budget_mib * 2**20)
+    if args.chunk:
+        from fused_rl.backends import tiled_linear
+
+        tiled_linear.CHUNK_TOKENS = args.chunk
     if args.child:
         args.impl = args.child
         return measure_memory(args)
     impls = [i for i in args.impls.split(",") if i]
     print(f"shape B={args.B} T={args.T} H={args.H} V={args.V} fp32 pad={args.pad} entropy={args.entropy} "
-          f"threads={torch.get_num_threads()} torch={torch.__version__}")
+          f"threads={torch.get_num_threads()} torch={torch.__version__} budget_mib={args.budget_mib} "
+          f"chunk={args.chunk}")
     if not args.time_only:
         mem = {}
         for impl in impls:
@@ -138,6 +157,7 @@ def main():
                    "--H", str(args.H), "--V", str(args.V), "--pad", str(args.pad)]
             cmd += ["--entropy"] if args.entropy else []
             cmd += ["--budget-mib", str(args.budget_mib)] if args.budget_mib else []
+            cmd += ["--chunk", str(args.chunk)] if args.chunk else []
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if res.returncode != 0:
                 print(f"memory {impl}: failed\n{res.stderr[-2000:]}")

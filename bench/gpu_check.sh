@@ -3,7 +3,7 @@
 #   bash bench/gpu_check.sh OUTDIR        (default: $OUT, else ./gpu_check_out)
 # 0. build the native extension in place if it is missing (CUDA kernels need nvcc there)
 # 1. pytest -m cuda tests/test_triton.py   (TRITON_INTERPRET=0: real kernels on the GPU)
-# 2. pytest -m cuda on the native (CUDA C++), linear and hardening tests
+# 2. pytest -m cuda on the native (CUDA C++), linear, tiled linear and hardening tests
 # 3. bench/gpu_logits_bench.py: N=16384, V=151936, bf16, forward+backward of policy_loss
 # Results: OUTDIR/{env.txt,build.txt,pytest_cuda.txt,pytest_native.txt,pytest_junit.xml,bench.txt,
 #          logits_bench.json,logits_bench.md}.
@@ -35,8 +35,8 @@ timeout 170 "$PY" -m pytest -m cuda tests/test_triton.py -q -p no:cacheprovider 
 echo "pytest exit code: $?" >> "$OUTDIR/pytest_cuda.txt"
 tail -25 "$OUTDIR/pytest_cuda.txt"
 
-echo "== pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_hardening.py"
-timeout 120 "$PY" -m pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_hardening.py -q \
+echo "== pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py tests/test_hardening.py"
+timeout 120 "$PY" -m pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py tests/test_hardening.py -q \
   -p no:cacheprovider -W ignore::RuntimeWarning > "$OUTDIR/pytest_native.txt" 2>&1
 echo "pytest exit code: $?" >> "$OUTDIR/pytest_native.txt"
 tail -15 "$OUTDIR/pytest_native.txt"

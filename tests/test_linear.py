@@ -105,8 +105,8 @@ def _leaves(case: LinearCase, dtype, frozen_weight: bool = False, clean: bool = 
 
 
 def compare_linear(case: LinearCase, config, *, frozen_weight: bool = False, token_normalizer=None,
-                   compute_entropy: bool = True, hidden_view=None) -> None:
-    """Loss, logprobs, entropy, metrics and all three gradients of the torch backend against the fp32
+                   compute_entropy: bool = True, hidden_view=None, backend: str = "torch") -> None:
+    """Loss, logprobs, entropy, metrics and all three gradients of ``backend`` against the fp32
     reference on the same (possibly bf16) inputs."""
     dtype = case.hidden.dtype
     rh, rw, rb = _leaves(case, torch.float32, frozen_weight, clean=True)
@@ -117,7 +117,7 @@ def compare_linear(case: LinearCase, config, *, frozen_weight: bool = False, tok
     h, w, b = _leaves(case, dtype, frozen_weight)
     got = fused_rl.linear_policy_loss(
         h if hidden_view is None else hidden_view(h), w, case.targets, case.advantages, case.mask, bias=b,
-        config=config, token_normalizer=token_normalizer, compute_entropy=compute_entropy, backend="torch",
+        config=config, token_normalizer=token_normalizer, compute_entropy=compute_entropy, backend=backend,
         **case.kwargs())
     got.loss.backward()
     assert torch.isfinite(got.loss)

@@ -316,6 +316,17 @@ class NativeBackend(Backend):
         loss = attach_grad(value, logits, dlogits)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=metrics)
 
+    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy):
+        """Tiles of ``h W^T`` (MKL / cuBLAS) fed to the single-pass kernel: :mod:`fused_rl.backends.tiled_linear`."""
+        from . import tiled_linear
+
+        return tiled_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, "native")
+
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
+        from . import tiled_linear
+
+        return tiled_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy)
+
 
 class CpuBackend(NativeBackend):
     """C++ kernels on CPU tensors (OpenMP over rows, AVX2 when the CPU has it)."""

@@ -1,0 +1,299 @@
+"""Tiled fused linear policy loss: chunked BLAS matmuls feeding a backend's single-pass logits kernel
+(the quack / Liger route of issue 4's deliverable 3). Used by the ``cpu`` / ``cuda`` (C++ kernels of
+``fused_rl._C``) and ``triton`` backends; no ``(N, V)`` tensor ever exists.
+
+Per tile of ``n`` tokens, into one reused ``(n, V)`` fp32 workspace ``z``::
+
+    z = h W^T (+ b)                          torch.mm / addmm (MKL / cuBLAS)
+    kernel(z) in place                       one read + one write of the tile: logp, H, the token
+                                             epilogue with the batch's aggregation weights w_t, and
+                                             z <- dz = d(sum_t w_t l_t) / dz
+    grad_h[tile] = dz W,  grad_W += dz^T h (fp32 accumulator),  grad_b += sum_rows dz
+
+The kernels are the ones behind ``policy_loss`` (``kernels/logits.py::policy_fused``,
+``csrc/policy_epilogue.h``), so the math has no new copy. The loss is token-local for the configs
+they cover (``config.has_token_epilogue``), so each tile's gradient is exact as soon as its logits
+exist: one pass, three GEMMs in all, gradients computed in the forward, and the backward only
+scales them by ``grad_output``. Other configs (sequence- and batch-level variants,
+``kl_bias_correction``, rollout corrections, ...) and ``linear_token_logprobs`` go to
+:mod:`fused_rl.backends.torch_linear`.
+
+Tiles, masked tokens, the gradient buffers (no weight-gradient buffer for a frozen weight; the
+first tile writes it, no zero fill) and the fp32 upcast of 16-bit inputs are torch_linear's
+(:func:`torch_linear._groups`, ``_tile_inputs``, ``_Grads``, ``_prepare``): on CPU only valid rows
+are gathered; elsewhere tiles are fixed slices whose masked rows get target ``IGNORE_INDEX`` (zero
+gradient rows) and zeroed hidden rows (NaN padding cannot reach ``grad_W``).
+
+GEMM precision (``GEMM_MODE``): ``"fp32"`` (16-bit inputs upcast, one fp32 copy of ``W``; the
+default on CPU, which has no fast 16-bit GEMM here, and for fp16) or ``"mixed"`` (the default for bf16
+inputs on CUDA): the GEMMs read the bf16 ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32 logits
+and the fp32 weight gradient (``torch.mm(..., out_dtype=torch.float32)``, CUDA only; on CPU the
+mode is emulated by upcasting, for the tests). The kernel reads fp32 logits either way (rounding the
+logits to bf16 would cost ~``|z| 2^-9`` of log-prob accuracy); in mixed mode it writes ``dz`` in the
+input dtype into a second ``(n, V)`` buffer (the Triton kernel rounds on store; the C++ one writes
+in place and is copied), the one rounding the GEMMs of the backward would do anyway. Not for fp16:
+``dz ~ w_t p`` (``1/N`` times ``1/V``, ~1e-9 at N = 8192, V = 128256) underflows fp16's range.
+
+The operation is one ``torch.library`` custom op with a fake implementation and registered
+autograd, so ``torch.compile(fullgraph=True)`` sees one opaque call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import IGNORE_INDEX, PolicyLossConfig
+from ..loss_math import aggregation_weights, metrics, per_token_loss
+from ..outputs import PolicyLossOutput
+from ..validation import PolicyInputs
+from . import torch_linear
+from .torch_linear import _config_from_literal, _Grads, _needs_grad, _prepare, _tile_inputs, _token_groups
+
+#: Force the tile size in tokens (``None``: derive it from the memory budget, see :func:`chunk_tokens`).
+CHUNK_TOKENS: Optional[int] = None
+#: ``"fp32"`` or ``"mixed"`` (see the module doc; mixed applies to bf16 only); ``None``: mixed for bf16
+#: inputs on CUDA, else fp32.
+GEMM_MODE: Optional[str] = None
+#: Default budget on CUDA when neither ``memory_budget_bytes`` nor ``torch_linear.MEMORY_BUDGET_BYTES``
+#: is set: 1 GiB (about 2000 tokens at V = 128256 in mixed mode). Thin tiles cost GEMM efficiency on
+#: a GPU; the issue allows 1.5 GB beyond the weight gradient. Not yet measured on a GPU.
+CUDA_DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
+
+
+def _mode(device: torch.device, dtype: torch.dtype) -> str:
+    if GEMM_MODE is not None:
+        if GEMM_MODE not in ("fp32", "mixed"):
+            raise ValueError(f"tiled_linear.GEMM_MODE must be 'fp32', 'mixed' or None, got {GEMM_MODE!r}")
+        return GEMM_MODE if dtype == torch.bfloat16 else "fp32"
+    return "mixed" if device.type == "cuda" and dtype == torch.bfloat16 else "fp32"
+
+
+def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, device: torch.device,
+                 memory_budget_bytes: Optional[int] = None, mixed: bool = False) -> int:
+    """Tokens per tile: ``CHUNK_TOKENS`` (this module's, then torch_linear's) if set, else
+    ``budget // (V * bytes per token)``: one fp32 ``(n, V)`` workspace (4 bytes per element), plus a
+    16-bit copy of the gradient in mixed mode (6). The budget is ``memory_budget_bytes`` /
+    ``torch_linear.MEMORY_BUDGET_BYTES`` / 128 MiB on CPU (1048 tokens at V = 32000) /
+    ``CUDA_DEFAULT_MEMORY_BUDGET_BYTES``. Clamped to ``[1, num_tokens]``."""
+    forced = CHUNK_TOKENS if CHUNK_TOKENS is not None else torch_linear.CHUNK_TOKENS
+    if forced is not None:
+        n = int(forced)
+    else:
+        budget = memory_budget_bytes or torch_linear.MEMORY_BUDGET_BYTES or (
+            CUDA_DEFAULT_MEMORY_BUDGET_BYTES if device.type == "cuda" else torch_linear.DEFAULT_MEMORY_BUDGET_BYTES)
+        n = int(budget) // (vocab * (6 if mixed else 4))
+    return max(1, min(n, max(num_tokens, 1)))
+
+
+# ------------------------------------------------------------------------------------ the kernels
+def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
+                   out: Optional[torch.Tensor] = None):
+    """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile, dlogits written over it (then copied to
+    ``out`` if given); ``(logp, H)``."""
+    from . import native
+
+    params = (native.POLICY_CODES[config.policy_loss], native.KL_CODES[config.kl], config.dual_clip is not None,
+              float(config.clip_low), float(config.clip_high), float(config.dual_clip or 0.0), float(config.beta),
+              float(config.entropy_coef), float(config.temperature))
+    # a (1, n, V) view: the op takes its output row strides from dims 0 and 1
+    logp, ent = native.policy_fwd_inplace(z.unsqueeze(0), targets, adv, old, ref, w, *params)
+    if out is not None and write_grad:
+        out.copy_(z)
+    return logp, ent
+
+
+def _triton_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
+                   out: Optional[torch.Tensor] = None):
+    """Triton single pass over the ``(n, V)`` tile; with ``write_grad`` dlogits go over it, or straight
+    into ``out`` (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``."""
+    from . import triton as tb
+
+    epi = tb._epilogue(tb._POLICY_CODES[config.policy_loss], float(config.clip_low), float(config.clip_high),
+                       config.dual_clip, tb._KL_CODES[config.kl], float(config.beta), float(config.entropy_coef),
+                       old is None)
+    x = z.unsqueeze(0)
+    o = x if out is None else out.unsqueeze(0)
+    logp, ent, _, _, _ = tb._kernels().policy_fused(x, targets, adv, w, old, ref, o, float(config.temperature), epi,
+                                                     want_ent, write_grad)
+    return logp, ent
+
+
+KERNELS = {"native": _native_kernel, "triton": _triton_kernel}
+
+
+# ------------------------------------------------------------------------------------ GEMMs
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b`` into the fp32 ``out`` with 16-bit ``a``, ``b`` (mixed mode): cuBLAS with fp32
+    accumulation and output on CUDA; upcast emulation elsewhere (tests only)."""
+    if a.is_cuda:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        return
+    a, b = a.float(), b.float()
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+class _MixedGrads(_Grads):
+    """:class:`torch_linear._Grads` with 16-bit GEMM operands: the 16-bit ``dz`` (fp32 accumulation in
+    the GEMMs and in the bias sum), the weight gradient accumulated in fp32."""
+
+    def add_mixed(self, tile, dz16, h, weight, ok):
+        if self.h is not None:
+            gh = torch.mm(dz16, weight) if dz16.is_cuda else torch.mm(dz16.float(), weight.float())
+            if tile.contiguous is not None:
+                s, e = tile.contiguous
+                self.h[s:e] = torch.where(ok.unsqueeze(-1), gh, torch.zeros((), dtype=gh.dtype, device=gh.device))
+            else:
+                self.h.index_copy_(0, tile.idx, gh.to(self.h.dtype))
+        if self.w is not None:
+            _mm_f32(dz16.t(), h, self.w, self.w_written)
+            self.w_written = True
+        if self.b is not None:
+            self.b.add_(dz16.sum(dim=0, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------------ the op
+@torch.library.custom_op("fused_rl::tiled_linear_policy_loss", mutates_args=())
+def tiled_linear_policy_loss_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
+    ref: Optional[torch.Tensor], config_literal: str, with_entropy: bool, need_h: bool, need_w: bool,
+    need_b: bool, n_tile: int, kernel: str, mixed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias)`` (fp32;
+    gradients empty unless their ``need_*`` flag is set) of a token-level config; ``weights`` are the
+    aggregation weights, ``kernel`` a key of :data:`KERNELS`."""
+    config = _config_from_literal(config_literal)
+    batch, length, hsize = hidden.shape
+    vocab = weight.shape[0]
+    f32 = torch.float32
+    if mixed:
+        hidden_flat, weight_c = hidden.reshape(-1, hsize), weight.contiguous()
+        bias_c = None if bias is None else bias.to(f32)
+        hdtype = hidden.dtype
+    else:
+        _, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
+        hdtype = f32
+    run_kernel = KERNELS[kernel]
+    want_ent = with_entropy or config.needs_entropy
+    need_grad = need_h or need_w or need_b
+    dev = hidden.device
+    targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
+    vec = lambda x: None if x is None else x.reshape(-1).to(f32)
+    adv_flat, w_flat, old_flat = vec(advantages), vec(weights), vec(old)
+    ref_flat = vec(ref) if config.kl is not None else None
+    logp = torch.zeros(batch * length, dtype=f32, device=dev)
+    entropy = torch.zeros(batch * length if want_ent else 0, dtype=f32, device=dev)
+    grads = (_MixedGrads if mixed else _Grads)(hidden, weight, need_h, need_w, need_b, f32)
+    rows = min(n_tile, batch * length)
+    ws = torch.empty(rows * vocab, dtype=f32, device=dev)
+    ws16 = torch.empty(rows * vocab if mixed and need_grad else 0, dtype=hidden.dtype, device=dev)
+    for tile in _token_groups(valid, n_tile):
+        h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, hdtype)
+        n = h.shape[0]
+        if ok is None:
+            take = lambda x: None if x is None else x.index_select(0, tile.idx)
+        else:
+            s, e = tile.contiguous
+            take = lambda x: None if x is None else x[s:e]
+            t = torch.where(ok, t, torch.full_like(t, IGNORE_INDEX))
+        z = ws[:n * vocab].view(n, vocab)
+        if mixed:
+            _mm_f32(h, weight_c.t(), z, accumulate=False)
+            if bias_c is not None:
+                z.add_(bias_c)
+        elif bias_c is None:
+            torch.mm(h, weight_c.t(), out=z)
+        else:
+            torch.addmm(bias_c, h, weight_c.t(), out=z)
+        dz16 = ws16[:n * vocab].view(n, vocab) if ws16.numel() else None
+        lp, ent = run_kernel(z, t.contiguous(), take(adv_flat).contiguous(), take(w_flat).contiguous(),
+                             None if old_flat is None else take(old_flat).contiguous(),
+                             None if ref_flat is None else take(ref_flat).contiguous(), config, want_ent, need_grad,
+                             out=dz16)
+        logp[tile.idx] = lp
+        if want_ent:
+            entropy[tile.idx] = ent
+        if not need_grad:
+            continue
+        if mixed:
+            grads.add_mixed(tile, dz16, h, weight_c, ok)
+        else:
+            grads.add(tile, z.t(), h, weight_c, ok)  # _Grads takes the transposed (V, n) gradient
+    del ws, ws16
+    shape = (batch, length)
+    ent_bt = entropy.view(shape) if want_ent else None
+    # token-epilogue configs read no rollout log-probs (has_token_epilogue excludes those variants)
+    loss_t = per_token_loss(logp.view(shape), advantages, valid, config, old_logprobs=old, ref_logprobs=ref,
+                            entropy=ent_bt).loss
+    loss = (loss_t * weights).sum().to(f32)
+    gh, gw, gb = grads.results(hidden, weight)
+    return loss, logp.view(shape), entropy.view(shape) if want_ent else entropy, gh, gw, gb
+
+
+@tiled_linear_policy_loss_op.register_fake
+def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_literal, with_entropy, need_h,
+      need_w, need_b, n_tile, kernel, mixed):
+    config = _config_from_literal(config_literal)
+    batch, length, _ = hidden.shape
+    f32 = torch.float32
+    want_ent = with_entropy or config.needs_entropy
+    return (hidden.new_empty((), dtype=f32), hidden.new_empty((batch, length), dtype=f32),
+            hidden.new_empty((batch, length) if want_ent else (0,), dtype=f32),
+            hidden.new_empty(hidden.shape if need_h else (0,)),
+            weight.new_empty(weight.shape if need_w else (0,)),
+            weight.new_empty((weight.shape[0],) if need_b else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, _, gh, gw, gb = output
+    ctx.flags = (inputs[11], inputs[12], inputs[13])  # need_h, need_w, need_b
+    ctx.save_for_backward(gh, gw, gb)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward(ctx, g_loss, *_):
+    gh, gw, gb = ctx.saved_tensors
+    scaled = tuple(g * g_loss.to(g.dtype) if need else None for g, need in zip((gh, gw, gb), ctx.flags))
+    return scaled + (None,) * 14
+
+
+tiled_linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------ backend methods
+def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       inputs: PolicyInputs, config: PolicyLossConfig, compute_entropy: bool, kernel: str,
+                       memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
+    """The backend method: token-level configs through the tiled op with ``kernel``, the others
+    through :func:`torch_linear.linear_policy_loss`."""
+    if not config.has_token_epilogue:
+        return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
+                                               memory_budget_bytes)
+    batch, length, _ = hidden.shape
+    mixed = _mode(hidden.device, hidden.dtype) == "mixed"
+    weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer)
+    want_ent = compute_entropy or config.needs_entropy
+    n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
+    loss, logp, entropy, _, _, _ = tiled_linear_policy_loss_op(
+        hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
+        torch_linear.config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
+        _needs_grad(bias), n_tile, kernel, mixed)
+    entropy = entropy if want_ent else None
+    terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
+                           ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout)
+    return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy,
+                            metrics=metrics(terms.ratio, inputs.advantages, inputs.mask, config, terms.kl, entropy,
+                                            terms.extras))
+
+
+def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool):
+    """Arbitrary upstream gradients need the two-pass form: :func:`torch_linear.linear_token_logprobs`."""
+    return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy)

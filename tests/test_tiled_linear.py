@@ -1,0 +1,317 @@
+"""The tiled fused linear loss (chunked matmuls feeding the single-pass logits kernels,
+``fused_rl.backends.tiled_linear``) of the ``cpu``, ``triton`` and ``cuda`` backends against the reference
+(full fp32 logits, ``log_softmax``, loss math, autograd). Without a GPU the triton backend runs in the
+interpreter on CPU tensors: its shapes stay tiny (B*T <= 24, V <= 1000); with one, the triton and
+cuda tests run on CUDA tensors (16-bit inputs then take the real mixed GEMM mode)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl.backends import get_backend, tiled_linear, torch_linear
+from helpers import CONFIGS
+from test_linear import _leaves, assert_close, compare_linear, make_linear_case
+from test_variants import VARIANTS, with_extras
+
+cid = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}{'-biascorr' if c.kl_bias_correction else ''}"
+
+GPU = "cuda" if torch.cuda.is_available() else "cpu"  # where the triton tests run
+_available = fused_rl.available_backends(torch.device("cpu"))
+_gpu_available = fused_rl.available_backends(torch.device(GPU))
+needs_cpu = pytest.mark.skipif(_available["cpu"] is not None, reason=str(_available["cpu"]))
+needs_triton = pytest.mark.skipif(_gpu_available["triton"] is not None, reason=str(_gpu_available["triton"]))
+needs_cuda = pytest.mark.skipif(GPU != "cuda" or _gpu_available["cuda"] is not None,
+                                reason=str(_gpu_available["cuda"]) if GPU == "cuda" else "no CUDA device")
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def on_gpu(fn):
+    """``pytest.mark.cuda`` (what ``bench/gpu_check.sh`` selects) on tests that run on CUDA tensors here."""
+    return pytest.mark.cuda(fn) if GPU == "cuda" else fn
+
+
+def _on(case, device: str):
+    """The case with every tensor on ``device``."""
+    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
+    return dataclasses.replace(case, **{f.name: move(getattr(case, f.name)) for f in dataclasses.fields(case)})
+
+
+def _valid(case) -> int:
+    return int((case.mask & (case.targets != fused_rl.IGNORE_INDEX)).sum())
+
+
+@pytest.fixture
+def tiles(request, monkeypatch):
+    """``auto``: the default tile rule; ``small``: 3-token tiles (boundaries inside sequences; the
+    delegated configs get 3-token torch_linear tiles too); ``fixed``: 3-token fixed slices (the
+    no-gather path used off CPU: masked rows computed, target ``IGNORE_INDEX``, hidden zeroed)."""
+    mode = getattr(request, "param", "auto")
+    if mode in ("small", "fixed"):
+        monkeypatch.setattr(tiled_linear, "CHUNK_TOKENS", 3)
+        monkeypatch.setattr(torch_linear, "CHUNK_TOKENS", 3)
+    if mode == "fixed":
+        monkeypatch.setattr(torch_linear, "GATHER_VALID", False)
+    return mode
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Records ``(kernel, tile rows)`` of every single-pass kernel call of the tiled op."""
+    calls = []
+    for name, fn in list(tiled_linear.KERNELS.items()):
+        def spy(z, *args, _fn=fn, _name=name, **kwargs):
+            calls.append((_name, z.shape[0]))
+            return _fn(z, *args, **kwargs)
+        monkeypatch.setitem(tiled_linear.KERNELS, name, spy)
+    return calls
+
+
+# ----------------------------------------------------------------------------------------- cpu backend
+@needs_cpu
+@pytest.mark.parametrize("config", CONFIGS, ids=cid)
+@pytest.mark.parametrize("vocab", [1000, 4099])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_matches_reference(config, vocab, bias, dtype, kernel_calls):
+    case = make_linear_case(vocab=vocab, bias=bias, dtype=dtype, seed=vocab + bias)
+    compare_linear(case, config, backend="cpu")
+    # token-level configs run the native kernel (one tile of the valid tokens); the others torch_linear
+    assert kernel_calls == ([("native", _valid(case))] if config.has_token_epilogue else [])
+
+
+@needs_cpu
+@pytest.mark.parametrize("tiles", ["small", "fixed"], indirect=True)
+@pytest.mark.parametrize("config", CONFIGS, ids=cid)
+def test_cpu_tile_boundaries(config, tiles, kernel_calls):
+    """3-token tiles cut sequences; with fixed slices masked rows (NaN hidden in the padding) are
+    computed and must contribute nothing."""
+    case = make_linear_case(batch=5, length=7, vocab=1000, seed=11, per_token_adv=True)
+    compare_linear(case, config, backend="cpu")
+    if config.has_token_epilogue:
+        rows = case.mask.numel() if tiles == "fixed" else _valid(case)
+        assert [n for _, n in kernel_calls] == [min(3, rows - s) for s in range(0, rows, 3)]
+
+
+@needs_cpu
+@pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_cpu_variants(name, tiles, kernel_calls):
+    """The #10 variants: those with a token epilogue run tiled, the others (rollout corrections,
+    masks, sequence ratios, ...) are delegated to torch_linear."""
+    config = VARIANTS[name]
+    case = make_linear_case(batch=5, length=7, vocab=1000, seed=len(name))
+    compare_linear(with_extras(case, config), config, backend="cpu")
+    assert bool(kernel_calls) == config.has_token_epilogue
+
+
+@needs_cpu
+@pytest.mark.parametrize("kind", ["peaked", "negative"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_cpu_hard_logits(kind, dtype):
+    compare_linear(make_linear_case(vocab=4099, kind=kind, dtype=dtype, seed=5), CONFIGS[1], backend="cpu")
+
+
+@needs_cpu
+@pytest.mark.parametrize("tiles", ["auto", "fixed"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_frozen_weight_allocates_no_weight_gradient(dtype, tiles, monkeypatch):
+    allocated = []
+    original = torch_linear._Grads.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        allocated.append((self.h is not None, self.w is not None, self.b is not None))
+
+    monkeypatch.setattr(torch_linear._Grads, "__init__", spy)
+    compare_linear(make_linear_case(vocab=1000, dtype=dtype, seed=2), CONFIGS[1], frozen_weight=True, backend="cpu")
+    assert allocated == [(True, False, True)]
+
+
+@needs_cpu
+def test_cpu_only_hidden_requires_grad_and_token_normalizer():
+    case = make_linear_case(vocab=1000, bias=False, seed=4)
+    h = case.hidden.clone().requires_grad_(True)
+    out = fused_rl.linear_policy_loss(h, case.weight, case.targets, case.advantages, case.mask, config=CONFIGS[0],
+                                      token_normalizer=torch.tensor(17.0), backend="cpu", **case.kwargs())
+    out.loss.backward()
+    rh = torch.nan_to_num(case.hidden).requires_grad_(True)
+    expected = fused_rl.reference.linear_policy_loss(rh, case.weight, case.targets, case.advantages, case.mask,
+                                                     config=CONFIGS[0], token_normalizer=torch.tensor(17.0),
+                                                     **case.kwargs())
+    expected.loss.backward()
+    assert_close(out.loss, expected.loss, torch.float32, "loss")
+    assert_close(h.grad, rh.grad, torch.float32, "grad_hidden", grad=True)
+
+
+@needs_cpu
+def test_cpu_no_entropy_sliced_hidden_and_second_backward():
+    """``compute_entropy=False``, a non-contiguous ``hidden[:, :-1]``; the stored gradients are scaled
+    out of place, so a second backward (``retain_graph``) gives the same gradients."""
+    case = make_linear_case(batch=3, length=6, vocab=1000, seed=8)
+    full = torch.randn(3, 7, case.hidden.shape[-1], generator=torch.Generator().manual_seed(3))
+    full[:, :-1] = case.hidden
+    case.hidden = full
+    compare_linear(case, CONFIGS[0], compute_entropy=False, hidden_view=lambda x: x[:, :-1], backend="cpu")
+    h, w, b = _leaves(make_linear_case(vocab=1000, seed=3), torch.float32)
+    c = make_linear_case(vocab=1000, seed=3)
+    out = fused_rl.linear_policy_loss(h, w, c.targets, c.advantages, c.mask, bias=b, backend="cpu", **c.kwargs())
+    (2.0 * out.loss).backward(retain_graph=True)
+    first = w.grad.clone()
+    w.grad = None
+    (2.0 * out.loss).backward()
+    torch.testing.assert_close(w.grad, first)
+
+
+@needs_cpu
+def test_cpu_all_masked_and_no_grad():
+    case = make_linear_case(vocab=1000, seed=6)
+    h, w, b = _leaves(case, torch.float32)
+    out = fused_rl.linear_policy_loss(h, w, case.targets, case.advantages, torch.zeros_like(case.mask), bias=b,
+                                      backend="cpu", **case.kwargs())
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and (out.logprobs == 0).all()
+    for x in (h, w, b):
+        assert (x.grad == 0).all()
+    with torch.no_grad():
+        got = fused_rl.linear_policy_loss(case.hidden, case.weight, case.targets, case.advantages, case.mask,
+                                          bias=case.bias, config=CONFIGS[1], backend="cpu", **case.kwargs())
+    expected = fused_rl.reference.linear_policy_loss(torch.nan_to_num(case.hidden), case.weight, case.targets,
+                                                     case.advantages, case.mask, bias=case.bias, config=CONFIGS[1],
+                                                     **case.kwargs())
+    assert_close(got.loss, expected.loss, torch.float32, "loss")
+    assert_close(got.logprobs, expected.logprobs, torch.float32, "logprobs")
+
+
+@needs_cpu
+@pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
+def test_cpu_linear_token_logprobs_delegates(tiles):
+    case = make_linear_case(batch=3, length=5, vocab=1000, seed=9)
+    case.hidden = torch.nan_to_num(case.hidden)
+    g = torch.Generator().manual_seed(1)
+    g_logp, g_ent = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    res = {}
+    for backend in ("reference", "cpu"):
+        h, w, b = _leaves(case, torch.float32)
+        logp, ent = fused_rl.linear_token_logprobs(h, w, case.targets, bias=b, temperature=0.7, return_entropy=True,
+                                                   backend=backend)
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+        res[backend] = (logp, ent, h.grad, w.grad, b.grad)
+    for got, exp, what in zip(res["cpu"], res["reference"], ("logp", "entropy", "gh", "gw", "gb")):
+        assert_close(got, exp, torch.float32, what, grad=what.startswith("g"))
+
+
+@needs_cpu
+def test_auto_picks_the_tiled_cpu_backend(kernel_calls):
+    assert get_backend("auto", torch.device("cpu"), torch.float32, linear=True).name == "cpu"
+    case = make_linear_case(vocab=1000, seed=1)
+    fused_rl.linear_policy_loss(case.hidden, case.weight, case.targets, case.advantages, case.mask, bias=case.bias,
+                                **case.kwargs())
+    assert kernel_calls and all(k == "native" for k, _ in kernel_calls)
+
+
+@needs_cpu
+@pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]], ids=cid)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cpu_mixed_gemm_mode(config, dtype, tiles, monkeypatch):
+    """The mixed GEMM mode (bf16 operands, fp32 logits and weight gradient; CUDA's default for bf16
+    inputs) emulated on CPU: the tile logic around it, with ``dz`` rounded to bf16 once. fp16 stays in
+    fp32 mode (its range cannot hold ``dz``)."""
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
+    assert tiled_linear._mode(torch.device("cuda"), dtype) == ("mixed" if dtype == torch.bfloat16 else "fp32")
+    compare_linear(make_linear_case(vocab=1000, dtype=dtype, seed=13), config, backend="cpu")
+    compare_linear(make_linear_case(vocab=4099, dtype=dtype, seed=14), config, frozen_weight=True, backend="cpu")
+
+
+def test_chunk_rule(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert tiled_linear.chunk_tokens(4096, 32000, torch.float32, cpu) == (128 << 20) // (4 * 32000) == 1048
+    assert tiled_linear.chunk_tokens(8192, 128256, torch.bfloat16, cuda, mixed=True) == (1 << 30) // (6 * 128256)
+    assert tiled_linear.chunk_tokens(100, 32000, torch.float32, cpu) == 100
+    assert tiled_linear.chunk_tokens(10, 10**9, torch.float32, cpu) == 1
+    monkeypatch.setattr(torch_linear, "MEMORY_BUDGET_BYTES", 4 * 1000 * 7)
+    assert tiled_linear.chunk_tokens(4096, 1000, torch.float32, cpu) == 7
+    assert tiled_linear.chunk_tokens(4096, 1000, torch.float32, cpu, memory_budget_bytes=4 * 1000 * 9) == 9
+    monkeypatch.setattr(torch_linear, "CHUNK_TOKENS", 5)
+    assert tiled_linear.chunk_tokens(4096, 1000, torch.float32, cpu) == 5
+    monkeypatch.setattr(tiled_linear, "CHUNK_TOKENS", 6)
+    assert tiled_linear.chunk_tokens(4096, 1000, torch.float32, cpu) == 6
+
+
+@needs_cpu
+def test_cpu_compile_fullgraph():
+    case = make_linear_case(vocab=257, seed=4)
+    case.hidden = torch.nan_to_num(case.hidden)
+    cfg = CONFIGS[1]
+
+    def loss_fn(h, w, b):
+        out = fused_rl.linear_policy_loss(h, w, case.targets, case.advantages, case.mask, bias=b, config=cfg,
+                                          backend="cpu", check_inputs=False, **case.kwargs())
+        return out.loss, out.metrics["clip_frac"]
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    eager_leaves, comp_leaves = _leaves(case, torch.float32), _leaves(case, torch.float32)
+    e_loss, e_aux = loss_fn(*eager_leaves)
+    c_loss, c_aux = compiled(*comp_leaves)
+    e_loss.backward()
+    c_loss.backward()
+    torch.testing.assert_close(c_loss, e_loss)
+    torch.testing.assert_close(c_aux, e_aux)
+    for a, b in zip(comp_leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+# ------------------------------------------------------- triton backend (interpreter on CPU; CUDA tensors on a GPU)
+@on_gpu
+@needs_triton
+@pytest.mark.parametrize("tiles", ["auto", "fixed"], indirect=True)
+@pytest.mark.parametrize("config", CONFIGS, ids=cid)
+def test_triton_matches_reference(config, tiles, kernel_calls):
+    compare_linear(_on(make_linear_case(batch=4, length=5, vocab=1000, seed=21), GPU), config, backend="triton")
+    assert all(k == "triton" for k, _ in kernel_calls) and bool(kernel_calls) == config.has_token_epilogue
+
+
+@on_gpu
+@needs_triton
+@pytest.mark.parametrize("tiles", ["small"], indirect=True)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_dtypes_bias_small_tiles(dtype, bias, tiles):
+    compare_linear(_on(make_linear_case(batch=4, length=6, vocab=300, bias=bias, dtype=dtype, seed=22), GPU),
+                   CONFIGS[5], backend="triton")
+
+
+@on_gpu
+@needs_triton
+@pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
+def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
+    compare_linear(_on(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1], frozen_weight=True,
+                   backend="triton")
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
+    compare_linear(_on(make_linear_case(batch=3, length=5, vocab=300, dtype=torch.bfloat16, seed=24), GPU),
+                   CONFIGS[6], backend="triton")
+
+
+# ------------------------------------------------------------------------- cuda backend (GPU only)
+@on_gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
+@pytest.mark.parametrize("config", CONFIGS, ids=cid)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_matches_reference(config, dtype, tiles):
+    compare_linear(_on(make_linear_case(vocab=4099, dtype=dtype, seed=31), "cuda"), config, backend="cuda")
+
+
+@on_gpu
+@needs_triton
+@pytest.mark.skipif(GPU != "cuda", reason="the default mixed mode of 16-bit inputs is CUDA's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_triton_gpu_default_mode_frozen_weight(dtype):
+    """On CUDA bf16 inputs take the mixed mode by default (fp16 the fp32 one); frozen weight, bias."""
+    case = _on(make_linear_case(vocab=4099, dtype=dtype, seed=32), "cuda")
+    compare_linear(case, CONFIGS[1], backend="triton")
+    compare_linear(case, CONFIGS[0], frozen_weight=True, backend="triton")
