@@ -201,22 +201,27 @@ def test_token_normalizer_no_entropy_and_sliced_hidden():
                    hidden_view=lambda x: x[:, :-1])
 
 
-def test_all_masked_and_no_grad():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_all_masked_and_no_grad(backend):
+    reason = fused_rl.available_backends(torch.device("cpu"))[backend]
+    if reason is not None:
+        pytest.skip(reason)
     case = make_linear_case(vocab=1000, seed=6)
     h, w, b = _leaves(case, torch.float32)
     out = fused_rl.linear_policy_loss(h, w, case.targets, case.advantages, torch.zeros_like(case.mask), bias=b,
-                                      backend="torch", **case.kwargs())
+                                      backend=backend, **case.kwargs())
     out.loss.backward()
     assert out.loss.item() == 0.0 and (out.logprobs == 0).all()
     for x in (h, w, b):
         assert (x.grad == 0).all()
     with torch.no_grad():
         got = fused_rl.linear_policy_loss(case.hidden, case.weight, case.targets, case.advantages, case.mask,
-                                          bias=case.bias, config=CONFIGS[2], backend="torch", **case.kwargs())
+                                          bias=case.bias, config=CONFIGS[2], backend=backend, **case.kwargs())
     expected = fused_rl.reference.linear_policy_loss(torch.nan_to_num(case.hidden), case.weight, case.targets,
                                                      case.advantages, case.mask, bias=case.bias, config=CONFIGS[2],
                                                      **case.kwargs())
     assert_close(got.loss, expected.loss, torch.float32, "loss")
+    assert_close(got.logprobs, expected.logprobs, torch.float32, "logprobs")
 
 
 def test_chunk_rule(monkeypatch):

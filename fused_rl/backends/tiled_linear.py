@@ -241,15 +241,8 @@ def tiled_linear_policy_loss_op(
 @tiled_linear_policy_loss_op.register_fake
 def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_literal, with_entropy, need_h,
       need_w, need_b, n_tile, kernel, mixed):
-    config = _config_from_literal(config_literal)
-    batch, length, _ = hidden.shape
-    f32 = torch.float32
-    want_ent = with_entropy or config.needs_entropy
-    return (hidden.new_empty((), dtype=f32), hidden.new_empty((batch, length), dtype=f32),
-            hidden.new_empty((batch, length) if want_ent else (0,), dtype=f32),
-            hidden.new_empty(hidden.shape if need_h else (0,)),
-            weight.new_empty(weight.shape if need_w else (0,)),
-            weight.new_empty((weight.shape[0],) if need_b else (0,)))
+    return torch_linear.fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy, need_h,
+                                          need_w, need_b, torch.float32)
 
 
 def _setup_context(ctx, inputs, output):

@@ -402,12 +402,17 @@ def linear_policy_loss_op(
 @linear_policy_loss_op.register_fake
 def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, config_literal, with_entropy,
       need_h, need_w, need_b, n_tile):
-    config = _config_from_literal(config_literal)
+    return fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy, need_h, need_w,
+                             need_b, _compute_dtype(hidden.dtype))
+
+
+def fake_loss_outputs(hidden, weight, config, with_entropy, need_h, need_w, need_b, dtype):
+    """Fake ``(loss, logp, entropy, grad_hidden, grad_weight, grad_bias)`` of a fused-linear loss op
+    (this one and :mod:`fused_rl.backends.tiled_linear`'s), values in ``dtype``."""
     batch, length, _ = hidden.shape
-    cdtype = _compute_dtype(hidden.dtype)
     want_ent = with_entropy or config.needs_entropy
-    return (hidden.new_empty((), dtype=cdtype), hidden.new_empty((batch, length), dtype=cdtype),
-            hidden.new_empty((batch, length) if want_ent else (0,), dtype=cdtype),
+    return (hidden.new_empty((), dtype=dtype), hidden.new_empty((batch, length), dtype=dtype),
+            hidden.new_empty((batch, length) if want_ent else (0,), dtype=dtype),
             hidden.new_empty(hidden.shape if need_h else (0,)),
             weight.new_empty(weight.shape if need_w else (0,)),
             weight.new_empty((weight.shape[0],) if need_b else (0,)))
