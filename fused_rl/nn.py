@@ -199,9 +199,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ``dapo``/``cispo`` divide by ``num_items_in_batch / world_size`` (clamped at 1) or, without it, by the
     token count of all ranks divided by the world size, as Liger does.
 
+    ``loss_type="sapo"`` (with ``sapo_temperature_pos/neg``; its ``clip_ratio`` is 0, as in Liger) and
+    ``delta`` (two-sided clip of grpo / bnpo / dr_grpo / dapo) are tested equal to Liger.
     Arguments that are accepted and have no effect on the result: ``compiled``, ``chunk_size`` (fused_rl
-    picks its own chunking), and the sapo/vespo parameters unless ``loss_type`` selects them (which
-    raises). Not supported (raise): ``loss_type`` sapo/vespo/luspo, ``delta``, a ``vllm_is_ratio`` tensor. With ``use_ref_model=False`` the KL term is the
+    picks its own chunking), the sapo parameters unless ``loss_type="sapo"`` and the vespo parameters.
+    Not supported (raise): ``loss_type`` vespo/luspo, a ``vllm_is_ratio`` tensor (pass the sampler's
+    log-probs to :func:`fused_rl.linear_policy_loss` with ``rollout_is`` instead). With ``use_ref_model=False`` the KL term is the
     KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
     compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
 
@@ -244,10 +247,6 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.importance_sampling_level = importance_sampling_level
         self.temperature = temperature
         self.delta = delta
-        if loss_type == "sapo" or delta is not None:  # not checked against Liger's own implementation
-            raise NotImplementedError(f"FusedLinearGRPOLoss does not take {'loss_type=sapo' if loss_type == 'sapo' else 'delta'}"
-                                      " (Liger parity unverified); use fused_rl.nn.grpo_policy_loss_config + "
-                                      "FusedLinearPolicyLoss")
         self.use_bias_correction_kl = use_bias_correction_kl
         self.backend = backend
         self.check_inputs = check_inputs
@@ -256,7 +255,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.config = grpo_policy_loss_config(
             loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=kl_beta,
             importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
-            temperature=temperature, delta=delta, use_bias_correction_kl=use_bias_correction_kl and self.beta != 0.0)
+            temperature=temperature, delta=delta, use_bias_correction_kl=use_bias_correction_kl and self.beta != 0.0,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
 
     @torch.no_grad()
     def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],

@@ -148,6 +148,11 @@ LIGER_CASES = [
     dict(loss_type="cispo", beta=0.04, epsilon_high=1.1),
     dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence", epsilon_low=0.01, epsilon_high=0.01),
     dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence", epsilon_low=0.01, epsilon_high=0.01),
+    dict(loss_type="sapo", beta=0.0),
+    dict(loss_type="sapo", beta=0.04, sapo_temperature_pos=2.0, sapo_temperature_neg=0.5),
+    dict(loss_type="sapo", beta=0.04, use_bias_correction_kl=True),
+    dict(loss_type="grpo", beta=0.0, delta=1.3),
+    dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, delta=1.5, use_bias_correction_kl=True),
 ]
 
 
@@ -183,8 +188,13 @@ def test_matches_liger(case, off_policy, num_items):
         assert_close(a, e, torch.float32, f"metric {i}")
     for name, a, e in zip(("hidden", "weight", "bias"), got[2], expected[2]):
         assert_close(a, e, torch.float32, f"d{name}", grad=True)
-    if off_policy and case["loss_type"] != "cispo":
+    if off_policy and case["loss_type"] not in ("cispo", "sapo"):  # sapo has no clip (Liger reports 0)
         assert got[1][-1] > 0, "clip range never reached: the off-policy comparison is vacuous"
+    if off_policy and case.get("delta"):
+        logp = torch.log_softmax(torch.nn.functional.linear(h, w, b) / 0.8, -1).gather(
+            -1, targets.unsqueeze(-1)).squeeze(-1)
+        binding = (torch.exp(logp - old) > case["delta"]) & (adv.unsqueeze(1) < 0) & mask.bool()
+        assert binding.any(), "no ratio above delta where A < 0: the delta comparison is vacuous"
 
 
 @needs_liger
@@ -223,8 +233,8 @@ def test_liger_signature_compatible():
 
 
 @pytest.mark.parametrize("ctor, forward, exc, needle", [
-    (dict(loss_type="sapo"), {}, NotImplementedError, "sapo"),
-    (dict(delta=2.0), {}, NotImplementedError, "delta"),
+    (dict(loss_type="vespo"), {}, NotImplementedError, "vespo"),
+    (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), {}, ValueError, "delta"),
     (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 6)), NotImplementedError, "vllm_is_ratio"),
     (dict(beta=0.04), {}, ValueError, "ref_per_token_logps"),
 ])
