@@ -58,6 +58,11 @@ def small(tmp_path, **kw):
     (["--steps"], ["--steps needs a value"]),
     (["--clip_low", "1.5"], ["clip_low"]),
     (["--beta", "-0.1"], ["beta"]),
+    (["--loss_options.delta", "1.1"], ["invalid loss settings", "delta"]),
+    (["--loss_options.deltaa", "2"], ["invalid loss settings", "deltaa"]),
+    (["--loss_options.temperature", "0.5"], ["loss_options", "sampling temperature"]),
+    (["--loss_options.rollout_is", "token_truncate", "--loss_options.rollout_is_max", "null"],
+     ["rollout_is needs rollout_is_max"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:
@@ -77,6 +82,11 @@ def test_config_overrides_and_yaml(tmp_path):
         load_config(str(tmp_path / "bad.yaml"))
     assert load_config(None).backend == "auto"  # the shipped default
     assert load_config("dapo" if False else None, ["--algorithm", "dapo"]).loss_config().clip_high == 0.28
+    (tmp_path / "sapo.yaml").write_text("loss_options: {policy_loss: sapo, sapo_temperature_neg: 2}\n")
+    loss = load_config(str(tmp_path / "sapo.yaml"), ["--loss_options.rollout_is", "token_mask",
+                                                     "--loss_options.rollout_is_min", "0.5"]).loss_config()
+    assert (loss.policy_loss, loss.sapo_temperature_neg, loss.rollout_is, loss.rollout_is_min, loss.rollout_is_max,
+            loss.agg) == ("sapo", 2.0, "token_mask", 0.5, 2.0, "seq-mean-token-mean")
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -177,6 +187,28 @@ def test_training_logprobs_match_the_sampling_distribution(tmp_path):
     torch.testing.assert_close(lp, gen_lp, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_sampler_logprobs_are_the_sampling_distribution(tmp_path, top_p):
+    """The rollout's sampler log-probs (generate's processed scores) equal the training forward's at
+    ``top_p = 1``; with top-p truncation they are those of the renormalized nucleus, so never below the
+    training log-probs, and above them somewhere (the mismatch ``rollout_is`` corrects)."""
+    from fused_rl.train.trainer import Trainer
+
+    cfg = small(tmp_path, temperature=0.7, top_p=top_p, max_new_tokens=5,
+                loss_options=dict(rollout_is="token_truncate", rollout_is_max=2.0))
+    t = Trainer(cfg, quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    old, _ = t._logprobs(t.policy, batch)
+    got, want = batch.sampler_logprobs[batch.mask], old[batch.mask]
+    assert torch.all(batch.sampler_logprobs[~batch.mask] == 0)
+    if top_p == 1.0:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.all(got >= want - 1e-5)
+        assert (got > want + 1e-3).any()
+
+
 # ---------------------------------------------------------------------------------------------- learning
 def test_default_task_learns(tmp_path):
     """A smaller, faster variant of the embedded default (copy 2 digits, 16 prompts x 8 samples, lr 3e-3)
@@ -226,6 +258,11 @@ def test_seeded_run_is_reproducible_and_resume_is_exact(tmp_path):
     dict(algorithm="ppo", num_iterations=2, minibatch_size=8),
     dict(algorithm="grpo", beta=0.05, kimi_length_coef=0.1, truncation="penalize", truncation_penalty=-0.5,
          top_p=0.9, entropy_coef=0.01, lr_schedule="constant"),
+    dict(algorithm="grpo", top_p=0.8, loss_options=dict(policy_loss="sapo", rollout_is="token_truncate",
+                                                        rollout_is_max=1.5)),
+    dict(algorithm="dapo", num_iterations=2, minibatch_size=8, top_p=0.9,
+         loss_options=dict(delta=1.5, off_policy_mask=0.01, top_entropy_quantile=0.5, rollout_is="sequence_mask",
+                           rollout_is_min=0.2)),
 ])
 def test_every_algorithm_runs(tmp_path, overrides):
     from fused_rl.train.trainer import Trainer
@@ -243,6 +280,36 @@ def test_every_algorithm_runs(tmp_path, overrides):
         assert hist[-1]["kl"] > 0  # the policy moved away from the reference
     if overrides.get("num_iterations", 1) > 1:
         assert hist[-1]["clip_frac"] >= 0
+    options = overrides.get("loss_options", {})
+    expected = {"rollout_is_mean": "rollout_is" in options, "rollout_is_clip_frac": "rollout_is" in options,
+                "off_policy_mask_frac": "off_policy_mask" in options,
+                "entropy_mask_frac": "top_entropy_quantile" in options}
+    for key, present in expected.items():
+        assert (key in hist[-1]) == present, key
+        if present:
+            assert 0.0 <= hist[-1][key] <= (math.inf if key == "rollout_is_mean" else 1.0), (key, hist[-1])
+    if "top_entropy_quantile" in options:
+        assert hist[-1]["entropy_mask_frac"] > 0.3  # about half the tokens are dropped
+
+
+def test_loss_option_mask_truncated_completions_equals_truncation_mask(tmp_path):
+    """The loss's ``mask_truncated_completions`` (fed the rollout's ``truncated``) trains exactly like the
+    trainer's own ``truncation: mask`` (which drops those rows from the mask): the same loss and gradient
+    norm, and parameters equal after one Adam step of lr 1e-2 up to summation-order noise (Adam turns a
+    wrong mask into changes of ~lr)."""
+    from fused_rl.train.trainer import Trainer
+
+    params, hists = [], []
+    for kw in (dict(truncation="mask"), dict(loss_options=dict(mask_truncated_completions=True))):
+        t = Trainer(small(tmp_path, run_dir=str(tmp_path / str(len(params))), steps=2, lr=1e-2, max_new_tokens=6,
+                          task_args={"min_digits": 1, "max_digits": 5}, **kw), quiet=True)
+        hists.append(t.train_step())
+        assert 0.0 < hists[-1]["truncated"] < 1.0, hists  # both kinds of rows are present
+        params.append(t.policy.state_dict())
+    for key in ("loss", "grad_norm", "entropy"):
+        assert hists[1][key] == pytest.approx(hists[0][key], rel=1e-5), key
+    for k, v in params[0].items():
+        torch.testing.assert_close(params[1][k], v, atol=1e-4, rtol=0, msg=k)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

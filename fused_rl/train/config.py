@@ -30,6 +30,13 @@ ALGORITHM_DEFAULTS = {
 }
 
 
+#: PolicyLossConfig fields that ``loss_options`` may not set, and where they come from.
+LOSS_OPTIONS_OWNED = {
+    "temperature": "the sampling temperature: set 'temperature'",
+    "max_len": "dr_grpo's max_new_tokens",
+}
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
@@ -73,6 +80,7 @@ class TrainConfig:
     beta: float = 0.0
     kl: str = "k3"
     entropy_coef: float = 0.0
+    loss_options: dict = field(default_factory=dict)  # more PolicyLossConfig fields, e.g. {policy_loss: sapo}
     kimi_length_coef: float = 0.0
     correct_threshold: float = 1.0
     num_iterations: int = 1
@@ -132,6 +140,7 @@ class TrainConfig:
             overrides.update(beta=self.beta, kl=self.kl)
         if self.resolved_loss_preset == "dr_grpo":
             overrides["max_len"] = self.max_new_tokens
+        overrides.update(self.loss_options)
         try:
             return PolicyLossConfig.preset(self.resolved_loss_preset, **overrides)
         except ValueError as exc:
@@ -204,6 +213,11 @@ class TrainConfig:
             fail("task_args", "must be a mapping")
         if not isinstance(self.model_config, dict):
             fail("model_config", "must be a mapping")
+        if not isinstance(self.loss_options, dict):
+            fail("loss_options", "must be a mapping of PolicyLossConfig fields")
+        for name in LOSS_OPTIONS_OWNED:
+            if name in self.loss_options:
+                fail("loss_options", f"{name!r} is set by the trainer ({LOSS_OPTIONS_OWNED[name]})")
         if isinstance(self.rewards, str):
             self.rewards = [self.rewards]
         if not isinstance(self.rewards, list) or not all(isinstance(r, str) for r in self.rewards):
@@ -333,8 +347,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         key = key.replace("-", "_")
         if "." in key:  # --model_config.hidden_size 96
             top, sub = key.split(".", 1)
-            if top not in ("task_args", "model_config"):
-                raise ConfigError(f"--{key}: only task_args.X and model_config.X take a dotted key")
+            if top not in ("task_args", "model_config", "loss_options"):
+                raise ConfigError(f"--{key}: only task_args.X, model_config.X and loss_options.X take a dotted key")
             getattr(cfg, top)[sub] = _coerce(raw, None, key)
             continue
         if key not in field_names():

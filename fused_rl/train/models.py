@@ -199,13 +199,13 @@ class PolicyModule(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, prompt_len: int, targets, advantages, mask,
                 old_logprobs=None, ref_logprobs=None, loss_config=None, token_normalizer=None,
-                backend: str = "auto", returns=None, vf_coef: float = 0.0):
+                backend: str = "auto", returns=None, vf_coef: float = 0.0, rollout_logprobs=None, truncated=None):
         h = self.hidden_states(input_ids, attention_mask, position_ids)[:, prompt_len - 1:-1]
         head = self.lm_head
         out = fused_rl.linear_policy_loss(
             h, head.weight, targets, advantages, mask, bias=getattr(head, "bias", None),
-            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=loss_config,
-            token_normalizer=token_normalizer, backend=backend)
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+            truncated=truncated, config=loss_config, token_normalizer=token_normalizer, backend=backend)
         value_loss = None
         if self.value_head is not None:
             values = self.value_head(h.float()).squeeze(-1)
@@ -221,15 +221,7 @@ class PolicyModule(nn.Module):
         head = self.lm_head
         bias = getattr(head, "bias", None)
         tgt = torch.where(mask, targets, torch.full_like(targets, fused_rl.IGNORE_INDEX))
-        fn = getattr(fused_rl, "linear_token_logprobs", None)
-        if fn is not None:
-            logp = fn(h, head.weight, tgt, bias=bias, temperature=temperature, backend=backend)
-            if isinstance(logp, tuple):
-                logp = logp[0]
-        else:  # the loss's detached log-probs output
-            cfg = fused_rl.PolicyLossConfig(policy_loss="reinforce", temperature=temperature)
-            logp = fused_rl.linear_policy_loss(h, head.weight, targets, torch.zeros(h.shape[0], device=h.device),
-                                               mask, bias=bias, config=cfg, backend=backend,
-                                               compute_entropy=False).logprobs
+        logp = fused_rl.linear_token_logprobs(h, head.weight, tgt, bias=bias, temperature=temperature,
+                                              backend=backend)
         values = self.value_head(h.float()).squeeze(-1) if (with_values and self.value_head is not None) else None
         return logp.float(), values

@@ -4,6 +4,10 @@ Layout of a rollout batch of ``N = prompts * G`` sequences (samples of one promp
 ``input_ids (N, P + T)`` = left-padded prompt (``P``) + completion right-padded to
 ``T = max_new_tokens``; ``targets = input_ids[:, P:]``; ``mask (N, T)`` marks completion tokens up to and
 including the first EOS. A completion with no EOS within ``max_new_tokens`` is *truncated*.
+With ``sampler_logprobs=True`` the rollout keeps ``log_softmax`` of ``generate``'s processed scores
+(temperature and top-p applied) at the sampled tokens: the log-probs of the distribution the tokens were
+actually drawn from, which the loss's rollout correction (``rollout_is``, ``off_policy_mask``) compares
+with the training forward's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Rollout:
     prompts: list = field(default_factory=list)
     completions: list = field(default_factory=list)
     reward_parts: dict = field(default_factory=dict)  # reward name -> (N,) tensor
+    sampler_logprobs: Optional[torch.Tensor] = None  # (N, T) fp32, 0 where masked; see the module docstring
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         """The sub-batch of rows ``idx`` (tensors only; text lists follow)."""
@@ -38,7 +43,8 @@ class Rollout:
                        self.targets[idx], self.mask[idx], self.truncated[idx], self.rewards[idx], self.lengths[idx],
                        [self.prompts[i] for i in il] if self.prompts else [],
                        [self.completions[i] for i in il] if self.completions else [],
-                       {k: v[idx] for k, v in self.reward_parts.items()})
+                       {k: v[idx] for k, v in self.reward_parts.items()},
+                       None if self.sampler_logprobs is None else self.sampler_logprobs[idx])
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +63,9 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_tokens: int, temperature: float,
-             top_p: float, greedy: bool = False, device=None):
-    """``(input_ids, attention_mask, prompt_len, completion ids (N, T), mask (N, T), truncated (N,))``."""
+             top_p: float, greedy: bool = False, sampler_logprobs: bool = False, device=None):
+    """``(input_ids, attention_mask, prompt_len, completion ids (N, T), mask (N, T), truncated (N,),
+    sampler log-probs (N, T) or None)``."""
     device = device or next(model.parameters()).device
     encoded = [tokenizer.encode_prompt(p) for p in prompts]
     encoded = [e for e in encoded for _ in range(group_size)]
@@ -68,10 +75,10 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
     model.eval()
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, max_new_tokens=max_new_tokens,
                          min_new_tokens=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         use_cache=True, **kwargs)
+                         use_cache=True, output_scores=sampler_logprobs, return_dict_in_generate=True, **kwargs)
     model.train(was_training)
     P = prompt_ids.shape[1]
-    comp = out[:, P:]
+    comp = out.sequences[:, P:]
     if comp.shape[1] < max_new_tokens:
         pad = torch.full((comp.shape[0], max_new_tokens - comp.shape[1]), tokenizer.pad_token_id,
                          dtype=comp.dtype, device=comp.device)
@@ -82,7 +89,15 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
     mask = ~after_first_eos
     truncated = ~is_eos.any(1)
     comp = torch.where(mask, comp, torch.full_like(comp, tokenizer.pad_token_id))
-    return prompt_ids, prompt_attn, P, comp, mask, truncated
+    logprobs = None
+    if sampler_logprobs:
+        steps = len(out.scores)
+        scores = torch.stack(out.scores, 1).float()  # (N, steps, V): logits after temperature / top-p
+        lp = torch.log_softmax(scores, -1).gather(-1, comp[:, :steps].unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.zeros(comp.shape, dtype=torch.float32, device=comp.device)
+        logprobs[:, :steps] = lp
+        logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
+    return prompt_ids, prompt_attn, P, comp, mask, truncated, logprobs
 
 
 def decode_completions(tokenizer, comp: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -106,12 +121,13 @@ def score(reward_fns: list, weights: list[float], prompts: list[str], completion
 
 def rollout(model, tokenizer, examples: list[dict], reward_fns: list, weights: list[float], *, group_size: int,
             max_new_tokens: int, temperature: float, top_p: float, truncation: str = "mask",
-            truncation_penalty: float = 0.0, greedy: bool = False, device=None) -> Rollout:
+            truncation_penalty: float = 0.0, greedy: bool = False, sampler_logprobs: bool = False,
+            device=None) -> Rollout:
     """Generate ``group_size`` completions for each example and score them (see the module docstring)."""
     prompts = [e["prompt"] for e in examples]
-    prompt_ids, prompt_attn, P, comp, mask, truncated = generate(
+    prompt_ids, prompt_attn, P, comp, mask, truncated, logprobs = generate(
         model, tokenizer, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, greedy=greedy, device=device)
+        temperature=temperature, top_p=top_p, greedy=greedy, sampler_logprobs=sampler_logprobs, device=device)
     completions = decode_completions(tokenizer, comp, mask)
     rep_prompts = [p for p in prompts for _ in range(group_size)]
     fields = {k: [v for v in vals for _ in range(group_size)] for k, vals in batch_fields(examples).items()}
@@ -125,4 +141,4 @@ def rollout(model, tokenizer, examples: list[dict], reward_fns: list, weights: l
     input_ids = torch.cat([prompt_ids, comp], 1)
     attention_mask = torch.cat([prompt_attn, mask.long()], 1)
     return Rollout(input_ids, attention_mask, position_ids_from(attention_mask), P, comp, loss_mask, truncated,
-                   rewards.to(comp.device), mask.sum(1), rep_prompts, completions, parts)
+                   rewards.to(comp.device), mask.sum(1), rep_prompts, completions, parts, logprobs)

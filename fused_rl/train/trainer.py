@@ -39,6 +39,8 @@ from .tasks import make_task, resolve_reward
 
 METRIC_KEYS = ("reward", "reward_std", "accuracy", "kl", "clip_frac", "entropy", "length", "truncated",
                "loss", "grad_norm", "lr", "tokens_per_s")
+#: Loss metrics logged (token-weighted means) when the loss options that produce them are set.
+OPTION_METRICS = ("rollout_is_mean", "rollout_is_clip_frac", "off_policy_mask_frac", "entropy_mask_frac")
 
 
 def _world() -> tuple[int, int]:
@@ -143,7 +145,7 @@ class Trainer:
         return rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
                        group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                        top_p=cfg.top_p, truncation=cfg.truncation, truncation_penalty=cfg.truncation_penalty,
-                       device=self.device)
+                       sampler_logprobs=self.loss_config.uses_rollout_logprobs, device=self.device)
 
     def _chunks(self, n: int):
         size = self.cfg.resolved_micro
@@ -218,6 +220,8 @@ class Trainer:
                             batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
                             batch.prompt_len, batch.targets[idx], advantages[idx], batch.mask[idx],
                             old_logprobs=old[idx], ref_logprobs=None if ref is None else ref[idx],
+                            rollout_logprobs=None if batch.sampler_logprobs is None else batch.sampler_logprobs[idx],
+                            truncated=batch.truncated[idx] if self.loss_config.mask_truncated_completions else None,
                             loss_config=self.loss_config, token_normalizer=normalizer, backend=self.backend,
                             returns=None if returns is None else returns[idx], vf_coef=cfg.vf_coef)
                         share = len(idx) / len(mb_idx)
@@ -228,7 +232,8 @@ class Trainer:
                             loss = loss + cfg.vf_coef * value_loss * share
                         loss.backward()
                     tokens = batch.mask[idx].sum().float()
-                    for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean")):
+                    for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean"),
+                                      *((k, k) for k in OPTION_METRICS)):
                         if name in out.metrics and (key != "kl" or ref is not None):
                             sums[key] = sums.get(key, 0.0) + out.metrics[name].detach().float() * tokens
                     sums["tokens"] = sums.get("tokens", 0.0) + tokens
@@ -241,7 +246,7 @@ class Trainer:
                 self.optimizer.step()
         n_updates = len(grad_norms)
         tokens = sums.pop("tokens")
-        keys = [k for k in ("kl", "clip_frac", "entropy") if k in sums]
+        keys = [k for k in ("kl", "clip_frac", "entropy", *OPTION_METRICS) if k in sums]
         local = torch.stack([sums[k] for k in keys] + [sums["loss"] / n_updates, tokens,
                              batch.rewards.float().sum(), (batch.rewards.float() ** 2).sum(),
                              (batch.rewards >= cfg.correct_threshold).float().sum(),
