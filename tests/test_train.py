@@ -321,6 +321,8 @@ def test_cli_train_plot_eval_info(tmp_path, capsys):
             "--group_size", "4", "--threads", "1", "--eval_every", "3", "--eval_prompts", "8", "--backend", BACKEND,
             "--model_config.hidden_size", "32", "--model_config.num_attention_heads", "2"]
     assert main(args) == 0
+    printed = capsys.readouterr()  # not a terminal: plain step lines, no progress bar redraws
+    assert "step 3: reward=" in printed.out and "\r" not in printed.err + printed.out
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "eval_reward" in lines[0]  # the starting point of the eval curve
     rows = lines[1:]

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -318,7 +319,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(_yaml_dump(to_dict(cfg)))
         history: list[dict] = []
         bar = None
-        if cfg.progress and not self.quiet:
+        if cfg.progress and not self.quiet and sys.stderr.isatty():  # logs get the plain lines below
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="fused-rl train", dynamic_ncols=True)
