@@ -43,7 +43,8 @@ class PolicyLossConfig:
     With ``r_t = exp(logp_t - old_t)``, advantage ``A``, ``d_t = ref_t - logp_t``, mask ``m`` and
     ``sg`` the stop-gradient, the per-token loss is
     ``l_t = c_t * pg_t + beta * kl_t - entropy_coef * H_t`` where ``c_t`` (detached, 1 by default) is
-    the product of the rollout correction and the token masks below:
+    the product of the rollout correction and the token masks below (and of the ``rollout_is_weights``
+    argument, importance weights the caller computed):
 
     * ``policy_loss`` (``pg_t``):
         - ``"ppo_clip"``: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``; with ``dual_clip=c``

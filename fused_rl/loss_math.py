@@ -196,10 +196,13 @@ def per_token_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
     rollout_logprobs: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> TokenTerms:
     """Per-token loss ``l_t = c_t pg_t + beta * kl_t - entropy_coef * H_t`` (0 where masked; ``kl_t``
     times the ratio ``r_t`` with ``config.kl_bias_correction``; ``c_t`` the detached product of the
-    rollout weight and the off-policy / top-entropy masks, 1 when none is configured).
+    rollout weight, the off-policy / top-entropy masks and the given ``rollout_is_weights`` (importance
+    weights ``>= 0`` computed by the caller, e.g. verl's ``rollout_is_weights`` or TRL / Liger's
+    ``vllm_is_ratio``), 1 when none is configured).
 
     Each row ``b`` depends only on row ``b`` of the inputs (sequence ratios and masks included),
     except with ``config.is_batch_level`` (the top-entropy quantile is over all given rows). Shapes
@@ -232,6 +235,9 @@ def per_token_loss(
         rho, w = rollout_weights(old, torch.where(mask, rollout_logprobs, zeros), mask, config)
         extras["rollout_rho"], extras["rollout_is"] = rho, w
         scale = w if scale is None else scale * w
+    if rollout_is_weights is not None:
+        w = torch.where(mask, rollout_is_weights.detach(), torch.ones_like(logp))
+        scale = w if scale is None else scale * w
     if scale is not None:
         loss = loss * scale
     kl = None
@@ -260,6 +266,7 @@ def compute_policy_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
     rollout_logprobs: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
     token_normalizer: Normalizer = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and metrics from per-token log-probs: ``loss = sum_t w_t l_t`` with ``l`` from
@@ -269,7 +276,8 @@ def compute_policy_loss(
     detached 0-dim fp32 tensors averaged over masked tokens (no host sync).
     """
     terms = per_token_loss(logp, advantages, mask, config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                           entropy=entropy, rollout_logprobs=rollout_logprobs)
+                           entropy=entropy, rollout_logprobs=rollout_logprobs,
+                           rollout_is_weights=rollout_is_weights)
     weights = aggregation_weights(mask, config, token_normalizer, dtype=logp.dtype)
     loss = (terms.loss * weights).sum()
     return loss, metrics(terms.ratio, advantages, mask, config, terms.kl, entropy, terms.extras)

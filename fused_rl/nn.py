@@ -119,7 +119,8 @@ def grpo_policy_loss_config(
 
 class FusedPolicyLoss(torch.nn.Module):
     """``policy_loss`` as a module: ``forward(logits, targets, advantages, mask, old_logprobs=None,
-    ref_logprobs=None, token_normalizer=None, rollout_logprobs=None, truncated=None)`` returns a
+    ref_logprobs=None, token_normalizer=None, rollout_logprobs=None, truncated=None,
+    rollout_is_weights=None)`` returns a
     :class:`PolicyLossOutput`.
 
     ``logits (B, T, V)`` (any row strides, unit vocabulary stride), ``targets/mask (B, T)``,
@@ -140,9 +141,11 @@ class FusedPolicyLoss(torch.nn.Module):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
                 token_normalizer: Normalizer = None, rollout_logprobs: Optional[torch.Tensor] = None,
-                truncated: Optional[torch.Tensor] = None) -> PolicyLossOutput:
+                truncated: Optional[torch.Tensor] = None,
+                rollout_is_weights: Optional[torch.Tensor] = None) -> PolicyLossOutput:
         return policy_loss(logits, targets, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                            rollout_logprobs=rollout_logprobs, truncated=truncated,
+                           rollout_is_weights=rollout_is_weights,
                            config=self.config, token_normalizer=token_normalizer, backend=self.backend,
                            compute_entropy=self.compute_entropy, inplace=self.inplace,
                            check_inputs=self.check_inputs)
@@ -154,7 +157,7 @@ class FusedPolicyLoss(torch.nn.Module):
 class FusedLinearPolicyLoss(torch.nn.Module):
     """``linear_policy_loss`` as a module: ``forward(hidden, weight, targets, advantages, mask, bias=None,
     old_logprobs=None, ref_logprobs=None, token_normalizer=None, rollout_logprobs=None,
-    truncated=None)``; the logits ``hidden @ weight.T + bias``
+    truncated=None, rollout_is_weights=None)``; the logits ``hidden @ weight.T + bias``
     are never materialized by fused backends. ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``."""
 
     def __init__(self, config: Optional[PolicyLossConfig] = None, *, backend: str = "auto",
@@ -171,9 +174,11 @@ class FusedLinearPolicyLoss(torch.nn.Module):
                 mask: torch.Tensor, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
                 ref_logprobs: Optional[torch.Tensor] = None, token_normalizer: Normalizer = None,
                 rollout_logprobs: Optional[torch.Tensor] = None,
-                truncated: Optional[torch.Tensor] = None) -> PolicyLossOutput:
+                truncated: Optional[torch.Tensor] = None,
+                rollout_is_weights: Optional[torch.Tensor] = None) -> PolicyLossOutput:
         return linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, old_logprobs=old_logprobs,
                                   ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, truncated=truncated,
+                                  rollout_is_weights=rollout_is_weights,
                                   config=self.config, token_normalizer=token_normalizer,
                                   backend=self.backend, compute_entropy=self.compute_entropy,
                                   check_inputs=self.check_inputs)
@@ -203,8 +208,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ``delta`` (two-sided clip of grpo / bnpo / dr_grpo / dapo) are tested equal to Liger.
     Arguments that are accepted and have no effect on the result: ``compiled``, ``chunk_size`` (fused_rl
     picks its own chunking), the sapo parameters unless ``loss_type="sapo"`` and the vespo parameters.
-    Not supported (raise): ``loss_type`` vespo/luspo, a ``vllm_is_ratio`` tensor (pass the sampler's
-    log-probs to :func:`fused_rl.linear_policy_loss` with ``rollout_is`` instead). With ``use_ref_model=False`` the KL term is the
+    ``vllm_is_ratio`` (``(B, T)`` or ``(B, 1)``, the importance weights TRL computes against vLLM) multiplies
+    the policy term, as in Liger (``rollout_is_weights`` of :func:`fused_rl.linear_policy_loss`).
+    Not supported (raise): ``loss_type`` vespo/luspo. With ``use_ref_model=False`` the KL term is the
     KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
     compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
 
@@ -282,9 +288,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         vllm_is_ratio: Optional[torch.Tensor] = None,
         num_items_in_batch=None,
     ):
-        if vllm_is_ratio is not None:
-            raise NotImplementedError("vllm_is_ratio (vLLM importance-sampling correction) is not supported by "
-                                      "fused_rl yet; pass vllm_is_ratio=None")
+        if vllm_is_ratio is not None and vllm_is_ratio.dim() == 2 and vllm_is_ratio.shape[1] == 1:
+            vllm_is_ratio = vllm_is_ratio.squeeze(1)  # Liger's per-sequence (B, 1) form
         config = self.config
         ref = None
         if config.kl is not None:
@@ -307,8 +312,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             normalizer = (n / world).clamp(min=1.0)
         out = linear_policy_loss(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,
                                  old_logprobs=old_per_token_logps, ref_logprobs=ref, config=config,
-                                 token_normalizer=normalizer, backend=self.backend, compute_entropy=False,
-                                 check_inputs=self.check_inputs)
+                                 rollout_is_weights=vllm_is_ratio, token_normalizer=normalizer, backend=self.backend,
+                                 compute_entropy=False, check_inputs=self.check_inputs)
         metrics = []
         if self.beta != 0.0:
             metrics.append(out.metrics["kl_mean"])

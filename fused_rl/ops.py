@@ -52,6 +52,7 @@ def policy_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     rollout_logprobs: Optional[torch.Tensor] = None,
     truncated: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
     config: Optional[PolicyLossConfig] = None,
     token_normalizer: Normalizer = None,
     backend: str = "auto",
@@ -65,7 +66,9 @@ def policy_loss(
     or ``(B, T)``. ``old_logprobs=None`` means on-policy (ratio 1, gradient of ``logp``).
     ``rollout_logprobs (B, T)``: the inference engine's log-probs of the sampled tokens, for
     ``config.rollout_is`` / ``config.off_policy_mask``; ``truncated (B,)`` bool: completions cut at the
-    length limit, masked out with ``config.mask_truncated_completions``.
+    length limit, masked out with ``config.mask_truncated_completions``. ``rollout_is_weights (B, T)``
+    or ``(B,)``, ``>= 0``: importance weights you computed (verl's ``rollout_is_weights``, TRL / Liger's
+    ``vllm_is_ratio``), multiplying the policy term only (not the KL or entropy terms), detached.
     ``token_normalizer`` replaces the token count of ``agg="token-mean"`` (TRL's
     ``num_items_in_batch``). ``check_inputs`` runs the value checks (one host sync).
     ``inplace=True`` lets a single-pass backend write the gradient over ``logits`` (which must not be
@@ -81,7 +84,7 @@ def policy_loss(
         tuple(logits.shape), logits.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
         token_normalizer=token_normalizer, compute_dtype=compute_dtype(logits.dtype), check_inputs=check_inputs,
-        rollout_logprobs=rollout_logprobs, truncated=truncated)
+        rollout_logprobs=rollout_logprobs, truncated=truncated, rollout_is_weights=rollout_is_weights)
     return be.policy_loss(logits, inputs, config, compute_entropy, inplace)
 
 
@@ -116,6 +119,7 @@ def linear_policy_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     rollout_logprobs: Optional[torch.Tensor] = None,
     truncated: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
     config: Optional[PolicyLossConfig] = None,
     token_normalizer: Normalizer = None,
     backend: str = "auto",
@@ -132,7 +136,7 @@ def linear_policy_loss(
         (batch, length, weight.shape[0]), hidden.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
         token_normalizer=token_normalizer, compute_dtype=compute_dtype(hidden.dtype), check_inputs=check_inputs,
-        rollout_logprobs=rollout_logprobs, truncated=truncated)
+        rollout_logprobs=rollout_logprobs, truncated=truncated, rollout_is_weights=rollout_is_weights)
     return be.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy)
 
 

@@ -109,6 +109,16 @@ class PolicyInputs:
     ref: Optional[torch.Tensor]
     token_normalizer: Normalizer
     rollout: Optional[torch.Tensor] = None
+    #: caller-computed importance weights of the policy term (``rollout_is_weights``), ``(B, T)``
+    is_weights: Optional[torch.Tensor] = None
+
+    @property
+    def kernel_advantages(self) -> torch.Tensor:
+        """``A * rollout_is_weights`` (or ``A``): the advantages the single-pass kernels read. Their
+        token-local policy terms (ppo_clip with dual clip / delta, sapo, cispo, reinforce) are positively
+        homogeneous in ``A`` (``pg(c A) = c pg(A)`` for ``c >= 0``, gradient included), so the weights fold
+        into the advantages; the KL and entropy terms do not read ``A``. Metrics keep ``advantages``."""
+        return self.advantages if self.is_weights is None else self.advantages * self.is_weights
 
 
 def _check_per_token(x: Optional[torch.Tensor], name: str, shape: tuple, device: torch.device,
@@ -140,6 +150,7 @@ def prepare_policy_inputs(
     check_inputs: bool,
     rollout_logprobs: Optional[torch.Tensor] = None,
     truncated: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> PolicyInputs:
     """Validate the per-token arguments of ``policy_loss`` and bring them to one form.
 
@@ -169,6 +180,9 @@ def prepare_policy_inputs(
         _check_per_token(x, name, shape, device)
         if x is not None and not x.is_floating_point():
             _fail(f"{name} must be a floating tensor, got {x.dtype}")
+    _check_per_token(rollout_is_weights, "rollout_is_weights", shape, device, allow_seq=True)
+    if rollout_is_weights is not None and not rollout_is_weights.is_floating_point():
+        _fail(f"rollout_is_weights must be a floating tensor, got {rollout_is_weights.dtype}")
     if config.kl is not None and ref_logprobs is None:
         _fail(f"config.kl={config.kl!r} needs ref_logprobs")
     if config.rollout_is is not None and rollout_logprobs is None:
@@ -208,6 +222,10 @@ def prepare_policy_inputs(
         for x, name in per_token:
             if x is not None:
                 checks.append((f"{name} contain NaN or inf where mask is set", (torch.isfinite(x) | ~valid).all()))
+        if rollout_is_weights is not None:
+            w_where = valid if rollout_is_weights.dim() == 2 else valid.any(dim=1)
+            checks.append(("rollout_is_weights must be finite and >= 0 where mask is set",
+                           ((torch.isfinite(rollout_is_weights) & (rollout_is_weights >= 0)) | ~w_where).all()))
         if isinstance(token_normalizer, torch.Tensor):
             checks.append(("token_normalizer must be positive and finite",
                            torch.isfinite(token_normalizer) & (token_normalizer > 0)))
@@ -216,6 +234,13 @@ def prepare_policy_inputs(
     adv = advantages.to(compute_dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(1).expand(batch, length)
+    is_weights = None
+    if rollout_is_weights is not None:
+        is_weights = rollout_is_weights.detach().to(compute_dtype)
+        if is_weights.dim() == 1:
+            is_weights = is_weights.unsqueeze(1).expand(batch, length)
+        # masked positions never reach the loss; neutral there so A * w stays finite
+        is_weights = torch.where(valid, is_weights, torch.ones_like(is_weights))
     return PolicyInputs(
         targets=targets,
         advantages=adv,
@@ -224,4 +249,5 @@ def prepare_policy_inputs(
         ref=None if ref_logprobs is None else ref_logprobs.detach().to(compute_dtype),
         token_normalizer=token_normalizer,
         rollout=None if rollout_logprobs is None else rollout_logprobs.detach().to(compute_dtype),
+        is_weights=is_weights,
     )

@@ -22,12 +22,13 @@ def _sign(x):
     return (x > 0) - (x < 0)
 
 
-def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_logp=None, rollout=None):
+def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_logp=None, rollout=None,
+                is_weights=None):
     """Plain-Python evaluation of the documented formulas (lists of lists, math module only).
 
     ``frozen_logp`` supplies the log-probs behind every stop-gradient (cispo's weight, gspo_token's
     sequence ratio, the "+" KL value, the off-policy mask) for finite differences; ``rollout`` the
-    sampler's log-probs."""
+    sampler's log-probs; ``is_weights`` the caller's importance weights of the policy term."""
     B, T = len(logp), len(logp[0])
     frozen = logp if frozen_logp is None else frozen_logp
     per = [[0.0] * T for _ in range(B)]
@@ -88,6 +89,8 @@ def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_log
                 else:
                     w = rho if (lo is None or rho >= lo) and (hi is None or rho <= hi) else 0.0
                 l *= w
+            if is_weights is not None:
+                l *= is_weights[b][t]
             if cfg.kl is not None and cfg.beta:
                 d = ref[b][t] - logp[b][t]
                 if cfg.kl.endswith("+"):  # value of X, gradient of k2
@@ -122,7 +125,7 @@ def _inputs(seed, B=3, T=5):
     return logp, old, ref, ent, adv, mask
 
 
-def _check_against_scalar(cfg, seed, rollout_spread=0.5):
+def _check_against_scalar(cfg, seed, rollout_spread=0.5, is_weights=None):
     """Loss equal to the scalar derivation (1e-12) and gradients equal to its central differences,
     with every stop-gradient input held at the base point."""
     logp, old, ref, ent, adv, mask = _inputs(seed)
@@ -131,10 +134,13 @@ def _check_against_scalar(cfg, seed, rollout_spread=0.5):
     kwargs = dict(old_logprobs=old, ref_logprobs=ref, entropy=ent)
     if cfg.uses_rollout_logprobs:
         kwargs["rollout_logprobs"] = rollout
+    if is_weights is not None:
+        kwargs["rollout_is_weights"] = is_weights
     x = logp.clone().requires_grad_(True)
     loss, metrics = compute_policy_loss(x, adv, mask, cfg, **kwargs)
     args = (old.tolist(), ref.tolist(), ent.tolist(), adv.tolist(), mask.tolist(), cfg)
-    extra = dict(rollout=rollout.tolist() if cfg.uses_rollout_logprobs else None)
+    extra = dict(rollout=rollout.tolist() if cfg.uses_rollout_logprobs else None,
+                 is_weights=None if is_weights is None else is_weights.tolist())
     assert loss.item() == pytest.approx(scalar_loss(logp.tolist(), *args, **extra), rel=1e-12, abs=1e-14)
     loss.backward()
     base, h = logp.tolist(), 1e-6
@@ -197,6 +203,14 @@ VARIANTS = {
 def test_variants_match_scalar_derivation(name):
     metrics = _check_against_scalar(VARIANTS[name], seed=len(name) * 7 + 3)
     assert all(torch.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", ["sapo_temps", "delta", "gmpo_tight", "k3+", "mis_token", "all"])
+def test_rollout_is_weights_match_scalar_derivation(name):
+    """Caller-computed importance weights (with zeros) multiply the policy term only."""
+    w = 2.0 * torch.rand(3, 5, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    w[:, 1] = 0.0
+    _check_against_scalar(VARIANTS[name], seed=len(name) * 5 + 1, is_weights=w)
 
 
 def test_variant_metrics_count_what_they_say():

@@ -198,6 +198,32 @@ def test_matches_liger(case, off_policy, num_items):
 
 
 @needs_liger
+@pytest.mark.parametrize("case", [dict(loss_type="grpo", beta=0.04), dict(loss_type="dapo", beta=0.0),
+                                  dict(loss_type="sapo", beta=0.04), dict(loss_type="cispo", epsilon_high=1.1)],
+                         ids=_ids)
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["token", "sequence"])
+def test_matches_liger_vllm_is_ratio(case, per_sequence):
+    """TRL hands Liger ``vllm_is_ratio``, its truncated importance weights against vLLM, ``(B, T)`` or
+    ``(B, 1)``; zeros included (masked-IS modes)."""
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=8, length=8, seed=21)
+    g = torch.Generator().manual_seed(3)
+    ratio = 2.0 * torch.rand((8, 1) if per_sequence else (8, 8), generator=g)
+    ratio[::3] = 0.0
+    forward = dict(ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=ratio)
+    expected = _run_grpo_loss(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **case), h, w, b, targets, mask,
+                              adv, forward)
+    got = _run_grpo_loss(FusedLinearGRPOLoss(**case), h, w, b, targets, mask, adv, forward)
+    unweighted = _run_grpo_loss(FusedLinearGRPOLoss(**case), h, w, b, targets, mask, adv,
+                                dict(forward, vllm_is_ratio=None))
+    assert not torch.allclose(got[0], unweighted[0])  # the weights matter here
+    assert_close(got[0], expected[0], torch.float32, "loss")
+    for a, e in zip(got[1], expected[1]):
+        assert_close(a, e, torch.float32, "metric")
+    for name, a, e in zip(("hidden", "weight", "bias"), got[2], expected[2]):
+        assert_close(a, e, torch.float32, f"d{name}", grad=True)
+
+
+@needs_liger
 def test_matches_liger_ref_input_and_no_ref_model():
     h, w, b, targets, mask, adv, old, _ = _linear_case(seed=5)
     ref_h = h + 0.1 * torch.randn_like(h)
@@ -235,7 +261,7 @@ def test_liger_signature_compatible():
 @pytest.mark.parametrize("ctor, forward, exc, needle", [
     (dict(loss_type="vespo"), {}, NotImplementedError, "vespo"),
     (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), {}, ValueError, "delta"),
-    (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 6)), NotImplementedError, "vllm_is_ratio"),
+    (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 5)), ValueError, "rollout_is_weights must have shape"),
     (dict(beta=0.04), {}, ValueError, "ref_per_token_logps"),
 ])
 def test_liger_unsupported_raise(ctor, forward, exc, needle):

@@ -39,10 +39,22 @@ BACKENDS = fused_backends()
 VOCAB = {"triton": 257}
 
 
-def with_extras(case, config, seed: int = 0):
+def is_weights(shape, seed: int = 0, per_sequence: bool = False) -> torch.Tensor:
+    """Caller-side importance weights in ``[0, 2)`` with exact zeros (a masked-out sample), ``(B, T)`` or
+    ``(B,)``."""
+    g = torch.Generator().manual_seed(seed + 7)
+    w = 2.0 * torch.rand(shape[:1] if per_sequence else shape, generator=g)
+    w[1::4] = 0.0
+    return w
+
+
+def with_extras(case, config, seed: int = 0, weights: str = ""):
     """``case`` whose ``kwargs()`` also carry ``rollout_logprobs`` (the old / current log-probs moved by
-    0.3 randn, so the weights fall on both sides of the bounds) and ``truncated`` when ``config`` uses them."""
+    0.3 randn, so the weights fall on both sides of the bounds) and ``truncated`` when ``config`` uses them,
+    and ``rollout_is_weights`` of :func:`is_weights` with ``weights="token"`` / ``"sequence"``."""
     extra = {}
+    if weights:
+        extra["rollout_is_weights"] = is_weights(tuple(case.targets.shape), seed, weights == "sequence")
     g = torch.Generator().manual_seed(seed + 99)
     if config.uses_rollout_logprobs:
         base = case.old if case.old is not None else fused_rl.reference.token_logprobs(
@@ -68,6 +80,36 @@ def test_backend_matches_reference(name, backend, dtype):
         case = make_case(batch=5, length=6, vocab=vocab, kind=kind, dtype=dtype, seed=len(name),
                          off_policy=off_policy, per_token_adv=name == "gspo_token")
         compare_policy_loss(backend, with_extras(case, config), config)
+
+
+#: Caller-computed importance weights (verl's rollout_is_weights, Liger's vllm_is_ratio) on single-pass
+#: configs (folded into the kernels' advantages) and on composition-only ones (gmpo, sequence masks).
+WEIGHTED = {name: VARIANTS[name] for name in ("sapo", "delta", "k3+", "k1+", "tis_token", "gmpo", "off_policy_mask")}
+WEIGHTED.update(ppo_dual=PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1, entropy_coef=0.01),
+                cispo=PolicyLossConfig(policy_loss="cispo", clip_high=0.5, kl="k2", beta=0.1),
+                reinforce=PolicyLossConfig(policy_loss="reinforce", agg="seq-mean-token-sum"))
+
+
+@pytest.mark.parametrize("name", list(WEIGHTED))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rollout_is_weights_backend_matches_reference(name, backend, dtype):
+    if not supports(backend, dtype):
+        pytest.skip(f"{backend} does not take {dtype}")
+    config = WEIGHTED[name]
+    vocab = VOCAB.get(backend, 1000)
+    for kind, off_policy, weights in (("randn", True, "token"), ("negative", False, "sequence")):
+        case = make_case(batch=5, length=6, vocab=vocab, kind=kind, dtype=dtype, seed=len(name), off_policy=off_policy)
+        compare_policy_loss(backend, with_extras(case, config, weights=weights), config)
+
+
+@pytest.mark.parametrize("name", list(WEIGHTED))
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton") if b in BACKENDS])
+def test_rollout_is_weights_fused_linear_matches_reference(name, backend):
+    """torch_linear (the weights in its loss math) and the tiled kernels (folded into the advantages)."""
+    config = WEIGHTED[name]
+    case = make_linear_case(batch=5, length=7, vocab=VOCAB.get(backend, 1000), seed=len(name))
+    compare_linear(with_extras(case, config, weights="token"), config, backend=backend)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -115,6 +157,10 @@ def test_truncated_rows_contribute_nothing():
      "rollout_logprobs must have shape"),
     (dict(config=PolicyLossConfig(rollout_is="token_mask"), rollout_logprobs=torch.full((4, 5), float("nan"))),
      "rollout_logprobs contain NaN"),
+    (dict(rollout_is_weights=torch.ones(4, 4)), "rollout_is_weights must have shape"),
+    (dict(rollout_is_weights=torch.ones(4, 5, dtype=torch.long)), "rollout_is_weights must be a floating"),
+    (dict(rollout_is_weights=-torch.ones(4)), "rollout_is_weights must be finite and >= 0"),
+    (dict(rollout_is_weights=torch.full((4, 5), float("nan"))), "rollout_is_weights must be finite and >= 0"),
 ])
 def test_bad_inputs_raise(kwargs, message):
     case = make_case(batch=4, length=5, vocab=100, seed=1)

@@ -145,9 +145,19 @@ def test_geo_mean_hand_values():
     assert pg_loss.item() == pytest.approx(hand, rel=1e-6)
 
 
-def test_rollout_is_weights_raise():
-    with pytest.raises(NotImplementedError, match="rollout_is_weights"):
-        compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", CONFIG, torch.ones_like(OLD))
+def test_rollout_is_weights_hand_values():
+    """verl's ``pg_losses * rollout_is_weights``: the token losses of TOKEN_LOSS times the weights
+    (row 1's weight 0 silences its dual-capped token; the masked 9.0 is never read), the clip metrics
+    unchanged."""
+    weights = torch.tensor([[0.5, 2.0, 1.0], [0.0, 1.5, 9.0]], dtype=torch.float64)
+    log_prob = _log_prob()
+    pg_loss, clipfrac, _, clipfrac_lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", CONFIG,
+                                                               weights)
+    assert pg_loss.item() == pytest.approx((-1.2 * 0.5 - 0.5 * 2.0 - 1.0 * 1.0 + 6.0 * 0.0 + 1.6 * 1.5) / 5, rel=1e-6)
+    assert clipfrac.item() == pytest.approx(0.4) and clipfrac_lower.item() == pytest.approx(0.2)
+    pg_loss.backward()
+    expected = torch.tensor([[0.0, -0.5 * 2.0 / 5, -1.0 * 1.0 / 5], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(log_prob.grad, expected, rtol=1e-6, atol=1e-9)
 
 
 def test_dual_clip_c_must_exceed_one():

@@ -54,7 +54,7 @@ class Backend:
         loss, metrics = compute_policy_loss(
             logp, inputs.advantages, inputs.mask, config,
             old_logprobs=inputs.old, ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
-            token_normalizer=inputs.token_normalizer)
+            rollout_is_weights=inputs.is_weights, token_normalizer=inputs.token_normalizer)
         return PolicyLossOutput(loss=loss, logprobs=logp.detach(),
                                 entropy=None if entropy is None else entropy.detach(), metrics=metrics)
 

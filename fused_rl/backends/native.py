@@ -294,7 +294,7 @@ class NativeBackend(Backend):
         mask = inputs.mask
         targets = torch.where(mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX)).contiguous()
         w = aggregation_weights(mask, config, inputs.token_normalizer).to(torch.float32).contiguous()
-        adv = _f32(inputs.advantages)
+        adv = _f32(inputs.kernel_advantages)
         old = _f32(inputs.old)
         ref = _f32(inputs.ref) if config.kl is not None else None
         params = (POLICY_CODES[config.policy_loss], KL_CODES[config.kl], config.dual_clip is not None,
@@ -312,6 +312,7 @@ class NativeBackend(Backend):
         entropy = ent.view(batch, length) if want_entropy else None
         value, metrics = compute_policy_loss(logp, inputs.advantages, mask, config, old_logprobs=inputs.old,
                                              ref_logprobs=inputs.ref, entropy=entropy,
+                                             rollout_is_weights=inputs.is_weights,
                                              token_normalizer=inputs.token_normalizer)
         loss = attach_grad(value, logits, dlogits)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=metrics)

@@ -276,12 +276,13 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     want_ent = compute_entropy or config.needs_entropy
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
     loss, logp, entropy, _, _, _ = tiled_linear_policy_loss_op(
-        hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
+        hidden, weight, bias, inputs.targets, inputs.kernel_advantages, inputs.mask, weights, inputs.old, inputs.ref,
         torch_linear.config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
         _needs_grad(bias), n_tile, kernel, mixed)
     entropy = entropy if want_ent else None
     terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
-                           ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout)
+                           ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
+                           rollout_is_weights=inputs.is_weights)
     return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy,
                             metrics=metrics(terms.ratio, inputs.advantages, inputs.mask, config, terms.kl, entropy,
                                             terms.extras))

@@ -302,7 +302,7 @@ def _autograd_inside_op():
 
 
 def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, valid, weights, old, ref,
-                  rollout, length: int, need_grad: bool):
+                  rollout, is_weights, length: int, need_grad: bool):
     """Loss of the group and ``(g_logp, g_H)`` per tile, by autograd of ``sum(w * l)`` on the rows
     ``[r0, r1)`` that hold the group (tokens outside the group are masked there)."""
     r0, r1 = tile_groups[0].r0, tile_groups[-1].r1
@@ -327,7 +327,8 @@ def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, 
         mask_b = in_group.view(block) & valid[r0:r1]
         rows = lambda x: None if x is None else x[r0:r1]
         loss_t = per_token_loss(logp_b.view(block), adv[r0:r1], mask_b, config, old_logprobs=rows(old),
-                                ref_logprobs=rows(ref), entropy=ent_b, rollout_logprobs=rows(rollout)).loss
+                                ref_logprobs=rows(ref), entropy=ent_b, rollout_logprobs=rows(rollout),
+                                rollout_is_weights=rows(is_weights)).loss
         loss = (loss_t * weights[r0:r1]).sum()
         if not need_grad:
             return loss.detach(), [(None, None)] * len(tile_groups)
@@ -346,8 +347,8 @@ def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, 
 def linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
-    ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], config_literal: str, with_entropy: bool,
-    need_h: bool, need_w: bool, need_b: bool, n_tile: int,
+    ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], is_weights: Optional[torch.Tensor],
+    config_literal: str, with_entropy: bool, need_h: bool, need_w: bool, need_b: bool, n_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias)``; each
     gradient is empty unless its ``need_*`` flag is set. ``weights`` are the aggregation weights."""
@@ -379,7 +380,7 @@ def linear_policy_loss_op(
             kept.append((h, t, ok, tile_state) if one_pass else None)
             del tile_state
         g_loss, coeffs = _coefficients(group, lp_parts, ent_parts if want_ent else None, config, advantages,
-                                       valid, weights, old, ref, rollout, length, need_grad)
+                                       valid, weights, old, ref, rollout, is_weights, length, need_grad)
         loss = loss + g_loss
         for tile, lp, ent in zip(group, lp_parts, ent_parts):
             logp[tile.idx] = lp
@@ -400,8 +401,8 @@ def linear_policy_loss_op(
 
 
 @linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, config_literal, with_entropy,
-      need_h, need_w, need_b, n_tile):
+def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, is_weights, config_literal,
+      with_entropy, need_h, need_w, need_b, n_tile):
     return fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy, need_h, need_w,
                              need_b, _compute_dtype(hidden.dtype))
 
@@ -420,7 +421,7 @@ def fake_loss_outputs(hidden, weight, config, with_entropy, need_h, need_w, need
 
 def _loss_setup_context(ctx, inputs, output):
     _, _, _, gh, gw, gb = output
-    need_h, need_w, need_b = inputs[12], inputs[13], inputs[14]
+    need_h, need_w, need_b = inputs[13], inputs[14], inputs[15]
     ctx.flags = (need_h, need_w, need_b)
     ctx.save_for_backward(gh, gw, gb)
     ctx.mark_non_differentiable(*output[1:])
@@ -430,7 +431,7 @@ def _loss_backward(ctx, g_loss, *_):
     gh, gw, gb = ctx.saved_tensors
     need_h, need_w, need_b = ctx.flags
     return (gh * g_loss.to(gh.dtype) if need_h else None, gw * g_loss.to(gw.dtype) if need_w else None,
-            gb * g_loss.to(gb.dtype) if need_b else None) + (None,) * 13
+            gb * g_loss.to(gb.dtype) if need_b else None) + (None,) * 14
 
 
 linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
@@ -456,7 +457,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                                               memory_budget_bytes)
         loss, mets = compute_policy_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
                                          ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
-                                         token_normalizer=inputs.token_normalizer)
+                                         rollout_is_weights=inputs.is_weights, token_normalizer=inputs.token_normalizer)
         return PolicyLossOutput(loss=loss, logprobs=logp.detach(),
                                 entropy=None if entropy is None else entropy.detach(), metrics=mets)
     cdtype = _compute_dtype(hidden.dtype)
@@ -464,8 +465,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes)
     loss, logp, entropy, _, _, _ = linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
-        inputs.rollout, config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
-        _needs_grad(bias), n_tile)
+        inputs.rollout, inputs.is_weights, config_literal(config), bool(compute_entropy), _needs_grad(hidden),
+        _needs_grad(weight), _needs_grad(bias), n_tile)
     entropy = entropy if want_ent else None
     terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
                            ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout)

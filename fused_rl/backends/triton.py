@@ -216,7 +216,7 @@ class TritonBackend(Backend):
         targets = torch.where(mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX)).reshape(-1)
         weights = aggregation_weights(mask, config, inputs.token_normalizer).reshape(-1).contiguous()
         flat = lambda x: None if x is None else x.to(torch.float32).reshape(-1).contiguous()
-        adv, old = flat(inputs.advantages), flat(inputs.old)
+        adv, old = flat(inputs.kernel_advantages), flat(inputs.old)
         ref = flat(inputs.ref) if config.kl is not None else None
         want_entropy = bool(compute_entropy or config.needs_entropy)
         write_grad = logits.requires_grad and torch.is_grad_enabled()

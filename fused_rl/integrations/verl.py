@@ -160,11 +160,9 @@ def compute_policy_loss(
     or ``r < 1-clip_low, A < 0``); ``pg_clipfrac_lower``: where the dual-clip cap ``-c A`` binds
     (``A < 0, r > c``; vanilla only, else 0); ``ppo_kl``: masked mean of ``old_log_prob - log_prob``.
     The loss mode comes from ``config.policy_loss.loss_mode`` (or ``loss_mode``), default ``"vanilla"``.
-    ``rollout_is_weights`` (newer verl's rollout importance-sampling correction) is not supported yet.
+    ``rollout_is_weights`` (verl's rollout correction, ``(B, T)``, computed by verl) multiplies the policy
+    term per token, as verl's ``pg_losses * rollout_is_weights``.
     """
-    if rollout_is_weights is not None:
-        raise NotImplementedError("verl rollout_is_weights (rollout importance-sampling correction) is not "
-                                  "supported by fused_rl yet")
     batch, length = log_prob.shape
     mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
     cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
@@ -172,7 +170,8 @@ def compute_policy_loss(
     mask = response_mask.bool() if response_mask.dtype != torch.bool else response_mask
     old = old_log_prob.detach().to(log_prob.dtype)
     adv = advantages.to(log_prob.dtype)
-    loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old)
+    weights = None if rollout_is_weights is None else rollout_is_weights.detach().to(log_prob.dtype)
+    loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights)
     return (loss * scale,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode)
 
 
@@ -191,6 +190,7 @@ def compute_policy_loss_from_hidden(
     temperature: float = 1.0,
     loss_mode: Optional[str] = None,
     backend: str = "auto",
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossOutput]:
     """The fused verl actor loss from the hidden states that predict ``responses``.
 
@@ -200,7 +200,8 @@ def compute_policy_loss_from_hidden(
     ``(policy_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` plus the :class:`PolicyLossOutput` (detached
     ``logprobs`` / ``entropy`` for logging). ``policy_loss`` includes ``kl_loss_coef * kl_loss`` when
     ``ref_log_prob`` is given and ``use_kl_loss`` is not false, and ``- entropy_coeff * entropy_loss``,
-    each aggregated with ``loss_agg_mode`` as verl's actor does.
+    each aggregated with ``loss_agg_mode`` as verl's actor does. ``rollout_is_weights`` as in
+    :func:`compute_policy_loss` (the policy term only).
     """
     batch, length = responses.shape
     mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
@@ -210,7 +211,7 @@ def compute_policy_loss_from_hidden(
     mask = response_mask.bool() if response_mask.dtype != torch.bool else response_mask
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
                              ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
-                             backend=backend, compute_entropy=True)
+                             rollout_is_weights=rollout_is_weights, backend=backend, compute_entropy=True)
     old = old_log_prob.detach().to(out.logprobs.dtype)
     return (out.loss * scale,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode) + (out,)
 
