@@ -54,7 +54,7 @@ def epilogue_args(config, on_policy: bool) -> dict:
     if not config.has_token_epilogue:
         raise ValueError(f"no token epilogue for this config (sequence ratio or mask, top-entropy quantile): {config}")
     kl = config.kl
-    lo, hi = config.rollout_is_min, config.rollout_is_max
+    lo, hi = (config.rollout_is_min, config.rollout_is_max) if config.rollout_is is not None else (None, None)
     return dict(
         clip_low=float(config.clip_low), clip_high=float(config.clip_high),
         dual_clip=float(config.dual_clip) if config.dual_clip is not None else 0.0,
