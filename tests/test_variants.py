@@ -64,9 +64,9 @@ def with_extras(case, config, seed: int = 0):
     if config.uses_rollout_logprobs:
         base = case.old if case.old is not None else fused_rl.reference.token_logprobs(
             case.logits.float(), torch.where(case.mask, case.targets, fused_rl.IGNORE_INDEX), check_inputs=False)
-        extra["rollout_logprobs"] = base + 0.3 * torch.randn(base.shape, generator=g)
+        extra["rollout_logprobs"] = base + 0.3 * torch.randn(base.shape, generator=g).to(base.device)
     if config.mask_truncated_completions:
-        extra["truncated"] = torch.arange(case.targets.shape[0]) % 3 == 2
+        extra["truncated"] = torch.arange(case.targets.shape[0], device=case.targets.device) % 3 == 2
     base_kwargs = case.kwargs()
     case = copy.copy(case)
     case.kwargs = lambda: {**base_kwargs, **extra}
