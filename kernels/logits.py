@@ -12,8 +12,10 @@ pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 wha
   with ``p_j = exp((z_j - m) - log s)`` and ``E[z] - z_j = -H - log p_j``, from the saved ``m``,
   ``log s`` (and ``H``);
 * **fused policy loss** (stats loop, then the epilogue of :mod:`fused_rl.kernels.epilogue` on the
-  row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): writes the
-  per-token ``logp, H, w l, r, kl`` and ``dlogits`` (optionally over the logits themselves).
+  row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): reads the
+  per-token ``A, w`` and, where the epilogue's constexprs use them, ``old``, ``ref`` and the rollout
+  log-probs; writes the per-token ``logp, H, w l, r, kl`` and ``dlogits`` (optionally over the logits
+  themselves).
 
 Rows whose target is ``IGNORE_INDEX`` (the callers also set it at masked positions) read nothing and
 get ``logp = H = 0`` and zero ``dlogits``.

@@ -36,10 +36,9 @@ from ..config import IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import aggregation_weights, metrics as loss_metrics, rollout_weights
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
-from . import register, register_missing
+from . import register, register_missing, torch_linear
 from .base import Backend
 from .custom_ops import register_token_ops
-from .torch_linear import _config_from_literal, config_literal
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
 # functions, so an early import (e.g. at `import fused_rl` during test collection) would break the
@@ -102,7 +101,7 @@ def _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_
                 write_grad):
     from ..kernels.epilogue import epilogue_args
 
-    config = _config_from_literal(config_literal)
+    config = torch_linear._config_from_literal(config_literal)
     return _kernels().policy_fused(logits, targets, advantages, weights, old, ref, out, config.temperature,
                                    epilogue_args(config, on_policy=old is None), with_entropy, write_grad,
                                    rollout=rollout)
@@ -111,7 +110,7 @@ def _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_
 def _fake_token_outputs(logits, targets, config_literal, with_entropy):
     n = targets.numel()
     new = lambda k: logits.new_empty(k, dtype=torch.float32)
-    has_kl = _config_from_literal(config_literal).kl is not None
+    has_kl = torch_linear._config_from_literal(config_literal).kl is not None
     return new(n), new(n if with_entropy else 0), new(n), new(n), new(n if has_kl else 0)
 
 
@@ -225,7 +224,8 @@ class TritonBackend(Backend):
         rollout = flat(inputs.rollout) if config.rollout_is is not None else None
         want_entropy = bool(compute_entropy or config.needs_entropy)
         write_grad = logits.requires_grad and torch.is_grad_enabled()
-        args = (targets.contiguous(), adv, weights, old, ref, rollout, config_literal(config), want_entropy)
+        args = (targets.contiguous(), adv, weights, old, ref, rollout, torch_linear.config_literal(config),
+                want_entropy)
         x = logits.detach()
         if inplace and write_grad:
             logp, entropy, loss_terms, ratio, kl = policy_fwd_inplace(x, *args)
