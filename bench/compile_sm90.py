@@ -20,6 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from fused_rl.config import KL_ESTIMATORS, PolicyLossConfig  # noqa: E402
 from fused_rl.kernels import epilogue as E  # noqa: E402
 from fused_rl.kernels import logits as K  # noqa: E402
 
@@ -57,6 +58,32 @@ def resource_usage(kernel) -> str:
     return vector_loads(kernel) + " " + " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
 
 
+#: ``(config, on_policy)`` of the policy kernels compiled: the hot configuration, then every option at
+#: once (``--all``: each policy loss with each KL estimator, and both rollout corrections, too).
+POLICY_VARIANTS = [
+    (PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1), False),
+    (PolicyLossConfig(delta=1.5, dual_clip=3.0, kl="k3+", beta=0.1, kl_bias_correction=True,
+                      rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=2.0, entropy_coef=0.01), False),
+]
+POLICY_VARIANTS_FULL = POLICY_VARIANTS + [
+    (PolicyLossConfig(policy_loss=policy, kl=kl, beta=0.1 if kl else 0.0, entropy_coef=0.01 * (i % 2),
+                      **(dict(dual_clip=3.0) if policy == "ppo_clip" else {})), i % 3 == 0)
+    for i, (policy, kl) in enumerate((p, k) for p in E.POLICY_CODES for k in KL_ESTIMATORS)
+] + [(PolicyLossConfig(policy_loss="sapo", rollout_is="token_truncate", rollout_is_min=0.5), True)]
+
+
+def epilogue_signature(config, on_policy: bool) -> tuple[dict, dict]:
+    """``(runtime float types, constexprs)`` of the epilogue arguments of ``config``."""
+    args = E.epilogue_args(config, on_policy)
+    return ({n: F32 for n, v in args.items() if isinstance(v, float)},
+            {n: v for n, v in args.items() if not isinstance(v, float)})
+
+
+def variant_name(config, on_policy: bool) -> str:
+    args = E.epilogue_args(config, on_policy)
+    return " ".join(f"{n}={int(v)}" for n, v in args.items() if not isinstance(v, float))
+
+
 def main(full: bool) -> None:
     dtypes = ("bf16", "fp32", "fp16") if full else ("bf16",)
     for xdt in dtypes:
@@ -71,25 +98,21 @@ def main(full: bool) -> None:
                            dict(BLOCK_N=1, BLOCK_V=block, GRAD_ENT=True), warps)
         print(xdt, "grad", resource_usage(k))
         types = {**base, "adv_ptr": "*fp32", "w_ptr": "*fp32", "old_ptr": "*fp32", "ref_ptr": "*fp32",
-                 "out_ptr": "*" + xdt, "os0": "i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32", "loss_ptr": "*fp32",
-                 "ratio_ptr": "*fp32", "kl_ptr": "*fp32", "clip_low": F32, "clip_high": F32, "dual_clip": F32,
-                 "beta": F32, "entropy_coef": F32}
-        variants = [(p, kl) for p in (0, 1, 2) for kl in range(6)] if full else [(0, 3)]
-        for policy, kl in variants:
-            consts = dict(POLICY=policy, HAS_DUAL=policy == 0, KL=kl, ADD_KL=kl != 0, ADD_ENT=kl % 2 == 0,
-                          ON_POLICY=kl == 2, WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block)
-            k = compile_kernel(K._policy_kernel, types, consts, warps)
-            print(xdt, f"policy POLICY={policy} KL={kl}", resource_usage(k))
-        k = compile_kernel(K._policy_kernel, types, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
+                 "rollout_ptr": "*fp32", "out_ptr": "*" + xdt, "os0": "i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
+                 "loss_ptr": "*fp32", "ratio_ptr": "*fp32", "kl_ptr": "*fp32"}
+        for config, on_policy in (POLICY_VARIANTS_FULL if full else POLICY_VARIANTS):
+            floats, consts = epilogue_signature(config, on_policy)
+            consts.update(WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block)
+            k = compile_kernel(K._policy_kernel, {**types, **floats}, consts, warps)
+            print(xdt, f"policy {variant_name(config, on_policy)}", resource_usage(k))
+        k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
         print(xdt, "policy BLOCK_N=4 BLOCK_V=1024", resource_usage(k))
         k = compile_kernel(K._scale_kernel, dict(x_ptr="*" + xdt, s0="i64", g_ptr="*fp32"),
                            dict(BLOCK_N=1, BLOCK_V=block), warps)
         print(xdt, "scale", resource_usage(k))
     ptrs = {n: "*fp32" for n in E._epilogue_vector_kernel.arg_names if n.endswith("_ptr")}
-    k = compile_kernel(E._epilogue_vector_kernel,
-                       {**ptrs, "valid_ptr": "*i8", "clip_low": F32, "clip_high": F32, "dual_clip": F32, "beta": F32,
-                        "entropy_coef": F32},
-                       dict(POLICY=0, HAS_DUAL=True, KL=5, ADD_KL=True, ADD_ENT=True, ON_POLICY=False, BLOCK=256), 4)
+    floats, consts = epilogue_signature(POLICY_VARIANTS[-1][0], False)
+    k = compile_kernel(E._epilogue_vector_kernel, {**ptrs, "valid_ptr": "*i8", **floats}, {**consts, "BLOCK": 256}, 4)
     print("epilogue vector", resource_usage(k))
     print("sm_90 compile OK")
 

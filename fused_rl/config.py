@@ -231,11 +231,14 @@ class PolicyLossConfig:
 
     @property
     def has_token_epilogue(self) -> bool:
-        """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config;
-        otherwise the backends use the two-pass composition with :mod:`fused_rl.loss_math`."""
-        return (self.policy_loss in ("ppo_clip", "cispo", "reinforce") and self.delta is None
-                and self.kl in (None, "k1", "k2", "k3", "abs", "low_var_kl") and not self.kl_bias_correction
-                and self.rollout_is is None and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
+        """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config:
+        every token-local option (ppo_clip with dual clip / ``delta``, sapo, cispo, reinforce; every KL
+        estimator, straight-through ones included, and ``kl_bias_correction``; token-level rollout
+        correction); otherwise (sequence ratios and masks, the top-entropy quantile) the backends use the
+        two-pass composition with :mod:`fused_rl.loss_math`."""
+        return (self.policy_loss in ("ppo_clip", "sapo", "cispo", "reinforce")
+                and (self.rollout_is is None or self.rollout_is.startswith("token"))
+                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
 
 
 #: Presets and the TRL ``GRPOTrainer`` ``loss_type`` they reproduce (TRL 0.2x / 1.x semantics):

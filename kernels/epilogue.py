@@ -1,24 +1,38 @@
 """The policy-loss epilogue as a ``@triton.jit`` helper: the per-token closed form of the loss and of
 its derivatives, for kernels that know ``logp_t`` (and ``H_t``) of a token after its row's logsumexp.
 
-This is the ONE Triton copy of the math of :func:`fused_rl.loss_math.per_token_loss` (token-level
-variants: ppo_clip with asymmetric / dual clip, cispo, reinforce; the five KL estimators; the entropy
-bonus). ``tests/test_triton.py`` checks it against autograd of ``per_token_loss`` on random inputs.
-With ``r = exp(logp - old)`` (``r = 1`` and ``dr/dlogp = 1`` on-policy), ``d = ref - logp``:
+This is the ONE Triton copy of the math of :func:`fused_rl.loss_math.per_token_loss` for every
+token-local config (``PolicyLossConfig.has_token_epilogue``: ppo_clip with asymmetric / dual clip and
+TRL's ``delta``, sapo, cispo, reinforce; every KL estimator, straight-through ones included, and
+``kl_bias_correction``; token-level rollout correction; the entropy bonus). ``tests/test_triton.py``
+checks it against autograd of ``per_token_loss`` on random inputs. With ``r = exp(logp - old)``
+(``r = 1`` and ``dr/dlogp = 1`` on-policy, so ``dr/dlogp = r`` always), ``d = ref - logp``:
 
-* ppo_clip: ``l = max(-A r, -A clip(r, 1-cl, 1+ch))``; ``dl/dr = -A`` where the unclipped term is
-  active, else 0; dual clip ``c`` (``A < 0``): ``l = min(l, -c A)``, ``dl/dr = 0`` where capped;
-  ``dl/dlogp = r dl/dr``;
+* ppo_clip: ``l = max(-A u, -A c)`` with ``c = clamp(r, 1-cl, 1+ch)``, ``u = r`` or, with ``delta``,
+  ``u = min(r, delta)``; ``dl/dr`` follows torch's autograd rules exactly: ``clamp`` / ``min`` pass
+  the gradient at their bounds (``dc/dr = 1[1-cl <= r <= 1+ch]``, ``du/dr = 1[r <= delta]``) and
+  ``max`` / ``min`` of two equal values give each half of it. Dual clip ``k`` (``A < 0``):
+  ``l = min(l, -k A)``, the cap a constant. ``dl/dlogp = r dl/dr``;
+* sapo: ``l = -A 4/tau sigmoid(tau (r - 1))`` with ``tau = tau_pos`` where ``A > 0``, else
+  ``tau_neg``; ``dl/dlogp = -4 A s (1 - s) r`` with ``s = sigmoid(tau (r - 1))``;
 * cispo: ``l = -min(r, 1+ch) A logp`` with the weight detached: ``dl/dlogp = -min(r, 1+ch) A``;
 * reinforce: ``l = -A logp``, ``dl/dlogp = -A``;
+* token rollout correction (``rollout_is="token_*"``): ``rho = exp(old - rollout)`` (``old = sg(logp)``
+  on-policy), ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing
+  bound no bound; ``w`` (detached) multiplies the policy term and its derivative only;
 * KL (``+ beta kl``): k1 ``-d`` (``dkl/dlogp = 1``), k2 ``d^2/2`` (``-d``), k3 ``expm1(d) - d``
   (``-expm1(d)``), abs ``|d|`` (``-sign d``), low_var_kl ``clamp(k3(clamp(d, -20, 20)), -10, 10)``
-  (``-expm1(d)`` inside both clamps, else 0);
+  (``-expm1(d)`` inside both clamps, else 0); ``"X+"``: the value of ``X``, the derivative of k2
+  (``-d``); ``kl_bias_correction``: ``kl <- r kl`` (the returned ``kl`` too), so
+  ``dl/dlogp += beta r (dkl/dlogp + kl)``, which is ``-beta r d`` for k3 (taken so: the two terms
+  cancel to ``|d|`` from ``exp(d)``);
 * entropy bonus: ``l -= entropy_coef H``, ``dl/dH = -entropy_coef``.
 
-Every output is 0 at masked tokens (``valid == False``); the ratio is 1 there.
-The kernel multiplies ``dl/dlogp`` and ``dl/dH`` by the aggregation weight ``w_t`` (computed in torch
-by :func:`fused_rl.loss_math.aggregation_weights`) to get the coefficients of ``dlogits``.
+Every output is 0 at masked tokens (``valid == False``); the ratio is 1 there. Each option is a
+``tl.constexpr`` switch (an unused one compiles to nothing); its numbers are runtime arguments (a
+new value does not recompile). The kernel multiplies ``dl/dlogp`` and ``dl/dH`` by the aggregation
+weight ``w_t`` (computed in torch by :func:`fused_rl.loss_math.aggregation_weights`) to get the
+coefficients of ``dlogits``.
 """
 
 from __future__ import annotations
@@ -27,23 +41,33 @@ import triton
 import triton.language as tl
 
 #: ``POLICY`` constexpr codes.
-PPO_CLIP, CISPO, REINFORCE = 0, 1, 2
-#: ``KL`` constexpr codes (0: no estimator).
+POLICY_CODES = {"ppo_clip": 0, "cispo": 1, "reinforce": 2, "sapo": 3}
+#: ``KL`` constexpr codes of the base estimator (0: none); ``KL_ST`` marks the straight-through ``"X+"``.
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
+#: ``ROLLOUT`` constexpr codes (token-level rollout correction; 0: none).
+ROLLOUT_CODES = {None: 0, "token_truncate": 1, "token_mask": 2}
 
 
 def epilogue_args(config, on_policy: bool) -> dict:
-    """Kernel arguments (runtime floats and constexpr switches) of a token-level ``PolicyLossConfig``."""
+    """Kernel arguments (runtime floats and constexpr switches) of a token-level ``PolicyLossConfig``,
+    in the order of :func:`token_epilogue`'s parameters after ``valid``."""
     if not config.has_token_epilogue:
-        raise ValueError(f"no token epilogue for this config (gspo's sequence ratio or kl_bias_correction): {config}")
-    policy = {"ppo_clip": PPO_CLIP, "cispo": CISPO, "reinforce": REINFORCE}[config.policy_loss]
+        raise ValueError(f"no token epilogue for this config (sequence ratio or mask, top-entropy quantile): {config}")
+    kl = config.kl
+    lo, hi = (config.rollout_is_min, config.rollout_is_max) if config.rollout_is is not None else (None, None)
     return dict(
         clip_low=float(config.clip_low), clip_high=float(config.clip_high),
         dual_clip=float(config.dual_clip) if config.dual_clip is not None else 0.0,
+        delta=float(config.delta) if config.delta is not None else 0.0,
+        tau_pos=float(config.sapo_temperature_pos), tau_neg=float(config.sapo_temperature_neg),
         beta=float(config.beta), entropy_coef=float(config.entropy_coef),
-        POLICY=policy, HAS_DUAL=config.dual_clip is not None, KL=KL_CODES[config.kl],
-        ADD_KL=config.kl is not None and config.beta != 0.0, ADD_ENT=config.entropy_coef != 0.0,
-        ON_POLICY=bool(on_policy),
+        ris_min=float(lo) if lo is not None else 0.0, ris_max=float(hi) if hi is not None else 0.0,
+        POLICY=POLICY_CODES[config.policy_loss], HAS_DUAL=config.dual_clip is not None,
+        HAS_DELTA=config.delta is not None,
+        KL=KL_CODES[kl.rstrip("+") if kl is not None else None], KL_ST=kl is not None and kl.endswith("+"),
+        ADD_KL=kl is not None and config.beta != 0.0, KL_BIAS=bool(config.kl_bias_correction),
+        ROLLOUT=ROLLOUT_CODES[config.rollout_is], HAS_RIS_MIN=lo is not None, HAS_RIS_MAX=hi is not None,
+        ADD_ENT=config.entropy_coef != 0.0, ON_POLICY=bool(on_policy),
     )
 
 
@@ -64,12 +88,27 @@ def expm1(x):
 
 
 @triton.jit
-def token_epilogue(logp, entropy, old, ref, adv, valid,
-                   clip_low, clip_high, dual_clip, beta, entropy_coef,
-                   POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, KL: tl.constexpr, ADD_KL: tl.constexpr,
-                   ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr):
+def _max_grad(x, y, dx, dy):
+    """``(max(x, y), d max)`` from the derivatives ``dx``, ``dy`` of ``x``, ``y``: torch's rule, half of
+    each on ties."""
+    return tl.maximum(x, y), tl.where(x > y, dx, tl.where(x < y, dy, 0.5 * (dx + dy)))
+
+
+@triton.jit
+def _min_grad(x, y, dx, dy):
+    """``(min(x, y), d min)``, half of each derivative on ties (torch's rule)."""
+    return tl.minimum(x, y), tl.where(x < y, dx, tl.where(x > y, dy, 0.5 * (dx + dy)))
+
+
+@triton.jit
+def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
+                   clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef, ris_min, ris_max,
+                   POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr, KL: tl.constexpr,
+                   KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
+                   HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
+                   ON_POLICY: tl.constexpr):
     """``(l, dl/dlogp, dl/dH, r, kl)`` per token (any shape, fp32). ``old`` is ignored with
-    ``ON_POLICY``, ``ref`` without ``KL``, ``entropy`` without ``ADD_ENT``."""
+    ``ON_POLICY``, ``ref`` without ``KL``, ``rollout`` without ``ROLLOUT``, ``entropy`` without ``ADD_ENT``."""
     zero = tl.where(valid, 0.0, 0.0)
     a = tl.where(valid, adv, zero)
     lp = tl.where(valid, logp, zero)
@@ -80,23 +119,54 @@ def token_epilogue(logp, entropy, old, ref, adv, valid,
     ratio = tl.exp(log_ratio)
     if POLICY == 0:  # ppo_clip
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-        unclipped_loss = -a * ratio
-        clipped_loss = -a * clipped
-        loss = tl.maximum(unclipped_loss, clipped_loss)
-        dl_dr = tl.where(unclipped_loss >= clipped_loss, -a, zero)
+        d_clipped = tl.where((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high), -a, zero)
+        if HAS_DELTA:
+            unclipped = tl.minimum(ratio, delta)
+            d_unclipped = tl.where(ratio <= delta, -a, zero)
+        else:
+            unclipped = ratio
+            d_unclipped = -a
+        loss, dl_dr = _max_grad(-a * unclipped, -a * clipped, d_unclipped, d_clipped)
         if HAS_DUAL:
-            cap = -dual_clip * a
-            capped = (a < 0.0) & (cap < loss)
-            loss = tl.where(capped, cap, loss)
-            dl_dr = tl.where(capped, zero, dl_dr)
+            capped, d_capped = _min_grad(loss, -dual_clip * a, dl_dr, zero)
+            neg = a < 0.0
+            loss = tl.where(neg, capped, loss)
+            dl_dr = tl.where(neg, d_capped, dl_dr)
         dlogp = dl_dr * ratio
     elif POLICY == 1:  # cispo
         weight = tl.minimum(ratio, 1.0 + clip_high)
         loss = -weight * a * lp
         dlogp = -weight * a
-    else:  # reinforce
+    elif POLICY == 2:  # reinforce
         loss = -a * lp
         dlogp = -a
+    else:  # sapo
+        tau = tl.where(a > 0.0, zero + tau_pos, zero + tau_neg)
+        x = tau * (ratio - 1.0)
+        sig = 1.0 / (1.0 + tl.exp(-x))
+        loss = -a * sig * (4.0 / tau)
+        dlogp = -4.0 * a * sig * (1.0 / (1.0 + tl.exp(x))) * ratio
+    if ROLLOUT != 0:
+        if ON_POLICY:
+            behind = lp
+        else:
+            behind = old
+        rho = tl.exp(tl.where(valid, behind - rollout, zero))
+        if ROLLOUT == 1:  # token_truncate
+            w_is = rho
+            if HAS_RIS_MIN:
+                w_is = tl.maximum(w_is, ris_min)
+            if HAS_RIS_MAX:
+                w_is = tl.minimum(w_is, ris_max)
+        else:  # token_mask
+            keep = valid
+            if HAS_RIS_MIN:
+                keep = keep & (rho >= ris_min)
+            if HAS_RIS_MAX:
+                keep = keep & (rho <= ris_max)
+            w_is = tl.where(keep, rho, zero)
+        loss = loss * w_is
+        dlogp = dlogp * w_is
     kl = zero
     if KL != 0:
         d = tl.where(valid, ref, zero) - lp
@@ -120,7 +190,15 @@ def token_epilogue(logp, entropy, old, ref, adv, valid,
             kl = tl.minimum(tl.maximum(k3, -10.0), 10.0)
             inside = (d >= -20.0) & (d <= 20.0) & (k3 >= -10.0) & (k3 <= 10.0)
             dkl = tl.where(inside, -em1, zero)
+        if KL_ST:  # "X+": the value of X, the gradient of k2
+            dkl = -d
         kl = tl.where(valid, kl, zero)
+        if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r (dkl + kl)
+            if KL == 3 and not KL_ST:
+                dkl = ratio * (zero - d)  # k3: -expm1(d) + expm1(d) - d, without the cancellation
+            else:
+                dkl = ratio * (dkl + kl)
+            kl = ratio * kl
         if ADD_KL:
             loss = loss + beta * kl
             dlogp = dlogp + beta * dkl
@@ -135,12 +213,14 @@ def token_epilogue(logp, entropy, old, ref, adv, valid,
 
 
 @triton.jit
-def _epilogue_vector_kernel(logp_ptr, ent_ptr, old_ptr, ref_ptr, adv_ptr, valid_ptr,
+def _epilogue_vector_kernel(logp_ptr, ent_ptr, old_ptr, ref_ptr, rollout_ptr, adv_ptr, valid_ptr,
                             loss_ptr, dlogp_ptr, dh_ptr, ratio_ptr, kl_ptr, n,
-                            clip_low, clip_high, dual_clip, beta, entropy_coef,
-                            POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, KL: tl.constexpr,
-                            ADD_KL: tl.constexpr, ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef,
+                            ris_min, ris_max,
+                            POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr,
+                            KL: tl.constexpr, KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr,
+                            ROLLOUT: tl.constexpr, HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr,
+                            ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     valid = tl.load(valid_ptr + offs, mask=m, other=0) != 0
@@ -148,10 +228,12 @@ def _epilogue_vector_kernel(logp_ptr, ent_ptr, old_ptr, ref_ptr, adv_ptr, valid_
     ent = tl.load(ent_ptr + offs, mask=m, other=0.0)
     old = tl.load(old_ptr + offs, mask=m, other=0.0)
     ref = tl.load(ref_ptr + offs, mask=m, other=0.0)
+    rollout = tl.load(rollout_ptr + offs, mask=m, other=0.0)
     adv = tl.load(adv_ptr + offs, mask=m, other=0.0)
-    loss, dlogp, dh, ratio, kl = token_epilogue(logp, ent, old, ref, adv, valid, clip_low, clip_high, dual_clip,
-                                                beta, entropy_coef, POLICY, HAS_DUAL, KL, ADD_KL, ADD_ENT,
-                                                ON_POLICY)
+    loss, dlogp, dh, ratio, kl = token_epilogue(
+        logp, ent, old, ref, rollout, adv, valid, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
+        entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
+        HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
     tl.store(loss_ptr + offs, loss, mask=m)
     tl.store(dlogp_ptr + offs, dlogp, mask=m)
     tl.store(dh_ptr + offs, dh, mask=m)
@@ -159,9 +241,10 @@ def _epilogue_vector_kernel(logp_ptr, ent_ptr, old_ptr, ref_ptr, adv_ptr, valid_
     tl.store(kl_ptr + offs, kl, mask=m)
 
 
-def apply_epilogue(logp, entropy, old, ref, adv, valid, config):
+def apply_epilogue(logp, entropy, old, ref, adv, valid, config, rollout=None):
     """Run :func:`token_epilogue` elementwise on flat fp32 vectors (for tests): returns
-    ``(loss, dloss/dlogp, dloss/dH, ratio, kl)``. ``old=None`` means on-policy."""
+    ``(loss, dloss/dlogp, dloss/dH, ratio, kl)``. ``old=None`` means on-policy; ``rollout`` are the
+    sampler's log-probs (``config.rollout_is``)."""
     import torch
 
     n = logp.numel()
@@ -169,6 +252,6 @@ def apply_epilogue(logp, entropy, old, ref, adv, valid, config):
     outs = [torch.empty(n, dtype=torch.float32, device=logp.device) for _ in range(5)]
     block = 256
     _epilogue_vector_kernel[(triton.cdiv(n, block),)](
-        f(logp), f(entropy), f(old), f(ref), f(adv), valid.reshape(-1).to(torch.int8).contiguous(), *outs, n,
-        BLOCK=block, **epilogue_args(config, on_policy=old is None))
+        f(logp), f(entropy), f(old), f(ref), f(rollout), f(adv), valid.reshape(-1).to(torch.int8).contiguous(),
+        *outs, n, BLOCK=block, **epilogue_args(config, on_policy=old is None))
     return tuple(o.reshape(logp.shape) for o in outs)

@@ -12,8 +12,10 @@ pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 wha
   with ``p_j = exp((z_j - m) - log s)`` and ``E[z] - z_j = -H - log p_j``, from the saved ``m``,
   ``log s`` (and ``H``);
 * **fused policy loss** (stats loop, then the epilogue of :mod:`fused_rl.kernels.epilogue` on the
-  row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): writes the
-  per-token ``logp, H, w l, r, kl`` and ``dlogits`` (optionally over the logits themselves).
+  row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): reads the
+  per-token ``A, w`` and, where the epilogue's constexprs use them, ``old``, ``ref`` and the rollout
+  log-probs; writes the per-token ``logp, H, w l, r, kl`` and ``dlogits`` (optionally over the logits
+  themselves).
 
 Rows whose target is ``IGNORE_INDEX`` (the callers also set it at masked positions) read nothing and
 get ``logp = H = 0`` and zero ``dlogits``.
@@ -183,12 +185,14 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
 
 
 @triton.jit
-def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, out_ptr, os0, os1,
-                   logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr,
-                   temperature, clip_low, clip_high, dual_clip, beta, entropy_coef,
-                   POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, KL: tl.constexpr, ADD_KL: tl.constexpr,
-                   ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr,
-                   WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, out_ptr, os0,
+                   os1, logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr, temperature,
+                   clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef, ris_min, ris_max,
+                   POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr, KL: tl.constexpr,
+                   KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
+                   HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
+                   ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         rows, in_rows = _rows(tile, N, BLOCK_N)
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
@@ -202,13 +206,17 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
         w = tl.load(w_ptr + rows, mask=in_rows, other=0.0)
         old = logp
         ref = logp
+        rollout = logp
         if not ON_POLICY:
             old = tl.load(old_ptr + rows, mask=in_rows, other=0.0)
         if KL != 0:
             ref = tl.load(ref_ptr + rows, mask=in_rows, other=0.0)
-        loss, dlogp, dh, ratio, kl = token_epilogue(logp, ent, old, ref, adv, valid, clip_low, clip_high,
-                                                    dual_clip, beta, entropy_coef, POLICY, HAS_DUAL, KL, ADD_KL,
-                                                    ADD_ENT, ON_POLICY)
+        if ROLLOUT != 0:
+            rollout = tl.load(rollout_ptr + rows, mask=in_rows, other=0.0)
+        loss, dlogp, dh, ratio, kl = token_epilogue(
+            logp, ent, old, ref, rollout, adv, valid, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
+            entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
+            HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
         tl.store(logp_ptr + rows, logp, mask=in_rows)
         if WITH_ENT:
             tl.store(ent_ptr + rows, ent, mask=in_rows)
@@ -291,11 +299,13 @@ def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, ou
 
 
 def policy_fused(logits, targets, advantages, weights, old, ref, out, temperature, epilogue: dict,
-                 with_entropy: bool, write_grad: bool):
+                 with_entropy: bool, write_grad: bool, rollout=None):
     """Single pass of the token-level policy loss. ``targets`` flat with masked positions already
-    ``IGNORE_INDEX``; ``advantages``, ``weights``, ``old``, ``ref`` flat fp32 (``old=None``: on-policy).
-    Writes dlogits into ``out`` (``(B, T, V)``, any row strides; may be ``logits`` itself) when
-    ``write_grad``. Returns flat fp32 ``(logp, entropy, w * l, ratio, kl)``."""
+    ``IGNORE_INDEX``; ``advantages``, ``weights``, ``old``, ``ref``, ``rollout`` flat fp32 (``old=None``:
+    on-policy; ``rollout``, the sampler's log-probs, read only with token rollout correction);
+    ``epilogue`` from :func:`fused_rl.kernels.epilogue.epilogue_args`. Writes dlogits into ``out``
+    (``(B, T, V)``, any row strides; may be ``logits`` itself) when ``write_grad``. Returns flat fp32
+    ``(logp, entropy, w * l, ratio, kl)``."""
     x = as_rows(logits)
     B, T, V = x.shape
     n = B * T
@@ -306,9 +316,12 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
     kl = new(n if epilogue["KL"] != 0 else 0)
     o = as_rows(out) if write_grad else x
     bn, block, warps = block_config(V, x.dtype)
+    if epilogue["ROLLOUT"] != 0 and rollout is None:
+        raise ValueError("token rollout correction needs the rollout log-probs")
+    unused = advantages  # any pointer for the arguments the constexprs leave unread
     _policy_kernel[_grid(n, bn)](
         x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
-        advantages if old is None else old, advantages if ref is None else ref,
+        unused if old is None else old, unused if ref is None else ref, unused if rollout is None else rollout,
         o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
         kl if epilogue["KL"] != 0 else logp, float(temperature),
         WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,

@@ -150,9 +150,13 @@ def test_new_fields_are_validated(fields, message):
 
 def test_new_fields_route_the_backends():
     assert PolicyLossConfig(policy_loss="gmpo", clip_low=1.5).clip_low == 1.5  # log-space: may exceed 1
-    assert PolicyLossConfig().has_token_epilogue
-    for cfg in (PolicyLossConfig(policy_loss="sapo"), PolicyLossConfig(delta=2.0), PolicyLossConfig(kl="k3+"),
-                PolicyLossConfig(rollout_is="token_truncate"), PolicyLossConfig(top_entropy_quantile=0.2)):
+    for cfg in (PolicyLossConfig(), PolicyLossConfig(policy_loss="sapo"), PolicyLossConfig(delta=2.0),
+                PolicyLossConfig(kl="k3+"), PolicyLossConfig(kl="k1", kl_bias_correction=True),
+                PolicyLossConfig(rollout_is="token_truncate"), PolicyLossConfig(rollout_is="token_mask")):
+        assert cfg.has_token_epilogue  # token-local: the single-pass kernels
+    for cfg in (PolicyLossConfig(policy_loss="gspo"), PolicyLossConfig(policy_loss="gspo_token"),
+                PolicyLossConfig(policy_loss="gmpo"), PolicyLossConfig(rollout_is="sequence_truncate"),
+                PolicyLossConfig(off_policy_mask=0.1), PolicyLossConfig(top_entropy_quantile=0.2)):
         assert not cfg.has_token_epilogue
     assert PolicyLossConfig(rollout_is="sequence_mask").is_sequence_level
     assert not PolicyLossConfig(rollout_is="token_mask").is_sequence_level

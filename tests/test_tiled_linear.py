@@ -80,7 +80,7 @@ def test_cpu_matches_reference(config, vocab, bias, dtype, kernel_calls):
     case = make_linear_case(vocab=vocab, bias=bias, dtype=dtype, seed=vocab + bias)
     compare_linear(case, config, backend="cpu")
     # token-level configs run the native kernel (one tile of the valid tokens); the others torch_linear
-    assert kernel_calls == ([("native", _valid(case))] if config.has_token_epilogue else [])
+    assert kernel_calls == ([("native", _valid(case))] if tiled_linear.runs_tiled(config) else [])
 
 
 @needs_cpu
@@ -91,7 +91,7 @@ def test_cpu_tile_boundaries(config, tiles, kernel_calls):
     computed and must contribute nothing."""
     case = make_linear_case(batch=5, length=7, vocab=1000, seed=11, per_token_adv=True)
     compare_linear(case, config, backend="cpu")
-    if config.has_token_epilogue:
+    if tiled_linear.runs_tiled(config):
         rows = case.mask.numel() if tiles == "fixed" else _valid(case)
         assert [n for _, n in kernel_calls] == [min(3, rows - s) for s in range(0, rows, 3)]
 
@@ -100,12 +100,12 @@ def test_cpu_tile_boundaries(config, tiles, kernel_calls):
 @pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_cpu_variants(name, tiles, kernel_calls):
-    """The #10 variants: those with a token epilogue run tiled, the others (rollout corrections,
-    masks, sequence ratios, ...) are delegated to torch_linear."""
+    """The #10 variants: those with a token epilogue and no rollout correction run tiled, the others
+    (rollout corrections, masks, sequence ratios, ...) are delegated to torch_linear."""
     config = VARIANTS[name]
     case = make_linear_case(batch=5, length=7, vocab=1000, seed=len(name))
     compare_linear(with_extras(case, config), config, backend="cpu")
-    assert bool(kernel_calls) == config.has_token_epilogue
+    assert bool(kernel_calls) == tiled_linear.runs_tiled(config)
 
 
 @needs_cpu
@@ -252,7 +252,22 @@ def test_cpu_compile_fullgraph():
 @pytest.mark.parametrize("config", CONFIGS, ids=cid)
 def test_triton_matches_reference(config, tiles, kernel_calls):
     compare_linear(_on(make_linear_case(batch=4, length=5, vocab=1000, seed=21), GPU), config, backend="triton")
-    assert all(k == "triton" for k, _ in kernel_calls) and bool(kernel_calls) == config.has_token_epilogue
+    assert all(k == "triton" for k, _ in kernel_calls)
+    assert bool(kernel_calls) == tiled_linear.runs_tiled(config)
+
+
+@on_gpu
+@needs_triton
+@pytest.mark.parametrize("tiles", ["small"], indirect=True)
+@pytest.mark.parametrize("name", ["sapo", "delta", "k3+", "k1+", "tis_token"])
+def test_triton_token_local_variants(name, tiles, kernel_calls):
+    """sapo, delta, the "+" estimators with kl_bias_correction run tiled on the triton kernel; token
+    rollout correction is delegated to torch_linear."""
+    config = VARIANTS[name]
+    case = make_linear_case(batch=4, length=5, vocab=300, seed=len(name))
+    compare_linear(with_extras(_on(case, GPU), config), config, backend="triton")
+    assert all(k == "triton" for k, _ in kernel_calls)
+    assert bool(kernel_calls) == (config.rollout_is is None) == tiled_linear.runs_tiled(config)
 
 
 @on_gpu

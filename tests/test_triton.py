@@ -55,17 +55,65 @@ def to_device(case, device):
 
 
 # --------------------------------------------------------------------------- the epilogue helper
+#: Each option of the epilogue alone and combined (the inputs below reach both sides of every bound).
 EPILOGUE_CONFIGS = TOKEN_CONFIGS + [
     PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=2.0, kl="k1", beta=0.3),
     PolicyLossConfig(policy_loss="cispo", clip_low=0.0, clip_high=0.5, kl="k3", beta=0.2, entropy_coef=0.1),
     PolicyLossConfig(policy_loss="reinforce", kl="abs", beta=0.5, entropy_coef=0.03),
     PolicyLossConfig(kl="low_var_kl", beta=1.0),
     PolicyLossConfig(kl="k2", beta=0.0),  # kl metric without a KL term in the loss
+    # sapo: default temperatures, then others on each side
+    PolicyLossConfig(policy_loss="sapo"),
+    PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=2.5, sapo_temperature_neg=0.4, kl="k2", beta=0.1),
+    # TRL's two-sided delta, alone, with the dual clip, with a KL term
+    PolicyLossConfig(clip_high=0.28, delta=1.5),
+    PolicyLossConfig(clip_low=0.2, clip_high=0.2, delta=1.4, dual_clip=2.0, kl="k3", beta=0.1),
+    # the straight-through estimators
+    PolicyLossConfig(kl="k1+", beta=0.3),
+    PolicyLossConfig(policy_loss="cispo", clip_high=0.3, kl="k3+", beta=0.2),
+    PolicyLossConfig(policy_loss="reinforce", kl="abs+", beta=0.4, entropy_coef=0.02),
+    PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.5),
+    # kl_bias_correction (the kl output is r kl), also as a metric only and with a "+" estimator
+    PolicyLossConfig(kl="k3", beta=0.3, kl_bias_correction=True),
+    PolicyLossConfig(kl="abs", beta=0.0, kl_bias_correction=True),
+    PolicyLossConfig(policy_loss="cispo", kl="low_var_kl+", beta=0.2, kl_bias_correction=True),
+    PolicyLossConfig(policy_loss="sapo", kl="k1", beta=0.2, kl_bias_correction=True),
+    # token rollout correction: truncate / mask with max only, min only, both
+    PolicyLossConfig(rollout_is="token_truncate", rollout_is_max=1.5),
+    PolicyLossConfig(rollout_is="token_truncate", rollout_is_min=0.7, rollout_is_max=None),
+    PolicyLossConfig(policy_loss="sapo", rollout_is="token_truncate", rollout_is_min=0.7, rollout_is_max=1.5,
+                     kl="k3", beta=0.1),
+    PolicyLossConfig(rollout_is="token_mask", rollout_is_max=1.5, dual_clip=2.5),
+    PolicyLossConfig(policy_loss="cispo", rollout_is="token_mask", rollout_is_min=0.7, rollout_is_max=None),
+    PolicyLossConfig(policy_loss="reinforce", rollout_is="token_mask", rollout_is_min=0.7, rollout_is_max=1.5,
+                     entropy_coef=0.05),
+    # everything at once
+    PolicyLossConfig(clip_high=0.28, delta=1.5, dual_clip=2.0, kl="k3+", beta=0.2, kl_bias_correction=True,
+                     rollout_is="token_mask", rollout_is_min=0.6, rollout_is_max=1.6, entropy_coef=0.01),
+    PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=0.8, kl="abs", beta=0.3, kl_bias_correction=True,
+                     rollout_is="token_truncate", rollout_is_min=0.8, rollout_is_max=1.3, entropy_coef=-0.02),
 ]
 
 
+def epi_id(c):
+    parts = [c.policy_loss, str(c.kl), f"b{c.beta}"]
+    if c.dual_clip is not None:
+        parts.append(f"dual{c.dual_clip}")
+    if c.delta is not None:
+        parts.append(f"delta{c.delta}")
+    if c.policy_loss == "sapo":
+        parts.append(f"tau{c.sapo_temperature_pos}-{c.sapo_temperature_neg}")
+    if c.kl_bias_correction:
+        parts.append("biascorr")
+    if c.rollout_is is not None:
+        parts.append(f"{c.rollout_is}-{c.rollout_is_min}-{c.rollout_is_max}")
+    if c.entropy_coef:
+        parts.append(f"e{c.entropy_coef}")
+    return "-".join(parts) + f"-{c.agg}-ch{c.clip_high}"
+
+
 @pytest.mark.parametrize("on_policy", [False, True])
-@pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=epi_id)
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
     """``token_epilogue``'s (l, dl/dlogp, dl/dH, r, kl) against autograd of ``loss_math.per_token_loss``."""
@@ -79,30 +127,52 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
     ref = logp + 8 * torch.randn(n, generator=g).to(device)  # |d| up to ~25: every low_var_kl clamp side
     adv = torch.randn(n, generator=g).to(device)
     valid = (torch.rand(n, generator=g) < 0.85).to(device)
+    behaviour = logp if old is None else old
+    rollout = None
+    if config.rollout_is is not None:  # rho = exp(behaviour - rollout) in ~[0.3, 3]: both sides of the bounds
+        rollout = behaviour + 0.4 * torch.randn(n, generator=g).to(device)
+        rollout[~valid] = float("nan")
     logp[~valid] = float("nan")  # masked garbage must not leak
-    lp = logp.clone().requires_grad_(True)
-    h = ent.clone().requires_grad_(True)
-    loss_t, ratio, kl, _ = per_token_loss(lp.view(1, n), adv.view(1, n), valid.view(1, n), config,
-                                       old_logprobs=None if old is None else old.view(1, n),
-                                       ref_logprobs=ref.view(1, n), entropy=h.view(1, n))
+    # the reference in fp64: its own rounding (e.g. r dkl + r kl of k3 with kl_bias_correction, two
+    # terms of size exp(d) ~ 1e8 that cancel) is then not what the fp32 kernel is held to
+    lp = logp.double().requires_grad_(True)
+    h = ent.double().requires_grad_(True)
+    view = lambda x: None if x is None else x.double().view(1, n)
+    loss_t, ratio, kl, extras = per_token_loss(lp.view(1, n), view(adv), valid.view(1, n), config,
+                                               old_logprobs=view(old), ref_logprobs=view(ref),
+                                               entropy=h.view(1, n), rollout_logprobs=view(rollout))
     loss_t.sum().backward()
-    got = apply_epilogue(logp, ent, old, ref, adv, valid, config)
+    got = apply_epilogue(logp, ent, old, ref, adv, valid, config, rollout=rollout)
     names = ("loss", "dloss/dlogp", "dloss/dH", "ratio", "kl")
-    h_grad = h.grad if h.grad is not None else torch.zeros_like(ent)
+    h_grad = h.grad if h.grad is not None else torch.zeros_like(h)
     expected = (loss_t.view(n), lp.grad, h_grad, ratio.view(n), kl.view(n) if kl is not None else None)
     for name, a, b in zip(names, got, expected):
         if b is None:
             continue
-        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-    # both sides of every clip are exercised
+        torch.testing.assert_close(a, b.detach().float(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    # both sides of every clip, bound and mask are exercised
+    r, a = ratio.detach().view(n)[valid], adv[valid]
     if not on_policy and config.policy_loss == "ppo_clip":
-        mets = loss_metrics(ratio.detach(), adv.view(1, n), valid.view(1, n), config, None, None)
+        mets = loss_metrics(ratio.detach(), adv.view(1, n), valid.view(1, n), config, None, None, extras)
         assert 0 < mets["clip_frac_low"] and 0 < mets["clip_frac_high"] and mets["clip_frac"] < 1
         if config.dual_clip is not None:
             assert 0 < mets["clip_frac_dual"] < 1
-    if config.kl == "low_var_kl":
+        if config.delta is not None:  # the delta bound binds (A < 0) and is passed (A > 0)
+            assert ((r > config.delta) & (a < 0)).any() and ((r > config.delta) & (a > 0)).any()
+    if config.kl is not None and config.kl.startswith("low_var_kl"):
         d = (ref - logp)[valid]
         assert (d > 20).any() and (d < -20).any() and ((d.abs() < 2)).any()
+    if config.rollout_is is not None:
+        rho = extras["rollout_rho"].view(n)[valid]
+        lo, hi = config.rollout_is_min, config.rollout_is_max
+        inside = torch.ones_like(rho, dtype=torch.bool)
+        for bound, outside in ((lo, rho < (lo or 0.0)), (hi, rho > (hi or 0.0))):
+            if bound is not None:
+                assert outside.any()
+                inside &= ~outside
+        assert inside.any()
+        if config.rollout_is == "token_mask":
+            assert (extras["rollout_is"].view(n)[valid] == 0).any()
 
 
 # --------------------------------------------------------------------------- policy_loss vs reference

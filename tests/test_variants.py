@@ -17,6 +17,9 @@ from fused_rl import PolicyLossConfig
 from helpers import compare_policy_loss, fused_backends, make_case, supports
 from test_linear import compare_linear, make_linear_case
 
+# numpy warnings of the Triton interpreter evaluating both branches of tl.where on masked lanes
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
 VARIANTS = {
     "gspo_token": PolicyLossConfig.preset("gspo_token", clip_low=0.05, clip_high=0.1),
     "gmpo": PolicyLossConfig(policy_loss="gmpo", clip_low=0.1, clip_high=0.15, agg="seq-mean-token-mean"),
@@ -39,6 +42,20 @@ BACKENDS = fused_backends()
 VOCAB = {"triton": 257}
 
 
+#: The token-local variants (``has_token_epilogue``), which the triton backend runs in one pass, and more
+#: combinations of their options (token rollout masks with both bounds / truncation with a lower bound only).
+SINGLE_PASS = {name: config for name, config in VARIANTS.items() if config.has_token_epilogue}
+SINGLE_PASS.update({
+    "tis_mask_sapo": PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=0.5,
+                                      rollout_is="token_mask", rollout_is_min=0.8, rollout_is_max=1.25, kl="abs+",
+                                      beta=0.1),
+    "tis_min_delta": PolicyLossConfig(delta=1.25, dual_clip=2.0, rollout_is="token_truncate", rollout_is_min=0.9,
+                                      rollout_is_max=None, kl="k3", beta=0.1, kl_bias_correction=True,
+                                      entropy_coef=0.01, agg="seq-mean-token-mean"),
+})
+needs_triton = pytest.mark.skipif("triton" not in BACKENDS, reason="the triton backend is unavailable here")
+
+
 def is_weights(shape, seed: int = 0, per_sequence: bool = False) -> torch.Tensor:
     """Caller-side importance weights in ``[0, 2)`` with exact zeros (a masked-out sample), ``(B, T)`` or
     ``(B,)``."""
@@ -54,14 +71,15 @@ def with_extras(case, config, seed: int = 0, weights: str = ""):
     and ``rollout_is_weights`` of :func:`is_weights` with ``weights="token"`` / ``"sequence"``."""
     extra = {}
     if weights:
-        extra["rollout_is_weights"] = is_weights(tuple(case.targets.shape), seed, weights == "sequence")
+        extra["rollout_is_weights"] = is_weights(tuple(case.targets.shape), seed, weights == "sequence").to(
+            case.targets.device)
     g = torch.Generator().manual_seed(seed + 99)
     if config.uses_rollout_logprobs:
         base = case.old if case.old is not None else fused_rl.reference.token_logprobs(
             case.logits.float(), torch.where(case.mask, case.targets, fused_rl.IGNORE_INDEX), check_inputs=False)
-        extra["rollout_logprobs"] = base + 0.3 * torch.randn(base.shape, generator=g)
+        extra["rollout_logprobs"] = base + 0.3 * torch.randn(base.shape, generator=g).to(base.device)
     if config.mask_truncated_completions:
-        extra["truncated"] = torch.arange(case.targets.shape[0]) % 3 == 2
+        extra["truncated"] = torch.arange(case.targets.shape[0], device=case.targets.device) % 3 == 2
     base_kwargs = case.kwargs()
     case = copy.copy(case)
     case.kwargs = lambda: {**base_kwargs, **extra}
@@ -80,6 +98,66 @@ def test_backend_matches_reference(name, backend, dtype):
         case = make_case(batch=5, length=6, vocab=vocab, kind=kind, dtype=dtype, seed=len(name),
                          off_policy=off_policy, per_token_adv=name == "gspo_token")
         compare_policy_loss(backend, with_extras(case, config), config)
+
+
+@needs_triton
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("name", list(SINGLE_PASS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_single_pass(name, inplace, dtype, monkeypatch):
+    """The token-local variants take the triton single-pass kernel, never the base composition, with
+    the gradient in a new buffer or over the logits, and match the reference."""
+    from fused_rl.backends import base, triton as tb
+
+    calls = []
+    for op in ("policy_fwd", "policy_fwd_inplace"):
+        def spy(*args, _op=op, _fn=getattr(tb, op)):
+            calls.append(_op)
+            return _fn(*args)
+        monkeypatch.setattr(tb, op, spy)
+    composed = []
+    original = base.Backend.policy_loss
+
+    def base_spy(self, *args, **kwargs):
+        composed.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(base.Backend, "policy_loss", base_spy)
+    config = SINGLE_PASS[name]
+    for kind, off_policy in (("randn", True), ("peaked", False)):
+        case = make_case(batch=5, length=6, vocab=VOCAB["triton"], kind=kind, dtype=dtype, seed=len(name) + 1,
+                         off_policy=off_policy)
+        compare_policy_loss("triton", with_extras(case, config), config, inplace=inplace)
+    assert calls == ["policy_fwd_inplace" if inplace else "policy_fwd"] * 2
+    assert "triton" not in composed and composed == ["reference"] * 2
+
+
+@needs_triton
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_triton_compile_fullgraph_token_rollout_is(inplace):
+    """``torch.compile(fullgraph=True)`` of the single pass with token rollout correction (the
+    rollout log-probs and the config literal through the custom op) matches eager, metrics included."""
+    config = SINGLE_PASS["tis_mask_sapo"]
+    case = with_extras(make_case(vocab=VOCAB["triton"], seed=4), config)
+
+    def loss_fn(logits):
+        logits = logits * 1.0  # a non-leaf, as from an lm_head (in-place mode overwrites it)
+        out = fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=config,
+                                   backend="triton", check_inputs=False, inplace=inplace, **case.kwargs())
+        return out.loss, out.metrics["rollout_is_mean"], out.metrics["rollout_is_clip_frac"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    x1 = case.logits.clone().requires_grad_(True)
+    x2 = case.logits.clone().requires_grad_(True)
+    eager = loss_fn(x1)
+    (2.0 * eager[0]).backward()
+    got = compiled(x2)
+    (2.0 * got[0]).backward()
+    assert 0 < eager[2] < 1  # some tokens masked, some kept
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(x2.grad, x1.grad)
 
 
 #: Caller-computed importance weights (verl's rollout_is_weights, Liger's vllm_is_ratio) on single-pass

@@ -12,10 +12,10 @@ Per tile of ``n`` tokens, into one reused ``(n, V)`` fp32 workspace ``z``::
 
 The kernels are the ones behind ``policy_loss`` (``kernels/logits.py::policy_fused``,
 ``csrc/policy_epilogue.h``), so the math has no new copy. The loss is token-local for the configs
-they cover (``config.has_token_epilogue``), so each tile's gradient is exact as soon as its logits
-exist: one pass, three GEMMs in all, gradients computed in the forward, and the backward only
-scales them by ``grad_output``. Other configs (sequence- and batch-level variants,
-``kl_bias_correction``, rollout corrections, ...) and ``linear_token_logprobs`` go to
+they cover (:func:`runs_tiled`: ``config.has_token_epilogue`` without rollout correction), so each
+tile's gradient is exact as soon as its logits exist: one pass, three GEMMs in all, gradients
+computed in the forward, and the backward only scales them by ``grad_output``. Other configs
+(sequence- and batch-level variants, rollout corrections, ...) and ``linear_token_logprobs`` go to
 :mod:`fused_rl.backends.torch_linear`.
 
 Tiles, masked tokens, the gradient buffers (no weight-gradient buffer for a frozen weight; the
@@ -88,6 +88,12 @@ def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, device: torch.
 
 
 # ------------------------------------------------------------------------------------ the kernels
+def runs_tiled(config: PolicyLossConfig) -> bool:
+    """Whether ``config`` takes the tiled single-pass route: a token epilogue and no rollout
+    correction (whose per-token rollout log-probs the tiles do not carry; torch_linear computes it)."""
+    return config.has_token_epilogue and config.rollout_is is None
+
+
 def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
                    out: Optional[torch.Tensor] = None):
     """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile, dlogits written over it (then copied to
@@ -108,15 +114,14 @@ def _triton_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_
                    out: Optional[torch.Tensor] = None):
     """Triton single pass over the ``(n, V)`` tile; with ``write_grad`` dlogits go over it, or straight
     into ``out`` (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``."""
+    from ..kernels.epilogue import epilogue_args
     from . import triton as tb
 
-    epi = tb._epilogue(tb._POLICY_CODES[config.policy_loss], float(config.clip_low), float(config.clip_high),
-                       config.dual_clip, tb._KL_CODES[config.kl], float(config.beta), float(config.entropy_coef),
-                       old is None)
     x = z.unsqueeze(0)
     o = x if out is None else out.unsqueeze(0)
-    logp, ent, _, _, _ = tb._kernels().policy_fused(x, targets, adv, w, old, ref, o, float(config.temperature), epi,
-                                                     want_ent, write_grad)
+    logp, ent, _, _, _ = tb._kernels().policy_fused(x, targets, adv, w, old, ref, o, float(config.temperature),
+                                                     epilogue_args(config, on_policy=old is None), want_ent,
+                                                     write_grad)
     return logp, ent
 
 
@@ -230,7 +235,7 @@ def tiled_linear_policy_loss_op(
     del ws, ws16
     shape = (batch, length)
     ent_bt = entropy.view(shape) if want_ent else None
-    # token-epilogue configs read no rollout log-probs (has_token_epilogue excludes those variants)
+    # the tiled configs read no rollout log-probs (runs_tiled keeps rollout correction on torch_linear)
     loss_t = per_token_loss(logp.view(shape), advantages, valid, config, old_logprobs=old, ref_logprobs=ref,
                             entropy=ent_bt).loss
     loss = (loss_t * weights).sum().to(f32)
@@ -265,9 +270,9 @@ tiled_linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_co
 def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        inputs: PolicyInputs, config: PolicyLossConfig, compute_entropy: bool, kernel: str,
                        memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
-    """The backend method: token-level configs through the tiled op with ``kernel``, the others
-    through :func:`torch_linear.linear_policy_loss`."""
-    if not config.has_token_epilogue:
+    """The backend method: the configs of :func:`runs_tiled` through the tiled op with ``kernel``, the
+    others through :func:`torch_linear.linear_policy_loss`."""
+    if not runs_tiled(config):
         return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
                                                memory_budget_bytes)
     batch, length, _ = hidden.shape

@@ -3,15 +3,20 @@
 * :meth:`TritonBackend.token_logprobs`: two passes. Forward (stats kernel, one read of the logits)
   saves per-row ``lse`` (and ``H``); backward (grad kernel, one read + one write) computes
   ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` for arbitrary upstream gradients.
-* :meth:`TritonBackend.policy_loss`, every token-level config (all but ``policy_loss="gspo"``):
-  one kernel runs the stats loop, the loss epilogue (:mod:`fused_rl.kernels.epilogue`) and writes
-  ``dlogits = d loss / d logits`` in the forward (over the logits with ``inplace=True``); the
-  backward only scales it by ``grad_output`` in place, on the device (a no-op when it is 1, with no
-  host sync). gspo uses the base-class composition on top of :meth:`token_logprobs`.
+* :meth:`TritonBackend.policy_loss`, every token-local config (``config.has_token_epilogue``: ppo_clip
+  with dual clip / ``delta``, sapo, cispo, reinforce, every KL estimator and ``kl_bias_correction``,
+  token-level rollout correction): one kernel runs the stats loop, the loss epilogue
+  (:mod:`fused_rl.kernels.epilogue`) and writes ``dlogits = d loss / d logits`` in the forward (over
+  the logits with ``inplace=True``); the backward only scales it by ``grad_output`` in place, on the
+  device (a no-op when it is 1, with no host sync). The other configs (gspo / gspo_token / gmpo,
+  sequence rollout correction, the off-policy mask, the top-entropy quantile) use the base-class
+  composition on top of :meth:`token_logprobs`.
 
 The loss value is ``sum_t (w_t l_t)`` of the kernel's per-token values (``w`` from
 :func:`fused_rl.loss_math.aggregation_weights`, computed in torch, O(N)); the metrics are
-:func:`fused_rl.loss_math.metrics` applied to the kernel's per-token ratio / KL / entropy (O(N) torch).
+:func:`fused_rl.loss_math.metrics` applied to the kernel's per-token ratio / KL / entropy (O(N) torch),
+with the rollout weights for its metrics from :func:`fused_rl.loss_math.rollout_weights` on the
+kernel's log-probs (on-policy) or ``old``.
 
 Every kernel call is a ``torch.library`` custom op with a fake implementation, so
 ``torch.compile(fullgraph=True)`` sees opaque calls. The kernels are imported on first use, so that
@@ -28,10 +33,10 @@ from typing import Optional
 import torch
 
 from ..config import IGNORE_INDEX, PolicyLossConfig
-from ..loss_math import aggregation_weights, metrics as loss_metrics
+from ..loss_math import aggregation_weights, metrics as loss_metrics, rollout_weights
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
-from . import register, register_missing
+from . import register, register_missing, torch_linear
 from .base import Backend
 from .custom_ops import register_token_ops
 
@@ -90,58 +95,59 @@ register_token_ops(token_stats, token_grad)
 
 
 # --------------------------------------------------------------------------- single-pass policy loss ops
-def _epilogue(policy: int, clip_low: float, clip_high: float, dual_clip: Optional[float], kl: int, beta: float,
-              entropy_coef: float, on_policy: bool) -> dict:
-    return dict(clip_low=clip_low, clip_high=clip_high, dual_clip=0.0 if dual_clip is None else dual_clip,
-                beta=beta, entropy_coef=entropy_coef, POLICY=policy, HAS_DUAL=dual_clip is not None, KL=kl,
-                ADD_KL=kl != 0 and beta != 0.0, ADD_ENT=entropy_coef != 0.0, ON_POLICY=on_policy)
+# The config travels as ``torch_linear.config_literal`` (a str, a schema type): the kernel arguments
+# come from the one map of the epilogue, ``kernels.epilogue.epilogue_args``.
+def _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, out,
+                write_grad):
+    from ..kernels.epilogue import epilogue_args
+
+    config = torch_linear._config_from_literal(config_literal)
+    return _kernels().policy_fused(logits, targets, advantages, weights, old, ref, out, config.temperature,
+                                   epilogue_args(config, on_policy=old is None), with_entropy, write_grad,
+                                   rollout=rollout)
 
 
-def _fake_token_outputs(logits, targets, kl, with_entropy):
+def _fake_token_outputs(logits, targets, config_literal, with_entropy):
     n = targets.numel()
     new = lambda k: logits.new_empty(k, dtype=torch.float32)
-    return new(n), new(n if with_entropy else 0), new(n), new(n), new(n if kl != 0 else 0)
+    has_kl = torch_linear._config_from_literal(config_literal).kl is not None
+    return new(n), new(n if with_entropy else 0), new(n), new(n), new(n if has_kl else 0)
 
 
 @torch.library.custom_op("fused_rl::triton_policy_fwd", mutates_args=())
 def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
-               old: Optional[torch.Tensor], ref: Optional[torch.Tensor], temperature: float, policy: int,
-               clip_low: float, clip_high: float, dual_clip: Optional[float], kl: int, beta: float,
-               entropy_coef: float, with_entropy: bool, write_grad: bool
+               old: Optional[torch.Tensor], ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor],
+               config_literal: str, with_entropy: bool, write_grad: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat fp32 ``(logp, entropy, w * l, ratio, kl)`` and the contiguous ``dlogits`` (empty unless
-    ``write_grad``) of the single-pass kernel; ``targets`` flat, IGNORE_INDEX at masked positions."""
-    epi = _epilogue(policy, clip_low, clip_high, dual_clip, kl, beta, entropy_coef, old is None)
+    ``write_grad``) of the single-pass kernel; ``targets`` flat, IGNORE_INDEX at masked positions;
+    ``config_literal`` of a config with a token epilogue."""
     out = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
-    outs = _kernels().policy_fused(logits, targets, advantages, weights, old, ref, out, temperature, epi,
-                                   with_entropy, write_grad)
+    outs = _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, out,
+                       write_grad)
     return (*outs, out)
 
 
 @policy_fwd.register_fake
-def _(logits, targets, advantages, weights, old, ref, temperature, policy, clip_low, clip_high, dual_clip, kl,
-      beta, entropy_coef, with_entropy, write_grad):
+def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, write_grad):
     out = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
-    return (*_fake_token_outputs(logits, targets, kl, with_entropy), out)
+    return (*_fake_token_outputs(logits, targets, config_literal, with_entropy), out)
 
 
 @torch.library.custom_op("fused_rl::triton_policy_fwd_inplace", mutates_args=("logits",))
 def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
                        weights: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
-                       temperature: float, policy: int, clip_low: float, clip_high: float,
-                       dual_clip: Optional[float], kl: int, beta: float, entropy_coef: float, with_entropy: bool
+                       rollout: Optional[torch.Tensor], config_literal: str, with_entropy: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As ``triton_policy_fwd`` but writes ``dlogits`` over ``logits`` (each block is read before it is
     overwritten by the same program)."""
-    epi = _epilogue(policy, clip_low, clip_high, dual_clip, kl, beta, entropy_coef, old is None)
-    return _kernels().policy_fused(logits, targets, advantages, weights, old, ref, logits, temperature, epi,
-                                   with_entropy, True)
+    return _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, logits,
+                       True)
 
 
 @policy_fwd_inplace.register_fake
-def _(logits, targets, advantages, weights, old, ref, temperature, policy, clip_low, clip_high, dual_clip, kl,
-      beta, entropy_coef, with_entropy):
-    return _fake_token_outputs(logits, targets, kl, with_entropy)
+def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy):
+    return _fake_token_outputs(logits, targets, config_literal, with_entropy)
 
 
 @torch.library.custom_op("fused_rl::triton_scale_", mutates_args=("x",))
@@ -184,10 +190,6 @@ def _attach_backward(ctx, grad):
 attach_grad.register_autograd(_attach_backward, setup_context=_attach_setup_context)
 
 
-_POLICY_CODES = {"ppo_clip": 0, "cispo": 1, "reinforce": 2}
-_KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
-
-
 class TritonBackend(Backend):
     """Triton kernels on CUDA (or on the CPU interpreter with ``TRITON_INTERPRET=1``)."""
 
@@ -208,7 +210,8 @@ class TritonBackend(Backend):
 
     def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
                     compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
-        """Single pass for token-level configs; gspo (sequence ratio) falls back to the composition."""
+        """Single pass for token-local configs (``config.has_token_epilogue``); the others (sequence
+        ratios and masks, the top-entropy quantile) fall back to the composition."""
         if not config.has_token_epilogue:
             return super().policy_loss(logits, inputs, config, compute_entropy, inplace)
         batch, length, _ = logits.shape
@@ -218,11 +221,11 @@ class TritonBackend(Backend):
         flat = lambda x: None if x is None else x.to(torch.float32).reshape(-1).contiguous()
         adv, old = flat(inputs.kernel_advantages), flat(inputs.old)
         ref = flat(inputs.ref) if config.kl is not None else None
+        rollout = flat(inputs.rollout) if config.rollout_is is not None else None
         want_entropy = bool(compute_entropy or config.needs_entropy)
         write_grad = logits.requires_grad and torch.is_grad_enabled()
-        args = (targets.contiguous(), adv, weights, old, ref, float(config.temperature),
-                _POLICY_CODES[config.policy_loss], float(config.clip_low), float(config.clip_high),
-                config.dual_clip, _KL_CODES[config.kl], float(config.beta), float(config.entropy_coef), want_entropy)
+        args = (targets.contiguous(), adv, weights, old, ref, rollout, torch_linear.config_literal(config),
+                want_entropy)
         x = logits.detach()
         if inplace and write_grad:
             logp, entropy, loss_terms, ratio, kl = policy_fwd_inplace(x, *args)
@@ -234,7 +237,11 @@ class TritonBackend(Backend):
         logp = logp.view(shape)
         entropy = entropy.view(shape) if want_entropy else None
         kl = kl.view(shape) if config.kl is not None else None
-        mets = loss_metrics(ratio.view(shape), inputs.advantages, mask, config, kl, entropy)
+        extras = {}
+        if config.rollout_is is not None:  # the kernel's weights, recomputed O(N) for the metrics only
+            behaviour = logp if inputs.old is None else inputs.old
+            extras["rollout_rho"], extras["rollout_is"] = rollout_weights(behaviour, inputs.rollout, mask, config)
+        mets = loss_metrics(ratio.view(shape), inputs.advantages, mask, config, kl, entropy, extras)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=mets)
 
     def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy):
