@@ -29,15 +29,6 @@ RowsView rows(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t s
   return RowsView{ptr<const void>(x), dtype, B, T, V, sb, st};
 }
 
-EpilogueParams params(int policy, int kl, bool has_old, bool has_dual, float clip_low, float clip_high,
-                      float dual_clip, float beta, float entropy_coef) {
-  EpilogueParams p;
-  p.policy = policy; p.kl = kl; p.has_old = has_old ? 1 : 0; p.has_dual = has_dual ? 1 : 0;
-  p.clip_low = clip_low; p.clip_high = clip_high; p.dual_clip = dual_clip; p.beta = beta;
-  p.entropy_coef = entropy_coef;
-  return p;
-}
-
 StatsArgs stats_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                      uintptr_t targets, int tdtype, float inv_tau, uintptr_t logp, uintptr_t ent, uintptr_t lse,
                      int nthreads) {
@@ -55,14 +46,15 @@ GradArgs grad_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int6
 
 PolicyArgs policy_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                        uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old, uintptr_t ref,
-                       uintptr_t w, int policy, int kl, bool has_dual, float clip_low, float clip_high,
-                       float dual_clip, float beta, float entropy_coef, uintptr_t logp, uintptr_t ent,
+                       uintptr_t rollout, uintptr_t w, EpilogueParams ep, uintptr_t logp, uintptr_t ent,
                        uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
-  if (policy == kGspo) throw std::invalid_argument("fused_rl._C: gspo is sequence-level; not fused");
+  if (ep.policy == kGspo) throw std::invalid_argument("fused_rl._C: gspo is sequence-level; not fused");
+  if (ep.rollout != kRolloutNone && rollout == 0)
+    throw std::invalid_argument("fused_rl._C: the rollout correction needs the rollout log-probs");
+  ep.has_old = old != 0 ? 1 : 0;
   return PolicyArgs{rows(x, dtype, B, T, V, sb, st), ptr<const void>(targets), tdtype, inv_tau,
-                    ptr<const float>(adv), ptr<const float>(old), ptr<const float>(ref), ptr<const float>(w),
-                    params(policy, kl, old != 0, has_dual, clip_low, clip_high, dual_clip, beta, entropy_coef),
-                    ptr<float>(logp), ptr<float>(ent), ptr<void>(out), osb, ost, nthreads};
+                    ptr<const float>(adv), ptr<const float>(old), ptr<const float>(ref), ptr<const float>(rollout),
+                    ptr<const float>(w), ep, ptr<float>(logp), ptr<float>(ent), ptr<void>(out), osb, ost, nthreads};
 }
 
 #define FRL_STATS_ARGS                                                                                    \
@@ -76,10 +68,8 @@ PolicyArgs policy_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, 
 #define FRL_POLICY_ARGS                                                                                   \
   py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("T"), py::arg("V"), py::arg("sb"), py::arg("st"), \
       py::arg("targets"), py::arg("tdtype"), py::arg("inv_tau"), py::arg("adv"), py::arg("old"),         \
-      py::arg("ref"), py::arg("w"), py::arg("policy"), py::arg("kl"), py::arg("has_dual"),               \
-      py::arg("clip_low"), py::arg("clip_high"), py::arg("dual_clip"), py::arg("beta"),                  \
-      py::arg("entropy_coef"), py::arg("logp"), py::arg("ent"), py::arg("out"), py::arg("osb"),          \
-      py::arg("ost"), py::arg("nthreads")
+      py::arg("ref"), py::arg("rollout"), py::arg("w"), py::arg("ep"), py::arg("logp"), py::arg("ent"),  \
+      py::arg("out"), py::arg("osb"), py::arg("ost")
 
 #ifdef FRL_WITH_CUDA
 void check(const std::string& err) {
@@ -109,29 +99,49 @@ PYBIND11_MODULE(_C, m) {
     cpu::token_grad(a);
   }, FRL_GRAD_ARGS);
 
+  py::class_<EpilogueParams>(m, "EpilogueParams", "Settings of the shared loss epilogue (policy_epilogue.h)")
+      .def(py::init<>())
+      .def_readwrite("policy", &EpilogueParams::policy)
+      .def_readwrite("kl", &EpilogueParams::kl)
+      .def_readwrite("kl_straight", &EpilogueParams::kl_straight)
+      .def_readwrite("kl_bias", &EpilogueParams::kl_bias)
+      .def_readwrite("has_dual", &EpilogueParams::has_dual)
+      .def_readwrite("has_delta", &EpilogueParams::has_delta)
+      .def_readwrite("rollout", &EpilogueParams::rollout)
+      .def_readwrite("clip_low", &EpilogueParams::clip_low)
+      .def_readwrite("clip_high", &EpilogueParams::clip_high)
+      .def_readwrite("dual_clip", &EpilogueParams::dual_clip)
+      .def_readwrite("delta", &EpilogueParams::delta)
+      .def_readwrite("sapo_pos", &EpilogueParams::sapo_pos)
+      .def_readwrite("sapo_neg", &EpilogueParams::sapo_neg)
+      .def_readwrite("beta", &EpilogueParams::beta)
+      .def_readwrite("entropy_coef", &EpilogueParams::entropy_coef)
+      .def_readwrite("rollout_min", &EpilogueParams::rollout_min)
+      .def_readwrite("rollout_max", &EpilogueParams::rollout_max);
+
   m.def("cpu_policy_fused", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                                uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old,
-                               uintptr_t ref, uintptr_t w, int policy, int kl, bool has_dual, float clip_low,
-                               float clip_high, float dual_clip, float beta, float entropy_coef, uintptr_t logp,
-                               uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
-    const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, w, policy,
-                                     kl, has_dual, clip_low, clip_high, dual_clip, beta, entropy_coef, logp, ent,
-                                     out, osb, ost, nthreads);
+                               uintptr_t ref, uintptr_t rollout, uintptr_t w, const EpilogueParams& ep,
+                               uintptr_t logp, uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
+    const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, rollout, w,
+                                     ep, logp, ent, out, osb, ost, nthreads);
     py::gil_scoped_release nogil;
     cpu::policy_fused(a);
-  }, FRL_POLICY_ARGS);
+  }, FRL_POLICY_ARGS, py::arg("nthreads"));
 
   m.def("epilogue", [](int64_t n, uintptr_t logp, uintptr_t ent, uintptr_t adv, uintptr_t old, uintptr_t ref,
-                       uintptr_t w, int policy, int kl, bool has_dual, float clip_low, float clip_high,
-                       float dual_clip, float beta, float entropy_coef, uintptr_t loss, uintptr_t g_logp,
+                       uintptr_t rollout, uintptr_t w, EpilogueParams p, uintptr_t loss, uintptr_t g_logp,
                        uintptr_t g_ent) {
-    const EpilogueParams p = params(policy, kl, old != 0, has_dual, clip_low, clip_high, dual_clip, beta,
-                                    entropy_coef);
+    if (p.rollout != kRolloutNone && rollout == 0)
+      throw std::invalid_argument("fused_rl._C: the rollout correction needs the rollout log-probs");
+    p.has_old = old != 0 ? 1 : 0;
     const float *lp = ptr<const float>(logp), *h = ptr<const float>(ent), *a = ptr<const float>(adv),
-                *o = ptr<const float>(old), *r = ptr<const float>(ref), *ww = ptr<const float>(w);
+                *o = ptr<const float>(old), *r = ptr<const float>(ref), *q = ptr<const float>(rollout),
+                *ww = ptr<const float>(w);
     float *l = ptr<float>(loss), *gl = ptr<float>(g_logp), *ge = ptr<float>(g_ent);
     for (int64_t i = 0; i < n; ++i) {
-      const EpilogueOut e = policy_epilogue(p, lp[i], h[i], a[i], o ? o[i] : 0.0f, r ? r[i] : 0.0f, ww[i]);
+      const EpilogueOut e = policy_epilogue(p, lp[i], h[i], a[i], o ? o[i] : 0.0f, r ? r[i] : 0.0f,
+                                            q ? q[i] : 0.0f, ww[i]);
       l[i] = e.loss; gl[i] = e.g_logp; ge[i] = e.g_ent;
     }
   }, "Evaluate the shared loss epilogue (policy_epilogue.h) on per-token fp32 arrays (for tests).");
@@ -171,14 +181,13 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("cuda_policy_fused", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                                 uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old,
-                                uintptr_t ref, uintptr_t w, int policy, int kl, bool has_dual, float clip_low,
-                                float clip_high, float dual_clip, float beta, float entropy_coef, uintptr_t logp,
-                                uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost, uintptr_t stream) {
-    const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, w, policy,
-                                     kl, has_dual, clip_low, clip_high, dual_clip, beta, entropy_coef, logp, ent,
-                                     out, osb, ost, 0);
+                                uintptr_t ref, uintptr_t rollout, uintptr_t w, const EpilogueParams& ep,
+                                uintptr_t logp, uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost,
+                                uintptr_t stream) {
+    const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, rollout, w,
+                                     ep, logp, ent, out, osb, ost, 0);
     check(cuda::policy_fused(a, stream));
-  });
+  }, FRL_POLICY_ARGS, py::arg("stream"));
 #else
   m.attr("has_cuda") = false;
 #endif

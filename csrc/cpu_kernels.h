@@ -51,6 +51,7 @@ struct PolicyArgs {
   const float* adv;  // B*T fp32
   const float* old;  // nullptr: on-policy
   const float* ref;  // nullptr unless kl
+  const float* rollout;  // nullptr unless ep.rollout
   const float* w;    // aggregation weights
   EpilogueParams ep;
   float* logp;

@@ -318,7 +318,7 @@ void policy_impl(const PolicyArgs& a) {
     a.logp[i] = logp;
     a.ent[i] = H;
     const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
-                                          a.ref ? a.ref[i] : 0.0f, a.w[i]);
+                                          a.ref ? a.ref[i] : 0.0f, a.rollout ? a.rollout[i] : 0.0f, a.w[i]);
     if (e.g_logp == 0.0f && e.g_ent == 0.0f) { row_zero<D>(orow, V); continue; }
     row_grad<D>(row, orow, V, a.inv_tau, st.m, logs, H, e.g_logp, e.g_ent, t);
   }

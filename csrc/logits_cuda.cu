@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
       a.logp[i] = logp;
       a.ent[i] = H;
       const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
-                                            a.ref ? a.ref[i] : 0.0f, a.w[i]);
+                                            a.ref ? a.ref[i] : 0.0f, a.rollout ? a.rollout[i] : 0.0f, a.w[i]);
       coef[0] = r.m; coef[1] = l2s; coef[2] = H; coef[3] = e.g_logp; coef[4] = e.g_ent;
     }
     __syncthreads();

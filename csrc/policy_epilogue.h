@@ -2,16 +2,22 @@
 //
 // This header is the only second copy of fused_rl/loss_math.py (tests/test_native.py checks it
 // against autograd of loss_math.per_token_loss). For one unmasked token with log-prob `logp`,
-// entropy `H`, advantage `a`, old / ref log-probs and aggregation weight `w` it returns the value
-// of the per-token loss l_t and w * dl_t/dlogp, w * dl_t/dH, using the same tie rules as torch
+// entropy `H`, advantage `a`, old / ref / rollout log-probs and aggregation weight `w` it returns the
+// value of the per-token loss l_t and w * dl_t/dlogp, w * dl_t/dH, using the same tie rules as torch
 // autograd (torch.maximum / minimum split the gradient in half on ties, clamp passes it at the
 // bounds):
 //
 //   r = exp(logp - old)                     (old = sg(logp) on-policy: r = 1, dr/dlogp = r)
-//   ppo_clip: l = max(-a r, -a clamp(r, 1-cl, 1+ch)); dual clip c: l = min(l, -c a) where a < 0
+//   ppo_clip: l = max(-a u, -a clamp(r, 1-cl, 1+ch)), u = r (min(r, delta) with TRL's two-sided
+//             clip); dual clip c: l = min(l, -c a) where a < 0
+//   sapo:     l = -a 4/tau sigmoid(tau (r - 1)), tau = sapo_pos if a > 0 else sapo_neg
 //   cispo:    l = -sg(min(r, 1+ch)) a logp
 //   reinforce l = -a logp
-//   kl (d = ref - logp): k1 -d, k2 d^2/2, k3 expm1(d) - d, abs |d|, low_var_kl clamp(k3(clamp(d,+-20)), +-10)
+//   rollout correction (token level, detached): rho = exp(sg(old) - rollout); the policy term is
+//             multiplied by clamp(rho, lo, hi) (truncate) or rho 1[lo <= rho <= hi] (mask)
+//   kl (d = ref - logp): k1 -d, k2 d^2/2, k3 expm1(d) - d, abs |d|, low_var_kl clamp(k3(clamp(d,+-20)), +-10);
+//             straight-through "X+": the value of X with the gradient of k2 (dk/dd = d);
+//             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r)
 //   l += beta kl;  l -= entropy_coef H
 #pragma once
 
@@ -25,15 +31,22 @@
 
 namespace fused_rl {
 
-enum PolicyKind : int { kPpoClip = 0, kGspo = 1, kCispo = 2, kReinforce = 3 };
+enum PolicyKind : int { kPpoClip = 0, kGspo = 1, kCispo = 2, kReinforce = 3, kSapo = 4 };
 enum KlKind : int { kKlNone = 0, kK1 = 1, kK2 = 2, kK3 = 3, kKlAbs = 4, kLowVarKl = 5 };
+enum RolloutKind : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
 
 struct EpilogueParams {
-  int policy;          // PolicyKind (kGspo is handled in Python: it is sequence-level)
-  int kl;              // KlKind
-  int has_old;         // 0: on-policy
-  int has_dual;        // dual clip active
-  float clip_low, clip_high, dual_clip, beta, entropy_coef;
+  int policy = kPpoClip;        // PolicyKind (kGspo is handled in Python: it is sequence-level)
+  int kl = kKlNone;             // KlKind of the value
+  int kl_straight = 0;          // "X+": gradient of k2
+  int kl_bias = 0;              // kl_bias_correction: the KL term times r
+  int has_old = 0;              // 0: on-policy
+  int has_dual = 0;             // dual clip active
+  int has_delta = 0;            // two-sided clip active
+  int rollout = kRolloutNone;   // RolloutKind (needs the rollout log-probs)
+  float clip_low = 0.2f, clip_high = 0.2f, dual_clip = 0.0f, delta = 0.0f;
+  float sapo_pos = 1.0f, sapo_neg = 1.05f, beta = 0.0f, entropy_coef = 0.0f;
+  float rollout_min = -INFINITY, rollout_max = INFINITY;  // an absent bound is infinite
 };
 
 struct EpilogueOut {
@@ -48,7 +61,7 @@ FRL_HD float frl_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo),
 FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x <= hi) ? 1.0f : 0.0f; }
 
 FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float ent, float a, float old,
-                                   float ref, float w) {
+                                   float ref, float rollout, float w) {
   const float log_ratio = p.has_old ? (logp - old) : 0.0f;
   const float r = expf(log_ratio);
   float loss = 0.0f, dl_dlogp = 0.0f;
@@ -59,11 +72,18 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
   } else if (p.policy == kReinforce) {
     loss = -a * logp;
     dl_dlogp = -a;
+  } else if (p.policy == kSapo) {
+    const float tau = a > 0.0f ? p.sapo_pos : p.sapo_neg;
+    const float s = 1.0f / (1.0f + expf(-tau * (r - 1.0f)));
+    loss = -a * s * (4.0f / tau);
+    dl_dlogp = -4.0f * a * s * (1.0f - s) * r;  // d sigmoid(tau (r - 1)) / dr = tau s (1 - s)
   } else {  // ppo_clip (and gspo's token form, unused)
     const float na = -a;
     const float lo = 1.0f - p.clip_low, hi = 1.0f + p.clip_high;
     const float clipped = frl_clamp(r, lo, hi);
-    const float u = na * r, v = na * clipped;
+    // TRL's delta: u = clamp(r, max=delta) (NaN passes, the gradient passes at r == delta)
+    const bool capped_u = p.has_delta && r > p.delta;
+    const float u = na * (capped_u ? p.delta : r), v = na * clipped;
     // torch.maximum(u, v): gradient to u where u > v, half to each on a tie.
     float gu, gv;
     if (u > v) { gu = 1.0f; gv = 0.0f; } else if (u < v) { gu = 0.0f; gv = 1.0f; } else { gu = 0.5f; gv = 0.5f; }
@@ -75,30 +95,47 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
       if (l < cap) { gl = 1.0f; } else if (l > cap) { gl = 0.0f; l = cap; } else { gl = 0.5f; }
     }
     loss = l;
-    const float dl_dr = gl * (gu * na + gv * na * frl_clamp_grad(r, lo, hi));
+    const float dl_dr = gl * (gu * na * (capped_u ? 0.0f : 1.0f) + gv * na * frl_clamp_grad(r, lo, hi));
     dl_dlogp = dl_dr * r;  // dr/dlogp = r (on-policy too)
+  }
+  if (p.rollout != kRolloutNone) {  // detached weight of the policy term
+    const float rho = expf((p.has_old ? old : logp) - rollout);
+    const float c = p.rollout == kRolloutTruncate
+                        ? frl_clamp(rho, p.rollout_min, p.rollout_max)
+                        : ((rho >= p.rollout_min && rho <= p.rollout_max) ? rho : 0.0f);
+    loss *= c;
+    dl_dlogp *= c;
   }
   if (p.kl != kKlNone) {
     const float d = ref - logp;
     float k = 0.0f, dk_dd = 0.0f;
+    bool k3_slope = false;  // k = expm1(d) - d and dk/dd = expm1(d): k - dk/dd = -d exactly
     switch (p.kl) {
       case kK1: k = -d; dk_dd = -1.0f; break;
       case kK2: k = 0.5f * d * d; dk_dd = d; break;
-      case kK3: { const float e = expm1f(d); k = e - d; dk_dd = e; break; }
+      case kK3: { const float e = expm1f(d); k = e - d; dk_dd = e; k3_slope = true; break; }
       case kKlAbs: k = fabsf(d); dk_dd = (d > 0.0f) ? 1.0f : ((d < 0.0f) ? -1.0f : 0.0f); break;
       case kLowVarKl: {
         const float dc = frl_clamp(d, -20.0f, 20.0f);
         const float e = expm1f(dc);
         const float k3 = e - dc;
         k = frl_clamp(k3, -10.0f, 10.0f);
-        dk_dd = e * frl_clamp_grad(k3, -10.0f, 10.0f) * frl_clamp_grad(d, -20.0f, 20.0f);
+        k3_slope = frl_clamp_grad(k3, -10.0f, 10.0f) * frl_clamp_grad(d, -20.0f, 20.0f) != 0.0f;
+        dk_dd = k3_slope ? e : 0.0f;
         break;
       }
       default: break;
     }
+    if (p.kl_straight) { dk_dd = d; k3_slope = false; }  // the gradient of k2 = d^2 / 2
     if (p.beta != 0.0f) {
-      loss += p.beta * k;
-      dl_dlogp += -p.beta * dk_dd;  // dd/dlogp = -1
+      if (p.kl_bias) {  // beta r kl: d/dlogp = beta (r dkl/dlogp + kl r) = beta r (kl - dkl/dd)
+        loss += p.beta * r * k;
+        // k3: kl - dkl/dd = -d, without cancelling two terms of size exp(d)
+        dl_dlogp += p.beta * r * (k3_slope ? -d : k - dk_dd);
+      } else {
+        loss += p.beta * k;
+        dl_dlogp += -p.beta * dk_dd;  // dd/dlogp = -1
+      }
     }
   }
   float dl_dent = 0.0f;

@@ -254,20 +254,37 @@ EPILOGUE_CONFIGS = [
     PolicyLossConfig(policy_loss="cispo", kl="low_var_kl", beta=0.5, entropy_coef=0.1),
     PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.05, entropy_coef=0.01),
     PolicyLossConfig(kl="k2", beta=0.0),  # kl reported, not in the loss
+    # the options of issue 10 that are token-local, alone and combined
+    PolicyLossConfig(policy_loss="sapo"),
+    PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=3.0, sapo_temperature_neg=0.5, kl="k3", beta=0.1),
+    PolicyLossConfig(clip_high=0.28, delta=1.4),
+    PolicyLossConfig(delta=1.5, dual_clip=3.0, kl="k1", beta=0.1, entropy_coef=0.01),
+] + [PolicyLossConfig(kl=k, beta=0.2) for k in ("k1+", "k3+", "abs+", "low_var_kl+")] + [
+    PolicyLossConfig(kl="k3", beta=0.3, kl_bias_correction=True),
+    PolicyLossConfig(policy_loss="cispo", kl="low_var_kl+", beta=0.2, kl_bias_correction=True),
+    PolicyLossConfig(rollout_is="token_truncate", rollout_is_max=1.3),
+    PolicyLossConfig(rollout_is="token_truncate", rollout_is_min=0.8, rollout_is_max=None, kl="k2", beta=0.1),
+    PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=1.5),
+    PolicyLossConfig(policy_loss="sapo", rollout_is="token_mask", rollout_is_max=2.0, delta=None, kl="k3+",
+                     beta=0.1, kl_bias_correction=True, entropy_coef=0.02),
 ]
 
 
-def _epilogue(config, logp, ent, adv, old, ref, w):
+def _epilogue(config, logp, ent, adv, old, ref, rollout, w):
     n = logp.numel()
     loss, gl, ge = (torch.empty(n) for _ in range(3))
-    _C.epilogue(n, logp.data_ptr(), ent.data_ptr(), adv.data_ptr(), native._ptr(old), native._ptr(ref), w.data_ptr(),
-                native.POLICY_CODES[config.policy_loss], native.KL_CODES[config.kl], config.dual_clip is not None,
-                config.clip_low, config.clip_high, config.dual_clip or 0.0, config.beta, config.entropy_coef,
-                loss.data_ptr(), gl.data_ptr(), ge.data_ptr())
+    _C.epilogue(n, logp.data_ptr(), ent.data_ptr(), adv.data_ptr(), native._ptr(old), native._ptr(ref),
+                native._ptr(rollout), w.data_ptr(), native.epilogue_params(config), loss.data_ptr(), gl.data_ptr(),
+                ge.data_ptr())
     return loss, gl, ge
 
 
-@pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=lambda c: f"{c.policy_loss}-{c.kl}-d{c.dual_clip}-e{c.entropy_coef}")
+def _cfg_name(c):
+    return (f"{c.policy_loss}-{c.kl}-d{c.dual_clip}-delta{c.delta}-bias{int(c.kl_bias_correction)}-{c.rollout_is}"
+            f"-e{c.entropy_coef}")
+
+
+@pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_cfg_name)
 @pytest.mark.parametrize("on_policy", [False, True])
 def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
     g = torch.Generator().manual_seed(0)
@@ -275,30 +292,76 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
     logp = -torch.rand(n, generator=g) * 6
     # log-ratios spread over both sides of every clip bound (and past the dual-clip cap)
     old = None if on_policy else logp - torch.randn(n, generator=g) * 0.8
-    ref = logp + torch.randn(n, generator=g) * 12  # |d| beyond 20 and k3 beyond 10 for low_var_kl
+    # |d| beyond 20 and k3 beyond 10 for low_var_kl; with kl_bias_correction |d| up to ~17, where even
+    # the fp64 reference's cancellation (exp(d) eps_64) stays below the tolerance
+    ref = logp + torch.randn(n, generator=g) * (5.0 if config.kl_bias_correction else 12.0)
     ref[:8] = logp[:8]  # d == 0 exactly (abs: zero subgradient)
+    rollout = (logp if old is None else old) + torch.randn(n, generator=g) * 0.5
     adv = torch.randn(n, generator=g)
     adv[8:16] = 0.0
     ent = torch.rand(n, generator=g) * 3
     w = torch.rand(n, generator=g) / n
     mask = torch.ones(1, n, dtype=torch.bool)
+    use_rollout = config.rollout_is is not None
 
-    lp = logp.clone().view(1, n).requires_grad_(True)
-    en = ent.clone().view(1, n).requires_grad_(True)
-    loss_t, _, _, _ = per_token_loss(lp, adv.view(1, n), mask, config, old_logprobs=None if old is None else old.view(1, n),
-                                  ref_logprobs=ref.view(1, n) if config.kl else None, entropy=en)
-    (loss_t * w.view(1, n)).sum().backward()
-    got_loss, got_gl, got_ge = _epilogue(config, logp, ent, adv, old, ref if config.kl else None, w)
-    torch.testing.assert_close(got_loss, loss_t.detach().view(-1), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(got_gl, lp.grad.view(-1), rtol=2e-5, atol=1e-9)
-    exp_ge = torch.zeros(n) if en.grad is None else en.grad.view(-1)
+    # The reference in fp64: with kl_bias_correction, autograd's r dkl + kl r cancels two terms of size
+    # exp(d) (fp32 autograd is wrong there already at |d| ~ 10; the kernel uses the exact k3 slope -d).
+    f64 = lambda x: x.double().view(1, n)  # noqa: E731
+    lp = f64(logp).requires_grad_(True)
+    en = f64(ent).requires_grad_(True)
+    loss_t, _, _, _ = per_token_loss(lp, f64(adv), mask, config, old_logprobs=None if old is None else f64(old),
+                                     ref_logprobs=f64(ref) if config.kl else None, entropy=en,
+                                     rollout_logprobs=f64(rollout) if use_rollout else None)
+    (loss_t * f64(w)).sum().backward()
+    got_loss, got_gl, got_ge = _epilogue(config, logp, ent, adv, old, ref if config.kl else None,
+                                         rollout if use_rollout else None, w)
+    torch.testing.assert_close(got_loss, loss_t.detach().view(-1).float(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got_gl, lp.grad.view(-1).float(), rtol=2e-5, atol=1e-9)
+    exp_ge = torch.zeros(n) if en.grad is None else en.grad.view(-1).float()
     torch.testing.assert_close(got_ge, exp_ge, rtol=1e-6, atol=1e-12)
-    if config.policy_loss == "ppo_clip" and not on_policy:  # the inputs did reach every branch
-        r = torch.exp(logp - old)
+    if on_policy:
+        return
+    r = torch.exp(logp - old)  # the inputs did reach every branch
+    if config.policy_loss == "ppo_clip":
         assert ((r < 1 - config.clip_low) & (adv > 0)).any() and ((r > 1 + config.clip_high) & (adv > 0)).any()
         assert ((r < 1 - config.clip_low) & (adv < 0)).any() and ((r > 1 + config.clip_high) & (adv < 0)).any()
         if config.dual_clip is not None:
             assert ((r > config.dual_clip) & (adv < 0)).any()
+        if config.delta is not None:
+            assert ((r > config.delta) & (adv < 0)).any()
+    if use_rollout:
+        rho = torch.exp(old - rollout)
+        lo, hi = config.rollout_is_min, config.rollout_is_max
+        assert (lo is None or (rho < lo).any()) and (hi is None or (rho > hi).any())
+
+
+def test_epilogue_params_reject_sequence_level_configs():
+    with pytest.raises(ValueError, match="no token epilogue"):
+        native.epilogue_params(PolicyLossConfig(policy_loss="gmpo"))
+    with pytest.raises(ValueError, match="no token epilogue"):
+        native.epilogue_params(PolicyLossConfig(rollout_is="sequence_mask"))
+
+
+@pytest.mark.parametrize("config", [c for c in EPILOGUE_CONFIGS[-14:]], ids=_cfg_name)
+def test_new_options_take_the_single_pass(config, monkeypatch):
+    """The token-local options of issue 10 run the C++ single pass (never the base composition), equal to
+    the reference, out of place and in place."""
+    def composition(*args, **kwargs):
+        raise AssertionError("the two-pass composition (token_logprobs + loss math) was used")
+
+    monkeypatch.setattr(native.NativeBackend, "token_logprobs", composition)
+    calls = []
+    for name in ("policy_fwd", "policy_fwd_inplace"):
+        op = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _op=op, _n=name: calls.append(_n) or _op(*a))
+    case = make_case(batch=4, length=7, vocab=1000, seed=5)
+    if config.rollout_is is not None:
+        rollout = case.old + 0.3 * torch.randn(case.old.shape, generator=torch.Generator().manual_seed(2))
+        base_kwargs = case.kwargs()
+        case.kwargs = lambda: {**base_kwargs, "rollout_logprobs": rollout}
+    compare_policy_loss("cpu", case, config)
+    _check_inplace("cpu", case, config)
+    assert calls == ["policy_fwd", "policy_fwd", "policy_fwd_inplace"]
 
 
 # ------------------------------------------------------------------------------ CUDA (run where a GPU is present)

@@ -17,11 +17,17 @@ aggregation weights ``w`` of :func:`fused_rl.loss_math.aggregation_weights`) and
 in the forward (over ``logits`` with ``inplace=True``); the loss value and metrics are then computed
 by :func:`fused_rl.loss_math.compute_policy_loss` from the kernel's per-token log-probs. The backward
 only scales the stored ``dlogits`` by the incoming gradient (in place: a second backward through the
-same graph is not supported). Sequence-level configs (gspo) use the two-pass base composition.
+same graph is not supported). The epilogue covers every token-local option
+(``config.has_token_epilogue``: ppo_clip with dual clip / delta, sapo, cispo, reinforce, every KL
+estimator with the straight-through and bias-corrected forms, token-level rollout correction, read
+from the rollout log-probs in the same pass); sequence- and batch-level configs (gspo, gmpo, sequence
+rollout correction, the off-policy mask, the top-entropy quantile) use the two-pass base composition.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from typing import Optional
 
@@ -34,6 +40,7 @@ from ..validation import PolicyInputs
 from . import register, register_missing
 from .base import Backend
 from .custom_ops import register_token_ops
+from .torch_linear import _config_from_literal, config_literal
 
 try:
     from .. import _C  # type: ignore[attr-defined]
@@ -51,8 +58,10 @@ except ImportError as exc:  # not built, or built for another Python / platform
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INDEX_CODES = {torch.int32: 0, torch.int64: 1}
-POLICY_CODES = {"ppo_clip": 0, "gspo": 1, "cispo": 2, "reinforce": 3}
+#: Codes of ``csrc/policy_epilogue.h`` (``PolicyKind``, ``KlKind``, ``RolloutKind``).
+POLICY_CODES = {"ppo_clip": 0, "gspo": 1, "cispo": 2, "reinforce": 3, "sapo": 4}
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
+ROLLOUT_CODES = {None: 0, "token_truncate": 1, "token_mask": 2}
 
 #: Threads of the CPU kernels; ``None`` follows ``torch.get_num_threads()``.
 _NUM_THREADS: Optional[int] = None
@@ -166,13 +175,34 @@ register_token_ops(token_stats, token_grad)
 
 
 # ---------------------------------------------------------------- single-pass policy loss
-def _policy_args(x, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip, beta,
-                 entropy_coef, temperature, logp, ent, out, osb, ost):
+@functools.lru_cache(maxsize=64)
+def epilogue_params(config: PolicyLossConfig):
+    """The ``_C.EpilogueParams`` of a config with a token epilogue (``config.has_token_epilogue``);
+    ``has_old`` is set by the kernel call from the ``old`` pointer."""
+    if not config.has_token_epilogue:
+        raise ValueError(f"no token epilogue for this config (sequence- or batch-level options): {config}")
+    p = _C.EpilogueParams()
+    p.policy = POLICY_CODES[config.policy_loss]
+    kl = config.kl or ""
+    p.kl, p.kl_straight = KL_CODES[kl.rstrip("+") or None], int(kl.endswith("+"))
+    p.kl_bias = int(config.kl_bias_correction)
+    p.has_dual, p.has_delta = int(config.dual_clip is not None), int(config.delta is not None)
+    p.rollout = ROLLOUT_CODES[config.rollout_is]
+    p.clip_low, p.clip_high = config.clip_low, config.clip_high
+    p.dual_clip, p.delta = config.dual_clip or 0.0, config.delta or 0.0
+    p.sapo_pos, p.sapo_neg = config.sapo_temperature_pos, config.sapo_temperature_neg
+    p.beta, p.entropy_coef = config.beta, config.entropy_coef
+    p.rollout_min = -math.inf if config.rollout_is_min is None else config.rollout_is_min
+    p.rollout_max = math.inf if config.rollout_is_max is None else config.rollout_is_max
+    return p
+
+
+def _policy_args(x, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost):
+    config = _config_from_literal(config_literal)
     xr, b, t, v, sb, st = _rows(x)
     return (xr.data_ptr(), _DTYPE_CODES[xr.dtype], b, t, v, sb, st, targets.data_ptr(), _INDEX_CODES[targets.dtype],
-            1.0 / temperature, adv.data_ptr(), _ptr(old), _ptr(ref), w.data_ptr(), policy, kl, has_dual,
-            clip_low, clip_high, dual_clip, beta, entropy_coef, logp.data_ptr(), ent.data_ptr(), out.data_ptr(),
-            osb, ost)
+            1.0 / config.temperature, adv.data_ptr(), _ptr(old), _ptr(ref), _ptr(rollout), w.data_ptr(),
+            epilogue_params(config), logp.data_ptr(), ent.data_ptr(), out.data_ptr(), osb, ost)
 
 
 def _launch_policy(x: torch.Tensor, args: tuple) -> None:
@@ -185,26 +215,24 @@ def _launch_policy(x: torch.Tensor, args: tuple) -> None:
 
 @torch.library.custom_op("fused_rl::native_policy_fwd", mutates_args=())
 def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
-               ref: Optional[torch.Tensor], w: torch.Tensor, policy: int, kl: int, has_dual: bool,
-               clip_low: float, clip_high: float, dual_clip: float, beta: float, entropy_coef: float,
-               temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
+               config_literal: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token fp32 ``(logp, entropy)`` (flat) and ``dlogits`` of ``sum_t w_t l_t`` (contiguous,
-    logits dtype). ``targets`` must be ``IGNORE_INDEX`` wherever the mask is off; per-token tensors are
-    contiguous fp32 of ``B*T`` elements."""
+    logits dtype) for the config ``torch_linear.config_literal(config)``. ``targets`` must be
+    ``IGNORE_INDEX`` wherever the mask is off; per-token tensors are contiguous fp32 of ``B*T`` elements."""
     n = targets.numel()
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     ent = torch.empty(n, dtype=torch.float32, device=logits.device)
     out = _new_output(logits.shape, logits)
     v = logits.shape[-1]
-    args = _policy_args(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip,
-                        beta, entropy_coef, temperature, logp, ent, out, logits.shape[1] * v, v)
+    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out,
+                        logits.shape[1] * v, v)
     _launch_policy(logits, args)
     return logp, ent, out
 
 
 @policy_fwd.register_fake
-def _(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip, beta,
-      entropy_coef, temperature):
+def _(logits, targets, adv, old, ref, rollout, w, config_literal):
     n = targets.numel()
     return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32),
             torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
@@ -212,22 +240,20 @@ def _(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_hi
 
 @torch.library.custom_op("fused_rl::native_policy_fwd_inplace", mutates_args=("logits",))
 def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
-                       ref: Optional[torch.Tensor], w: torch.Tensor, policy: int, kl: int, has_dual: bool,
-                       clip_low: float, clip_high: float, dual_clip: float, beta: float, entropy_coef: float,
-                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
+                       config_literal: str) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`policy_fwd`, writing ``dlogits`` over ``logits`` (same strides)."""
     n = targets.numel()
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     ent = torch.empty(n, dtype=torch.float32, device=logits.device)
-    args = _policy_args(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip,
-                        beta, entropy_coef, temperature, logp, ent, logits, logits.stride(0), logits.stride(1))
+    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, logits,
+                        logits.stride(0), logits.stride(1))
     _launch_policy(logits, args)
     return logp, ent
 
 
 @policy_fwd_inplace.register_fake
-def _(logits, targets, adv, old, ref, w, policy, kl, has_dual, clip_low, clip_high, dual_clip, beta,
-      entropy_coef, temperature):
+def _(logits, targets, adv, old, ref, rollout, w, config_literal):
     n = targets.numel()
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
@@ -297,21 +323,20 @@ class NativeBackend(Backend):
         adv = _f32(inputs.kernel_advantages)
         old = _f32(inputs.old)
         ref = _f32(inputs.ref) if config.kl is not None else None
-        params = (POLICY_CODES[config.policy_loss], KL_CODES[config.kl], config.dual_clip is not None,
-                  config.clip_low, config.clip_high, config.dual_clip or 0.0, config.beta, config.entropy_coef,
-                  config.temperature)
+        rollout = _f32(inputs.rollout) if config.rollout_is is not None else None
+        args = (targets, adv, old, ref, rollout, w, config_literal(config))
         x = logits.detach()
         # In place only over a non-leaf buffer (model output): a leaf would end up aliasing its own .grad.
         if inplace and not logits.is_leaf and not _is_compiling():
-            logp, ent = policy_fwd_inplace(x, targets, adv, old, ref, w, *params)
+            logp, ent = policy_fwd_inplace(x, *args)
             dlogits = x
         else:
-            logp, ent, dlogits = policy_fwd(x, targets, adv, old, ref, w, *params)
+            logp, ent, dlogits = policy_fwd(x, *args)
         logp = logp.view(batch, length)
         want_entropy = compute_entropy or config.needs_entropy
         entropy = ent.view(batch, length) if want_entropy else None
         value, metrics = compute_policy_loss(logp, inputs.advantages, mask, config, old_logprobs=inputs.old,
-                                             ref_logprobs=inputs.ref, entropy=entropy,
+                                             ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
                                              rollout_is_weights=inputs.is_weights,
                                              token_normalizer=inputs.token_normalizer)
         loss = attach_grad(value, logits, dlogits)

@@ -100,11 +100,9 @@ def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_
     ``out`` if given); ``(logp, H)``."""
     from . import native
 
-    params = (native.POLICY_CODES[config.policy_loss], native.KL_CODES[config.kl], config.dual_clip is not None,
-              float(config.clip_low), float(config.clip_high), float(config.dual_clip or 0.0), float(config.beta),
-              float(config.entropy_coef), float(config.temperature))
     # a (1, n, V) view: the op takes its output row strides from dims 0 and 1
-    logp, ent = native.policy_fwd_inplace(z.unsqueeze(0), targets, adv, old, ref, w, *params)
+    logp, ent = native.policy_fwd_inplace(z.unsqueeze(0), targets, adv, old, ref, None, w,
+                                          torch_linear.config_literal(config))
     if out is not None and write_grad:
         out.copy_(z)
     return logp, ent
