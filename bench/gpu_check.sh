@@ -5,9 +5,10 @@
 # 1. pytest -m cuda tests/test_triton.py   (TRITON_INTERPRET=0: real kernels on the GPU)
 # 2. pytest -m cuda on the native (CUDA C++), linear, tiled linear and hardening tests
 # 3. bench/gpu_logits_bench.py: N=16384, V=151936, bf16, forward+backward of policy_loss
+# 4. bench/bench_variants.py on triton and cuda: N=8192, V=151936, bf16, single pass vs two-pass
 # Results: OUTDIR/{env.txt,build.txt,pytest_cuda.txt,pytest_native.txt,pytest_junit.xml,bench.txt,
-#          logits_bench.json,logits_bench.md}.
-# Budget: <= 240 s build + 170 s + 120 s tests + 120 s benchmark (each step has its own timeout).
+#          logits_bench.json,logits_bench.md,variants.txt}.
+# Budget: <= 240 s build + 170 s + 120 s tests + 120 s + 2 x 45 s benchmarks (each step has its own timeout).
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-gpu_check_out}}"
@@ -45,3 +46,11 @@ echo "== logits-pass benchmark"
 timeout 120 "$PY" bench/gpu_logits_bench.py "$OUTDIR" > "$OUTDIR/bench.txt" 2>&1
 echo "bench exit code: $?" >> "$OUTDIR/bench.txt"
 tail -40 "$OUTDIR/bench.txt"
+
+echo "== single pass vs two-pass per token-local variant"
+for backend in triton cuda; do
+  timeout 45 "$PY" bench/bench_variants.py --backend "$backend" --dtype bf16 --batch 16 --length 512 \
+    --vocab 151936 --repeat 3 >> "$OUTDIR/variants.txt" 2>&1
+  echo "$backend exit code: $?" >> "$OUTDIR/variants.txt"
+done
+tail -25 "$OUTDIR/variants.txt"
