@@ -28,6 +28,13 @@ constexpr int kRowsPerSm = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// log p = ln2 ((y_t - m) - log2 s), clamped to <= 0 (FMA contraction of y_t can round it to +1e-8 for
+// a near-certain token); NaN passes.
+__device__ __forceinline__ float target_logp(float yt, float m, float l2s) {
+  const float lp = ((yt - m) - l2s) * kLn2;
+  return lp > 0.0f ? 0.0f : lp;
+}
+
 template <class T> struct Elem;
 template <> struct Elem<float> {
   static constexpr int kVec = 4;
@@ -232,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);
       const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
-      a.logp[i] = ((yt - r.m) - l2s) * kLn2;
+      a.logp[i] = target_logp(yt, r.m, l2s);
       a.lse[i] = r.m;  // base 2, as row_grad reads them
       a.lse[N + i] = l2s;
       if (a.ent) a.ent[i] = kLn2 * (l2s - r.u / r.s);
@@ -280,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);
       const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
-      const float logp = ((yt - r.m) - l2s) * kLn2;
+      const float logp = target_logp(yt, r.m, l2s);
       const float H = kLn2 * (l2s - r.u / r.s);
       a.logp[i] = logp;
       a.ent[i] = H;

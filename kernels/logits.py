@@ -113,6 +113,8 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     # in-row address even for ignored rows; rows past N (valid is False there too) load nothing
     ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32) * scale
     logp = LN2 * ((ut - m_fin) - log2_s)
+    # log p <= 0 (FMA contraction of ut can round it to +1e-8 for a near-certain token); NaN passes
+    logp = tl.where(logp > 0.0, 0.0, logp)
     ent = tl.zeros([BLOCK_N], tl.float32)
     if WITH_ENT:
         ent = LN2 * (log2_s - q / s)

@@ -134,6 +134,7 @@ def compare_policy_loss(backend: str, case: PolicyCase, config: PolicyLossConfig
     k = tol_scale
     assert_close(got.loss, expected.loss, dtype, "loss", scale=k)
     assert_close(got.logprobs, expected.logprobs, dtype, "logprobs", scale=k)
+    assert (got.logprobs <= 0).all(), "a positive log-prob"
     if expected.entropy is not None:
         assert got.entropy is not None
         assert_close(got.entropy, expected.entropy, dtype, "entropy", scale=k)
