@@ -90,14 +90,18 @@ def with_extras(case, config, seed: int = 0, weights: str = ""):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backend_matches_reference(name, backend, dtype):
+    _compare_backend(backend, dtype, name, VARIANTS[name], (("randn", True, ""), ("peaked", False, ""),
+                                                            ("negative", True, "")))
+
+
+def _compare_backend(backend, dtype, name, config, runs):
+    """``compare_policy_loss`` on ragged 5 x 6 cases, one per ``(logit kind, off-policy, weights)``."""
     if not supports(backend, dtype):
         pytest.skip(f"{backend} does not take {dtype}")
-    config = VARIANTS[name]
-    vocab = VOCAB.get(backend, 1000)
-    for kind, off_policy in (("randn", True), ("peaked", False), ("negative", True)):
-        case = make_case(batch=5, length=6, vocab=vocab, kind=kind, dtype=dtype, seed=len(name),
+    for kind, off_policy, weights in runs:
+        case = make_case(batch=5, length=6, vocab=VOCAB.get(backend, 1000), kind=kind, dtype=dtype, seed=len(name),
                          off_policy=off_policy, per_token_adv=name == "gspo_token")
-        compare_policy_loss(backend, with_extras(case, config), config)
+        compare_policy_loss(backend, with_extras(case, config, weights=weights), config)
 
 
 @needs_triton
@@ -172,13 +176,7 @@ WEIGHTED.update(ppo_dual=PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1, entr
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rollout_is_weights_backend_matches_reference(name, backend, dtype):
-    if not supports(backend, dtype):
-        pytest.skip(f"{backend} does not take {dtype}")
-    config = WEIGHTED[name]
-    vocab = VOCAB.get(backend, 1000)
-    for kind, off_policy, weights in (("randn", True, "token"), ("negative", False, "sequence")):
-        case = make_case(batch=5, length=6, vocab=vocab, kind=kind, dtype=dtype, seed=len(name), off_policy=off_policy)
-        compare_policy_loss(backend, with_extras(case, config, weights=weights), config)
+    _compare_backend(backend, dtype, name, WEIGHTED[name], (("randn", True, "token"), ("negative", False, "sequence")))
 
 
 @pytest.mark.parametrize("name", list(WEIGHTED))
