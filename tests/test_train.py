@@ -207,6 +207,17 @@ def test_sampler_logprobs_are_the_sampling_distribution(tmp_path, top_p):
     else:
         assert torch.all(got >= want - 1e-5)
         assert (got > want + 1e-3).any()
+    # independently: the nucleus of the training forward's logits / T (HF's top-p warper), renormalized
+    from transformers import TopPLogitsWarper
+
+    with torch.no_grad():
+        logits = t.policy.lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids).logits[:, batch.prompt_len - 1:-1].float() / 0.7
+    flat = logits.reshape(-1, logits.shape[-1])
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p)(None, flat)
+    nucleus = torch.log_softmax(flat, -1).gather(-1, batch.targets.reshape(-1, 1)).view(batch.targets.shape)
+    torch.testing.assert_close(got, nucleus[batch.mask], atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- learning

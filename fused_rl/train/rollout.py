@@ -4,10 +4,10 @@ Layout of a rollout batch of ``N = prompts * G`` sequences (samples of one promp
 ``input_ids (N, P + T)`` = left-padded prompt (``P``) + completion right-padded to
 ``T = max_new_tokens``; ``targets = input_ids[:, P:]``; ``mask (N, T)`` marks completion tokens up to and
 including the first EOS. A completion with no EOS within ``max_new_tokens`` is *truncated*.
-With ``sampler_logprobs=True`` the rollout keeps ``log_softmax`` of ``generate``'s processed scores
-(temperature and top-p applied) at the sampled tokens: the log-probs of the distribution the tokens were
-actually drawn from, which the loss's rollout correction (``rollout_is``, ``off_policy_mask``) compares
-with the training forward's.
+With ``sampler_logprobs=True`` the rollout keeps the log-probs of the sampled tokens under the distribution
+they were drawn from (the logits after ``generate``'s temperature and top-p warpers), which the loss's
+rollout correction (``rollout_is``, ``off_policy_mask``) compares with the training forward's. They are
+gathered step by step (:class:`SamplerLogprobs`), never stored as ``(N, T, V)`` scores.
 """
 
 from __future__ import annotations
@@ -18,6 +18,38 @@ from typing import Optional
 import torch
 
 from .tasks import batch_fields, call_reward
+
+
+class SamplerLogprobs:
+    """A ``generate`` logits processor that returns the logits unchanged and records, per step,
+    ``log_softmax`` of them after the sampling warpers ``generate`` applies next (HF's own
+    ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``, top-k off, as :func:`generate` samples); the
+    log-prob of the token drawn from a step is gathered at the next step (and by :meth:`finish` for the
+    last), so one ``(N, V)`` row block is alive at a time."""
+
+    def __init__(self, temperature: float, top_p: float):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)]
+                                           + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
+        self.pending: Optional[torch.Tensor] = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.pending = torch.log_softmax(self.warpers(input_ids, scores.float().clone()), -1)
+        return scores
+
+    def finish(self, generated: torch.Tensor, length: int) -> torch.Tensor:
+        """``(N, length)`` fp32 log-probs of the ``generated (N, steps)`` tokens, 0 past them."""
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, generated[:, len(self.steps):len(self.steps) + 1]).squeeze(-1))
+            self.pending = None
+        out = torch.zeros((generated.shape[0], length), dtype=torch.float32, device=generated.device)
+        if self.steps:
+            out[:, :len(self.steps)] = torch.stack(self.steps, 1)
+        return out
 
 
 @dataclass
@@ -71,14 +103,19 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
     encoded = [e for e in encoded for _ in range(group_size)]
     prompt_ids, prompt_attn = left_pad(encoded, tokenizer.pad_token_id, device)
     kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    recorder = SamplerLogprobs(temperature, top_p) if sampler_logprobs and not greedy else None
+    if recorder is not None:
+        from transformers import LogitsProcessorList
+
+        kwargs["logits_processor"] = LogitsProcessorList([recorder])
     was_training = model.training
     model.eval()
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, max_new_tokens=max_new_tokens,
                          min_new_tokens=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         use_cache=True, output_scores=sampler_logprobs, return_dict_in_generate=True, **kwargs)
+                         use_cache=True, **kwargs)
     model.train(was_training)
     P = prompt_ids.shape[1]
-    comp = out.sequences[:, P:]
+    comp = out[:, P:]
     if comp.shape[1] < max_new_tokens:
         pad = torch.full((comp.shape[0], max_new_tokens - comp.shape[1]), tokenizer.pad_token_id,
                          dtype=comp.dtype, device=comp.device)
@@ -90,12 +127,8 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
     truncated = ~is_eos.any(1)
     comp = torch.where(mask, comp, torch.full_like(comp, tokenizer.pad_token_id))
     logprobs = None
-    if sampler_logprobs:
-        steps = len(out.scores)
-        scores = torch.stack(out.scores, 1).float()  # (N, steps, V): logits after temperature / top-p
-        lp = torch.log_softmax(scores, -1).gather(-1, comp[:, :steps].unsqueeze(-1)).squeeze(-1)
-        logprobs = torch.zeros(comp.shape, dtype=torch.float32, device=comp.device)
-        logprobs[:, :steps] = lp
+    if recorder is not None:
+        logprobs = recorder.finish(out[:, P:], max_new_tokens)
         logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
     return prompt_ids, prompt_attn, P, comp, mask, truncated, logprobs
 
