@@ -305,7 +305,7 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
     use_rollout = config.rollout_is is not None
 
     # The reference in fp64: with kl_bias_correction, autograd's r dkl + kl r cancels two terms of size
-    # exp(d) (fp32 autograd is wrong there already at |d| ~ 10; the kernel uses the exact k3 slope -d).
+    # exp(d) (fp32 autograd gives -32 for the exact -20 at d = 20, r = 1; the kernel uses the exact slope -d).
     f64 = lambda x: x.double().view(1, n)  # noqa: E731
     lp = f64(logp).requires_grad_(True)
     en = f64(ent).requires_grad_(True)

@@ -197,6 +197,7 @@ def test_sampler_logprobs_are_the_sampling_distribution(tmp_path, top_p):
     cfg = small(tmp_path, temperature=0.7, top_p=top_p, max_new_tokens=5,
                 loss_options=dict(rollout_is="token_truncate", rollout_is_max=2.0))
     t = Trainer(cfg, quiet=True)
+    t.policy.lm.generation_config.top_k = 1  # a model default that must not leak into the sampling
     torch.manual_seed(0)
     batch = t.collect()
     old, _ = t._logprobs(t.policy, batch)
@@ -218,6 +219,8 @@ def test_sampler_logprobs_are_the_sampling_distribution(tmp_path, top_p):
         flat = TopPLogitsWarper(top_p)(None, flat)
     nucleus = torch.log_softmax(flat, -1).gather(-1, batch.targets.reshape(-1, 1)).view(batch.targets.shape)
     torch.testing.assert_close(got, nucleus[batch.mask], atol=1e-4, rtol=1e-4)
+    argmax = logits.argmax(-1)
+    assert (batch.targets != argmax)[batch.mask].any()  # sampled, not the model's top_k = 1
 
 
 # ---------------------------------------------------------------------------------------------- learning

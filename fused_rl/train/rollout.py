@@ -102,17 +102,18 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
     encoded = [tokenizer.encode_prompt(p) for p in prompts]
     encoded = [e for e in encoded for _ in range(group_size)]
     prompt_ids, prompt_attn = left_pad(encoded, tokenizer.pad_token_id, device)
-    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    recorder = SamplerLogprobs(temperature, top_p) if sampler_logprobs and not greedy else None
-    if recorder is not None:
-        from transformers import LogitsProcessorList
+    from transformers import GenerationConfig, LogitsProcessorList
 
-        kwargs["logits_processor"] = LogitsProcessorList([recorder])
+    # A complete generation config (not the model's, whose defaults could add a repetition penalty, top-k,
+    # ...): sampling is exactly softmax(top_p(logits / temperature)), what SamplerLogprobs records.
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, use_cache=True, **sampling)
+    recorder = SamplerLogprobs(temperature, top_p) if sampler_logprobs and not greedy else None
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, max_new_tokens=max_new_tokens,
-                         min_new_tokens=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         use_cache=True, **kwargs)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, generation_config=config,
+                         logits_processor=LogitsProcessorList([recorder] if recorder is not None else []))
     model.train(was_training)
     P = prompt_ids.shape[1]
     comp = out[:, P:]
