@@ -154,4 +154,4 @@ def _extension() -> Extension:
                      extra_compile_args=cflags, extra_link_args=["-fopenmp"], language="c++")
 
 
-setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExt})
+setup(license="Apache-2.0", ext_modules=[_extension()], cmdclass={"build_ext": BuildExt})
