@@ -91,7 +91,9 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
     args = ap.parse_args()
     fix_mmap_threshold()
-    device = "cuda" if args.backend in ("triton", "cuda") else "cpu"
+    # triton runs on the CPU only in its interpreter (a dry run of this script; no meaningful times)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    device = "cuda" if args.backend == "cuda" or (args.backend == "triton" and not interpreted) else "cpu"
     logits, targets, mask, adv, old, ref = make_inputs(args.batch, args.length, args.vocab, DTYPES[args.dtype])
     rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
     data = tuple(x.to(device) for x in (logits, targets, mask, adv, old, ref, rollout))

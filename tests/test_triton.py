@@ -422,6 +422,36 @@ def test_unavailable_reason(monkeypatch):
     assert be.name == "reference"
 
 
+def test_old_interpreter_with_new_numpy_names_the_reason(monkeypatch):
+    """Triton < 3.7's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses: the
+    backend says so instead of failing inside the first kernel."""
+    import numpy
+    import triton
+
+    from fused_rl.backends import _REGISTRY
+    from fused_rl.backends import triton as triton_backend
+
+    tb = _REGISTRY["triton"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for triton_version, numpy_version, broken in [("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False),
+                                                   ("3.7.0", "2.5.2", False), ("3.10.1", "2.4.0", False)]:
+        monkeypatch.setattr(triton, "__version__", triton_version)
+        monkeypatch.setattr(numpy, "__version__", numpy_version)
+        triton_backend._interpreter_error.cache_clear()
+        reason = tb.unavailable_reason(torch.device("cpu"))
+        if broken:
+            assert "triton >= 3.7 or numpy < 2.4" in reason, reason
+        else:
+            assert reason is None, (triton_version, numpy_version, reason)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.5.2")
+    triton_backend._interpreter_error.cache_clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels on a GPU are not affected
+    assert tb.unavailable_reason(torch.device("cuda")) is None
+    monkeypatch.undo()
+    triton_backend._interpreter_error.cache_clear()
+
+
 def test_missing_triton_registers_a_reason():
     """Without triton, importing fused_rl works and backend='triton' names the reason."""
     import subprocess

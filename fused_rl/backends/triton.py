@@ -62,6 +62,22 @@ def _import_error() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _interpreter_error() -> Optional[str]:
+    """Triton < 3.7's interpreter calls ``int()`` on 1-element arrays (loop bounds such as
+    ``tl.program_id(0)``), which numpy >= 2.4 refuses; Triton 3.7 fixed it."""
+    import numpy
+    import triton
+
+    def major_minor(version: str) -> tuple:
+        return tuple(int(part) for part in version.split(".")[:2])
+
+    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+        return (f"the interpreter of triton {triton.__version__} fails with numpy {numpy.__version__} "
+                "(int() of a 1-element array); use triton >= 3.7 or numpy < 2.4 for TRITON_INTERPRET=1")
+    return None
+
+
 def _kernels():
     from ..kernels import logits
 
@@ -201,7 +217,10 @@ class TritonBackend(Backend):
         if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return (f"Triton kernels need a CUDA device, not {kind!r} "
                     "(set TRITON_INTERPRET=1 before the first use to run them in the slow CPU interpreter)")
-        return _import_error()
+        error = _import_error()
+        if error is None and os.environ.get("TRITON_INTERPRET") == "1":
+            error = _interpreter_error()
+        return error
 
     def token_logprobs(self, logits, targets, temperature, return_entropy):
         logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
