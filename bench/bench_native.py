@@ -55,15 +55,17 @@ def reset_peak() -> bool:
         return False
 
 
-def make_inputs(batch, length, vocab, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(batch, length, vocab, generator=g) * 2).to(dtype)
-    targets = torch.randint(0, vocab, (batch, length), generator=g)
-    lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
-    mask = torch.arange(length)[None] < lengths[:, None]
-    adv = torch.randn(batch, generator=g)
-    old = -torch.rand(batch, length, generator=g) * 10
-    ref = old + 0.1 * torch.randn(batch, length, generator=g)
+def make_inputs(batch, length, vocab, dtype, seed=0, device="cpu"):
+    """Random benchmark inputs, drawn on ``device`` (a GPU draws its GBs of logits in milliseconds)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    on = dict(generator=g, device=device)
+    logits = (torch.randn(batch, length, vocab, **on) * 2).to(dtype)
+    targets = torch.randint(0, vocab, (batch, length), **on)
+    lengths = torch.randint(length // 2, length + 1, (batch,), **on)
+    mask = torch.arange(length, device=device)[None] < lengths[:, None]
+    adv = torch.randn(batch, **on)
+    old = -torch.rand(batch, length, **on) * 10
+    ref = old + 0.1 * torch.randn(batch, length, **on)
     return logits, targets, mask, adv, old, ref
 
 

@@ -94,9 +94,11 @@ def main():
     # triton runs on the CPU only in its interpreter (a dry run of this script; no meaningful times)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     device = "cuda" if args.backend == "cuda" or (args.backend == "triton" and not interpreted) else "cpu"
-    logits, targets, mask, adv, old, ref = make_inputs(args.batch, args.length, args.vocab, DTYPES[args.dtype])
-    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
-    data = tuple(x.to(device) for x in (logits, targets, mask, adv, old, ref, rollout))
+    logits, targets, mask, adv, old, ref = make_inputs(args.batch, args.length, args.vocab, DTYPES[args.dtype],
+                                                       device=device)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator(device=device).manual_seed(1),
+                                      device=device)
+    data = (logits, targets, mask, adv, old, ref, rollout)
     print(f"backend {args.backend}, N={args.batch * args.length} ({args.batch}x{args.length}) V={args.vocab} "
           f"{args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, repeat {args.repeat} "
           "(median fwd+bwd)\n")

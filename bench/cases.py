@@ -69,22 +69,24 @@ def floor_flops(op: str, mode: str, shape: Shape) -> int:
 
 
 def make_inputs(op: str, shape: Shape, device: str, seed: int = 0) -> dict:
-    """Random inputs (peaked logits, a realistic-looking distribution) of the given shape."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Random inputs (logits or hidden states and weight from randn) of the given shape, drawn on
+    ``device`` (a GPU draws its GBs of logits or LM-head weight in milliseconds)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    on = dict(generator=g, device=device)
     dtype = DTYPES[shape.dtype]
     b, t = shape.batch, shape.t
     inputs: dict = {}
     if op == "linear_policy_loss":
-        inputs["hidden"] = (torch.randn(b, t, shape.h, generator=g) / shape.h ** 0.25).to(device, dtype)
-        inputs["weight"] = (torch.randn(shape.v, shape.h, generator=g) / shape.h ** 0.25).to(device, dtype)
+        inputs["hidden"] = (torch.randn(b, t, shape.h, **on) / shape.h ** 0.25).to(dtype)
+        inputs["weight"] = (torch.randn(shape.v, shape.h, **on) / shape.h ** 0.25).to(dtype)
     else:
-        inputs["logits"] = (torch.randn(b, t, shape.v, generator=g) * 2).to(device, dtype)
-    inputs["targets"] = torch.randint(0, shape.v, (b, t), generator=g).to(device)
-    inputs["advantages"] = torch.randn(b, generator=g).to(device)
-    lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
-    inputs["mask"] = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
-    inputs["old"] = (-torch.rand(b, t, generator=g) * 5).to(device)
-    inputs["ref"] = (inputs["old"].cpu() + 0.1 * torch.randn(b, t, generator=g)).to(device)
+        inputs["logits"] = (torch.randn(b, t, shape.v, **on) * 2).to(dtype)
+    inputs["targets"] = torch.randint(0, shape.v, (b, t), **on)
+    inputs["advantages"] = torch.randn(b, **on)
+    lengths = torch.randint(t // 2, t + 1, (b,), **on)
+    inputs["mask"] = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+    inputs["old"] = -torch.rand(b, t, **on) * 5
+    inputs["ref"] = inputs["old"] + 0.1 * torch.randn(b, t, **on)
     return inputs
 
 

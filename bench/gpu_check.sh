@@ -1,56 +1,98 @@
 #!/usr/bin/env bash
-# One-shot GPU check (H200: torch 2.11 / CUDA 13 / triton 3.6 expected).
-#   bash bench/gpu_check.sh OUTDIR        (default: $OUT, else ./gpu_check_out)
-# 0. build the native extension in place if it is missing (CUDA kernels need nvcc there)
-# 1. pytest -m cuda tests/test_triton.py   (TRITON_INTERPRET=0: real kernels on the GPU)
-# 2. pytest -m cuda on the native (CUDA C++), linear, tiled linear and hardening tests
-# 3. bench/gpu_logits_bench.py: N=16384, V=151936, bf16, forward+backward of policy_loss
-# 4. bench/bench_variants.py on triton and cuda: N=8192, V=151936, bf16, single pass vs two-pass
-# Results: OUTDIR/{env.txt,build.txt,pytest_cuda.txt,pytest_native.txt,pytest_junit.xml,bench.txt,
-#          logits_bench.json,logits_bench.md,variants.txt}.
-# Budget: <= 240 s build + 170 s + 120 s tests + 120 s + 2 x 45 s benchmarks (each step has its own timeout).
+# One-shot GPU check (H200 image: python3 3.12, torch 2.11 / CUDA 13 / triton 3.6, no liger-kernel).
+#
+#   bash bench/gpu_wheels.sh             # here, once: liger-kernel + cut-cross-entropy wheels into .whl/
+#   device run: command "bash bench/gpu_check.sh $OUT", carry [".whl"], timeout_s 600
+#
+# Steps (each under its own cap and one overall deadline, GPU_CHECK_BUDGET_S, default 520 s, so the
+# whole command ends inside the device tool's 600 s per call):
+#   wheels  pip install --target of the carried .whl/*.whl (peers for the benchmarks), if present
+#   build   setup.py build_ext --inplace (CPU + CUDA kernels), when fused_rl/_C*.so is missing
+#   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening and variant tests (xdist)
+#   logits  bench/gpu_logits_bench.py: policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
+#           torch / reference / liger, and a block x warps x grid sweep
+#   variants  bench/bench_variants.py on triton and cuda: single pass vs two-pass per variant
+#   linear  bench.report --set gpu --ops linear_policy_loss: N=8192, H=4096, V=128256, bf16
+# What comes back (the device tool returns at most 8 files): OUTDIR/summary.txt (environment, each
+# step's exit code, wall time and output tail) and OUTDIR/results.tar.gz (every step's full output,
+# junit XML, JSON and Markdown tables), both rewritten after every step.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUTDIR"
-PY="${PYTHON:-python}"
-export TRITON_INTERPRET=0
+WORK="$(mktemp -d)"
+PY="${PYTHON:-python3}"
+BUDGET="${GPU_CHECK_BUDGET_S:-520}"
+DEADLINE=$((SECONDS + BUDGET))
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY="$WORK/summary.txt"
+
+publish() {
+  cp "$SUMMARY" "$OUTDIR/summary.txt"
+  tar czf "$OUTDIR/results.tar.gz.part" -C "$WORK" . && mv "$OUTDIR/results.tar.gz.part" "$OUTDIR/results.tar.gz"
+}
+
+# step NAME CAP CMD...: runs CMD under min(CAP, time left) seconds (SIGINT first, so pytest still
+# prints its summary), output to WORK/NAME.txt; records the exit code and wall time.
+step() {
+  local name="$1" cap="$2"
+  shift 2
+  local left=$((DEADLINE - SECONDS))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 15 ]; then
+    echo "== $name: skipped (${left} s left of the ${BUDGET} s budget)" | tee -a "$SUMMARY"
+    publish
+    return
+  fi
+  local start=$SECONDS
+  timeout -s INT -k 15 "$limit" "$@" > "$WORK/$name.txt" 2>&1
+  local rc=$?
+  {
+    echo "== $name: exit $rc, $((SECONDS - start)) s (limit $limit s)"
+    tail -n "${TAIL:-30}" "$WORK/$name.txt"
+    echo
+  } | tee -a "$SUMMARY"
+  publish
+}
+
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
-  "$PY" -c "import torch, triton, fused_rl; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print('fused_rl from', fused_rl.__file__); print(fused_rl.available_backends(torch.device('cuda')))"
-} > "$OUTDIR/env.txt" 2>&1
-cat "$OUTDIR/env.txt"
+  nvcc --version 2>&1 | tail -1
+} > "$SUMMARY"
 
-if ! ls fused_rl/_C*.so > /dev/null 2>&1; then
-  echo "== build_ext --inplace"
-  timeout 240 "$PY" setup.py build_ext --inplace > "$OUTDIR/build.txt" 2>&1
-  echo "build exit code: $?" >> "$OUTDIR/build.txt"
-  tail -5 "$OUTDIR/build.txt"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu_check_site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
 fi
+if ! ls fused_rl/_C*.so > /dev/null 2>&1; then
+  TAIL=5 step build 150 "$PY" setup.py build_ext --inplace
+fi
+"$PY" -c "import torch, triton, fused_rl; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print(fused_rl.available_backends(torch.device('cuda')))" \
+  >> "$SUMMARY" 2>&1
+"$PY" -c "import importlib.metadata as m
+for name in ('numpy', 'transformers', 'liger_kernel', 'cut_cross_entropy'):
+    try: print(name, m.version(name))
+    except m.PackageNotFoundError: print(name, 'not installed')" >> "$SUMMARY" 2>&1
+cat "$SUMMARY"
+publish
 
-echo "== pytest -m cuda tests/test_triton.py"
-timeout 170 "$PY" -m pytest -m cuda tests/test_triton.py -q -p no:cacheprovider --durations=10 \
-  --junitxml="$OUTDIR/pytest_junit.xml" -W ignore::RuntimeWarning > "$OUTDIR/pytest_cuda.txt" 2>&1
-echo "pytest exit code: $?" >> "$OUTDIR/pytest_cuda.txt"
-tail -25 "$OUTDIR/pytest_cuda.txt"
+TAIL=40 step pytest 240 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfE --durations=15 \
+  -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
+  tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
+  tests/test_hardening.py tests/test_variants.py
 
-echo "== pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py tests/test_hardening.py"
-timeout 120 "$PY" -m pytest -m cuda tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py tests/test_hardening.py -q \
-  -p no:cacheprovider -W ignore::RuntimeWarning > "$OUTDIR/pytest_native.txt" 2>&1
-echo "pytest exit code: $?" >> "$OUTDIR/pytest_native.txt"
-tail -15 "$OUTDIR/pytest_native.txt"
+TAIL=40 step logits 110 "$PY" bench/gpu_logits_bench.py "$WORK/logits"
 
-echo "== logits-pass benchmark"
-timeout 120 "$PY" bench/gpu_logits_bench.py "$OUTDIR" > "$OUTDIR/bench.txt" 2>&1
-echo "bench exit code: $?" >> "$OUTDIR/bench.txt"
-tail -40 "$OUTDIR/bench.txt"
-
-echo "== single pass vs two-pass per token-local variant"
 for backend in triton cuda; do
-  timeout 45 "$PY" bench/bench_variants.py --backend "$backend" --dtype bf16 --batch 16 --length 512 \
-    --vocab 151936 --repeat 3 >> "$OUTDIR/variants.txt" 2>&1
-  echo "$backend exit code: $?" >> "$OUTDIR/variants.txt"
+  TAIL=15 step "variants_$backend" 40 "$PY" bench/bench_variants.py --backend "$backend" --dtype bf16 \
+    --batch 16 --length 512 --vocab 151936 --repeat 3
 done
-tail -25 "$OUTDIR/variants.txt"
+
+TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops linear_policy_loss \
+  --impls reference,torch,triton,cuda,liger,cce,reference-compiled --repeats 3 --out "$WORK/linear"
+
+echo "== done in $SECONDS s" | tee -a "$SUMMARY"
+publish

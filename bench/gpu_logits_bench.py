@@ -1,5 +1,6 @@
 """Logits-pass benchmark of policy_loss on a CUDA GPU: triton (single pass, in place, two pass),
-the chunked torch backend and the eager reference. Needs only torch + triton (Liger-Kernel if present).
+the CUDA C++ kernels (single pass, in place), the chunked torch backend and the eager reference.
+Needs only torch + triton (Liger-Kernel if present).
 
 Usage: python bench/gpu_logits_bench.py OUTDIR [--n 16384] [--vocab 151936] [--quick]
 
@@ -220,6 +221,16 @@ def main():
         Backend.policy_loss(be, x, inputs, cfg, True).loss.backward()
 
     measure("triton two-pass (token_logprobs + loss_math)", step_two_pass, x, results, **two)
+    cuda_reason = None if DRY else fused_rl.available_backends(logits.device)["cuda"]
+    if cuda_reason is None and not DRY:  # the CUDA C++ kernels (csrc/), same single pass
+        measure("cuda single-pass", step_for("cuda"), x, results, **one)
+        x_inplace = logits.clone().requires_grad_(True)
+        measure("cuda single-pass in place", step_for("cuda", inplace=True, src=x_inplace), x_inplace, results,
+                **one)
+        del x_inplace
+        torch.cuda.empty_cache()
+    else:
+        log(f"cuda backend skipped: {cuda_reason or 'dry run'}")
     measure("torch (chunked) backend", step_for("torch"), x, results, **two)
     try:
         measure("reference (eager fp32 log_softmax)", step_for("reference"), x, results, **two)

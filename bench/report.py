@@ -117,7 +117,9 @@ def main(argv=None) -> None:
     p.add_argument("--n", default="", help="comma list of token counts N to keep from the set (default: all)")
     p.add_argument("--out", type=Path, default=None, help="folder for report.md, results.json, report.png")
     args = p.parse_args(argv)
-    device = "cuda" if args.set == "gpu" and torch.cuda.is_available() else "cpu"
+    if args.set == "gpu" and not torch.cuda.is_available():
+        p.error("--set gpu needs a CUDA device (its shapes are far too large for the CPU)")
+    device = "cuda" if args.set == "gpu" else "cpu"
     rows = run(args.set, args.ops.split(","), args.impls.split(","), args.modes.split(","), args.repeats,
                not args.no_memory, device, sizes=[int(n) for n in args.n.split(",") if n])
     command = "python -m bench.report " + " ".join(argv if argv is not None else sys.argv[1:])

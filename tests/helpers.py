@@ -8,6 +8,7 @@ length-1 responses, and ``IGNORE_INDEX`` targets.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -146,13 +147,19 @@ def compare_policy_loss(backend: str, case: PolicyCase, config: PolicyLossConfig
     assert_close(logits.grad, ref_logits.grad, dtype, "dlogits", grad=True, scale=k)
 
 
+def on_device(case, device):
+    """A copy of the (policy or linear) case dataclass with every tensor on ``device``."""
+    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
+    return dataclasses.replace(case, **{f.name: move(getattr(case, f.name)) for f in dataclasses.fields(case)})
+
+
 def fused_backends(device: str = "cpu") -> list[str]:
     """Every backend other than the reference that can run on ``device`` in this installation."""
     return [name for name, reason in fused_rl.available_backends(torch.device(device)).items()
             if reason is None and name != "reference"]
 
 
-def supports(backend: str, dtype: torch.dtype) -> bool:
+def supports(backend: str, dtype: torch.dtype, device: str = "cpu") -> bool:
     from fused_rl.backends import get_backend
 
-    return dtype in get_backend(backend, torch.device("cpu")).dtypes
+    return dtype in get_backend(backend, torch.device(device)).dtypes

@@ -16,7 +16,8 @@ import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig, _C  # noqa: E402
 from fused_rl.backends import get_backend, native  # noqa: E402
 from fused_rl.loss_math import per_token_loss  # noqa: E402
-from helpers import CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits  # noqa: E402
+from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
+                     on_device)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E731
@@ -373,31 +374,23 @@ def _cuda_or_skip():
         pytest.skip(reason)
 
 
-def _to_cuda(case):
-    for f in ("logits", "targets", "advantages", "mask", "old", "ref"):
-        v = getattr(case, f)
-        if v is not None:
-            setattr(case, f, v.cuda())
-    return case
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", CONFIGS, ids=cfg_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vocab,kind", list(itertools.product([1000, 4099], LOGIT_KINDS)))
 def test_cuda_policy_loss_matches_reference(config, dtype, vocab, kind):
     _cuda_or_skip()
-    compare_policy_loss("cuda", _to_cuda(make_case(vocab=vocab, kind=kind, dtype=dtype, seed=3)), config)
+    compare_policy_loss("cuda", on_device(make_case(vocab=vocab, kind=kind, dtype=dtype, seed=3), "cuda"), config)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_sliced_inplace_and_token_logprobs(dtype):
     _cuda_or_skip()
-    case = _to_cuda(make_case(batch=3, length=7, vocab=4099, dtype=dtype, seed=5))
+    case = on_device(make_case(batch=3, length=7, vocab=4099, dtype=dtype, seed=5), "cuda")
     case.logits = make_logits((3, 8, 4099), generator=torch.Generator().manual_seed(1), dtype=dtype).cuda()[:, :-1]
     compare_policy_loss("cuda", case, CONFIGS[1])
-    _check_inplace("cuda", _to_cuda(make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2)), CONFIGS[1])
+    _check_inplace("cuda", on_device(make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2), "cuda"), CONFIGS[1])
     x = case.logits.detach().clone().requires_grad_(True)
     lp, ent = fused_rl.token_logprobs(x, case.targets, return_entropy=True, temperature=0.7, backend="cuda")
     (lp.sum() + ent.sum()).backward()

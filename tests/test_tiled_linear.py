@@ -4,14 +4,12 @@
 interpreter on CPU tensors: its shapes stay tiny (B*T <= 24, V <= 1000); with one, the triton and
 cuda tests run on CUDA tensors (16-bit inputs then take the real mixed GEMM mode)."""
 
-import dataclasses
-
 import pytest
 import torch
 
 import fused_rl
 from fused_rl.backends import get_backend, tiled_linear, torch_linear
-from helpers import CONFIGS
+from helpers import CONFIGS, on_device
 from test_linear import _leaves, assert_close, compare_linear, make_linear_case
 from test_variants import VARIANTS, with_extras
 
@@ -32,12 +30,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 def on_gpu(fn):
     """``pytest.mark.cuda`` (what ``bench/gpu_check.sh`` selects) on tests that run on CUDA tensors here."""
     return pytest.mark.cuda(fn) if GPU == "cuda" else fn
-
-
-def _on(case, device: str):
-    """The case with every tensor on ``device``."""
-    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
-    return dataclasses.replace(case, **{f.name: move(getattr(case, f.name)) for f in dataclasses.fields(case)})
 
 
 def _valid(case) -> int:
@@ -251,7 +243,7 @@ def test_cpu_compile_fullgraph():
 @pytest.mark.parametrize("tiles", ["auto", "fixed"], indirect=True)
 @pytest.mark.parametrize("config", CONFIGS, ids=cid)
 def test_triton_matches_reference(config, tiles, kernel_calls):
-    compare_linear(_on(make_linear_case(batch=4, length=5, vocab=1000, seed=21), GPU), config, backend="triton")
+    compare_linear(on_device(make_linear_case(batch=4, length=5, vocab=1000, seed=21), GPU), config, backend="triton")
     assert all(k == "triton" for k, _ in kernel_calls)
     assert bool(kernel_calls) == tiled_linear.runs_tiled(config)
 
@@ -265,7 +257,7 @@ def test_triton_token_local_variants(name, tiles, kernel_calls):
     rollout correction is delegated to torch_linear."""
     config = VARIANTS[name]
     case = make_linear_case(batch=4, length=5, vocab=300, seed=len(name))
-    compare_linear(with_extras(_on(case, GPU), config), config, backend="triton")
+    compare_linear(with_extras(on_device(case, GPU), config), config, backend="triton")
     assert all(k == "triton" for k, _ in kernel_calls)
     assert bool(kernel_calls) == (config.rollout_is is None) == tiled_linear.runs_tiled(config)
 
@@ -276,7 +268,7 @@ def test_triton_token_local_variants(name, tiles, kernel_calls):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_dtypes_bias_small_tiles(dtype, bias, tiles):
-    compare_linear(_on(make_linear_case(batch=4, length=6, vocab=300, bias=bias, dtype=dtype, seed=22), GPU),
+    compare_linear(on_device(make_linear_case(batch=4, length=6, vocab=300, bias=bias, dtype=dtype, seed=22), GPU),
                    CONFIGS[5], backend="triton")
 
 
@@ -284,10 +276,10 @@ def test_triton_dtypes_bias_small_tiles(dtype, bias, tiles):
 @needs_triton
 @pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
 def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
-    compare_linear(_on(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1], frozen_weight=True,
+    compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1], frozen_weight=True,
                    backend="triton")
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
-    compare_linear(_on(make_linear_case(batch=3, length=5, vocab=300, dtype=torch.bfloat16, seed=24), GPU),
+    compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, dtype=torch.bfloat16, seed=24), GPU),
                    CONFIGS[6], backend="triton")
 
 
@@ -298,7 +290,7 @@ def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
 @pytest.mark.parametrize("config", CONFIGS, ids=cid)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_matches_reference(config, dtype, tiles):
-    compare_linear(_on(make_linear_case(vocab=4099, dtype=dtype, seed=31), "cuda"), config, backend="cuda")
+    compare_linear(on_device(make_linear_case(vocab=4099, dtype=dtype, seed=31), "cuda"), config, backend="cuda")
 
 
 @on_gpu
@@ -307,6 +299,6 @@ def test_cuda_matches_reference(config, dtype, tiles):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_triton_gpu_default_mode_frozen_weight(dtype):
     """On CUDA bf16 inputs take the mixed mode by default (fp16 the fp32 one); frozen weight, bias."""
-    case = _on(make_linear_case(vocab=4099, dtype=dtype, seed=32), "cuda")
+    case = on_device(make_linear_case(vocab=4099, dtype=dtype, seed=32), "cuda")
     compare_linear(case, CONFIGS[1], backend="triton")
     compare_linear(case, CONFIGS[0], frozen_weight=True, backend="triton")

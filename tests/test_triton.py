@@ -18,7 +18,8 @@ import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig  # noqa: E402
 from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import metrics as loss_metrics, per_token_loss  # noqa: E402
-from helpers import CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits  # noqa: E402
+from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
+                     on_device)
 
 # numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -44,14 +45,6 @@ def small_blocks(monkeypatch):
 
     monkeypatch.setattr(K, "MAX_BLOCK_V", 256)
     return K
-
-
-def to_device(case, device):
-    for name in ("logits", "targets", "advantages", "mask", "old", "ref"):
-        x = getattr(case, name)
-        if x is not None:
-            setattr(case, name, x.to(device))
-    return case
 
 
 # --------------------------------------------------------------------------- the epilogue helper
@@ -181,7 +174,7 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_policy_loss_matches_reference(ci, dtype, device):
     kind = LOGIT_KINDS[ci % len(LOGIT_KINDS)]
-    case = to_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=3 + ci), device)
+    case = on_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=3 + ci), device)
     compare_policy_loss("triton", case, CONFIGS[ci])
 
 
@@ -190,7 +183,7 @@ def test_policy_loss_matches_reference(ci, dtype, device):
 def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, dtype, device):
     cfg = PolicyLossConfig(clip_low=0.1, clip_high=0.3, dual_clip=3.0, kl="k3", beta=0.05, entropy_coef=0.01,
                            temperature=0.8)
-    case = to_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=11, off_policy=False, per_token_adv=True),
+    case = on_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=11, off_policy=False, per_token_adv=True),
                      device)
     compare_policy_loss("triton", case, cfg)
 
@@ -205,7 +198,7 @@ def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, s
     full = make_logits((3, 6, 4099), "peaked", generator=torch.Generator().manual_seed(1))
     case.logits = full[:, :-1]
     case.targets = case.targets.to(torch.int32)
-    case = to_device(case, device)
+    case = on_device(case, device)
     assert not case.logits.is_contiguous()
     cfg = PolicyLossConfig(policy_loss="cispo", clip_high=0.2, kl="low_var_kl", beta=0.1, temperature=1.7,
                            entropy_coef=0.02)
@@ -218,7 +211,7 @@ def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, s
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_token_normalizer_and_compute_entropy_off(device):
-    case = to_device(make_case(vocab=1000, seed=8, dtype=torch.bfloat16), device)
+    case = on_device(make_case(vocab=1000, seed=8, dtype=torch.bfloat16), device)
     cfg = PolicyLossConfig(clip_high=0.28)
     compare_policy_loss("triton", case, cfg, token_normalizer=13)
     x1 = case.logits.clone().requires_grad_(True)
@@ -288,7 +281,7 @@ def _loss(case, logits, cfg, **kw):
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_output_scaling_and_single_backward(device):
     """The stored gradient is scaled by ``grad_output`` on the device (no ``== 1`` host check)."""
-    case = to_device(make_case(vocab=1000, seed=9), device)
+    case = on_device(make_case(vocab=1000, seed=9), device)
     cfg = CONFIGS[1]
     xr = case.logits.clone().requires_grad_(True)
     xt = case.logits.clone().requires_grad_(True)
@@ -305,7 +298,7 @@ def test_grad_output_scaling_and_single_backward(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_inplace_writes_grad_over_logits(dtype, device):
-    case = to_device(make_case(vocab=1000, seed=10, dtype=dtype), device)
+    case = on_device(make_case(vocab=1000, seed=10, dtype=dtype), device)
     full = make_logits((4, 7, 1000), generator=torch.Generator().manual_seed(3), dtype=dtype).to(device)
     case.logits = full[:, 1:].clone()
     cfg = CONFIGS[5]  # temperature 0.7, entropy bonus
@@ -325,7 +318,7 @@ def test_inplace_writes_grad_over_logits(dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_failed_check_writes_nothing(device):
-    case = to_device(make_case(vocab=1000, seed=12), device)
+    case = on_device(make_case(vocab=1000, seed=12), device)
     case.targets[2, 0] = 1000  # out of range where mask is set
     case.mask[2, 0] = True
     logits = case.logits.clone().requires_grad_(True)
@@ -337,7 +330,7 @@ def test_failed_check_writes_nothing(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_path_matches(device):
-    case = to_device(make_case(vocab=1000, seed=13), device)
+    case = on_device(make_case(vocab=1000, seed=13), device)
     with torch.no_grad():
         got = _loss(case, case.logits, CONFIGS[3], backend="triton")
         ref = _loss(case, case.logits, CONFIGS[3], backend="reference")
@@ -361,7 +354,7 @@ COMPILE_CASES = [
 def test_compile_fullgraph(ci, inplace, compile_backend, device):
     """``torch.compile(fullgraph=True)`` traces policy_loss (no graph break) and matches eager, with a
     ``grad_output`` of 2 (the on-device scaling of the stored gradient)."""
-    case = to_device(make_case(vocab=257, seed=4), device)
+    case = on_device(make_case(vocab=257, seed=4), device)
     cfg = CONFIGS[ci]
 
     def loss_fn(logits):
@@ -490,7 +483,7 @@ def test_cuda_large_vocab_default_blocks(monkeypatch):
     from fused_rl.kernels import logits as K
 
     monkeypatch.setattr(K, "MAX_BLOCK_V", None)
-    case = to_device(make_case(batch=4, length=16, vocab=151936, dtype=torch.bfloat16, seed=1), "cuda")
+    case = on_device(make_case(batch=4, length=16, vocab=151936, dtype=torch.bfloat16, seed=1), "cuda")
     compare_policy_loss("triton", case, CONFIGS[1])
 
 

@@ -14,7 +14,7 @@ import torch
 
 import fused_rl
 from fused_rl import PolicyLossConfig
-from helpers import compare_policy_loss, fused_backends, make_case, supports
+from helpers import compare_policy_loss, fused_backends, make_case, on_device, supports
 from test_linear import compare_linear, make_linear_case
 
 # numpy warnings of the Triton interpreter evaluating both branches of tl.where on masked lanes
@@ -40,6 +40,20 @@ VARIANTS = {
 BACKENDS = fused_backends()
 #: The Triton interpreter runs every program in Python: a smaller vocabulary there.
 VOCAB = {"triton": 257}
+_CUDA_REASONS = (fused_rl.available_backends(torch.device("cuda")) if torch.cuda.is_available()
+                 else dict.fromkeys(("torch", "triton", "cuda"), "no CUDA device"))
+
+
+def device_backends(cpu=("torch", "cpu", "triton"), gpu=("torch", "triton", "cuda")):
+    """``(device, backend)`` parameters: each of ``cpu`` that runs on CPU tensors here, then each of
+    ``gpu`` on CUDA tensors, marked ``cuda`` (what ``bench/gpu_check.sh`` selects) and skipped without
+    a GPU. Ids: the backend name on CPU, ``cuda-<backend>`` on the GPU."""
+    params = [pytest.param("cpu", name, id=name) for name in cpu if name in BACKENDS]
+    for name in gpu:
+        reason = _CUDA_REASONS[name]
+        params.append(pytest.param("cuda", name, id=f"cuda-{name}", marks=[
+            pytest.mark.cuda, pytest.mark.skipif(reason is not None, reason=str(reason))]))
+    return params
 
 
 #: The token-local variants (``has_token_epilogue``), which the triton backend runs in one pass, and more
@@ -87,21 +101,23 @@ def with_extras(case, config, seed: int = 0, weights: str = ""):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_backend_matches_reference(name, backend, dtype):
-    _compare_backend(backend, dtype, name, VARIANTS[name], (("randn", True, ""), ("peaked", False, ""),
-                                                            ("negative", True, "")))
+def test_backend_matches_reference(name, device, backend, dtype):
+    _compare_backend(device, backend, dtype, name, VARIANTS[name], (("randn", True, ""), ("peaked", False, ""),
+                                                                    ("negative", True, "")))
 
 
-def _compare_backend(backend, dtype, name, config, runs):
-    """``compare_policy_loss`` on ragged 5 x 6 cases, one per ``(logit kind, off-policy, weights)``."""
-    if not supports(backend, dtype):
+def _compare_backend(device, backend, dtype, name, config, runs):
+    """``compare_policy_loss`` on ragged 5 x 6 cases on ``device``, one per ``(logit kind, off-policy,
+    weights)``."""
+    if not supports(backend, dtype, device):
         pytest.skip(f"{backend} does not take {dtype}")
+    vocab = VOCAB.get(backend, 1000) if device == "cpu" else 1000
     for kind, off_policy, weights in runs:
-        case = make_case(batch=5, length=6, vocab=VOCAB.get(backend, 1000), kind=kind, dtype=dtype, seed=len(name),
+        case = make_case(batch=5, length=6, vocab=vocab, kind=kind, dtype=dtype, seed=len(name),
                          off_policy=off_policy, per_token_adv=name == "gspo_token")
-        compare_policy_loss(backend, with_extras(case, config, weights=weights), config)
+        compare_policy_loss(backend, with_extras(on_device(case, device), config, weights=weights), config)
 
 
 @needs_triton
@@ -173,27 +189,34 @@ WEIGHTED.update(ppo_dual=PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1, entr
 
 
 @pytest.mark.parametrize("name", list(WEIGHTED))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rollout_is_weights_backend_matches_reference(name, backend, dtype):
-    _compare_backend(backend, dtype, name, WEIGHTED[name], (("randn", True, "token"), ("negative", False, "sequence")))
+def test_rollout_is_weights_backend_matches_reference(name, device, backend, dtype):
+    _compare_backend(device, backend, dtype, name, WEIGHTED[name],
+                     (("randn", True, "token"), ("negative", False, "sequence")))
 
 
 @pytest.mark.parametrize("name", list(WEIGHTED))
-@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton") if b in BACKENDS])
-def test_rollout_is_weights_fused_linear_matches_reference(name, backend):
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_rollout_is_weights_fused_linear_matches_reference(name, device, backend):
     """torch_linear (the weights in its loss math) and the tiled kernels (folded into the advantages)."""
     config = WEIGHTED[name]
-    case = make_linear_case(batch=5, length=7, vocab=VOCAB.get(backend, 1000), seed=len(name))
+    vocab = VOCAB.get(backend, 1000) if device == "cpu" else 1000
+    case = on_device(make_linear_case(batch=5, length=7, vocab=vocab, seed=len(name)), device)
     compare_linear(with_extras(case, config, weights="token"), config, backend=backend)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("device,backend", device_backends(cpu=("torch",)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_linear_matches_reference(name, dtype):
+def test_fused_linear_matches_reference(name, device, backend, dtype):
+    """torch_linear on the CPU (the tiled kernels' variants: ``test_tiled_linear.py``), and on the GPU
+    every backend (tiled for token-local configs without rollout correction, torch_linear otherwise)."""
+    if not supports(backend, dtype, device):
+        pytest.skip(f"{backend} does not take {dtype}")
     config = VARIANTS[name]
-    case = make_linear_case(batch=5, length=7, vocab=1000, dtype=dtype, seed=len(name))
-    compare_linear(with_extras(case, config), config)
+    case = on_device(make_linear_case(batch=5, length=7, vocab=1000, dtype=dtype, seed=len(name)), device)
+    compare_linear(with_extras(case, config), config, backend=backend)
 
 
 @pytest.mark.parametrize("name", ["gmpo", "mis_sequence", "off_policy_mask", "top_entropy"])
