@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 import sys
 
@@ -16,12 +17,12 @@ def main() -> None:
     print(f"fused_rl {fused_rl.__version__} ({fused_rl.__file__})")
     print(f"python {platform.python_version()} on {platform.machine()}, torch {torch.__version__}"
           f" (CUDA {torch.version.cuda or 'none'}, {torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU)")
-    try:
-        import triton
-
-        print(f"triton {triton.__version__}")
-    except ImportError:
-        print("triton: not installed")
+    for name in ("triton", "transformers", "trl", "liger_kernel"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"{name}: {version}")
     C = native._C
     if C is None:
         print(f"native extension: not loaded: {native.LOAD_ERROR}")

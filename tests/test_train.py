@@ -350,7 +350,10 @@ def test_cli_train_plot_eval_info(tmp_path, capsys):
     assert main(["eval", str(run), "--prompts", "8"]) == 0
     assert "eval_reward=" in capsys.readouterr().out
     assert main(["info"]) == 0
-    assert "torch" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "torch" in printed and "backends on cpu:" in printed and "transformers:" in printed
+    assert main(["info", "--verbose"]) == 2
+    assert "no arguments" in capsys.readouterr().err
     assert main(["train", "--group_size", "1"]) == 2
     assert "group_size" in capsys.readouterr().err
 

@@ -430,7 +430,7 @@ def test_old_interpreter_with_new_numpy_names_the_reason(monkeypatch):
                                                    ("3.7.0", "2.5.2", False), ("3.10.1", "2.4.0", False)]:
         monkeypatch.setattr(triton, "__version__", triton_version)
         monkeypatch.setattr(numpy, "__version__", numpy_version)
-        triton_backend._interpreter_error.cache_clear()
+        triton_backend._CHECKS.clear()
         reason = tb.unavailable_reason(torch.device("cpu"))
         if broken:
             assert "triton >= 3.7 or numpy < 2.4" in reason, reason
@@ -438,11 +438,11 @@ def test_old_interpreter_with_new_numpy_names_the_reason(monkeypatch):
             assert reason is None, (triton_version, numpy_version, reason)
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(numpy, "__version__", "2.5.2")
-    triton_backend._interpreter_error.cache_clear()
+    triton_backend._CHECKS.clear()
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels on a GPU are not affected
     assert tb.unavailable_reason(torch.device("cuda")) is None
     monkeypatch.undo()
-    triton_backend._interpreter_error.cache_clear()
+    triton_backend._CHECKS.clear()
 
 
 def test_missing_triton_registers_a_reason():

@@ -25,7 +25,6 @@ Every kernel call is a ``torch.library`` custom op with a fake implementation, s
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from typing import Optional
@@ -53,7 +52,20 @@ def _installed() -> bool:
 _INSTALLED = _installed()
 
 
-@functools.lru_cache(maxsize=None)
+#: The environment checks below, memoized in a plain dict: ``unavailable_reason`` runs inside code that
+#: ``torch.compile`` traces, and dynamo warns on (and ignores) ``functools.lru_cache``.
+_CHECKS: dict = {}
+
+
+def _memoized(check):
+    def cached() -> Optional[str]:
+        if check.__name__ not in _CHECKS:
+            _CHECKS[check.__name__] = check()
+        return _CHECKS[check.__name__]
+    return cached
+
+
+@_memoized
 def _import_error() -> Optional[str]:
     try:
         import triton  # noqa: F401
@@ -62,7 +74,7 @@ def _import_error() -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@_memoized
 def _interpreter_error() -> Optional[str]:
     """Triton < 3.7's interpreter calls ``int()`` on 1-element arrays (loop bounds such as
     ``tl.program_id(0)``), which numpy >= 2.4 refuses; Triton 3.7 fixed it."""

@@ -75,30 +75,12 @@ def _plot(argv: list[str]) -> int:
 
 
 def _info(argv: list[str]) -> int:
-    import importlib.util
+    if argv:
+        print(f"fused-rl info: takes no arguments, got {argv}", file=sys.stderr)
+        return 2
+    from ..info import main as info_main
 
-    if importlib.util.find_spec("fused_rl.info") is not None:
-        import runpy
-
-        sys.argv = ["fused_rl.info", *argv]
-        runpy.run_module("fused_rl.info", run_name="__main__")
-        return 0
-    import platform
-
-    import torch
-
-    import fused_rl
-
-    print(f"fused_rl {fused_rl.__version__}  python {platform.python_version()}  torch {torch.__version__}")
-    for mod in ("transformers", "triton", "matplotlib", "tqdm", "yaml"):
-        spec = importlib.util.find_spec(mod)
-        version = getattr(__import__(mod), "__version__", "?") if spec else "not installed"
-        print(f"  {mod}: {version}")
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    for dev in devices:
-        print(f"backends on {dev}:")
-        for name, reason in fused_rl.available_backends(dev).items():
-            print(f"  {name:10s} {'available' if reason is None else 'unavailable: ' + reason}")
+    info_main()
     return 0
 
 
