@@ -3,6 +3,7 @@ the CUDA C++ kernels (single pass, in place), the chunked torch backend and the 
 Needs only torch + triton (Liger-Kernel if present).
 
 Usage: python bench/gpu_logits_bench.py OUTDIR [--n 16384] [--vocab 151936] [--quick]
+       python bench/gpu_logits_bench.py OUTDIR --cpu-dry-run   (the script's logic, N=64, V=1000, interpreter)
 
 Writes OUTDIR/logits_bench.json and OUTDIR/logits_bench.md. Times are medians of
 ``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions) of forward + backward
@@ -146,8 +147,9 @@ def dump(out, info, results, final=False):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--vocab", type=int, default=151936)
+    # a dry run defaults to tiny shapes: the full ones are 15 GB of logits in the CPU interpreter
+    ap.add_argument("--n", type=int, default=64 if DRY else 16384)
+    ap.add_argument("--vocab", type=int, default=1000 if DRY else 151936)
     ap.add_argument("--quick", action="store_true", help="skip the block / grid sweep")
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on the CPU interpreter (no numbers)")
     args = ap.parse_args()
