@@ -85,19 +85,44 @@ def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=1, keepdim=True) / count
 
 
-def importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
-                     config: PolicyLossConfig) -> torch.Tensor:
-    """``r_t = exp(logp_t - old_t)``; for gspo and gmpo the sequence ratio
-    ``s_i = exp(sum_t m (logp - old) / max(sum_t m, 1))`` broadcast over the sequence (the geometric mean
+def log_importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                         config: PolicyLossConfig) -> torch.Tensor:
+    """``log r_t = logp_t - old_t``; for gspo and gmpo the log sequence ratio
+    ``log s_i = sum_t m (logp - old) / max(sum_t m, 1)`` broadcast over the sequence (the geometric mean
     of the token ratios; gmpo clips its terms in :func:`policy_gradient_loss`); for gspo_token
-    ``exp(sg(log s_i) + logp_t - sg(logp_t))``. Masked positions contribute ``log r = 0``."""
+    ``sg(log s_i) + logp_t - sg(logp_t)``. Masked positions have ``log r = 0``."""
     log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
     if config.policy_loss in ("gspo", "gmpo"):
         log_ratio = _sequence_mean(log_ratio, mask).expand_as(logp)
     elif config.policy_loss == "gspo_token":
         token = torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))
         log_ratio = _sequence_mean(log_ratio, mask).detach() + token
-    return torch.exp(log_ratio)
+    return log_ratio
+
+
+def importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                     config: PolicyLossConfig) -> torch.Tensor:
+    """``r_t = exp(log r_t)`` with ``log r_t`` from :func:`log_importance_ratio`."""
+    return torch.exp(log_importance_ratio(logp, old, mask, config))
+
+
+def bias_corrected_k3(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                      config: PolicyLossConfig) -> torch.Tensor:
+    """``r_t k3_t`` (DeepSeek-V3.2's bias-corrected KL), ``k3 = exp(d) - d - 1``, ``d = ref - logp``, for a
+    token-level ratio (``d r / d logp = r``: every policy loss but gspo and gmpo), with its exact slope
+    ``d (r k3) / d logp = -r d``.
+
+    Autograd of the product would give ``r k3 - r expm1(d)``, two terms of size ``r exp(d)`` that cancel
+    (in fp32: -32 for the exact -20 at ``d = 20``). So the product is formed with ``logp`` detached (its
+    gradients for ``ref`` and ``old`` have no such cancellation) and the slope enters as
+    ``sg(-r d) (logp - sg(logp))``, which is 0 in value. 0 where masked.
+    """
+    zeros = torch.zeros_like(logp)
+    sg_logp = torch.where(mask, logp, zeros).detach()
+    d = torch.where(mask, ref, zeros) - sg_logp
+    ratio = torch.exp(log_importance_ratio(logp.detach(), old, mask, config))
+    slope = (-ratio * d).detach()
+    return torch.where(mask, ratio * (torch.expm1(d) - d) + slope * (logp - logp.detach()), zeros)
 
 
 def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
@@ -244,8 +269,11 @@ def per_token_loss(
     if config.kl is not None:
         if ref_logprobs is None:
             raise ValueError(f"config.kl={config.kl!r} needs ref_logprobs")
-        kl = torch.where(mask, kl_estimator(safe_logp, torch.where(mask, ref_logprobs, zeros), config.kl), zeros)
-        if config.kl_bias_correction:
+        safe_ref = torch.where(mask, ref_logprobs, zeros)
+        kl = torch.where(mask, kl_estimator(safe_logp, safe_ref, config.kl), zeros)
+        if config.kl_bias_correction and config.kl == "k3" and config.policy_loss not in ("gspo", "gmpo"):
+            kl = bias_corrected_k3(logp, safe_ref, old, mask, config)
+        elif config.kl_bias_correction:
             kl = kl * ratio
         if config.beta != 0.0:
             loss = loss + config.beta * kl

@@ -10,7 +10,7 @@ import torch
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from fused_rl.loss_math import compute_policy_loss
+from fused_rl.loss_math import compute_policy_loss, per_token_loss
 
 
 def _kl(kind, d):
@@ -254,9 +254,43 @@ def test_on_policy_rollout_weight_uses_detached_logp():
     torch.testing.assert_close(x.grad, expected)
 
 
-@pytest.mark.parametrize("policy", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("policy", ["ppo_clip", "gspo", "gspo_token", "cispo"])
 def test_kl_bias_correction_matches_scalar_derivation(policy):
     _check_against_scalar(PolicyLossConfig(policy_loss=policy, kl="k3", beta=0.3, kl_bias_correction=True), seed=21)
+
+
+@pytest.mark.parametrize("policy", ["ppo_clip", "gspo_token"])
+def test_kl_bias_correction_gradient_is_exact_in_fp32(policy):
+    """``d (r k3) / d logp = -r d`` in fp32 up to d = 40, where autograd of the plain product cancels two
+    terms of size ``r exp(d)`` (-32 for the exact -20 at d = 20); the value and the ``ref`` and ``old``
+    gradients against fp64 (near d = 0, to fp32's absolute error of ``expm1(d) - d`` and of autograd's
+    ``exp(d) - 1``)."""
+    d = torch.tensor([[0.0, 1e-4, -1e-3, 0.5, -7.0, 5.0, 15.0, 20.0, 30.0, 40.0, -30.0]])
+    logp64 = -torch.linspace(0.1, 25.0, d.shape[1], dtype=torch.float64).view(1, -1)
+    ref64, old64 = logp64 + d.double(), logp64 + torch.linspace(-0.7, 0.6, d.shape[1], dtype=torch.float64)
+    logp64, ref64, old64 = (t.float().double() for t in (logp64, ref64, old64))  # the fp32 inputs, exactly
+    d = ref64 - logp64
+    mask = torch.ones_like(d, dtype=torch.bool)
+    mask[0, -1] = False
+    cfg = PolicyLossConfig(policy_loss=policy, kl="k3", beta=1.0, kl_bias_correction=True, agg="seq-mean-token-sum")
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        x, ref, old = (t.to(dtype).requires_grad_(True) for t in (logp64, ref64, old64))
+        terms = per_token_loss(x, torch.zeros_like(x), mask, cfg, old_logprobs=old, ref_logprobs=ref)
+        terms.loss.sum().backward()
+        results.append([terms.loss.detach(), x.grad, ref.grad, old.grad])
+    (got_loss, got_x, got_ref, got_old), (exp_loss, exp_x, exp_ref, exp_old) = results
+    r = torch.exp(torch.where(mask, logp64 - old64, 0.0))
+    if policy == "gspo_token":  # sg(sequence ratio) times the token's own ratio, 1 in value
+        r = torch.exp((torch.where(mask, logp64 - old64, 0.0)).sum() / mask.sum()).expand_as(r)
+    torch.testing.assert_close(exp_x, torch.where(mask, -r * d, 0.0), rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(got_x, exp_x.float(), rtol=2e-6, atol=1e-9)
+    torch.testing.assert_close(got_loss, exp_loss.float(), rtol=2e-6, atol=1e-10)
+    torch.testing.assert_close(got_ref, exp_ref.float(), rtol=2e-6, atol=5e-7)
+    if policy == "gspo_token":  # old enters only under the stop-gradient
+        assert got_old is None and exp_old is None
+    else:
+        torch.testing.assert_close(got_old, exp_old.float(), rtol=2e-6, atol=1e-10)
 
 
 def test_token_normalizer_replaces_count():

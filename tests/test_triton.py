@@ -126,8 +126,7 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
         rollout = behaviour + 0.4 * torch.randn(n, generator=g).to(device)
         rollout[~valid] = float("nan")
     logp[~valid] = float("nan")  # masked garbage must not leak
-    # the reference in fp64: its own rounding (e.g. r dkl + r kl of k3 with kl_bias_correction, two
-    # terms of size exp(d) ~ 1e8 that cancel) is then not what the fp32 kernel is held to
+    # the reference in fp64: its own rounding is then not what the fp32 kernel is held to
     lp = logp.double().requires_grad_(True)
     h = ent.double().requires_grad_(True)
     view = lambda x: None if x is None else x.double().view(1, n)
