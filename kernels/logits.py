@@ -104,7 +104,7 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
         e = tl.exp2(uc)
         if WITH_ENT:
             shift = tl.where(s > 0.0, m - m_safe, 0.0)
-            q = alpha * (q + shift * s) + tl.sum(tl.where(e > 0.0, e * uc, 0.0), axis=1)
+            q = alpha * (q + shift * s) + tl.sum(e * tl.where(e > 0.0, uc, 0.0), axis=1)  # no 0 * -inf
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
     m_fin = tl.where(m == float("-inf"), 0.0, m)
@@ -146,7 +146,7 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
         p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
         g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
         if GRAD_ENT:
-            g += b[:, None] * tl.where(p > 0.0, p * (-h2[:, None] - d), 0.0)
+            g += b[:, None] * p * tl.where(p > 0.0, -h2[:, None] - d, 0.0)  # no 0 * inf
         tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
                  mask=in_rows[:, None] & inb)
 
