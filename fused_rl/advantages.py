@@ -44,10 +44,14 @@ def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: flo
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     r = _float_groups(rewards, group_size, "rewards")
-    centred = r - r.mean(dim=1, keepdim=True)
+    # In fp64, about the group's first reward: a group of equal rewards is then exactly 0 before the
+    # division (in fp32 the mean of eight 1/3 is 1 ulp off, std ~1e-8, and / (std + eps) made that 0.03).
+    x = r.double()
+    x = x - x[:, :1]
+    centred = x - x.mean(dim=1, keepdim=True)
     if scale:
-        centred = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return centred.reshape(-1)
+        centred = centred / (x.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.to(r.dtype).reshape(-1)
 
 
 def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
