@@ -193,8 +193,9 @@ def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
     count = mask.sum()
     pos = (count - 1).clamp(min=0).to(h.dtype) * (1.0 - quantile)
     lo = pos.floor()
-    lo_idx, hi_idx = lo.long(), pos.ceil().long()
-    low, high = values[lo_idx], values[hi_idx]
+    idx = torch.stack([lo, pos.ceil()]).long()
+    low, high = values.gather(0, idx).unbind()  # a tensor index: no data-dependent int under torch.compile
+    lo_idx, hi_idx = idx.unbind()
     threshold = torch.where(hi_idx > lo_idx, torch.lerp(low, high, pos - lo), low)
     return mask & (h >= threshold)
 

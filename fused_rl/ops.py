@@ -63,7 +63,10 @@ def policy_loss(
     """The policy loss of ``config`` (default ``PolicyLossConfig()``) from vocabulary logits.
 
     ``logits (B, T, V)``, ``targets / mask / old_logprobs / ref_logprobs (B, T)``, ``advantages (B,)``
-    or ``(B, T)``. ``old_logprobs=None`` means on-policy (ratio 1, gradient of ``logp``).
+    or ``(B, T)``; the advantages, log-probs and normalizer are constants of the loss (detached: no
+    gradient reaches them). ``old_logprobs=None`` means on-policy (ratio 1, gradient of ``logp``).
+    ``ref_logprobs`` are read only with ``config.kl`` set (and ignored otherwise, as Liger and TRL ignore
+    them at ``beta = 0``).
     ``rollout_logprobs (B, T)``: the inference engine's log-probs of the sampled tokens, for
     ``config.rollout_is`` / ``config.off_policy_mask``; ``truncated (B,)`` bool: completions cut at the
     length limit, masked out with ``config.mask_truncated_completions``. ``rollout_is_weights (B, T)``

@@ -99,7 +99,9 @@ class PolicyInputs:
 
     ``mask`` is boolean and already excludes ``IGNORE_INDEX`` targets (and truncated completions with
     ``config.mask_truncated_completions``); ``advantages``, ``old``, ``ref`` and ``rollout`` are fp32
-    (fp64 if the logits are fp64); ``targets`` keep their dtype.
+    (fp64 if the logits are fp64) and detached (constants of the loss: no gradient reaches a value head
+    through the advantages on any backend), as is a tensor ``token_normalizer``; ``targets`` keep their
+    dtype.
     """
 
     targets: torch.Tensor
@@ -203,7 +205,7 @@ def prepare_policy_inputs(
         if isinstance(token_normalizer, torch.Tensor):
             if token_normalizer.numel() != 1:
                 _fail(f"token_normalizer must be a scalar, got shape {tuple(token_normalizer.shape)}")
-            token_normalizer = token_normalizer.reshape(()).to(device=device, dtype=torch.float32)
+            token_normalizer = token_normalizer.detach().reshape(()).to(device=device, dtype=torch.float32)
         elif isinstance(token_normalizer, bool) or not isinstance(token_normalizer, (int, float)) \
                 or not 0 < token_normalizer < float("inf"):
             _fail(f"token_normalizer must be a positive finite number or tensor, got {token_normalizer!r}")
@@ -231,7 +233,7 @@ def prepare_policy_inputs(
                            torch.isfinite(token_normalizer) & (token_normalizer > 0)))
         run_value_checks(checks)
 
-    adv = advantages.to(compute_dtype)
+    adv = advantages.detach().to(compute_dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(1).expand(batch, length)
     is_weights = None

@@ -69,3 +69,24 @@ def test_compile_fullgraph():
     loss_fn(x1).backward()
     compiled(x2).backward()
     torch.testing.assert_close(x2.grad, x1.grad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu"])
+def test_compile_fullgraph_top_entropy_quantile(backend):
+    """The batch quantile of the entropies is read with a tensor index: no data-dependent int, so the
+    batch-level config traces in one graph too."""
+    if backend not in fused_rl.available_backends(torch.device("cpu")) or \
+            fused_rl.available_backends(torch.device("cpu"))[backend] is not None:
+        pytest.skip(f"{backend} unavailable")
+    case = make_case(vocab=257, seed=5)
+    cfg = fused_rl.PolicyLossConfig(top_entropy_quantile=0.3)
+
+    def loss_fn(logits):
+        return fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=cfg,
+                                    backend=backend, check_inputs=False).loss
+
+    x1 = case.logits.clone().requires_grad_(True)
+    x2 = case.logits.clone().requires_grad_(True)
+    loss_fn(x1).backward()
+    torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(x2).backward()
+    torch.testing.assert_close(x2.grad, x1.grad)

@@ -5,6 +5,7 @@ import torch
 
 import fused_rl
 from fused_rl import PolicyLossConfig
+from helpers import fused_backends
 
 BACKENDS = ["reference", "torch"]
 
@@ -133,3 +134,60 @@ def test_reference_module_takes_no_backend():
     args = good()
     with pytest.raises(TypeError, match="no backend"):
         fused_rl.reference.policy_loss(*args.values(), backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("config", [PolicyLossConfig(), PolicyLossConfig(policy_loss="gspo")], ids=["ppo", "gspo"])
+def test_advantages_and_normalizer_are_constants_on_every_backend(backend, config):
+    """Advantages from an undetached value head (PPO), or a normalizer that requires grad, get no
+    gradient on any backend (once: a gradient on reference / torch, None on cpu, an error on triton)."""
+    args = good()
+    adv = (args["advantages"] * 1.0).requires_grad_(True)
+    norm = torch.tensor(5.0, requires_grad=True) if config.agg == "token-mean" else None
+    x = args["logits"].clone().requires_grad_(True)
+    out = fused_rl.policy_loss(x, args["targets"], adv, args["mask"], config=config, backend=backend,
+                               token_normalizer=norm)
+    out.loss.backward()
+    assert adv.grad is None and (norm is None or norm.grad is None)
+    x_ref = args["logits"].clone().requires_grad_(True)
+    expected = fused_rl.policy_loss(x_ref, args["targets"], args["advantages"], args["mask"], config=config,
+                                    backend="reference", token_normalizer=None if norm is None else 5.0)
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + [b for b in fused_backends() if b in ("torch", "cpu")])
+def test_linear_advantages_are_constants(backend):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 3, 8, generator=g, requires_grad=True)
+    weight = torch.randn(11, 8, generator=g, requires_grad=True)
+    adv = torch.randn(2, generator=g).requires_grad_(True)
+    out = fused_rl.linear_policy_loss(hidden, weight, torch.randint(0, 11, (2, 3), generator=g), adv,
+                                      torch.ones(2, 3, dtype=torch.bool), backend=backend)
+    out.loss.backward()
+    assert adv.grad is None and hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["reference"] + [b for b in fused_backends() if b in ("torch", "cpu")])
+def test_linear_nan_hidden_at_masked_rows_reaches_no_gradient(backend):
+    """Pad positions' hidden states can be NaN (fully masked attention rows): never read for the loss,
+    they reach neither the loss nor any gradient, through the matmul included."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 3, 8, generator=g)
+    weight, bias = torch.randn(11, 8, generator=g), torch.randn(11, generator=g)
+    targets, adv = torch.randint(0, 11, (2, 3), generator=g), torch.randn(2, generator=g)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    grads = []
+    for pad in (0.0, float("nan")):
+        h = hidden.clone()
+        h[~mask] = pad
+        leaves = [x.clone().requires_grad_(True) for x in (h, weight, bias)]
+        out = fused_rl.linear_policy_loss(leaves[0], leaves[1], targets, adv, mask, bias=leaves[2], backend=backend)
+        out.loss.backward()
+        t = torch.where(mask, targets, -100)
+        lp = fused_rl.linear_token_logprobs(leaves[0], leaves[1], t, bias=leaves[2], backend=backend)
+        grads.append([out.loss.detach(), lp.detach()] + [x.grad for x in leaves])
+    clean, padded = grads
+    for a, b in zip(clean, padded):
+        torch.testing.assert_close(b, a)

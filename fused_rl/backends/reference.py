@@ -23,10 +23,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def full_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                         return_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``logp = log_softmax(z / tau)[target]`` and ``H = -sum_j p_j log p_j`` (``0 log 0 = 0``)."""
-    z = logits.to(compute_dtype(logits.dtype)) / temperature
-    logp_all = F.log_softmax(z, dim=-1)
+    """``logp = log_softmax(z / tau)[target]`` and ``H = -sum_j p_j log p_j`` (``0 log 0 = 0``); rows whose
+    target is ``IGNORE_INDEX`` are replaced by zeros first (0 out, no gradient, even from NaN logits)."""
     ignored = targets == IGNORE_INDEX
+    z = logits.to(compute_dtype(logits.dtype)) / temperature
+    z = torch.where(ignored.unsqueeze(-1), torch.zeros_like(z), z)
+    logp_all = F.log_softmax(z, dim=-1)
     safe_targets = torch.where(ignored, torch.zeros_like(targets), targets).long()
     logp = logp_all.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
     zero = torch.zeros_like(logp)
@@ -36,6 +38,15 @@ def full_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature
         finite_logp = torch.where(torch.isfinite(logp_all), logp_all, torch.zeros_like(logp_all))
         entropy = torch.where(ignored, zero, -(logp_all.exp() * finite_logp).sum(-1))
     return logp, entropy
+
+
+def full_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                valid: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T + bias`` in full precision, from ``hidden`` zeroed at the rows not ``valid`` (a
+    NaN there would reach ``weight.grad`` through the matmul even with a zero logits gradient)."""
+    dtype = compute_dtype(hidden.dtype)
+    hidden = torch.where(valid.unsqueeze(-1), hidden.to(dtype), torch.zeros((), dtype=dtype, device=hidden.device))
+    return F.linear(hidden, weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 class ReferenceBackend(Backend):
@@ -48,12 +59,10 @@ class ReferenceBackend(Backend):
     def linear_policy_loss(self, hidden, weight, bias, inputs: PolicyInputs, config: PolicyLossConfig,
                            compute_entropy: bool) -> PolicyLossOutput:
         """Materialize ``logits = hidden @ weight.T + bias`` in full precision, then :meth:`policy_loss`."""
-        dtype = compute_dtype(hidden.dtype)
-        logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        logits = full_logits(hidden, weight, bias, inputs.mask)
         return self.policy_loss(logits, inputs, config, compute_entropy, inplace=False)
 
     def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
         """Materialize the full-precision logits, then :func:`full_token_logprobs`."""
-        dtype = compute_dtype(hidden.dtype)
-        logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        logits = full_logits(hidden, weight, bias, targets != IGNORE_INDEX)
         return full_token_logprobs(logits, targets, temperature, return_entropy)

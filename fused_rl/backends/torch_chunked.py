@@ -123,7 +123,8 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
             ge = torch.where(ignored, 0.0, g_entropy[start:stop].to(cdtype).unsqueeze(-1))
             ezs = log_s - entropy[start:stop].unsqueeze(-1)
             g += ge * torch.where(p > 0, p * (ezs - zs), torch.zeros_like(p))
-        out_rows[start:stop] = (g / temperature).to(logits.dtype)
+        # ignored rows: exactly 0 (not 0 * NaN from logits never read for the loss)
+        out_rows[start:stop] = torch.where(ignored, 0.0, g / temperature).to(logits.dtype)
     return out
 
 
