@@ -103,6 +103,17 @@ def test_inplace_ignored_for_leaf():
     assert torch.equal(x.detach(), case.logits) and x.grad.data_ptr() != x.data_ptr()
 
 
+def test_second_backward_raises_a_clear_error():
+    """The stored gradient is scaled in place by the first backward: a second one through the same graph
+    is refused by name (not torch's 'modified by an inplace operation')."""
+    case = make_case(batch=3, length=4, vocab=300, seed=2)
+    out = fused_rl.policy_loss(case.logits.clone().requires_grad_(True), case.targets, case.advantages, case.mask,
+                               config=CONFIGS[0], backend="cpu", **case.kwargs())
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="supports one backward only"):
+        out.loss.backward()
+
+
 def test_inplace_on_sliced_view():
     case = make_case(batch=3, length=7, vocab=1000, seed=9)
     full = make_logits((3, 8, 1000), generator=torch.Generator().manual_seed(4)).requires_grad_(True)

@@ -316,6 +316,18 @@ def test_inplace_writes_grad_over_logits(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_inplace_ignored_for_leaf(device):
+    """Over a leaf the gradient would alias its own ``.grad``: ``inplace=True`` is then not taken."""
+    case = on_device(make_case(batch=3, length=4, vocab=300, seed=2), device)
+    x = case.logits.clone().requires_grad_(True)
+    _loss(case, x, CONFIGS[0], backend="triton", inplace=True).loss.backward()
+    xr = case.logits.clone().requires_grad_(True)
+    _loss(case, xr, CONFIGS[0], backend="reference").loss.backward()
+    assert torch.equal(x.detach(), case.logits) and x.grad.data_ptr() != x.data_ptr()
+    assert_close(x.grad, xr.grad, torch.float32, "dlogits", grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_failed_check_writes_nothing(device):
     case = on_device(make_case(vocab=1000, seed=12), device)
     case.targets[2, 0] = 1000  # out of range where mask is set

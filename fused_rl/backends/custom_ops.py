@@ -9,7 +9,8 @@ Each backend defines two ``torch.library`` custom ops with the same schema:
   ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, ``E[z] = lse - H``.
 
 :func:`register_token_ops` wires the backward of ``stats`` to ``grad`` and gives ``grad`` its fake
-implementation, so the three backends do not each repeat it.
+implementation, so the three backends do not each repeat it. :func:`consume_stored_grad` is the
+one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward already wrote ``dlogits``.
 """
 
 from __future__ import annotations
@@ -39,3 +40,14 @@ def register_token_ops(stats_op, grad_op) -> None:
         return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
 
     stats_op.register_autograd(backward, setup_context=setup_context)
+
+
+def consume_stored_grad(ctx, backend: str) -> None:
+    """Mark the single-pass gradient stored by the forward as used, or raise if it already was: its
+    backward scales that buffer in place by ``grad_output``, so a second backward through the same graph
+    (``retain_graph=True``) would return a gradient scaled twice. Call it first in the backward."""
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError(f"the single-pass {backend} policy loss scales its stored gradient in place: it "
+                           "supports one backward only (for a second backward through one graph use "
+                           "backend='torch')")
+    ctx.consumed = True

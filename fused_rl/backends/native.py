@@ -39,7 +39,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing
 from .base import Backend
-from .custom_ops import register_token_ops
+from .custom_ops import consume_stored_grad, register_token_ops
 from .torch_linear import _config_from_literal, config_literal
 
 try:
@@ -287,6 +287,7 @@ def _attach_setup_context(ctx, inputs, output):
 
 
 def _attach_backward(ctx, g):
+    consume_stored_grad(ctx, "cpu/cuda")
     (dlogits,) = ctx.saved_tensors
     scale_grad_(dlogits, g)
     return None, dlogits, None

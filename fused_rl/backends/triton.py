@@ -37,7 +37,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing, torch_linear
 from .base import Backend
-from .custom_ops import register_token_ops
+from .custom_ops import consume_stored_grad, register_token_ops
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
 # functions, so an early import (e.g. at `import fused_rl` during test collection) would break the
@@ -202,14 +202,10 @@ def _(loss_terms, logits, dlogits):
 
 def _attach_setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[2])
-    ctx.consumed = False
 
 
 def _attach_backward(ctx, grad):
-    if ctx.consumed:
-        raise RuntimeError("the single-pass triton policy loss scales its stored gradient in place: "
-                           "it supports one backward only (use retain_graph-free training, or backend='torch')")
-    ctx.consumed = True
+    consume_stored_grad(ctx, "triton")
     (dlogits,) = ctx.saved_tensors
     scale_(dlogits, grad)
     return None, dlogits, None
@@ -258,7 +254,8 @@ class TritonBackend(Backend):
         args = (targets.contiguous(), adv, weights, old, ref, rollout, torch_linear.config_literal(config),
                 want_entropy)
         x = logits.detach()
-        if inplace and write_grad:
+        # In place only over a non-leaf buffer (model output): a leaf would end up aliasing its own .grad.
+        if inplace and write_grad and not logits.is_leaf:
             logp, entropy, loss_terms, ratio, kl = policy_fwd_inplace(x, *args)
             dlogits = x
         else:
