@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
 def _groups(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if x.dim() != 1 or x.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 1-D tensor (groups of consecutive samples), got shape "
@@ -56,9 +58,9 @@ def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: flo
 
 def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Leave-one-out advantages ``R_i - sum_{j != i} R_j / (G - 1)``; needs ``G >= 2``."""
+    r = _float_groups(rewards, group_size, "rewards")
     if group_size < 2:
         raise ValueError(f"rloo needs group_size >= 2, got {group_size!r}")
-    r = _float_groups(rewards, group_size, "rewards")
     baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
     return (r - baseline).reshape(-1)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -29,7 +30,7 @@ IGNORE_INDEX = -100
 
 
 def _finite_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
         raise ValueError(f"PolicyLossConfig.{name} must be a real number, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"PolicyLossConfig.{name} must be finite, got {value!r}")
@@ -172,8 +173,9 @@ class PolicyLossConfig:
         if floats["temperature"] <= 0.0:
             raise ValueError(f"PolicyLossConfig.temperature must be > 0, got {self.temperature!r}")
         if self.max_len is not None:
-            if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len <= 0:
+            if isinstance(self.max_len, bool) or not isinstance(self.max_len, numbers.Integral) or self.max_len <= 0:
                 raise ValueError(f"PolicyLossConfig.max_len must be a positive int (or None), got {self.max_len!r}")
+            object.__setattr__(self, "max_len", int(self.max_len))
             if self.agg != "seq-mean-token-sum-norm":
                 raise ValueError("PolicyLossConfig.max_len is only used by agg='seq-mean-token-sum-norm'")
         # Normalize numeric fields to float so equal configs hash (and compile) identically.

@@ -16,8 +16,8 @@ from .backends.reference import compute_dtype
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .outputs import PolicyLossOutput
-from .validation import (_is_compiling, check_logits, prepare_policy_inputs, run_value_checks, target_range_ok,
-                         token_logprobs_checks)
+from .validation import (_is_compiling, check_logits, check_temperature, prepare_policy_inputs, run_value_checks,
+                         target_range_ok, token_logprobs_checks)
 
 
 def token_logprobs(
@@ -164,9 +164,7 @@ def linear_token_logprobs(
     if tuple(targets.shape) != tuple(hidden.shape[:2]) or targets.device != hidden.device:
         raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} on {hidden.device}, "
                          f"got {tuple(targets.shape)} on {targets.device}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
-            or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    check_temperature(temperature)
     if check_inputs and not _is_compiling():
         vocab = weight.shape[0]
         run_value_checks([(f"targets must be in [0, {vocab}) or -100", target_range_ok(targets, vocab))])

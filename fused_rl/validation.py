@@ -11,6 +11,7 @@ Two kinds of checks:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,13 +82,17 @@ def run_value_checks(checks: list[tuple[str, torch.Tensor]]) -> None:
         _fail("; ".join(failed))
 
 
+def check_temperature(temperature) -> None:
+    """A finite real ``> 0`` (Python or numpy scalar; not a bool or a tensor)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < float("inf"):
+        _fail(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
 def token_logprobs_checks(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                           check_inputs: bool) -> None:
     check_logits(logits)
     check_targets(targets, logits)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
-            or temperature == float("inf"):
-        _fail(f"temperature must be a finite number > 0, got {temperature!r}")
+    check_temperature(temperature)
     if check_inputs and not _is_compiling():
         run_value_checks([(f"targets must be in [0, {logits.shape[-1]}) or {IGNORE_INDEX}",
                            target_range_ok(targets, logits.shape[-1]))])
@@ -206,9 +211,11 @@ def prepare_policy_inputs(
             if token_normalizer.numel() != 1:
                 _fail(f"token_normalizer must be a scalar, got shape {tuple(token_normalizer.shape)}")
             token_normalizer = token_normalizer.detach().reshape(()).to(device=device, dtype=torch.float32)
-        elif isinstance(token_normalizer, bool) or not isinstance(token_normalizer, (int, float)) \
+        elif isinstance(token_normalizer, bool) or not isinstance(token_normalizer, numbers.Real) \
                 or not 0 < token_normalizer < float("inf"):
             _fail(f"token_normalizer must be a positive finite number or tensor, got {token_normalizer!r}")
+        else:
+            token_normalizer = float(token_normalizer)
 
     bool_mask = mask if mask.dtype == torch.bool else mask != 0
     valid = bool_mask & (targets != IGNORE_INDEX)

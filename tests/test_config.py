@@ -162,3 +162,15 @@ def test_new_fields_route_the_backends():
     assert not PolicyLossConfig(rollout_is="token_mask").is_sequence_level
     assert PolicyLossConfig(off_policy_mask=0.1).is_sequence_level
     assert PolicyLossConfig(top_entropy_quantile=0.2).is_batch_level and PolicyLossConfig(top_entropy_quantile=0.2).needs_entropy
+
+
+def test_numpy_scalars_are_numbers():
+    """Numbers from numpy (a sweep's ``np.linspace``, a config file read with numpy) are accepted and
+    stored as Python numbers, so equal configs stay equal and hash alike."""
+    np = pytest.importorskip("numpy")
+    a = PolicyLossConfig(clip_low=np.float64(0.1), temperature=np.float64(0.7), beta=np.float32(0.5), kl="k3",
+                         agg="seq-mean-token-sum-norm", max_len=np.int64(9))
+    b = PolicyLossConfig(clip_low=0.1, temperature=0.7, beta=0.5, kl="k3", agg="seq-mean-token-sum-norm", max_len=9)
+    assert a == b and hash(a) == hash(b) and type(a.max_len) is int and type(a.beta) is float
+    with pytest.raises(ValueError, match="must be a real number"):
+        PolicyLossConfig(clip_low=np.bool_(True))

@@ -191,3 +191,16 @@ def test_linear_nan_hidden_at_masked_rows_reaches_no_gradient(backend):
     clean, padded = grads
     for a, b in zip(clean, padded):
         torch.testing.assert_close(b, a)
+
+
+def test_numpy_scalar_arguments():
+    np = pytest.importorskip("numpy")
+    args = good()
+    expected = fused_rl.policy_loss(**args, token_normalizer=4.0, config=PolicyLossConfig(temperature=0.5))
+    got = fused_rl.policy_loss(**args, token_normalizer=np.int64(4), config=PolicyLossConfig(temperature=np.float32(0.5)))
+    torch.testing.assert_close(got.loss, expected.loss)
+    torch.testing.assert_close(fused_rl.token_logprobs(args["logits"], args["targets"], temperature=np.float64(0.5)),
+                               fused_rl.token_logprobs(args["logits"], args["targets"], temperature=0.5))
+    for bad in (np.bool_(True), "0.5", float("nan"), np.float32("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            fused_rl.token_logprobs(args["logits"], args["targets"], temperature=bad)
