@@ -8,6 +8,8 @@
 //   U = sum exp(z - M) (z - M), rescaled by exp(M_old - M_new) when the max grows;
 //   logp = (z_target - M) - log S, H = log S - U / S (= lse - E[z]); M and log S are saved apart
 //   (lse = M + log S rounded to one float loses log S at large |M|, and with it 1 - p of a sure token).
+//   A row whose softmax is undefined (a NaN or +inf z, or every z = -inf) gets M = log S = logp = H = NaN
+//   and a NaN dlogits row, as log_softmax of the reference gives (a -inf z in a finite row is p = 0).
 // Gradient: dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau with p = exp(d), d = (z - M) - log S.
 #ifndef FRL_NS
 #error "define FRL_NS before including logits_cpu_impl.h"
@@ -161,8 +163,24 @@ struct RowStats {
   float m;    // max z
   double s;   // sum exp(z - m)
   double u;   // sum exp(z - m) (z - m)
+  bool bad() const { return m != m; }  // the softmax is undefined (see row_stats)
 };
 
+// The stats of a row whose softmax is undefined: NaN m, hence NaN log s, logp and H (stats_impl) and a NaN
+// dlogits row (row_nan).
+constexpr RowStats kBadRow = {NAN, NAN, NAN};
+
+inline bool any_lane(v8i v) {
+  int32_t r = 0;
+  for (int l = 0; l < W; ++l) r |= v[l];
+  return r != 0;
+}
+
+// (M, S, U) of one row, or kBadRow when its softmax is undefined: a NaN anywhere (the max drops NaN, so
+// the max loop also ORs "x is NaN" into a flag, no second pass: per pair of vectors one add, one compare,
+// one OR, as a + b is NaN iff a or b is NaN or they are +inf and -inf, and a +inf is undefined anyway),
+// a +inf z (the block max; z - M would be NaN) or no finite z at all (M = -inf at the end). The row is
+// left at its first bad block.
 template <class D>
 inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
   const v8f vt = splat(inv_tau);
@@ -174,14 +192,26 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
     const typename D::T* xb = x + b0;
     const int64_t nv = n & ~int64_t(W - 1);
     v8f mx0 = splat(NEG_INF), mx1 = splat(NEG_INF);
+    v8i seen_nan = {};  // lanes that saw a NaN
     int64_t j = 0;
     for (; j + 2 * W <= nv; j += 2 * W) {
-      mx0 = vmax(mx0, D::load8(xb + j));
-      mx1 = vmax(mx1, D::load8(xb + j + W));
+      const v8f a = D::load8(xb + j), b = D::load8(xb + j + W), ab = a + b;
+      mx0 = vmax(mx0, a);
+      mx1 = vmax(mx1, b);
+      seen_nan |= ab != ab;
     }
-    for (; j < nv; j += W) mx0 = vmax(mx0, D::load8(xb + j));
-    if (nv < n) mx1 = vmax(mx1, load_tail<D>(xb + nv, n - nv, NEG_INF));
+    for (; j < nv; j += W) {
+      const v8f a = D::load8(xb + j);
+      mx0 = vmax(mx0, a);
+      seen_nan |= a != a;
+    }
+    if (nv < n) {
+      const v8f a = load_tail<D>(xb + nv, n - nv, NEG_INF);
+      mx1 = vmax(mx1, a);
+      seen_nan |= a != a;
+    }
     const float bm = hmax(vmax(mx0, mx1)) * inv_tau;
+    if (any_lane(seen_nan) || bm == INFINITY) return kBadRow;
     if (bm > M) {
       if (M != NEG_INF) {
         const double sc = std::exp(double(M) - double(bm));
@@ -214,6 +244,7 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
     S += double(hsum(s0 + s1));
     U += double(hsum(u0 + u1));
   }
+  if (M == NEG_INF) return kBadRow;  // every z = -inf: 0 / 0
   return RowStats{M, S, U};
 }
 
@@ -245,6 +276,15 @@ inline void row_grad(const typename D::T* x, typename D::T* out, int64_t V, floa
 
 template <class D>
 inline void row_zero(typename D::T* out, int64_t V) { std::memset(out, 0, sizeof(typename D::T) * V); }
+
+// The dlogits row of a row whose softmax is undefined (RowStats::bad): NaN, whatever g_logp and g_H are
+// (autograd of log_softmax gives NaN there even for a zero upstream gradient: 0 * NaN).
+template <class D>
+inline void row_nan(typename D::T* out, int64_t V) {
+  const int64_t nv = V & ~int64_t(W - 1);
+  for (int64_t j = 0; j < nv; j += W) D::store8(out + j, splat(NAN));
+  for (int64_t j = nv; j < V; ++j) D::store1(out + j, NAN);
+}
 
 inline int64_t target_at(const void* t, int tdtype, int64_t i) {
   return tdtype == kInt32 ? int64_t(static_cast<const int32_t*>(t)[i]) : static_cast<const int64_t*>(t)[i];
@@ -287,10 +327,13 @@ void grad_impl(const GradArgs& a) {
     typename D::T* orow = out + b * a.osb + tt * a.ost;
     const int64_t t = target_at(a.targets, a.tdtype, i);
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
-    if (t == kIgnoreIndex || (gl == 0.0f && ge == 0.0f)) { row_zero<D>(orow, V); continue; }
+    if (t == kIgnoreIndex) { row_zero<D>(orow, V); continue; }
+    const float m = a.lse[i];
+    if (m != m) { row_nan<D>(orow, V); continue; }  // stats of RowStats::bad
+    if (gl == 0.0f && ge == 0.0f) { row_zero<D>(orow, V); continue; }
     const typename D::T* row = x + b * a.in.sb + tt * a.in.st;
     const float H = with_ent ? a.ent[i] : 0.0f;
-    row_grad<D>(row, orow, V, a.inv_tau, a.lse[i], a.lse[N + i], H, gl, ge, t);
+    row_grad<D>(row, orow, V, a.inv_tau, m, a.lse[N + i], H, gl, ge, t);
   }
 }
 
@@ -317,6 +360,7 @@ void policy_impl(const PolicyArgs& a) {
     const float H = float(double(logs) - st.u / st.s);
     a.logp[i] = logp;
     a.ent[i] = H;
+    if (st.bad()) { row_nan<D>(orow, V); continue; }  // NaN logp and H (the epilogue's g_logp is NaN too)
     const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
                                           a.ref ? a.ref[i] : 0.0f, a.rollout ? a.rollout[i] : 0.0f, a.w[i]);
     if (e.g_logp == 0.0f && e.g_ent == 0.0f) { row_zero<D>(orow, V); continue; }

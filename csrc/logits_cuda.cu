@@ -7,6 +7,8 @@
 //   logp = ln2 ((y_t - m) - log2 s), H = ln2 (log2 s - u / s); m and log2 s are saved apart (lse buffer 2N)
 //   dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau, p = 2^d2, d2 = (y - m) - log2 s,
 //   E[z] - z = -H - ln2 d2.
+// A row whose softmax is undefined (a NaN or +inf y, or every y = -inf) gets m = log2 s = logp = H = NaN and
+// a NaN dlogits row, as log_softmax of the reference gives (a -inf y in a finite row is p = 0).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -137,12 +139,16 @@ __device__ __forceinline__ Acc warp_merge(Acc a) {
   return a;
 }
 
-// Block-wide (m, s, u) of one row; every thread gets the result.
+// Block-wide (m, s, u) of one row; every thread gets the result. A row whose softmax is undefined gives
+// m = s = u = NaN: a NaN anywhere (fmaxf drops NaN and a thread whose other values are all -inf never
+// sums, so each thread ORs x != x into a flag, voted on by the block's first barrier), a +inf y (m = +inf)
+// or no finite y at all (m = -inf).
 template <class T>
 __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   using E = Elem<T>;
   constexpr int VEC = E::kVec;
   Acc a = acc_empty();
+  bool seen_nan = false;
   int64_t start = 0;
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
     const int64_t nvec = V / VEC;
@@ -150,19 +156,20 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
       float v[VEC];
       E::load_vec(row + k * VEC, v);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] *= scale2;
+      for (int i = 0; i < VEC; ++i) { seen_nan |= v[i] != v[i]; v[i] *= scale2; }
       acc_add<VEC>(a, v);
     }
     start = nvec * VEC;
   }
   for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) {
     float v[1] = {E::load(row + j) * scale2};
+    seen_nan |= v[0] != v[0];
     acc_add<1>(a, v);
   }
   a = warp_merge(a);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) smem[warp] = a;
-  __syncthreads();
+  const int any_nan = __syncthreads_or(seen_nan);
   if (warp == 0) {
     const int nw = blockDim.x >> 5;
     Acc b = lane < nw ? smem[lane] : acc_empty();
@@ -172,6 +179,7 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   __syncthreads();
   const Acc r = smem[32];
   __syncthreads();  // smem is reused by the next row
+  if (any_nan || r.m == INFINITY || r.m == -INFINITY) return Acc{NAN, NAN, NAN};
   return r;
 }
 
@@ -213,9 +221,11 @@ __device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float in
   }
 }
 
+// A row of one value: 0 (ignored rows, zero coefficients) or NaN (rows whose softmax is undefined, whatever
+// g_logp and g_H are: autograd of log_softmax gives NaN there even for a zero upstream gradient).
 template <class T>
-__device__ void row_zero(T* out, int64_t V) {
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) Elem<T>::store(out + j, 0.0f);
+__device__ void row_fill(T* out, int64_t V, float value) {
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) Elem<T>::store(out + j, value);
 }
 
 __device__ __forceinline__ int64_t target_at(const void* t, int tdtype, int64_t i) {
@@ -259,9 +269,12 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
     T* orow = out + b * a.osb + tt * a.ost;
     const int64_t t = target_at(a.targets, a.tdtype, i);
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
-    if (t == kIgnoreIndex || (gl == 0.0f && ge == 0.0f)) { row_zero<T>(orow, V); continue; }
+    if (t == kIgnoreIndex) { row_fill<T>(orow, V, 0.0f); continue; }
+    const float m2 = a.lse[i];
+    if (m2 != m2) { row_fill<T>(orow, V, NAN); continue; }  // an undefined row (row_reduce)
+    if (gl == 0.0f && ge == 0.0f) { row_fill<T>(orow, V, 0.0f); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
-    row_grad<T>(row, orow, V, scale2, a.inv_tau, a.lse[i], a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);
+    row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);
   }
 }
 
@@ -279,13 +292,13 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
     const int64_t t = target_at(a.targets, a.tdtype, i);
     if (t == kIgnoreIndex) {
       if (threadIdx.x == 0) { a.logp[i] = 0.0f; a.ent[i] = 0.0f; }
-      row_zero<T>(orow, V);
+      row_fill<T>(orow, V, 0.0f);
       continue;
     }
     const T* row = x + b * a.in.sb + tt * a.in.st;
     const Acc r = row_reduce<T>(row, V, scale2, smem);
     if (threadIdx.x == 0) {
-      const float l2s = log2f(r.s);
+      const float l2s = log2f(r.s);  // NaN m, s: NaN logp, H and a NaN dlogits row
       const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
       const float logp = target_logp(yt, r.m, l2s);
       const float H = kLn2 * (l2s - r.u / r.s);
@@ -298,7 +311,8 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
     __syncthreads();
     const float m2 = coef[0], l2s = coef[1], H = coef[2], gl = coef[3], ge = coef[4];
     __syncthreads();
-    if (gl == 0.0f && ge == 0.0f) row_zero<T>(orow, V);
+    if (m2 != m2) row_fill<T>(orow, V, NAN);  // an undefined row (row_reduce)
+    else if (gl == 0.0f && ge == 0.0f) row_fill<T>(orow, V, 0.0f);
     else row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t);
   }
 }

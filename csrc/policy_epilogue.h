@@ -19,6 +19,9 @@
 //             straight-through "X+": the value of X with the gradient of k2 (dk/dd = d);
 //             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r)
 //   l += beta kl;  l -= entropy_coef H
+//   a NaN logp (a row whose softmax is undefined: NaN / +inf logits, or all -inf) gives l = dl/dlogp = NaN
+//             for every option, as autograd of the reference does (the on-policy r = 1, the clamps and
+//             the ppo_clip / dual-clip min and max, or an l and dl/dlogp independent of logp, would drop it)
 #pragma once
 
 #include <cmath>
@@ -142,6 +145,10 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
   if (p.entropy_coef != 0.0f) {
     loss -= p.entropy_coef * ent;
     dl_dent = -p.entropy_coef;
+  }
+  if (logp != logp) {  // an undefined row: NaN whatever the branches above made of it
+    loss = NAN;
+    dl_dlogp = NAN;
   }
   EpilogueOut out;
   out.loss = loss;

@@ -26,7 +26,11 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   (``-d``); ``kl_bias_correction``: ``kl <- r kl`` (the returned ``kl`` too), so
   ``dl/dlogp += beta r (dkl/dlogp + kl)``, which is ``-beta r d`` for k3 (taken so: the two terms
   cancel to ``|d|`` from ``exp(d)``);
-* entropy bonus: ``l -= entropy_coef H``, ``dl/dH = -entropy_coef``.
+* entropy bonus: ``l -= entropy_coef H``, ``dl/dH = -entropy_coef``;
+* a NaN ``logp`` (a row whose softmax is undefined: NaN / ``+inf`` logits, or all ``-inf``) gives
+  ``l = dl/dlogp = r = NaN`` (and ``kl = NaN`` with ``KL``) at a valid token for every option, as
+  autograd of the reference does: the on-policy ``r = 1``, ``tl.minimum`` / ``tl.maximum`` (which drop
+  NaN on GPUs) and the clamps would otherwise lose it.
 
 Every output is 0 at masked tokens (``valid == False``); the ratio is 1 there. Each option is a
 ``tl.constexpr`` switch (an unused one compiles to nothing); its numbers are runtime arguments (a
@@ -206,9 +210,13 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
     if ADD_ENT:
         loss = loss - entropy_coef * tl.where(valid, entropy, zero)
         dh = zero - entropy_coef
-    loss = tl.where(valid, loss, zero)
-    dlogp = tl.where(valid, dlogp, zero)
+    undefined = valid & (logp != logp)  # NaN whatever the branches above made of it
+    loss = tl.where(valid, tl.where(undefined, float("nan"), loss), zero)
+    dlogp = tl.where(valid, tl.where(undefined, float("nan"), dlogp), zero)
     dh = tl.where(valid, dh, zero)
+    ratio = tl.where(undefined, float("nan"), ratio)
+    if KL != 0:
+        kl = tl.where(undefined, float("nan"), kl)
     return loss, dlogp, dh, ratio, kl
 
 

@@ -18,7 +18,9 @@ pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 wha
   themselves).
 
 Rows whose target is ``IGNORE_INDEX`` (the callers also set it at masked positions) read nothing and
-get ``logp = H = 0`` and zero ``dlogits``.
+get ``logp = H = 0`` and zero ``dlogits``. A valid row whose softmax is undefined (a NaN or ``+inf``
+``z``, or every ``z = -inf``) gets ``log s = logp = H = NaN`` and a NaN ``dlogits`` row, as
+``log_softmax`` of the reference gives (a ``-inf`` in a finite row is ``p = 0``, nothing more).
 """
 
 from __future__ import annotations
@@ -84,7 +86,12 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     The loop works in base 2 on ``u = x log2(e) / tau`` (one multiply and one ``exp2`` per element):
     ``m = max u``, ``s = sum 2^(u - m)``, ``q = sum 2^(u - m) (u - m)``; then
     ``logp = ln2 (u_t - m - log2 s)``, ``H = ln2 (log2 s - q / s)`` (``lse = ln2 (m + log2 s)`` is never
-    rounded into one number: ``m`` and ``log2 s`` stay apart for the gradient)."""
+    rounded into one number: ``m`` and ``log2 s`` stay apart for the gradient).
+
+    A valid row whose softmax is undefined gets ``log2 s = NaN`` (so ``logp = H = NaN``, and the gradient
+    loop writes NaN), found after the loop at no cost in it: ``s`` is NaN when any ``u`` is NaN or
+    ``+inf`` (that element's ``2^(u - m)`` is NaN whether or not the block max kept it, and ``s`` keeps
+    it: ``alpha`` times NaN is NaN) and 0 when no ``u`` is finite, so ``s > 0`` fails exactly there."""
     scale = LOG2E / temperature
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
@@ -108,7 +115,8 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
     m_fin = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.where(s > 0.0, s, 1.0)  # ignored rows (nothing loaded): lse = 0 there, masked by the caller
+    # ignored rows (nothing loaded): lse = 0 there, masked by the caller; valid rows: NaN unless s > 0
+    s = tl.where(s > 0.0, s, tl.where(valid, float("nan"), 1.0))
     log2_s = tl.log2(s)
     # in-row address even for ignored rows; rows past N (valid is False there too) load nothing
     ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32) * scale

@@ -144,3 +144,338 @@ def test_offsets_beyond_int32(backend):
     got = fused_rl.token_logprobs(logits, targets, backend=backend)
     expected = torch.log_softmax(rows.float(), -1).gather(-1, targets.view(2, 1)).view(1, 2)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- undefined rows
+# A valid row whose softmax is undefined (a NaN or +inf logit, or every logit -inf) has NaN logp, entropy,
+# per-token loss (so a NaN summed loss) and an all-NaN dlogits row on every backend, as log_softmax of the
+# reference gives; -inf entries of an otherwise finite row are p = 0 and nothing more; the other rows keep
+# the reference's values and a masked row is never read (NaN there changes nothing, its gradient is 0).
+UNDEFINED_KINDS = ("nan", "inf_other", "inf_target", "all_neg_inf")
+UNDEFINED_BACKENDS = ["reference"] + BACKENDS
+UNDEFINED_CONFIGS = [
+    PolicyLossConfig(),  # on-policy ppo_clip: r = 1 whatever logp is
+    PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl="low_var_kl", beta=0.1, entropy_coef=0.01),
+    PolicyLossConfig(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),  # two-pass
+]
+BAD = (1, 1)  # the undefined row; (1, 2) is masked and NaN, (0, 1) has legitimate -inf entries
+
+
+def _undefined_ids(c):
+    return f"{c.policy_loss}-dual{c.dual_clip}-{c.kl}"
+
+
+@pytest.fixture
+def small_triton_blocks(monkeypatch):
+    """Several vocabulary blocks per row in the Triton kernels (the bad entry in a later block)."""
+    if "triton" in BACKENDS:
+        from fused_rl.kernels import logits as K
+
+        monkeypatch.setattr(K, "MAX_BLOCK_V", 16)
+
+
+def _make_undefined(x: torch.Tensor, targets: torch.Tensor, kind: str, row=BAD) -> None:
+    """Makes ``x[row]`` undefined in place (``x`` (..., V), the entry away from the target in a later block)."""
+    t = int(targets[row])
+    other = (t + 20) % x.shape[-1]
+    if kind == "nan":
+        x[row][other] = float("nan")
+    elif kind == "inf_other":
+        x[row][other] = float("inf")
+    elif kind == "inf_target":
+        x[row][t] = float("inf")
+    elif kind == "all_neg_inf":
+        x[row].fill_(float("-inf"))
+    else:
+        raise ValueError(kind)
+
+
+def _undefined_case(kind: str, off_policy: bool = False):
+    g = torch.Generator().manual_seed(5)
+    B, T, V = 2, 3, 37
+    x = torch.randn(B, T, V, generator=g) * 2
+    targets = torch.randint(0, V, (B, T), generator=g)
+    x[0, 1, (targets[0, 1] + 1 + torch.arange(10)) % V] = float("-inf")  # legitimate p = 0 entries
+    _make_undefined(x, targets, kind)
+    x[1, 2] = float("nan")  # masked: never read
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        clean = torch.where(torch.isnan(x) | (x == float("inf")), torch.zeros_like(x), x)
+        lp = fused_rl.reference.token_logprobs(clean, targets, check_inputs=False)
+    lp = torch.where(torch.isfinite(lp), lp, -5.0)
+    old = (lp + 0.3 * torch.randn(B, T, generator=g)) if off_policy else None
+    ref = lp + 0.5 * torch.randn(B, T, generator=g)
+    adv = torch.tensor([0.7, -1.3])
+    return PolicyCase(x, targets, adv, mask, old, ref)
+
+
+def _close_nan(actual, expected, dtype, what, grad=False):
+    """``assert_close`` of the helpers with NaN == NaN (the undefined row's entries)."""
+    from helpers import GRAD_TOLERANCES, TOLERANCES
+
+    atol, rtol = (GRAD_TOLERANCES if grad else TOLERANCES)[dtype]
+    torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("config", UNDEFINED_CONFIGS, ids=_undefined_ids)
+@pytest.mark.parametrize("kind", UNDEFINED_KINDS)
+@pytest.mark.parametrize("backend", UNDEFINED_BACKENDS)
+def test_undefined_row_policy_loss(backend, kind, config, small_triton_blocks):
+    case = _undefined_case(kind, off_policy=config.dual_clip is not None)
+    kwargs = dict(old_logprobs=case.old, ref_logprobs=case.ref if config.kl else None)
+    ref_x = case.logits.clone().requires_grad_(True)
+    expected = fused_rl.reference.policy_loss(ref_x, case.targets, case.advantages, case.mask, config=config,
+                                              compute_entropy=True, **kwargs)
+    expected.loss.backward()
+    x = case.logits.clone().requires_grad_(True)
+    got = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=config, compute_entropy=True,
+                               backend=backend, **kwargs)
+    got.loss.backward()
+    assert torch.isnan(got.loss)
+    assert torch.isnan(got.logprobs[BAD]) and torch.isnan(got.entropy[BAD])
+    assert torch.isnan(x.grad[BAD]).all(), x.grad[BAD]
+    assert (x.grad[1, 2] == 0).all()  # the masked NaN row
+    assert torch.isfinite(x.grad[0]).all()  # the other sequence (gspo: the bad row's sequence is all NaN)
+    valid = case.mask.clone()
+    valid[BAD] = False
+    assert torch.isfinite(got.logprobs[valid]).all() and torch.isfinite(got.entropy[valid]).all()
+    dtype = case.logits.dtype
+    _close_nan(got.logprobs, expected.logprobs, dtype, "logprobs")
+    _close_nan(got.entropy, expected.entropy, dtype, "entropy")
+    _close_nan(x.grad, ref_x.grad, dtype, "dlogits", grad=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("config", UNDEFINED_CONFIGS, ids=_undefined_ids)
+@pytest.mark.parametrize("backend", UNDEFINED_BACKENDS)
+def test_nan_in_masked_rows_changes_nothing(backend, config, small_triton_blocks):
+    """NaN / +inf logits at masked positions and IGNORE_INDEX targets: the same loss, log-probs, entropy
+    and gradient as with finite logits there, and a zero gradient there."""
+    case = _undefined_case("nan", off_policy=config.dual_clip is not None)
+    case.targets[0, 2] = fused_rl.IGNORE_INDEX
+    kwargs = dict(old_logprobs=case.old, ref_logprobs=case.ref if config.kl else None)
+    clean = case.logits.clone()
+    _make_undefined(clean, case.targets, "inf_other", row=(1, 2))  # masked garbage of another kind
+    clean[BAD] = torch.randn(clean.shape[-1])
+    dirty = clean.clone()
+    dirty[1, 2] = float("nan")
+    dirty[0, 2] = float("nan")
+    outs = []
+    for logits in (clean, dirty):
+        x = logits.clone().requires_grad_(True)
+        out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=config, compute_entropy=True,
+                                   backend=backend, **kwargs)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+        assert (x.grad[1, 2] == 0).all() and (x.grad[0, 2] == 0).all()
+        outs.append((out.loss, out.logprobs, out.entropy, x.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", UNDEFINED_BACKENDS)
+def test_undefined_rows_token_logprobs(backend, dtype, monkeypatch):
+    """``token_logprobs`` over rows of 2 full C++ blocks and a tail (Triton: 1024-entry blocks), the bad
+    entry in each place a kernel could miss it; the gradient of an undefined row is NaN even where its
+    upstream gradient is 0 (autograd of log_softmax: 0 * NaN)."""
+    if not supports(backend, dtype):
+        pytest.skip(f"{backend} does not take {dtype}")
+    if backend == "triton":
+        from fused_rl.kernels import logits as K
+
+        monkeypatch.setattr(K, "MAX_BLOCK_V", 1024)
+    V = 2 * 2048 + 5
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    def row(fill=None):
+        r = torch.randn(V, generator=g) * 2 if fill is None else torch.full((V,), fill)
+        rows.append(r)
+        return r
+    inf, nan = float("inf"), float("nan")
+    r = row(); r[:2048] = -inf; r[700] = nan                # NaN in an all -inf first block (skipped block)
+    r = row(); r[-1] = nan                                  # NaN in the tail
+    r = row(); r[3000] = inf                                # +inf in the second block
+    r = row(); r[8] = inf; r[16] = -inf                     # +inf paired with a -inf
+    row(-inf)                                               # every entry -inf
+    r = row(-inf); r[4100] = nan                            # NaN and -inf only
+    r = row(); r[5] = nan                                   # NaN at the target (5)
+    r = row(); r[:2048] = -inf                              # defined: a first block of -inf
+    r = row(); r[::3] = -inf                                # defined: scattered -inf
+    row()                                                   # defined
+    row(nan)                                                # IGNORE_INDEX target: never read
+    bad = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.bool)
+    logits = torch.stack(rows).view(1, -1, V).to(dtype)
+    n = logits.shape[1]
+    targets = torch.randint(2048, V - 1, (1, n), generator=g)
+    targets[0, 6] = 5
+    targets[0, -1] = fused_rl.IGNORE_INDEX
+    g_lp = torch.randn(1, n, generator=g)
+    g_h = torch.randn(1, n, generator=g)
+    g_lp[0, 0] = g_h[0, 0] = 0.0  # an undefined row with a zero upstream gradient
+    results = []
+    for be in (backend, "reference"):
+        x = logits.detach().clone().float().requires_grad_(True) if be == "reference" else \
+            logits.detach().clone().requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(x, targets, return_entropy=True, backend=be)
+        (lp * g_lp + ent * g_h).sum().backward()
+        results.append((lp, ent, x.grad))
+    (lp, ent, grad), (rlp, rent, rgrad) = results
+    assert torch.isnan(lp[0, bad]).all() and torch.isnan(ent[0, bad]).all()
+    assert torch.isnan(grad[0, bad]).all()
+    assert torch.isfinite(lp[0, ~bad]).all() and torch.isfinite(grad[0, ~bad]).all()
+    assert lp[0, -1] == 0 and ent[0, -1] == 0 and (grad[0, -1] == 0).all()
+    _close_nan(lp, rlp, dtype, "logprobs")
+    _close_nan(ent, rent, dtype, "entropy")
+    _close_nan(grad, rgrad, dtype, "dlogits", grad=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("config", UNDEFINED_CONFIGS[:2] + [PolicyLossConfig(policy_loss="reinforce")],
+                         ids=_undefined_ids)
+@pytest.mark.parametrize("kind", UNDEFINED_KINDS)
+@pytest.mark.parametrize("backend", [b for b in UNDEFINED_BACKENDS
+                                     if fused_rl.available_backends(torch.device("cpu")).get(b) is None])
+def test_undefined_row_linear_policy_loss(backend, kind, config):
+    """The fused linear loss (tiled single-pass kernels on cpu / triton) with one token's logits made
+    undefined through its hidden state: NaN, or +inf / all -inf by fp32 overflow of ``h W^T``
+    (``h = 3e38 e_0``, ``W[:, 0] = +-5`` where needed)."""
+    from fused_rl.backends import get_backend
+
+    if not get_backend(backend, torch.device("cpu")).has_linear:
+        pytest.skip(f"{backend} has no fused-linear path")
+    g = torch.Generator().manual_seed(3)
+    B, T, H, V = 2, 3, 16, 40
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.3
+    bias = torch.randn(V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    hidden[..., 0] = 0.0
+    weight[:, 0] = weight[:, 0].clamp(-0.5, 0.5)  # h = 3e38 e_0 makes |z| <= 1.5e38 (finite) there
+    t = int(targets[BAD])
+    if kind == "nan":
+        hidden[BAD][3] = float("nan")
+    else:
+        hidden[BAD] = 0.0
+        hidden[BAD][0] = 3e38
+        if kind == "inf_other":
+            weight[(t + 7) % V, 0] = 5.0
+        elif kind == "inf_target":
+            weight[t, 0] = 5.0
+        else:
+            weight[:, 0] = -5.0
+    hidden[1, 2] = float("nan")  # masked
+    adv = torch.tensor([0.7, -1.3])
+    old = torch.full((B, T), -3.0) if config.dual_clip is not None else None
+    ref = torch.full((B, T), -3.0) if config.kl else None
+    results = []
+    for be in (backend, "reference"):
+        h, w, b = (v.clone().requires_grad_(True) for v in (hidden, weight, bias))
+        out = fused_rl.linear_policy_loss(h, w, targets, adv, mask, bias=b, config=config, old_logprobs=old,
+                                          ref_logprobs=ref, compute_entropy=True, backend=be)
+        out.loss.backward()
+        results.append((out, h.grad))
+    (got, gh), (expected, rgh) = results
+    assert torch.isnan(got.loss)
+    assert torch.isnan(got.logprobs[BAD]) and torch.isnan(got.entropy[BAD]) and torch.isnan(gh[BAD]).all()
+    assert (gh[1, 2] == 0).all()
+    valid = mask.clone()
+    valid[BAD] = False
+    assert torch.isfinite(got.logprobs[valid]).all() and torch.isfinite(gh[valid]).all()
+    _close_nan(got.logprobs, expected.logprobs, torch.float32, "logprobs")
+    _close_nan(got.entropy, expected.entropy, torch.float32, "entropy")
+    torch.testing.assert_close(gh, rgh, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+#: Each policy loss (ppo_clip with dual clip and delta), each KL estimator (straight-through, bias-corrected),
+#: rollout correction and the entropy bonus: the epilogue's min / max / clamps must not drop a NaN logp.
+UNDEFINED_EPILOGUE_CONFIGS = [
+    PolicyLossConfig(),
+    PolicyLossConfig(dual_clip=3.0),
+    PolicyLossConfig(clip_high=0.28, delta=1.5, dual_clip=2.0),
+    PolicyLossConfig(policy_loss="sapo"),
+    PolicyLossConfig(policy_loss="cispo", clip_high=0.3),
+    PolicyLossConfig(policy_loss="reinforce", entropy_coef=0.01),
+    PolicyLossConfig(rollout_is="token_truncate", rollout_is_max=1.5),
+    PolicyLossConfig(policy_loss="cispo", rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=1.5),
+] + [PolicyLossConfig(policy_loss="reinforce", kl=k, beta=0.2) for k in KL_ESTIMATORS if k is not None] + [
+    PolicyLossConfig(kl="low_var_kl", beta=0.3, kl_bias_correction=True),
+    PolicyLossConfig(policy_loss="sapo", kl="k3+", beta=0.3, kl_bias_correction=True),
+]
+
+
+def _epilogue_inputs(on_policy: bool):
+    g = torch.Generator().manual_seed(2)
+    n = 64
+    logp = -3 * torch.rand(n, generator=g)
+    nan_at = torch.arange(n) % 4 == 1
+    logp_nan = torch.where(nan_at, float("nan"), logp)
+    old = None if on_policy else logp + 0.5 * torch.randn(n, generator=g)
+    ref = logp + 30 * torch.randn(n, generator=g)  # |d| > 20: low_var_kl's clamps too
+    rollout = (logp if old is None else old) + 0.5 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g)
+    adv[::8] = 0.0
+    ent = 2 * torch.rand(n, generator=g)
+    return logp, logp_nan, nan_at, old, ref, rollout, adv, ent
+
+
+@pytest.mark.parametrize("on_policy", [True, False])
+@pytest.mark.parametrize("config", UNDEFINED_EPILOGUE_CONFIGS,
+                         ids=lambda c: f"{c.policy_loss}-{c.kl}-d{c.dual_clip}-{c.delta}-{c.rollout_is}")
+def test_epilogue_nan_logp_native(config, on_policy):
+    """``csrc/policy_epilogue.h``: l and w dl/dlogp are NaN at a NaN logp (any w), the other tokens unchanged."""
+    from fused_rl.backends import native
+
+    if native._C is None:
+        pytest.skip(native.LOAD_ERROR)
+    logp, logp_nan, nan_at, old, ref, rollout, adv, ent = _epilogue_inputs(on_policy)
+    n = logp.numel()
+    w = torch.full((n,), 0.1)
+    w[2::8] = 0.0
+
+    def run(lp):
+        outs = [torch.empty(n) for _ in range(3)]
+        native._C.epilogue(n, lp.data_ptr(), ent.data_ptr(), adv.data_ptr(), native._ptr(old),
+                           native._ptr(ref if config.kl else None),
+                           native._ptr(rollout if config.rollout_is else None), w.data_ptr(),
+                           native.epilogue_params(config), *(o.data_ptr() for o in outs))
+        return outs
+
+    (loss, gl, ge), (loss0, gl0, ge0) = run(logp_nan), run(logp)
+    assert torch.isnan(loss[nan_at]).all() and torch.isnan(gl[nan_at]).all()
+    assert torch.equal(loss[~nan_at], loss0[~nan_at]) and torch.equal(gl[~nan_at], gl0[~nan_at])
+    assert torch.isfinite(loss0).all() and torch.isfinite(gl0).all() and torch.equal(ge, ge0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("on_policy", [True, False])
+@pytest.mark.parametrize("config", UNDEFINED_EPILOGUE_CONFIGS,
+                         ids=lambda c: f"{c.policy_loss}-{c.kl}-d{c.dual_clip}-{c.delta}-{c.rollout_is}")
+def test_epilogue_nan_logp_triton(config, on_policy):
+    """``kernels/epilogue.py``: l, dl/dlogp, r (and kl) are NaN at a valid NaN logp; a masked NaN logp
+    gives 0 (r = 1); the other tokens unchanged."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton is not available here")
+    from fused_rl.kernels.epilogue import apply_epilogue
+
+    logp, logp_nan, nan_at, old, ref, rollout, adv, ent = _epilogue_inputs(on_policy)
+    valid = torch.arange(logp.numel()) % 8 != 5  # 5 mod 8 = 1 mod 4: masked NaN tokens too
+    bad = nan_at & valid
+    kw = dict(rollout=rollout if config.rollout_is else None)
+    got = apply_epilogue(logp_nan, ent, old, ref if config.kl else None, adv, valid, config, **kw)
+    clean = apply_epilogue(logp, ent, old, ref if config.kl else None, adv, valid, config, **kw)
+    names = ("loss", "dloss/dlogp", "dloss/dH", "ratio", "kl")
+    for name, a, b in zip(names, got, clean):
+        assert torch.equal(a[~nan_at], b[~nan_at]), name
+        assert torch.isfinite(b).all(), name
+        if name in ("loss", "dloss/dlogp", "ratio") or (name == "kl" and config.kl):
+            assert torch.isnan(a[bad]).all(), name
+    masked = nan_at & ~valid
+    assert masked.any()
+    for name, a in zip(names, got):
+        expected = 1.0 if name == "ratio" else 0.0
+        assert (a[masked] == expected).all(), name

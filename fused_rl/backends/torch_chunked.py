@@ -71,7 +71,9 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
         ignored = t == IGNORE_INDEX
         z = chunk.to(cdtype) / temperature
         m = z.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        # an all -inf row shifts by 0 (s = 0: logp NaN, as log_softmax gives); a NaN or +inf max stays, so
+        # the row is NaN as in the reference
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
         zs = z - m
         e = torch.exp(zs)
         s = e.sum(dim=-1)
