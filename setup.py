@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import shutil
@@ -150,8 +151,10 @@ def _extension() -> Extension:
         cflags.append("-march=x86-64-v2")
         sources.append(f"{CSRC}/logits_cpu_avx2.cpp")
         macros.append(("FRL_HAVE_AVX2_TU", "1"))
+    # the headers hold the kernels: an edit to one must rebuild the extension
+    headers = sorted(glob.glob(f"{CSRC}/*.h"))
     return Extension("fused_rl._C", sources=sources, include_dirs=includes + [CSRC], define_macros=macros,
-                     extra_compile_args=cflags, extra_link_args=["-fopenmp"], language="c++")
+                     depends=headers, extra_compile_args=cflags, extra_link_args=["-fopenmp"], language="c++")
 
 
 setup(license="Apache-2.0", ext_modules=[_extension()], cmdclass={"build_ext": BuildExt})

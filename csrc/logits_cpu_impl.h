@@ -329,7 +329,8 @@ void grad_impl(const GradArgs& a) {
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
     if (t == kIgnoreIndex) { row_zero<D>(orow, V); continue; }
     const float m = a.lse[i];
-    if (m != m) { row_nan<D>(orow, V); continue; }  // stats of RowStats::bad
+    // stats of RowStats::bad, or a target outside [0, V) (only with check_inputs=False; its logp is NaN)
+    if (m != m || t < 0 || t >= V) { row_nan<D>(orow, V); continue; }
     if (gl == 0.0f && ge == 0.0f) { row_zero<D>(orow, V); continue; }
     const typename D::T* row = x + b * a.in.sb + tt * a.in.st;
     const float H = with_ent ? a.ent[i] : 0.0f;

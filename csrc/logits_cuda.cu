@@ -271,7 +271,8 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
     if (t == kIgnoreIndex) { row_fill<T>(orow, V, 0.0f); continue; }
     const float m2 = a.lse[i];
-    if (m2 != m2) { row_fill<T>(orow, V, NAN); continue; }  // an undefined row (row_reduce)
+    // an undefined row (row_reduce), or a target outside [0, V) (only with check_inputs=False: NaN logp)
+    if (m2 != m2 || t < 0 || t >= V) { row_fill<T>(orow, V, NAN); continue; }
     if (gl == 0.0f && ge == 0.0f) { row_fill<T>(orow, V, 0.0f); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
     row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);

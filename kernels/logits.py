@@ -118,8 +118,11 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     # ignored rows (nothing loaded): lse = 0 there, masked by the caller; valid rows: NaN unless s > 0
     s = tl.where(s > 0.0, s, tl.where(valid, float("nan"), 1.0))
     log2_s = tl.log2(s)
-    # in-row address even for ignored rows; rows past N (valid is False there too) load nothing
-    ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=in_rows, other=0.0).to(tl.float32) * scale
+    # in-row address even for ignored rows; rows past N (valid is False there too) load nothing, and so
+    # does a target outside [0, V) (only with check_inputs=False): NaN logp, as the C++ kernels give
+    in_vocab = (tgt >= 0) & (tgt < V)
+    ut = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=in_rows & in_vocab,
+                 other=float("nan")).to(tl.float32) * scale
     logp = LN2 * ((ut - m_fin) - log2_s)
     # log p <= 0 (FMA contraction of ut can round it to +1e-8 for a near-certain token); NaN passes
     logp = tl.where(logp > 0.0, 0.0, logp)
@@ -139,11 +142,13 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
     ``a = g_logp / tau``, ``b = g_h ln2 / tau``: no division in the loop, and no rounding of
     ``m + log2 s`` (``1 - p`` of a near-certain token stays exact at any ``|u|``)."""
     scale = LOG2E / temperature
-    a = tl.where(valid, g_logp / temperature, 0.0)
+    in_vocab = (tgt >= 0) & (tgt < V)  # else (only with check_inputs=False) a NaN row, reading nothing
+    a = tl.where(valid, tl.where(in_vocab, g_logp / temperature, float("nan")), 0.0)
     b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
     h2 = ent * LOG2E
     # the target's 1 - p by expm1 (a near-certain token's 1 - p is below the error of exp2)
-    ut = tl.load(x_ptr + x_off + tl.where(valid, tgt, 0), mask=valid, other=0.0).to(tl.float32) * scale
+    ut = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=valid & in_vocab,
+                 other=0.0).to(tl.float32) * scale
     one_minus_pt = -expm1(((ut - m2) - log2_s) * LN2)
     for start in range(0, V, BLOCK_V):  # ignored rows load nothing and store zeros
         cols = start + tl.arange(0, BLOCK_V)

@@ -479,3 +479,31 @@ def test_epilogue_nan_logp_triton(config, on_policy):
     for name, a in zip(names, got):
         expected = 1.0 if name == "ratio" else 0.0
         assert (a[masked] == expected).all(), name
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("cpu", "triton", "cuda")])
+def test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read(backend, small_triton_blocks):
+    """With ``check_inputs=False`` nothing checks the targets: a kernel reads nothing outside the row and
+    makes that token's log-prob, loss and logits-gradient row NaN; every other row is as the reference's."""
+    g = torch.Generator().manual_seed(11)
+    B, T, V = 2, 3, 37
+    x = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    bad = torch.zeros(B, T, dtype=torch.bool)
+    bad[0, 1], bad[1, 2] = True, True
+    wild = targets.clone()
+    wild[0, 1], wild[1, 2] = V + 5, -7
+    adv, mask = torch.tensor([0.4, -1.1]), torch.ones(B, T, dtype=torch.bool)
+    xr = x.clone().requires_grad_(True)
+    lp_ref = fused_rl.reference.token_logprobs(xr, torch.where(bad, -100, targets))
+    lp_ref.sum().backward()
+    xt = x.clone().requires_grad_(True)
+    lp = fused_rl.token_logprobs(xt, wild, backend=backend, check_inputs=False)
+    lp.sum().backward()
+    assert lp[bad].isnan().all() and xt.grad[bad].isnan().all()
+    torch.testing.assert_close(lp[~bad], lp_ref[~bad], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xt.grad[~bad], xr.grad[~bad], rtol=1e-5, atol=1e-6)
+    xp = x.clone().requires_grad_(True)
+    out = fused_rl.policy_loss(xp, wild, adv, mask, backend=backend, check_inputs=False)
+    out.loss.backward()
+    assert out.loss.isnan() and xp.grad[bad].isnan().all() and not xp.grad[~bad].isnan().any()
