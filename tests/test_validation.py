@@ -204,3 +204,25 @@ def test_numpy_scalar_arguments():
     for bad in (np.bool_(True), "0.5", float("nan"), np.float32("inf")):
         with pytest.raises(ValueError, match="temperature must be a finite number"):
             fused_rl.token_logprobs(args["logits"], args["targets"], temperature=bad)
+
+
+@pytest.mark.parametrize("backend", [b for b in fused_backends() if b in ("cpu", "triton", "torch")])
+def test_double_backward_is_refused_where_the_gradient_is_precomputed(backend):
+    """The single-pass and fused-linear ops return gradients computed in the forward, constants to
+    autograd: ``create_graph=True`` raises instead of silently dropping the second-order terms."""
+    args = good()
+    x = args["logits"].clone().requires_grad_(True)
+    lin = [torch.randn(2, 3, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)]
+    losses = [fused_rl.linear_policy_loss(*lin, args["targets"], args["advantages"], args["mask"],
+                                          backend=backend).loss]
+    inputs = [lin[0]]
+    if backend != "torch":  # the chunked torch policy_loss is two passes with a recomputing backward
+        losses.append(fused_rl.policy_loss(x, args["targets"], args["advantages"], args["mask"], backend=backend).loss)
+        inputs.append(x)
+    for loss, inp in zip(losses, inputs):
+        with pytest.raises(RuntimeError, match="no double backward"):
+            torch.autograd.grad(loss, inp, create_graph=True)
+    x_ref = args["logits"].clone().requires_grad_(True)
+    ref = fused_rl.policy_loss(x_ref, args["targets"], args["advantages"], args["mask"], backend="reference").loss
+    (g,) = torch.autograd.grad(ref, x_ref, create_graph=True)
+    assert g.requires_grad

@@ -10,7 +10,8 @@ Each backend defines two ``torch.library`` custom ops with the same schema:
 
 :func:`register_token_ops` wires the backward of ``stats`` to ``grad`` and gives ``grad`` its fake
 implementation, so the three backends do not each repeat it. :func:`consume_stored_grad` is the
-one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward already wrote ``dlogits``.
+one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward already wrote ``dlogits``;
+:func:`refuse_double_backward` the rule of every op whose gradient the forward computed.
 """
 
 from __future__ import annotations
@@ -42,10 +43,22 @@ def register_token_ops(stats_op, grad_op) -> None:
     stats_op.register_autograd(backward, setup_context=setup_context)
 
 
+def refuse_double_backward(backend: str) -> None:
+    """Raise in a backward that returns gradients computed in the forward (single-pass and fused-linear
+    ops) when asked for a double backward (``create_graph=True``: grad mode on in the backward, outside
+    ``torch.compile``'s tracing): those gradients are constants, so its second-order terms would be
+    silently missing."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(f"the {backend} loss computes its gradient in the forward and has no double backward "
+                           "(create_graph=True); use backend='reference' for higher-order gradients")
+
+
 def consume_stored_grad(ctx, backend: str) -> None:
-    """Mark the single-pass gradient stored by the forward as used, or raise if it already was: its
-    backward scales that buffer in place by ``grad_output``, so a second backward through the same graph
-    (``retain_graph=True``) would return a gradient scaled twice. Call it first in the backward."""
+    """:func:`refuse_double_backward`, then mark the single-pass gradient stored by the forward as used,
+    or raise if it already was: its backward scales that buffer in place by ``grad_output``, so a second
+    backward through the same graph (``retain_graph=True``) would return a gradient scaled twice. Call it
+    first in the backward."""
+    refuse_double_backward(f"single-pass {backend} policy")
     if getattr(ctx, "consumed", False):
         raise RuntimeError(f"the single-pass {backend} policy loss scales its stored gradient in place: it "
                            "supports one backward only (for a second backward through one graph use "

@@ -49,6 +49,7 @@ from ..loss_math import aggregation_weights, metrics, per_token_loss
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import torch_linear
+from .custom_ops import refuse_double_backward
 from .torch_linear import _config_from_literal, _Grads, _needs_grad, _prepare, _tile_inputs, _token_groups
 
 #: Force the tile size in tokens (``None``: derive it from the memory budget, see :func:`chunk_tokens`).
@@ -256,6 +257,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g_loss, *_):
+    refuse_double_backward("tiled fused-linear policy")
     gh, gw, gb = ctx.saved_tensors
     scaled = tuple(g * g_loss.to(g.dtype) if need else None for g, need in zip((gh, gw, gb), ctx.flags))
     return scaled + (None,) * 14

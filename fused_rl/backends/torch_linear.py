@@ -44,6 +44,7 @@ from ..config import IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import aggregation_weights, compute_policy_loss, metrics, per_token_loss
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
+from .custom_ops import refuse_double_backward
 
 #: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
 MEMORY_BUDGET_BYTES: Optional[int] = None
@@ -428,6 +429,7 @@ def _loss_setup_context(ctx, inputs, output):
 
 
 def _loss_backward(ctx, g_loss, *_):
+    refuse_double_backward("chunked fused-linear policy")
     gh, gw, gb = ctx.saved_tensors
     need_h, need_w, need_b = ctx.flags
     return (gh * g_loss.to(gh.dtype) if need_h else None, gw * g_loss.to(gw.dtype) if need_w else None,
