@@ -63,6 +63,11 @@ def small(tmp_path, **kw):
     (["--loss_options.temperature", "0.5"], ["loss_options", "sampling temperature"]),
     (["--loss_options.rollout_is", "token_truncate", "--loss_options.rollout_is_max", "null"],
      ["rollout_is needs rollout_is_max"]),
+    (["--dtype", "float16"], ["dtype", "master weights"]),
+    (["--resume", "flase"], ["resume", "true or false"]),
+    (["--plot", "nein"], ["plot", "true or false"]),
+    (["--reward_weights", "2"], ["reward_weights", "list of finite numbers"]),
+    (["--reward_weights", "[2]"], ["reward_weights", "rewards listed"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:
@@ -197,7 +202,9 @@ def test_sampler_logprobs_are_the_sampling_distribution(tmp_path, top_p):
     cfg = small(tmp_path, temperature=0.7, top_p=top_p, max_new_tokens=5,
                 loss_options=dict(rollout_is="token_truncate", rollout_is_max=2.0))
     t = Trainer(cfg, quiet=True)
-    t.policy.lm.generation_config.top_k = 1  # a model default that must not leak into the sampling
+    # model defaults (as a checkpoint's generation_config.json carries) that must not leak into the sampling
+    gc = t.policy.lm.generation_config
+    gc.top_k, gc.repetition_penalty, gc.no_repeat_ngram_size, gc.min_p = 1, 1.3, 1, 0.2
     torch.manual_seed(0)
     batch = t.collect()
     old, _ = t._logprobs(t.policy, batch)
@@ -306,17 +313,18 @@ def test_every_algorithm_runs(tmp_path, overrides):
         assert hist[-1]["entropy_mask_frac"] > 0.3  # about half the tokens are dropped
 
 
-def test_loss_option_mask_truncated_completions_equals_truncation_mask(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+def test_loss_option_mask_truncated_completions_equals_truncation_mask(tmp_path, algorithm):
     """The loss's ``mask_truncated_completions`` (fed the rollout's ``truncated``) trains exactly like the
     trainer's own ``truncation: mask`` (which drops those rows from the mask): the same loss and gradient
     norm, and parameters equal after one Adam step of lr 1e-2 up to summation-order noise (Adam turns a
-    wrong mask into changes of ~lr)."""
+    wrong mask into changes of ~lr). dapo (token-mean) also checks the normalizer: the kept tokens."""
     from fused_rl.train.trainer import Trainer
 
     params, hists = [], []
     for kw in (dict(truncation="mask"), dict(loss_options=dict(mask_truncated_completions=True))):
         t = Trainer(small(tmp_path, run_dir=str(tmp_path / str(len(params))), steps=2, lr=1e-2, max_new_tokens=6,
-                          task_args={"min_digits": 1, "max_digits": 5}, **kw), quiet=True)
+                          algorithm=algorithm, task_args={"min_digits": 1, "max_digits": 5}, **kw), quiet=True)
         hists.append(t.train_step())
         assert 0.0 < hists[-1]["truncated"] < 1.0, hists  # both kinds of rows are present
         params.append(t.policy.state_dict())
@@ -324,6 +332,43 @@ def test_loss_option_mask_truncated_completions_equals_truncation_mask(tmp_path)
         assert hists[1][key] == pytest.approx(hists[0][key], rel=1e-5), key
     for k, v in params[0].items():
         torch.testing.assert_close(params[1][k], v, atol=1e-4, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "dapo"])
+def test_micro_batches_add_up_to_the_minibatch(tmp_path, algorithm):
+    """Gradient accumulation over micro-batches gives the full minibatch's gradient: the token-mean policy
+    loss and the PPO value loss (the minibatch's token mean, not per micro-batch)."""
+    from fused_rl.train.trainer import Trainer
+
+    grads = []
+    for micro in (16, 2):
+        t = Trainer(small(tmp_path, run_dir=str(tmp_path / str(micro)), algorithm=algorithm,
+                          micro_batch_size=micro, max_grad_norm=0.0), quiet=True)
+        t.optimizer.step = lambda: None  # keep the weights: only the accumulated gradient is compared
+        torch.manual_seed(0)
+        t.update(t.collect())
+        grads.append({n: p.grad.clone() for n, p in t.policy.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("value" in n for n in grads[0]) == (algorithm == "ppo")
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_dropout_is_off_and_eval_prompts_are_held_out(tmp_path):
+    """With dropout in the model config the first update is still on-policy (ratio 1: no clipping); the
+    evaluation prompts are never drawn for training."""
+    import random
+
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, model_config=dict(SMALL_MODEL, attention_dropout=0.3)), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    old, _ = t._logprobs(t.policy, batch)
+    again, _ = t._logprobs(t.policy, batch)
+    assert torch.equal(old, again)
+    assert t.update(batch)["clip_frac"] == 0.0
+    held = {e["prompt"] for e in t.task.heldout(64)}
+    assert len(held) > 20 and not held & {e["prompt"] for e in t.task.sample(random.Random(0), 5000)}
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -17,7 +17,7 @@ ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "ppo")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gae")
 TRUNCATION = ("mask", "penalize", "none")
 SCHEDULES = ("cosine", "constant")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
 
 #: algorithm -> (PolicyLossConfig preset, advantage estimator)
@@ -197,7 +197,13 @@ class TrainConfig:
         check_choice("algorithm", ALGORITHMS)
         check_choice("truncation", TRUNCATION)
         check_choice("lr_schedule", SCHEDULES)
+        if self.dtype == "float16":
+            fail("dtype", "float16 weights need fp32 master weights and loss scaling, which this trainer does "
+                          "not do (AdamW's first step turns them into NaN); use float32 or bfloat16")
         check_choice("dtype", DTYPES)
+        for name in ("chat_template", "resume", "plot", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be true or false")
         check_choice("kl", KL_ESTIMATORS)
         if self.advantage is not None:
             check_choice("advantage", ADVANTAGES)
@@ -222,7 +228,12 @@ class TrainConfig:
             self.rewards = [self.rewards]
         if not isinstance(self.rewards, list) or not all(isinstance(r, str) for r in self.rewards):
             fail("rewards", "must be a list of reward names or 'module:function' strings")
+        if not isinstance(self.reward_weights, list) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights):
+            fail("reward_weights", "must be a list of finite numbers, one per reward")
         if self.reward_weights:
+            if not self.rewards:
+                fail("reward_weights", "needs the rewards listed (rewards: [...]), one weight per reward")
             if len(self.reward_weights) != len(self.rewards):
                 fail("reward_weights", f"needs one weight per reward ({len(self.rewards)} rewards)")
         if (not isinstance(self.adam_betas, (list, tuple)) or len(self.adam_betas) != 2

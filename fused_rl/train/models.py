@@ -17,7 +17,7 @@ from torch import nn
 
 import fused_rl
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class CharTokenizer:
@@ -199,7 +199,10 @@ class PolicyModule(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, prompt_len: int, targets, advantages, mask,
                 old_logprobs=None, ref_logprobs=None, loss_config=None, token_normalizer=None,
-                backend: str = "auto", returns=None, vf_coef: float = 0.0, rollout_logprobs=None, truncated=None):
+                backend: str = "auto", returns=None, value_normalizer=None, rollout_logprobs=None, truncated=None):
+        """``(policy loss output, value loss or None)``; the value loss is ``0.5 sum_t m (V_t - R_t)^2``
+        divided by ``value_normalizer`` (the minibatch's token count, so micro-batches add up to its token
+        mean; this micro-batch's count when None)."""
         h = self.hidden_states(input_ids, attention_mask, position_ids)[:, prompt_len - 1:-1]
         head = self.lm_head
         out = fused_rl.linear_policy_loss(
@@ -210,7 +213,8 @@ class PolicyModule(nn.Module):
         if self.value_head is not None:
             values = self.value_head(h.float()).squeeze(-1)
             m = mask.float()
-            value_loss = 0.5 * (((values - returns) ** 2) * m).sum() / m.sum().clamp(min=1.0)
+            count = m.sum().clamp(min=1.0) if value_normalizer is None else value_normalizer
+            value_loss = 0.5 * (((values - returns) ** 2) * m).sum() / count
         return out, value_loss
 
     @torch.no_grad()

@@ -104,17 +104,23 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
     prompt_ids, prompt_attn = left_pad(encoded, tokenizer.pad_token_id, device)
     from transformers import GenerationConfig, LogitsProcessorList
 
-    # A complete generation config (not the model's, whose defaults could add a repetition penalty, top-k,
-    # ...): sampling is exactly softmax(top_p(logits / temperature)), what SamplerLogprobs records.
+    # Sampling must be exactly softmax(top_p(logits / temperature)), what SamplerLogprobs records and the
+    # loss assumes. generate() fills every field our config leaves unset from model.generation_config (a
+    # checkpoint's repetition_penalty, no_repeat_ngram_size, min_p, suppress_tokens, ...), so that is
+    # swapped for a default one during the call.
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=tokenizer.eos_token_id, use_cache=True, **sampling)
     recorder = SamplerLogprobs(temperature, top_p) if sampler_logprobs and not greedy else None
-    was_training = model.training
+    was_training, model_config = model.training, model.generation_config
     model.eval()
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, generation_config=config,
-                         logits_processor=LogitsProcessorList([recorder] if recorder is not None else []))
-    model.train(was_training)
+    model.generation_config = GenerationConfig()
+    try:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_attn, generation_config=config,
+                             logits_processor=LogitsProcessorList([recorder] if recorder is not None else []))
+    finally:
+        model.generation_config = model_config
+        model.train(was_training)
     P = prompt_ids.shape[1]
     comp = out[:, P:]
     if comp.shape[1] < max_new_tokens:

@@ -22,6 +22,7 @@ import importlib.util
 import math
 import random
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -141,7 +142,15 @@ def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[s
 # ---------------------------------------------------------------------------------------------- tasks
 class Task:
     """A source of examples; ``sample(rng, n)`` draws ``n`` training examples, ``heldout(n)`` a fixed
-    evaluation set disjoint from training when the task is large enough."""
+    evaluation set. Generated tasks hold out one prompt in ``HELDOUT_ONE_IN`` by a stable hash of its
+    text (training never draws those; the evaluation draws only those), so the evaluation is of unseen
+    prompts; a task too small to have any such prompt evaluates on training prompts (a tiny task's
+    reward is then not a generalization measure)."""
+
+    #: one prompt in this many (by CRC-32 of its text) is held out of training
+    HELDOUT_ONE_IN = 10
+    #: draws tried per requested example before a filter gives up (the prompt space lacks that side)
+    MAX_TRIES = 1000
 
     name = "task"
     default_rewards: tuple = ("exact_match",)
@@ -151,11 +160,26 @@ class Task:
     def make(self, rng: random.Random) -> dict:
         raise NotImplementedError
 
+    def is_heldout(self, example: dict) -> bool:
+        return zlib.crc32(example["prompt"].encode()) % self.HELDOUT_ONE_IN == 0
+
+    def _draw(self, rng: random.Random, n: int, heldout: bool) -> list[dict]:
+        out: list[dict] = []
+        for _ in range(self.MAX_TRIES * n):
+            if len(out) == n:
+                return out
+            example = self.make(rng)
+            if self.is_heldout(example) == heldout:
+                out.append(example)
+        if len(out) == n:
+            return out
+        return out + [self.make(rng) for _ in range(n - len(out))]  # a prompt space without that side
+
     def sample(self, rng: random.Random, n: int) -> list[dict]:
-        return [self.make(rng) for _ in range(n)]
+        return self._draw(rng, n, heldout=False)
 
     def heldout(self, n: int) -> list[dict]:
-        return self.sample(random.Random(10_000_019), n)
+        return self._draw(random.Random(10_000_019), n, heldout=True)
 
 
 class ReverseTask(Task):
@@ -253,6 +277,9 @@ class JsonlTask(Task):
 
     def make(self, rng: random.Random) -> dict:
         return dict(rng.choice(self.train_rows))
+
+    def is_heldout(self, example: dict) -> bool:
+        return False  # make() draws from the training rows only: the split is the file's
 
     def heldout(self, n: int) -> list[dict]:
         return [dict(r) for r in self.heldout_rows[:n]]

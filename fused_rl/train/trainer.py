@@ -118,6 +118,9 @@ class Trainer:
         lm, self.tokenizer = load_policy(cfg, self.task, self.device)
         self.backend = resolve_linear_backend(cfg.backend, self.device, next(lm.parameters()).dtype)
         self.policy = PolicyModule(lm, value_head=self.advantage == "gae").to(self.device)
+        # no dropout (as TRL's disable_dropout): the old, reference and training log-probs must be one
+        # function of the weights, or ratios differ from 1 before any update
+        self.policy.eval()
         self.ref: Optional[PolicyModule] = None
         if self.loss_config.kl is not None:
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -208,9 +211,16 @@ class Trainer:
             order = torch.randperm(n, generator=perm_gen).to(self.device) if mb < n else torch.arange(n, device=self.device)
             for start in range(0, n, mb):
                 mb_idx = order[start:start + mb]
-                normalizer = None
+                # token-mean's normalizer: the minibatch's loss tokens over all processes (without truncated
+                # rows when the loss drops them); the value loss's: all its response tokens
+                normalizer = value_tokens = None
                 if token_mean:
-                    normalizer = _all_sum(batch.mask[mb_idx].sum().float()).clamp(min=1.0)
+                    loss_mask = batch.mask[mb_idx]
+                    if self.loss_config.mask_truncated_completions:
+                        loss_mask = loss_mask & ~batch.truncated[mb_idx].unsqueeze(1)
+                    normalizer = _all_sum(loss_mask.sum().float()).clamp(min=1.0)
+                if returns is not None:
+                    value_tokens = _all_sum(batch.mask[mb_idx].sum().float()).clamp(min=1.0)
                 micros = [mb_idx[i:i + cfg.resolved_micro] for i in range(0, len(mb_idx), cfg.resolved_micro)]
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, idx in enumerate(micros):
@@ -224,13 +234,13 @@ class Trainer:
                             rollout_logprobs=None if batch.sampler_logprobs is None else batch.sampler_logprobs[idx],
                             truncated=batch.truncated[idx] if self.loss_config.mask_truncated_completions else None,
                             loss_config=self.loss_config, token_normalizer=normalizer, backend=self.backend,
-                            returns=None if returns is None else returns[idx], vf_coef=cfg.vf_coef)
+                            returns=None if returns is None else returns[idx], value_normalizer=value_tokens)
                         share = len(idx) / len(mb_idx)
                         loss = out.loss * (self.world if token_mean else share)
                         # summed over micro-batches and processes this is the minibatch's policy loss
                         sums["loss"] = sums.get("loss", 0.0) + loss.detach().float() / self.world
-                        if value_loss is not None:
-                            loss = loss + cfg.vf_coef * value_loss * share
+                        if value_loss is not None:  # a sum over the micro-batch / the minibatch's tokens
+                            loss = loss + cfg.vf_coef * value_loss * self.world
                         loss.backward()
                     tokens = batch.mask[idx].sum().float()
                     for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean"),
@@ -327,6 +337,9 @@ class Trainer:
             n_params = sum(p.numel() for p in self.policy.parameters())
             print(f"fused-rl train: {n_params / 1e6:.2f} M parameters on {self.device}, loss backend "
                   f"{self.backend!r}, world size {self.world}, run dir {self.run_dir}", flush=True)
+            if cfg.dtype == "bfloat16":
+                print("fused-rl train: dtype bfloat16 keeps the weights and AdamW's update in bf16 (no fp32 master "
+                      "copy): an update below ~1/256 of a weight is lost to rounding; float32 is exact", flush=True)
         start = time.perf_counter()
         if cfg.eval_every and self.step == 0 and self.rank == 0:  # the starting point of the curve
             ev = self.evaluate()
