@@ -211,3 +211,20 @@ def test_from_hidden_matches_verl_actor_composition(agg):
     torch.testing.assert_close(ppo_kl, ppo_kl_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lower, lower_ref)
     assert clipfrac > 0
+
+
+@pytest.mark.parametrize("loss_mode", ["gspo", "geo_mean"])
+def test_from_hidden_sequence_modes_refuse_a_second_aggregation(loss_mode):
+    """verl aggregates gspo / geo_mean's policy term by seq-mean-token-mean and the actor's KL / entropy
+    terms by loss_agg_mode: one fused pass cannot, so that combination raises; with seq-mean-token-mean
+    (one aggregation for all three terms) it runs."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(50, 8, generator=g)
+    responses, mask = torch.randint(0, 50, (2, 3), generator=g), torch.ones(2, 3)
+    old, adv = -torch.rand(2, 3, generator=g) * 3, torch.randn(2, 3, generator=g)
+    config = {"policy_loss": {"loss_mode": loss_mode}, "entropy_coeff": 0.01}
+    with pytest.raises(NotImplementedError, match="seq-mean-token-mean"):
+        compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean", config)
+    compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "seq-mean-token-mean", config)
+    compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean",
+                                    dict(config, entropy_coeff=0.0))

@@ -41,7 +41,12 @@ Differences from verl, all documented in ``docs/migration.md``:
 * verl's GSPO ratio ``sg(s_i) * pi / sg(pi)`` is fused_rl's ``gspo_token`` exactly (fused_rl's plain
   ``gspo`` spreads ``s_i / |y_i|`` over the tokens instead: the same gradient for advantages constant
   over each response).
-* GMPO's ``pg_clipfrac`` is fused_rl's ``clip_frac`` (token log-ratios beyond the bounds, sign-aware).
+* GMPO's ``pg_clipfrac`` is fused_rl's ``clip_frac`` (token log-ratios beyond the bounds, sign-aware,
+  both advantage signs together) and its ``pg_clipfrac_lower`` is 0; verl splits the clipped tokens by
+  the sign of the advantage into the two metrics. The loss and its gradient are verl's.
+* :func:`compute_policy_loss_from_hidden` with gspo / geo_mean raises for a ``loss_agg_mode`` other than
+  ``seq-mean-token-mean`` when a KL loss or ``entropy_coeff`` is on (verl aggregates those two terms by
+  ``loss_agg_mode`` but the policy term by ``seq-mean-token-mean``; one fused pass has one aggregation).
 * Other loss modes (``clip_cov``, ``kl_cov``, ...) and ``kl_loss_type="full"`` raise
   ``NotImplementedError``.
 """
@@ -208,6 +213,14 @@ def compute_policy_loss_from_hidden(
     cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
                                               loss_mode=mode, temperature=temperature,
                                               kl=ref_log_prob is not None, entropy=True)
+    if cfg.agg != loss_agg_mode and (cfg.kl is not None or cfg.entropy_coef != 0.0):
+        # verl aggregates gspo / geo_mean's policy term by seq-mean-token-mean but its actor's KL and entropy
+        # terms by loss_agg_mode; the one fused pass has one aggregation
+        raise NotImplementedError(
+            f"verl loss_mode={mode!r} with loss_agg_mode={loss_agg_mode!r} and a KL loss or entropy_coeff: verl "
+            "aggregates the policy term by 'seq-mean-token-mean' and the KL / entropy terms by loss_agg_mode, "
+            "which one fused pass cannot; use loss_agg_mode='seq-mean-token-mean', or compute_policy_loss on "
+            "per-token log-probs with verl's own agg_loss for the KL and entropy terms")
     mask = response_mask.bool() if response_mask.dtype != torch.bool else response_mask
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
                              ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
