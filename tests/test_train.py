@@ -353,6 +353,13 @@ def test_micro_batches_add_up_to_the_minibatch(tmp_path, algorithm):
         torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-4, msg=n)
 
 
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        Trainer(small(tmp_path, resume=True), quiet=True)
+
+
 def test_dropout_is_off_and_eval_prompts_are_held_out(tmp_path):
     """With dropout in the model config the first update is still on-policy (ratio 1: no clipping); the
     evaluation prompts are never drawn for training."""

@@ -33,7 +33,7 @@ import fused_rl
 from fused_rl import advantages as adv_lib
 
 from . import checkpoint
-from .config import TrainConfig, to_dict
+from .config import ConfigError, TrainConfig, to_dict
 from .models import PolicyModule, load_policy, resolve_linear_backend
 from .rollout import Rollout, rollout
 from .tasks import make_task, resolve_reward
@@ -136,7 +136,10 @@ class Trainer:
             lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=1e-8)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step = 0
-        if cfg.resume and checkpoint.exists(self.run_dir):
+        if cfg.resume:
+            if not checkpoint.exists(self.run_dir):  # as HF's resume_from_checkpoint=True: never a silent restart
+                raise ConfigError(f"resume: no checkpoint in run_dir {str(self.run_dir)!r} to resume from "
+                                 "(check the path, or drop --resume to start a new run there)")
             self.step = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
                                         scheduler=self.scheduler, prompt_rng=self.prompt_rng, rank=self.rank,
                                         map_location=self.device)
