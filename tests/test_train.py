@@ -353,6 +353,25 @@ def test_micro_batches_add_up_to_the_minibatch(tmp_path, algorithm):
         torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-4, msg=n)
 
 
+def test_bfloat16_is_autocast_over_fp32_master_weights(tmp_path):
+    """``dtype: bfloat16`` computes the model in bf16 (autocast) but keeps fp32 weights: a small-lr AdamW
+    step still moves every weight (bf16 weights lost most such updates to rounding)."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, dtype="bfloat16", lr=1e-5), quiet=True)
+    assert all(p.dtype == torch.float32 for p in t.policy.parameters())
+    before = {n: p.detach().clone() for n, p in t.policy.named_parameters()}
+    torch.manual_seed(0)
+    t.train_step()
+    changed = sum(int((before[n] != p).sum()) for n, p in t.policy.named_parameters())
+    assert changed == sum(p.numel() for p in t.policy.parameters())
+    seen = []
+    hook = t.policy.lm.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    t.collect()
+    hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     from fused_rl.train.trainer import Trainer
 

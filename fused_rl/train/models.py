@@ -17,6 +17,7 @@ from torch import nn
 
 import fused_rl
 
+#: compute dtypes of ``TrainConfig.dtype``; the weights (AdamW's master copy) are fp32 either way
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -104,8 +105,10 @@ def _attn_impl(requested: str, device: torch.device) -> str:
 
 
 def load_policy(cfg, task, device: torch.device):
-    """(model, tokenizer) for ``cfg.model``: ``"tiny"``, a directory, or a ``.gguf`` file."""
-    dtype = DTYPES[cfg.dtype]
+    """(model, tokenizer) for ``cfg.model``: ``"tiny"``, a directory, or a ``.gguf`` file, with fp32 weights
+    (``cfg.dtype`` is the compute dtype, applied by :meth:`PolicyModule.autocast`: bf16 weights would lose
+    most AdamW updates to rounding)."""
+    dtype = torch.float32
     if cfg.model == "tiny":
         alphabet = task.alphabet
         if not alphabet:
@@ -178,9 +181,10 @@ class PolicyModule(nn.Module):
     module lets DDP synchronise every gradient, LM head included.
     """
 
-    def __init__(self, lm: nn.Module, value_head: bool = False):
+    def __init__(self, lm: nn.Module, value_head: bool = False, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.lm = lm
+        self.compute_dtype = compute_dtype
         hidden = lm.get_output_embeddings().weight.shape[1]
         self.value_head = nn.Linear(hidden, 1) if value_head else None
         if self.value_head is not None:
@@ -191,11 +195,20 @@ class PolicyModule(nn.Module):
     def lm_head(self) -> nn.Module:
         return self.lm.get_output_embeddings()
 
+    def autocast(self):
+        """Mixed precision for the model's forward and generation when the compute dtype is not fp32 (the
+        weights stay fp32); a no-op context otherwise."""
+        device = self.lm_head.weight.device.type
+        return torch.autocast(device, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
+
     def hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        """Last hidden state (after the final norm) of the base model, ``(B, L, H)``."""
+        """Last hidden state (after the final norm) of the base model, ``(B, L, H)``, in the LM head's dtype
+        (the fused loss then runs outside autocast on the fp32 weight, as TRL's ``cast_lm_head_to_fp32``)."""
         base = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.base_model
-        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        with self.autocast():
+            out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return h.to(self.lm_head.weight.dtype)
 
     def forward(self, input_ids, attention_mask, position_ids, prompt_len: int, targets, advantages, mask,
                 old_logprobs=None, ref_logprobs=None, loss_config=None, token_normalizer=None,

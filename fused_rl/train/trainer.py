@@ -34,7 +34,7 @@ from fused_rl import advantages as adv_lib
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig, to_dict
-from .models import PolicyModule, load_policy, resolve_linear_backend
+from .models import DTYPES, PolicyModule, load_policy, resolve_linear_backend
 from .rollout import Rollout, rollout
 from .tasks import make_task, resolve_reward
 
@@ -117,7 +117,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         lm, self.tokenizer = load_policy(cfg, self.task, self.device)
         self.backend = resolve_linear_backend(cfg.backend, self.device, next(lm.parameters()).dtype)
-        self.policy = PolicyModule(lm, value_head=self.advantage == "gae").to(self.device)
+        self.policy = PolicyModule(lm, value_head=self.advantage == "gae",
+                                   compute_dtype=DTYPES[cfg.dtype]).to(self.device)
         # no dropout (as TRL's disable_dropout): the old, reference and training log-probs must be one
         # function of the weights, or ratios differ from 1 before any update
         self.policy.eval()
@@ -149,10 +150,12 @@ class Trainer:
         cfg = self.cfg
         if examples is None:
             examples = self.task.sample(self.prompt_rng, cfg.prompts_per_step)
-        return rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
-                       group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                       top_p=cfg.top_p, truncation=cfg.truncation, truncation_penalty=cfg.truncation_penalty,
-                       sampler_logprobs=self.loss_config.uses_rollout_logprobs, device=self.device)
+        with self.policy.autocast():
+            return rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
+                           group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                           temperature=cfg.temperature, top_p=cfg.top_p, truncation=cfg.truncation,
+                           truncation_penalty=cfg.truncation_penalty,
+                           sampler_logprobs=self.loss_config.uses_rollout_logprobs, device=self.device)
 
     def _chunks(self, n: int):
         size = self.cfg.resolved_micro
@@ -294,10 +297,11 @@ class Trainer:
     def evaluate(self, n: Optional[int] = None) -> dict:
         """Greedy reward and accuracy on the task's held-out prompts (rank 0's share only)."""
         examples = self.task.heldout(n or self.cfg.eval_prompts)
-        batch = rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights, group_size=1,
-                        max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_p=1.0,
-                        truncation=self.cfg.truncation, truncation_penalty=self.cfg.truncation_penalty,
-                        greedy=True, device=self.device)
+        with self.policy.autocast():
+            batch = rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
+                            group_size=1, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_p=1.0,
+                            truncation=self.cfg.truncation, truncation_penalty=self.cfg.truncation_penalty,
+                            greedy=True, device=self.device)
         return {"eval_reward": float(batch.rewards.mean()),
                 "eval_accuracy": float((batch.rewards >= self.cfg.correct_threshold).float().mean()),
                 "samples": list(zip(batch.prompts[:4], batch.completions[:4]))}
@@ -340,9 +344,6 @@ class Trainer:
             n_params = sum(p.numel() for p in self.policy.parameters())
             print(f"fused-rl train: {n_params / 1e6:.2f} M parameters on {self.device}, loss backend "
                   f"{self.backend!r}, world size {self.world}, run dir {self.run_dir}", flush=True)
-            if cfg.dtype == "bfloat16":
-                print("fused-rl train: dtype bfloat16 keeps the weights and AdamW's update in bf16 (no fp32 master "
-                      "copy): an update below ~1/256 of a weight is lost to rounding; float32 is exact", flush=True)
         start = time.perf_counter()
         if cfg.eval_every and self.step == 0 and self.rank == 0:  # the starting point of the curve
             ev = self.evaluate()
