@@ -68,6 +68,11 @@ def small(tmp_path, **kw):
     (["--plot", "nein"], ["plot", "true or false"]),
     (["--reward_weights", "2"], ["reward_weights", "list of finite numbers"]),
     (["--reward_weights", "[2]"], ["reward_weights", "rewards listed"]),
+    (["--gamma", "0.9"], ["gamma", "only used by advantage 'gae'"]),
+    (["--kl", "k2"], ["kl", "beta > 0"]),
+    (["--truncation_penalty", "-1"], ["truncation_penalty", "penalize"]),
+    (["--lr_schedule", "constant", "--min_lr_ratio", "0.5"], ["min_lr_ratio", "cosine"]),
+    (["--attn_implementation", "bogus"], ["attn_implementation", "model 'tiny'"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:

@@ -248,7 +248,26 @@ class TrainConfig:
         if self.warmup_steps >= self.steps and self.warmup_steps > 0:
             fail("warmup_steps", f"must be smaller than steps = {self.steps}")
         self.loss_config()  # validates the loss fields together
+        self._reject_unused()
         return self
+
+    def _reject_unused(self) -> None:
+        """An option changed from its default where nothing reads it is a mistake, not a no-op."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
+        unused = {name: "is only used by advantage 'gae' (algorithm ppo)" for name in ("vf_coef", "gamma", "lam")
+                  if self.resolved_advantage != "gae"}
+        if self.truncation != "penalize":
+            unused["truncation_penalty"] = "is only used with truncation: penalize"
+        if self.beta == 0.0:
+            unused["kl"] = "is only used with beta > 0"
+        if self.lr_schedule == "constant":
+            unused["min_lr_ratio"] = "is only used by lr_schedule cosine"
+        if self.model == "tiny":
+            unused.update({name: "is not used by model 'tiny' (character tokenizer, eager attention)"
+                           for name in ("tokenizer", "chat_template", "attn_implementation")})
+        for name, why in unused.items():
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"config field {name!r} = {getattr(self, name)!r} {why}")
 
 
 def _coerce(raw: str, current: Any, name: str) -> Any:
