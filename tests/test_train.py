@@ -69,6 +69,8 @@ def small(tmp_path, **kw):
     (["--reward_weights", "2"], ["reward_weights", "list of finite numbers"]),
     (["--reward_weights", "[2]"], ["reward_weights", "rewards listed"]),
     (["--gamma", "0.9"], ["gamma", "only used by advantage 'gae'"]),
+    (["--value_clip", "null"], ["value_clip", "only used by advantage 'gae'"]),
+    (["--algorithm", "ppo", "--value_clip", "0"], ["value_clip", "(0.0, inf]"]),
     (["--kl", "k2"], ["kl", "beta > 0"]),
     (["--truncation_penalty", "-1"], ["truncation_penalty", "penalize"]),
     (["--lr_schedule", "constant", "--min_lr_ratio", "0.5"], ["min_lr_ratio", "cosine"]),
@@ -356,6 +358,45 @@ def test_micro_batches_add_up_to_the_minibatch(tmp_path, algorithm):
     assert grads[0].keys() == grads[1].keys() and any("value" in n for n in grads[0]) == (algorithm == "ppo")
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_value_loss_clipping_worked_numbers():
+    """PPO2's clipped value loss, ``0.5 max((V - R)^2, (V_old + clamp(V - V_old, -c, c) - R)^2)``, on hand
+    numbers (V_old = 0, R = 1, c = 0.2): V = 0.5 overshot the clip range toward R, so the clipped term
+    0.5 * 0.8^2 = 0.32 wins and its gradient is 0; V = -0.5 moved away from R: the unclipped 0.5 * 1.5^2 =
+    1.125 wins with gradient V - R = -1.5; V = 0.1 is inside: 0.5 * 0.9^2 = 0.405, gradient -0.9. The
+    masked token (NaN value) neither counts nor poisons the sum; the normalizer divides."""
+    from fused_rl.train.models import value_loss
+
+    values = torch.tensor([[0.5, -0.5, 0.1, float("nan")]], requires_grad=True)
+    old = torch.zeros(1, 4)
+    returns = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    loss, clipped = value_loss(values, returns, mask, torch.tensor(2.0), old_values=old, clip=0.2)
+    assert loss.item() == pytest.approx((0.32 + 1.125 + 0.405) / 2, abs=1e-6)
+    assert clipped.item() == 1.0
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -1.5, -0.9, 0.0]]) / 2)
+    # no clipping: the plain 0.5 (V - R)^2
+    values.grad = None
+    loss, clipped = value_loss(values, returns, mask, torch.tensor(1.0))
+    assert loss.item() == pytest.approx(0.5 * (0.25 + 2.25 + 0.81), abs=1e-6) and clipped.item() == 0.0
+
+
+def test_ppo_value_clipping_bites_after_the_first_minibatch(tmp_path):
+    """With several minibatch updates per rollout the value head moves, so ``value_clip`` clips some tokens
+    (logged as ``value_clip_frac``); its first update (V = V_old) and ``value_clip: null`` never clip."""
+    from fused_rl.train.trainer import Trainer
+
+    seen = {}
+    for clip in (1e-4, None):
+        t = Trainer(small(tmp_path, run_dir=str(tmp_path / str(clip)), algorithm="ppo", lr=3e-2,
+                          num_iterations=3, minibatch_size=4, value_clip=clip), quiet=True)
+        torch.manual_seed(0)
+        seen[clip] = t.train_step()
+        assert math.isfinite(seen[clip]["value_loss"]) and seen[clip]["value_loss"] > 0
+    assert 0.1 < seen[1e-4]["value_clip_frac"] < 1.0, seen[1e-4]  # clipped where V moved toward R
+    assert seen[None]["value_clip_frac"] == 0.0
 
 
 def test_bfloat16_is_autocast_over_fp32_master_weights(tmp_path):

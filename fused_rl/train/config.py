@@ -96,6 +96,7 @@ class TrainConfig:
     backend: str = "auto"
     # PPO
     vf_coef: float = 0.5
+    value_clip: Optional[float] = 0.2  # max move of V from the rollout's values (TRL's cliprange_value); null: off
     gamma: float = 1.0
     lam: float = 0.95
     # logging / eval / checkpoints
@@ -194,6 +195,8 @@ class TrainConfig:
         for name in ("clip_low", "clip_high"):
             if getattr(self, name) is not None:
                 check_float(name, 0.0)
+        if self.value_clip is not None:
+            check_float("value_clip", 0.0, low_open=True)
         check_choice("algorithm", ALGORITHMS)
         check_choice("truncation", TRUNCATION)
         check_choice("lr_schedule", SCHEDULES)
@@ -254,8 +257,8 @@ class TrainConfig:
     def _reject_unused(self) -> None:
         """An option changed from its default where nothing reads it is a mistake, not a no-op."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
-        unused = {name: "is only used by advantage 'gae' (algorithm ppo)" for name in ("vf_coef", "gamma", "lam")
-                  if self.resolved_advantage != "gae"}
+        unused = {name: "is only used by advantage 'gae' (algorithm ppo)"
+                  for name in ("vf_coef", "value_clip", "gamma", "lam") if self.resolved_advantage != "gae"}
         if self.truncation != "penalize":
             unused["truncation_penalty"] = "is only used with truncation: penalize"
         if self.beta == 0.0:

@@ -174,6 +174,25 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     return get_backend(name, device, dtype, linear=True).name
 
 
+def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, normalizer: torch.Tensor,
+               old_values: Optional[torch.Tensor] = None, clip: Optional[float] = None):
+    """PPO's value loss ``sum_t m_t l_t / normalizer`` and the count of tokens where clipping bit.
+
+    Unclipped: ``l_t = 0.5 (V_t - R_t)^2``. With ``clip = c`` (TRL's ``cliprange_value``, verl's
+    ``cliprange_value``, OpenRLHF's ``value_clip``) the value may move at most ``c`` from the rollout's
+    ``old_values`` before the loss stops pulling it further: ``V^clip = V_old + clamp(V - V_old, -c, c)``
+    and ``l_t = 0.5 max((V_t - R_t)^2, (V^clip_t - R_t)^2)`` (PPO2, Schulman et al.'s baselines). A token
+    counts as clipped when the clipped term is strictly larger (its gradient is then 0).
+    """
+    m = mask.bool()
+    err = torch.where(m, values - returns, torch.zeros_like(values)) ** 2
+    if clip is None:
+        return 0.5 * err.sum() / normalizer, torch.zeros((), device=values.device)
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    err_clipped = torch.where(m, clipped - returns, torch.zeros_like(values)) ** 2
+    return 0.5 * torch.maximum(err, err_clipped).sum() / normalizer, (err_clipped > err).sum().float()
+
+
 class PolicyModule(nn.Module):
     """``forward`` = base model -> last hidden state -> :func:`fused_rl.linear_policy_loss` (+ value loss).
 
@@ -212,23 +231,24 @@ class PolicyModule(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, prompt_len: int, targets, advantages, mask,
                 old_logprobs=None, ref_logprobs=None, loss_config=None, token_normalizer=None,
-                backend: str = "auto", returns=None, value_normalizer=None, rollout_logprobs=None, truncated=None):
-        """``(policy loss output, value loss or None)``; the value loss is ``0.5 sum_t m (V_t - R_t)^2``
-        divided by ``value_normalizer`` (the minibatch's token count, so micro-batches add up to its token
-        mean; this micro-batch's count when None)."""
+                backend: str = "auto", returns=None, value_normalizer=None, rollout_logprobs=None, truncated=None,
+                old_values=None, value_clip: Optional[float] = None):
+        """``(policy loss output, (value loss, clipped value tokens) or None)``: :func:`value_loss` of the
+        value head against ``returns``, divided by ``value_normalizer`` (the minibatch's token count, so
+        micro-batches add up to its token mean; this micro-batch's count when None) and clipped around
+        ``old_values`` by ``value_clip``."""
         h = self.hidden_states(input_ids, attention_mask, position_ids)[:, prompt_len - 1:-1]
         head = self.lm_head
         out = fused_rl.linear_policy_loss(
             h, head.weight, targets, advantages, mask, bias=getattr(head, "bias", None),
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
             truncated=truncated, config=loss_config, token_normalizer=token_normalizer, backend=backend)
-        value_loss = None
+        value = None
         if self.value_head is not None:
             values = self.value_head(h.float()).squeeze(-1)
-            m = mask.float()
-            count = m.sum().clamp(min=1.0) if value_normalizer is None else value_normalizer
-            value_loss = 0.5 * (((values - returns) ** 2) * m).sum() / count
-        return out, value_loss
+            count = mask.float().sum().clamp(min=1.0) if value_normalizer is None else value_normalizer
+            value = value_loss(values, returns, mask, count, old_values=old_values, clip=value_clip)
+        return out, value
 
     @torch.no_grad()
     def token_logprobs(self, input_ids, attention_mask, position_ids, prompt_len: int, targets, mask,

@@ -38,8 +38,6 @@ from .models import DTYPES, PolicyModule, load_policy, resolve_linear_backend
 from .rollout import Rollout, rollout
 from .tasks import make_task, resolve_reward
 
-METRIC_KEYS = ("reward", "reward_std", "accuracy", "kl", "clip_frac", "entropy", "length", "truncated",
-               "loss", "grad_norm", "lr", "tokens_per_s")
 #: Loss metrics logged (token-weighted means) when the loss options that produce them are set.
 OPTION_METRICS = ("rollout_is_mean", "rollout_is_clip_frac", "off_policy_mask_frac", "entropy_mask_frac")
 
@@ -233,20 +231,24 @@ class Trainer:
                     sync = k == len(micros) - 1
                     ctx = self.model.no_sync() if (self.world > 1 and not sync) else _nullcontext()
                     with ctx:
-                        out, value_loss = self.model(
+                        out, value = self.model(
                             batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
                             batch.prompt_len, batch.targets[idx], advantages[idx], batch.mask[idx],
                             old_logprobs=old[idx], ref_logprobs=None if ref is None else ref[idx],
                             rollout_logprobs=None if batch.sampler_logprobs is None else batch.sampler_logprobs[idx],
                             truncated=batch.truncated[idx] if self.loss_config.mask_truncated_completions else None,
                             loss_config=self.loss_config, token_normalizer=normalizer, backend=self.backend,
-                            returns=None if returns is None else returns[idx], value_normalizer=value_tokens)
+                            returns=None if returns is None else returns[idx], value_normalizer=value_tokens,
+                            old_values=None if values is None else values[idx], value_clip=cfg.value_clip)
                         share = len(idx) / len(mb_idx)
                         loss = out.loss * (self.world if token_mean else share)
                         # summed over micro-batches and processes this is the minibatch's policy loss
                         sums["loss"] = sums.get("loss", 0.0) + loss.detach().float() / self.world
-                        if value_loss is not None:  # a sum over the micro-batch / the minibatch's tokens
+                        if value is not None:  # a sum over the micro-batch / the minibatch's tokens
+                            value_loss, value_clipped = value
                             loss = loss + cfg.vf_coef * value_loss * self.world
+                            sums["value_loss"] = sums.get("value_loss", 0.0) + value_loss.detach().float()
+                            sums["value_clip_frac"] = sums.get("value_clip_frac", 0.0) + value_clipped
                         loss.backward()
                     tokens = batch.mask[idx].sum().float()
                     for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean"),
@@ -263,12 +265,14 @@ class Trainer:
                 self.optimizer.step()
         n_updates = len(grad_norms)
         tokens = sums.pop("tokens")
-        keys = [k for k in ("kl", "clip_frac", "entropy", *OPTION_METRICS) if k in sums]
+        keys = [k for k in ("kl", "clip_frac", "entropy", *OPTION_METRICS, "value_clip_frac") if k in sums]
+        # the value loss: each process holds its share of the minibatches' global token means
+        value_loss = [sums["value_loss"] / n_updates] if "value_loss" in sums else []
         local = torch.stack([sums[k] for k in keys] + [sums["loss"] / n_updates, tokens,
                              batch.rewards.float().sum(), (batch.rewards.float() ** 2).sum(),
                              (batch.rewards >= cfg.correct_threshold).float().sum(),
                              batch.lengths.float().sum(), batch.truncated.float().sum(),
-                             torch.tensor(float(n), device=batch.rewards.device)])
+                             torch.tensor(float(n), device=batch.rewards.device)] + value_loss)
         tot = _all_sum(local.to(self.device).double())
         k = len(keys)
         count = tot[k + 7]
@@ -279,6 +283,8 @@ class Trainer:
                        accuracy=float(tot[k + 4] / count), length=float(tot[k + 5] / count),
                        truncated=float(tot[k + 6] / count), grad_norm=float(torch.stack(grad_norms).mean()),
                        lr=self.scheduler.get_last_lr()[0])
+        if value_loss:
+            metrics["value_loss"] = float(tot[k + 8])
         return metrics
 
     # ------------------------------------------------------------------ loop
