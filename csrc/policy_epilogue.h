@@ -7,7 +7,8 @@
 // autograd (torch.maximum / minimum split the gradient in half on ties, clamp passes it at the
 // bounds):
 //
-//   r = exp(logp - old)                     (old = sg(logp) on-policy: r = 1, dr/dlogp = r)
+//   r = exp(logp - old)                     (old = sg(logp) on-policy: r = 1, dr/dlogp = r; where r
+//                                            overflows to inf and dl/dr = 0, dl/dlogp = 0, not NaN)
 //   ppo_clip: l = max(-a u, -a clamp(r, 1-cl, 1+ch)), u = r (min(r, delta) with TRL's two-sided
 //             clip); dual clip c: l = min(l, -c a) where a < 0
 //   sapo:     l = -a 4/tau sigmoid(tau (r - 1)), tau = sapo_pos if a > 0 else sapo_neg
@@ -63,6 +64,10 @@ FRL_HD float frl_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo),
 // d(clamp(x, lo, hi))/dx as torch computes it: 1 on the closed interval, else 0.
 FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x <= hi) ? 1.0f : 0.0f; }
 
+// dl/dlogp = dl/dr * r (dr/dlogp = r), 0 where dl/dr = 0 and r overflowed to inf (a clipped token:
+// loss_math._RatioExp), not 0 * inf = NaN.
+FRL_HD float frl_times_ratio(float dl_dr, float r) { return (dl_dr == 0.0f && r == INFINITY) ? 0.0f : dl_dr * r; }
+
 FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float ent, float a, float old,
                                    float ref, float rollout, float w) {
   const float log_ratio = p.has_old ? (logp - old) : 0.0f;
@@ -79,7 +84,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     const float tau = a > 0.0f ? p.sapo_pos : p.sapo_neg;
     const float s = 1.0f / (1.0f + expf(-tau * (r - 1.0f)));
     loss = -a * s * (4.0f / tau);
-    dl_dlogp = -4.0f * a * s * (1.0f - s) * r;  // d sigmoid(tau (r - 1)) / dr = tau s (1 - s)
+    dl_dlogp = frl_times_ratio(-4.0f * a * s * (1.0f - s), r);  // d sigmoid(tau (r - 1)) / dr = tau s (1 - s)
   } else {  // ppo_clip (and gspo's token form, unused)
     const float na = -a;
     const float lo = 1.0f - p.clip_low, hi = 1.0f + p.clip_high;
@@ -99,7 +104,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     }
     loss = l;
     const float dl_dr = gl * (gu * na * (capped_u ? 0.0f : 1.0f) + gv * na * frl_clamp_grad(r, lo, hi));
-    dl_dlogp = dl_dr * r;  // dr/dlogp = r (on-policy too)
+    dl_dlogp = frl_times_ratio(dl_dr, r);  // dr/dlogp = r (on-policy too)
   }
   if (p.rollout != kRolloutNone) {  // detached weight of the policy term
     const float rho = expf((p.has_old ? old : logp) - rollout);

@@ -12,7 +12,8 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   ``u = min(r, delta)``; ``dl/dr`` follows torch's autograd rules exactly: ``clamp`` / ``min`` pass
   the gradient at their bounds (``dc/dr = 1[1-cl <= r <= 1+ch]``, ``du/dr = 1[r <= delta]``) and
   ``max`` / ``min`` of two equal values give each half of it. Dual clip ``k`` (``A < 0``):
-  ``l = min(l, -k A)``, the cap a constant. ``dl/dlogp = r dl/dr``;
+  ``l = min(l, -k A)``, the cap a constant. ``dl/dlogp = r dl/dr``, 0 where ``dl/dr = 0`` and ``r``
+  overflowed to inf (a clipped token; ``loss_math._RatioExp``), not ``0 * inf = NaN``;
 * sapo: ``l = -A 4/tau sigmoid(tau (r - 1))`` with ``tau = tau_pos`` where ``A > 0``, else
   ``tau_neg``; ``dl/dlogp = -4 A s (1 - s) r`` with ``s = sigmoid(tau (r - 1))``;
 * cispo: ``l = -min(r, 1+ch) A logp`` with the weight detached: ``dl/dlogp = -min(r, 1+ch) A``;
@@ -92,6 +93,12 @@ def expm1(x):
 
 
 @triton.jit
+def _times_ratio(dl_dr, ratio):
+    """``dl/dlogp = dl/dr * r`` (``dr/dlogp = r``), 0 where ``dl/dr = 0`` and ``r`` is inf (not NaN)."""
+    return tl.where((dl_dr == 0.0) & (ratio == float("inf")), 0.0, dl_dr * ratio)
+
+
+@triton.jit
 def _max_grad(x, y, dx, dy):
     """``(max(x, y), d max)`` from the derivatives ``dx``, ``dy`` of ``x``, ``y``: torch's rule, half of
     each on ties."""
@@ -136,7 +143,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             neg = a < 0.0
             loss = tl.where(neg, capped, loss)
             dl_dr = tl.where(neg, d_capped, dl_dr)
-        dlogp = dl_dr * ratio
+        dlogp = _times_ratio(dl_dr, ratio)
     elif POLICY == 1:  # cispo
         weight = tl.minimum(ratio, 1.0 + clip_high)
         loss = -weight * a * lp
@@ -149,7 +156,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         x = tau * (ratio - 1.0)
         sig = 1.0 / (1.0 + tl.exp(-x))
         loss = -a * sig * (4.0 / tau)
-        dlogp = -4.0 * a * sig * (1.0 / (1.0 + tl.exp(x))) * ratio
+        dlogp = _times_ratio(-4.0 * a * sig * (1.0 / (1.0 + tl.exp(x))), ratio)
     if ROLLOUT != 0:
         if ON_POLICY:
             behind = lp

@@ -1,5 +1,9 @@
 """Differential fuzzing of every available backend against the reference, extreme values, scale
-limits of the indexing, determinism, and no writes to caller tensors on error."""
+limits of the indexing, determinism, and no writes to caller tensors on error.
+
+Each test runs every fused backend of this installation on CPU tensors and, where a GPU is present,
+every fused backend of the GPU on CUDA tensors (those parameters carry ``pytest.mark.cuda``, which
+``bench/gpu_check.sh`` selects): inputs are built on the CPU and moved, results compared on the CPU."""
 
 import pytest
 import torch
@@ -9,9 +13,20 @@ from hypothesis import strategies as st
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from helpers import PolicyCase, compare_policy_loss, fused_backends, magnitude_scale, supports
+from helpers import PolicyCase, compare_policy_loss, fused_backends, magnitude_scale, on_device, supports
 
 BACKENDS = fused_backends()
+CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
+
+
+def on(backends, cuda_backends=None):
+    """``(backend, device)`` parameters: ``backends`` on "cpu", then ``cuda_backends`` (default: every
+    fused GPU backend) on "cuda", marked ``cuda``."""
+    cuda_backends = CUDA_BACKENDS if cuda_backends is None else cuda_backends
+    return [pytest.param(b, "cpu", id=b) for b in backends] + [
+        pytest.param(b, "cuda", id=f"{b}-cuda", marks=pytest.mark.cuda) for b in cuda_backends]
+
+
 #: Triton's interpreter runs every program in Python: fewer examples there.
 EXAMPLES = {"triton": 6}
 
@@ -68,10 +83,10 @@ def cases(draw, dtype):
     return PolicyCase(logits, targets, adv, mask, old, torch.where(torch.isfinite(ref), ref, 0.0))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_differential_fuzz(backend, dtype):
-    if not supports(backend, dtype):
+def test_differential_fuzz(backend, device, dtype):
+    if not supports(backend, dtype, device):
         pytest.skip(f"{backend} does not take {dtype}")
 
     @settings(max_examples=EXAMPLES.get(backend, 40), deadline=None, derandomize=True,
@@ -82,16 +97,17 @@ def test_differential_fuzz(backend, dtype):
                                              config=config, **case.kwargs())
         if not torch.isfinite(out.loss):
             return  # e.g. k3 of a 1e4 log-ratio overflows in the reference too: nothing to compare
-        compare_policy_loss(backend, case, config, tol_scale=magnitude_scale(case.logits, config.temperature))
+        compare_policy_loss(backend, on_device(case, device), config,
+                            tol_scale=magnitude_scale(case.logits, config.temperature))
 
     check()
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
-def test_deterministic(backend):
+@pytest.mark.parametrize("backend, device", on(BACKENDS + ["reference"]))
+def test_deterministic(backend, device):
     from helpers import make_case
 
-    case = make_case(vocab=1000, seed=9)
+    case = on_device(make_case(vocab=1000, seed=9), device)
     cfg = PolicyLossConfig(kl="k3", beta=0.1, entropy_coef=0.01)
     results = []
     for _ in range(2):
@@ -104,11 +120,11 @@ def test_deterministic(backend):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
-def test_nothing_written_on_error(backend):
+@pytest.mark.parametrize("backend, device", on(BACKENDS + ["reference"]))
+def test_nothing_written_on_error(backend, device):
     from helpers import make_case
 
-    case = make_case(vocab=100, seed=1)
+    case = on_device(make_case(vocab=100, seed=1), device)
     logits = case.logits.clone()
     before = logits.clone()
     bad = case.advantages.clone()
@@ -118,30 +134,31 @@ def test_nothing_written_on_error(backend):
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"] + ["reference"])
-def test_more_rows_than_a_grid_dimension(backend):
-    """N = 70,000 > 65,535 rows (a kernel launching one program per token along grid y/z breaks)."""
+@pytest.mark.parametrize("backend, device", on([b for b in BACKENDS if b != "triton"] + ["reference"]))
+def test_more_rows_than_a_grid_dimension(backend, device):
+    """N = 70,000 > 65,535 rows (a kernel launching one program per token along grid y/z breaks; the
+    Triton interpreter is too slow for it: triton runs here on the GPU only)."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, 70_000, 8, generator=g)
-    targets = torch.randint(0, 8, (1, 70_000), generator=g)
+    logits = torch.randn(1, 70_000, 8, generator=g).to(device)
+    targets = torch.randint(0, 8, (1, 70_000), generator=g).to(device)
     got = fused_rl.token_logprobs(logits, targets, backend=backend)
     expected = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_offsets_beyond_int32(backend):
-    """Two rows 2^31 + 3 elements apart in one storage (a strided view; untouched pages cost nothing):
-    any int32 offset arithmetic reads the wrong row."""
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+def test_offsets_beyond_int32(backend, device):
+    """Two rows 2^31 + 3 elements apart in one storage (a strided view; untouched pages cost nothing on
+    the CPU, 4.3 GB on a GPU): any int32 offset arithmetic reads the wrong row."""
     V, gap = 1000, 2**31 + 3
-    storage = torch.empty(gap + V, dtype=torch.bfloat16)
+    storage = torch.empty(gap + V, dtype=torch.bfloat16, device=device)
     g = torch.Generator().manual_seed(0)
     rows = (torch.randn(2, V, generator=g) * 2).to(torch.bfloat16)
     storage[:V] = rows[0]
     storage[gap:gap + V] = rows[1]
     logits = storage.as_strided((1, 2, V), (gap + V, gap, 1))
     targets = torch.tensor([[5, 17]])
-    got = fused_rl.token_logprobs(logits, targets, backend=backend)
+    got = fused_rl.token_logprobs(logits, targets.to(device), backend=backend).cpu()
     expected = torch.log_softmax(rows.float(), -1).gather(-1, targets.view(2, 1)).view(1, 2)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
@@ -152,7 +169,7 @@ def test_offsets_beyond_int32(backend):
 # reference gives; -inf entries of an otherwise finite row are p = 0 and nothing more; the other rows keep
 # the reference's values and a masked row is never read (NaN there changes nothing, its gradient is 0).
 UNDEFINED_KINDS = ("nan", "inf_other", "inf_target", "all_neg_inf")
-UNDEFINED_BACKENDS = ["reference"] + BACKENDS
+UNDEFINED_BACKENDS = on(["reference"] + BACKENDS)
 UNDEFINED_CONFIGS = [
     PolicyLossConfig(),  # on-policy ppo_clip: r = 1 whatever logp is
     PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl="low_var_kl", beta=0.1, entropy_coef=0.01),
@@ -168,7 +185,7 @@ def _undefined_ids(c):
 @pytest.fixture
 def small_triton_blocks(monkeypatch):
     """Several vocabulary blocks per row in the Triton kernels (the bad entry in a later block)."""
-    if "triton" in BACKENDS:
+    if "triton" in BACKENDS + CUDA_BACKENDS:
         from fused_rl.kernels import logits as K
 
         monkeypatch.setattr(K, "MAX_BLOCK_V", 16)
@@ -221,47 +238,50 @@ def _close_nan(actual, expected, dtype, what, grad=False):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("config", UNDEFINED_CONFIGS, ids=_undefined_ids)
 @pytest.mark.parametrize("kind", UNDEFINED_KINDS)
-@pytest.mark.parametrize("backend", UNDEFINED_BACKENDS)
-def test_undefined_row_policy_loss(backend, kind, config, small_triton_blocks):
+@pytest.mark.parametrize("backend, device", UNDEFINED_BACKENDS)
+def test_undefined_row_policy_loss(backend, device, kind, config, small_triton_blocks):
     case = _undefined_case(kind, off_policy=config.dual_clip is not None)
     kwargs = dict(old_logprobs=case.old, ref_logprobs=case.ref if config.kl else None)
     ref_x = case.logits.clone().requires_grad_(True)
     expected = fused_rl.reference.policy_loss(ref_x, case.targets, case.advantages, case.mask, config=config,
                                               compute_entropy=True, **kwargs)
     expected.loss.backward()
-    x = case.logits.clone().requires_grad_(True)
-    got = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=config, compute_entropy=True,
-                               backend=backend, **kwargs)
-    got.loss.backward()
-    assert torch.isnan(got.loss)
-    assert torch.isnan(got.logprobs[BAD]) and torch.isnan(got.entropy[BAD])
-    assert torch.isnan(x.grad[BAD]).all(), x.grad[BAD]
-    assert (x.grad[1, 2] == 0).all()  # the masked NaN row
-    assert torch.isfinite(x.grad[0]).all()  # the other sequence (gspo: the bad row's sequence is all NaN)
+    dev = on_device(case, device)
+    x = dev.logits.clone().requires_grad_(True)
+    out = fused_rl.policy_loss(x, dev.targets, dev.advantages, dev.mask, config=config, compute_entropy=True,
+                               backend=backend, old_logprobs=dev.old, ref_logprobs=dev.ref if config.kl else None)
+    out.loss.backward()
+    loss, logprobs, entropy, grad = (t.cpu() for t in (out.loss, out.logprobs, out.entropy, x.grad))
+    assert torch.isnan(loss)
+    assert torch.isnan(logprobs[BAD]) and torch.isnan(entropy[BAD])
+    assert torch.isnan(grad[BAD]).all(), grad[BAD]
+    assert (grad[1, 2] == 0).all()  # the masked NaN row
+    assert torch.isfinite(grad[0]).all()  # the other sequence (gspo: the bad row's sequence is all NaN)
     valid = case.mask.clone()
     valid[BAD] = False
-    assert torch.isfinite(got.logprobs[valid]).all() and torch.isfinite(got.entropy[valid]).all()
+    assert torch.isfinite(logprobs[valid]).all() and torch.isfinite(entropy[valid]).all()
     dtype = case.logits.dtype
-    _close_nan(got.logprobs, expected.logprobs, dtype, "logprobs")
-    _close_nan(got.entropy, expected.entropy, dtype, "entropy")
-    _close_nan(x.grad, ref_x.grad, dtype, "dlogits", grad=True)
+    _close_nan(logprobs, expected.logprobs, dtype, "logprobs")
+    _close_nan(entropy, expected.entropy, dtype, "entropy")
+    _close_nan(grad, ref_x.grad, dtype, "dlogits", grad=True)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("config", UNDEFINED_CONFIGS, ids=_undefined_ids)
-@pytest.mark.parametrize("backend", UNDEFINED_BACKENDS)
-def test_nan_in_masked_rows_changes_nothing(backend, config, small_triton_blocks):
+@pytest.mark.parametrize("backend, device", UNDEFINED_BACKENDS)
+def test_nan_in_masked_rows_changes_nothing(backend, device, config, small_triton_blocks):
     """NaN / +inf logits at masked positions and IGNORE_INDEX targets: the same loss, log-probs, entropy
     and gradient as with finite logits there, and a zero gradient there."""
     case = _undefined_case("nan", off_policy=config.dual_clip is not None)
     case.targets[0, 2] = fused_rl.IGNORE_INDEX
-    kwargs = dict(old_logprobs=case.old, ref_logprobs=case.ref if config.kl else None)
     clean = case.logits.clone()
     _make_undefined(clean, case.targets, "inf_other", row=(1, 2))  # masked garbage of another kind
     clean[BAD] = torch.randn(clean.shape[-1])
     dirty = clean.clone()
     dirty[1, 2] = float("nan")
     dirty[0, 2] = float("nan")
+    case, clean, dirty = on_device(case, device), clean.to(device), dirty.to(device)
+    kwargs = dict(old_logprobs=case.old, ref_logprobs=case.ref if config.kl else None)
     outs = []
     for logits in (clean, dirty):
         x = logits.clone().requires_grad_(True)
@@ -277,12 +297,12 @@ def test_nan_in_masked_rows_changes_nothing(backend, config, small_triton_blocks
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", UNDEFINED_BACKENDS)
-def test_undefined_rows_token_logprobs(backend, dtype, monkeypatch):
+@pytest.mark.parametrize("backend, device", UNDEFINED_BACKENDS)
+def test_undefined_rows_token_logprobs(backend, device, dtype, monkeypatch):
     """``token_logprobs`` over rows of 2 full C++ blocks and a tail (Triton: 1024-entry blocks), the bad
     entry in each place a kernel could miss it; the gradient of an undefined row is NaN even where its
     upstream gradient is 0 (autograd of log_softmax: 0 * NaN)."""
-    if not supports(backend, dtype):
+    if not supports(backend, dtype, device):
         pytest.skip(f"{backend} does not take {dtype}")
     if backend == "triton":
         from fused_rl.kernels import logits as K
@@ -317,12 +337,12 @@ def test_undefined_rows_token_logprobs(backend, dtype, monkeypatch):
     g_h = torch.randn(1, n, generator=g)
     g_lp[0, 0] = g_h[0, 0] = 0.0  # an undefined row with a zero upstream gradient
     results = []
-    for be in (backend, "reference"):
+    for be, dev in ((backend, device), ("reference", "cpu")):
         x = logits.detach().clone().float().requires_grad_(True) if be == "reference" else \
-            logits.detach().clone().requires_grad_(True)
-        lp, ent = fused_rl.token_logprobs(x, targets, return_entropy=True, backend=be)
-        (lp * g_lp + ent * g_h).sum().backward()
-        results.append((lp, ent, x.grad))
+            logits.detach().to(dev, copy=True).requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(x, targets.to(dev), return_entropy=True, backend=be)
+        (lp * g_lp.to(dev) + ent * g_h.to(dev)).sum().backward()
+        results.append((lp.cpu(), ent.cpu(), x.grad.cpu()))
     (lp, ent, grad), (rlp, rent, rgrad) = results
     assert torch.isnan(lp[0, bad]).all() and torch.isnan(ent[0, bad]).all()
     assert torch.isnan(grad[0, bad]).all()
@@ -337,15 +357,14 @@ def test_undefined_rows_token_logprobs(backend, dtype, monkeypatch):
 @pytest.mark.parametrize("config", UNDEFINED_CONFIGS[:2] + [PolicyLossConfig(policy_loss="reinforce")],
                          ids=_undefined_ids)
 @pytest.mark.parametrize("kind", UNDEFINED_KINDS)
-@pytest.mark.parametrize("backend", [b for b in UNDEFINED_BACKENDS
-                                     if fused_rl.available_backends(torch.device("cpu")).get(b) is None])
-def test_undefined_row_linear_policy_loss(backend, kind, config):
+@pytest.mark.parametrize("backend, device", UNDEFINED_BACKENDS)
+def test_undefined_row_linear_policy_loss(backend, device, kind, config):
     """The fused linear loss (tiled single-pass kernels on cpu / triton) with one token's logits made
     undefined through its hidden state: NaN, or +inf / all -inf by fp32 overflow of ``h W^T``
     (``h = 3e38 e_0``, ``W[:, 0] = +-5`` where needed)."""
     from fused_rl.backends import get_backend
 
-    if not get_backend(backend, torch.device("cpu")).has_linear:
+    if not get_backend(backend, torch.device(device)).has_linear:
         pytest.skip(f"{backend} has no fused-linear path")
     g = torch.Generator().manual_seed(3)
     B, T, H, V = 2, 3, 16, 40
@@ -373,21 +392,23 @@ def test_undefined_row_linear_policy_loss(backend, kind, config):
     old = torch.full((B, T), -3.0) if config.dual_clip is not None else None
     ref = torch.full((B, T), -3.0) if config.kl else None
     results = []
-    for be in (backend, "reference"):
-        h, w, b = (v.clone().requires_grad_(True) for v in (hidden, weight, bias))
-        out = fused_rl.linear_policy_loss(h, w, targets, adv, mask, bias=b, config=config, old_logprobs=old,
-                                          ref_logprobs=ref, compute_entropy=True, backend=be)
+    for be, dev in ((backend, device), ("reference", "cpu")):
+        to = lambda v: None if v is None else v.to(dev)
+        h, w, b = (v.detach().to(dev, copy=True).requires_grad_(True) for v in (hidden, weight, bias))
+        out = fused_rl.linear_policy_loss(h, w, to(targets), to(adv), to(mask), bias=b, config=config,
+                                          old_logprobs=to(old), ref_logprobs=to(ref), compute_entropy=True,
+                                          backend=be)
         out.loss.backward()
-        results.append((out, h.grad))
-    (got, gh), (expected, rgh) = results
-    assert torch.isnan(got.loss)
-    assert torch.isnan(got.logprobs[BAD]) and torch.isnan(got.entropy[BAD]) and torch.isnan(gh[BAD]).all()
+        results.append((out.loss.cpu(), out.logprobs.cpu(), out.entropy.cpu(), h.grad.cpu()))
+    (loss, logprobs, entropy, gh), (_, rlogprobs, rentropy, rgh) = results
+    assert torch.isnan(loss)
+    assert torch.isnan(logprobs[BAD]) and torch.isnan(entropy[BAD]) and torch.isnan(gh[BAD]).all()
     assert (gh[1, 2] == 0).all()
     valid = mask.clone()
     valid[BAD] = False
-    assert torch.isfinite(got.logprobs[valid]).all() and torch.isfinite(gh[valid]).all()
-    _close_nan(got.logprobs, expected.logprobs, torch.float32, "logprobs")
-    _close_nan(got.entropy, expected.entropy, torch.float32, "entropy")
+    assert torch.isfinite(logprobs[valid]).all() and torch.isfinite(gh[valid]).all()
+    _close_nan(logprobs, rlogprobs, torch.float32, "logprobs")
+    _close_nan(entropy, rentropy, torch.float32, "entropy")
     torch.testing.assert_close(gh, rgh, atol=1e-5, rtol=1e-4, equal_nan=True)
 
 
@@ -481,8 +502,9 @@ def test_epilogue_nan_logp_triton(config, on_policy):
         assert (a[masked] == expected).all(), name
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("cpu", "triton", "cuda")])
-def test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read(backend, small_triton_blocks):
+@pytest.mark.parametrize("backend, device", on([b for b in BACKENDS if b in ("cpu", "triton")],
+                                                 [b for b in CUDA_BACKENDS if b in ("triton", "cuda")]))
+def test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read(backend, device, small_triton_blocks):
     """With ``check_inputs=False`` nothing checks the targets: a kernel reads nothing outside the row and
     makes that token's log-prob, loss and logits-gradient row NaN; every other row is as the reference's."""
     g = torch.Generator().manual_seed(11)
@@ -497,13 +519,65 @@ def test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read(backend, sm
     xr = x.clone().requires_grad_(True)
     lp_ref = fused_rl.reference.token_logprobs(xr, torch.where(bad, -100, targets))
     lp_ref.sum().backward()
-    xt = x.clone().requires_grad_(True)
-    lp = fused_rl.token_logprobs(xt, wild, backend=backend, check_inputs=False)
+    xt = x.to(device, copy=True).requires_grad_(True)
+    lp = fused_rl.token_logprobs(xt, wild.to(device), backend=backend, check_inputs=False)
     lp.sum().backward()
-    assert lp[bad].isnan().all() and xt.grad[bad].isnan().all()
+    lp, grad = lp.cpu(), xt.grad.cpu()
+    assert lp[bad].isnan().all() and grad[bad].isnan().all()
     torch.testing.assert_close(lp[~bad], lp_ref[~bad], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(xt.grad[~bad], xr.grad[~bad], rtol=1e-5, atol=1e-6)
-    xp = x.clone().requires_grad_(True)
-    out = fused_rl.policy_loss(xp, wild, adv, mask, backend=backend, check_inputs=False)
+    torch.testing.assert_close(grad[~bad], xr.grad[~bad], rtol=1e-5, atol=1e-6)
+    xp = x.to(device, copy=True).requires_grad_(True)
+    out = fused_rl.policy_loss(xp, wild.to(device), adv.to(device), mask.to(device), backend=backend,
+                               check_inputs=False)
     out.loss.backward()
-    assert out.loss.isnan() and xp.grad[bad].isnan().all() and not xp.grad[~bad].isnan().any()
+    grad = xp.grad.cpu()
+    assert out.loss.isnan() and grad[bad].isnan().all() and not grad[~bad].isnan().any()
+
+
+# --------------------------------------------------------------------------- overflowing ratios
+#: Configs whose loss is constant in r at r = inf for the signs used: ppo_clip (A > 0 above the clip
+#: range), dual clip (A < 0, the cap), TRL's delta, sapo (the sigmoid saturates, either sign), gspo_token
+#: and gspo (a sequence ratio of exp(~100)).
+OVERFLOW_CONFIGS = [
+    (PolicyLossConfig(clip_low=0.2, clip_high=0.28), 1.0),
+    (PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1, entropy_coef=0.01), -1.0),
+    (PolicyLossConfig(delta=1.5), 1.0),
+    (PolicyLossConfig(policy_loss="sapo"), 1.0),
+    (PolicyLossConfig(policy_loss="sapo"), -1.0),
+    (PolicyLossConfig(policy_loss="gspo_token", clip_low=3e-4, clip_high=4e-4), 1.0),
+    (PolicyLossConfig(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"), 1.0),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("config, adv", OVERFLOW_CONFIGS,
+                         ids=[f"{c.policy_loss}-d{c.dual_clip}-{c.delta}-A{a:+g}" for c, a in OVERFLOW_CONFIGS])
+@pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
+def test_overflowing_ratio_of_a_clipped_token_has_zero_gradient(backend, device, config, adv):
+    """An old log-prob far below the new one (an inference engine's -200 or -9999) overflows
+    ``r = exp(logp - old)`` to inf in fp32. Where the loss is clipped there (constant in r) its gradient is
+    exactly 0, as with a large finite ratio (old = -50): the same loss and gradient, all finite. Autograd of
+    exp would give ``0 * inf = NaN`` for that token and, through the weights, for every parameter."""
+    g = torch.Generator().manual_seed(4)
+    B, T, V = 2, 3, 37
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        lp = fused_rl.reference.token_logprobs(logits, targets)
+    noise = 0.05 * torch.randn(B, T, generator=g)
+    results = []
+    for far in (-200.0, -50.0):
+        old = lp + noise
+        old[0] = far  # every token of sequence 0: gspo's sequence ratio overflows too
+        x = logits.to(device, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets.to(device), torch.tensor([adv, -adv]).to(device), mask.to(device),
+                                   old_logprobs=old.to(device), ref_logprobs=lp.to(device) if config.kl else None,
+                                   config=config, backend=backend)
+        out.loss.backward()
+        results.append((out.loss.detach().cpu(), x.grad.cpu()))
+    (loss, grad), (loss_finite, grad_finite) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[0] == 0).all() if config.kl is None else torch.isfinite(grad[0]).all()
+    torch.testing.assert_close(loss, loss_finite, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
