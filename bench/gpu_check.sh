@@ -7,7 +7,9 @@
 # Steps (each under its own cap and one overall deadline, GPU_CHECK_BUDGET_S, default 520 s, so the
 # whole command ends inside the device tool's 600 s per call):
 #   wheels  pip install --target of the carried .whl/*.whl (peers for the benchmarks), if present
-#   build   setup.py build_ext --inplace (CPU + CUDA kernels), when fused_rl/_C*.so is missing
+#   build   FUSED_RL_CUDA=1 setup.py build_ext --inplace (CPU + CUDA kernels; a CUDA part that cannot be
+#           built fails the build loudly), when fused_rl/_C*.so is missing; then a preflight line in the
+#           summary says whether the cuda and triton backends are usable (else their tests only skip)
 #   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening and variant tests (xdist)
 #   logits  bench/gpu_logits_bench.py: policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
 #           torch / reference / liger, and a block x warps x grid sweep
@@ -68,8 +70,13 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
 fi
 if ! ls fused_rl/_C*.so > /dev/null 2>&1; then
-  TAIL=5 step build 150 "$PY" setup.py build_ext --inplace
+  FUSED_RL_CUDA=1 TAIL=5 step build 150 "$PY" setup.py build_ext --inplace
 fi
+"$PY" -c "import torch, fused_rl
+r = fused_rl.available_backends(torch.device('cuda'))
+bad = {k: v for k, v in r.items() if k in ('cuda', 'triton', 'torch') and v is not None}
+print('PREFLIGHT FAILED: ' + repr(bad) if bad else 'preflight: cuda, triton and torch backends usable on the GPU')" \
+  >> "$SUMMARY" 2>&1
 "$PY" -c "import torch, triton, fused_rl; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print(fused_rl.available_backends(torch.device('cuda')))" \
   >> "$SUMMARY" 2>&1
 "$PY" -c "import importlib.metadata as m
@@ -79,7 +86,7 @@ for name in ('numpy', 'transformers', 'liger_kernel', 'cut_cross_entropy'):
 cat "$SUMMARY"
 publish
 
-TAIL=40 step pytest 240 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfE --durations=15 \
+FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 240 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
   tests/test_hardening.py tests/test_variants.py

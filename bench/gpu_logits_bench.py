@@ -187,11 +187,12 @@ def main():
     x = logits.clone().requires_grad_(True)
 
     def step_for(backend, inplace=False, scale=1.0, compute_entropy=True, src=None):
-        leaf = x if src is None else src
+        """``src``: ``(leaf, non-leaf view of it)`` for in place (over a leaf the backends ignore it)."""
+        leaf, logits_in = (x, x) if src is None else src
 
         def step():
             leaf.grad = None
-            out = fused_rl.policy_loss(leaf, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
+            out = fused_rl.policy_loss(logits_in, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
                                        backend=backend, inplace=inplace, check_inputs=False,
                                        compute_entropy=compute_entropy)
             (out.loss * scale if scale != 1.0 else out.loss).backward()
@@ -204,12 +205,13 @@ def main():
     measure("triton single-pass, grad_output=2 (+ in-place scale pass)", step_for("triton", scale=2.0), x,
             results, bytes_moved=4 * pass_bytes)
 
-    # in place: the gradient is written over the logits storage; the values left there by one step are
-    # the next step's logits (same work per element, and no clone inside the timed step)
+    # in place: the gradient is written over the logits storage of a non-leaf (a view of a leaf, as model
+    # logits are an op's output); the values left there by one step are the next step's logits (same work
+    # per element, and no clone inside the timed step)
     x_inplace = logits.clone().requires_grad_(True)
-    measure("triton single-pass in place", step_for("triton", inplace=True, src=x_inplace), x_inplace, results,
-            **one)
-    del x_inplace
+    src = (x_inplace, x_inplace.view_as(x_inplace))
+    measure("triton single-pass in place", step_for("triton", inplace=True, src=src), x_inplace, results, **one)
+    del x_inplace, src
     torch.cuda.empty_cache()
 
     # two-pass composition (stats forward + grad backward) on the same kernels
@@ -227,9 +229,9 @@ def main():
     if cuda_reason is None and not DRY:  # the CUDA C++ kernels (csrc/), same single pass
         measure("cuda single-pass", step_for("cuda"), x, results, **one)
         x_inplace = logits.clone().requires_grad_(True)
-        measure("cuda single-pass in place", step_for("cuda", inplace=True, src=x_inplace), x_inplace, results,
-                **one)
-        del x_inplace
+        src = (x_inplace, x_inplace.view_as(x_inplace))
+        measure("cuda single-pass in place", step_for("cuda", inplace=True, src=src), x_inplace, results, **one)
+        del x_inplace, src
         torch.cuda.empty_cache()
     else:
         log(f"cuda backend skipped: {cuda_reason or 'dry run'}")

@@ -271,8 +271,9 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
     if (t == kIgnoreIndex) { row_fill<T>(orow, V, 0.0f); continue; }
     const float m2 = a.lse[i];
-    // an undefined row (row_reduce), or a target outside [0, V) (only with check_inputs=False: NaN logp)
-    if (m2 != m2 || t < 0 || t >= V) { row_fill<T>(orow, V, NAN); continue; }
+    // an undefined row (row_reduce), a target outside [0, V) (only with check_inputs=False: NaN logp), or a
+    // NaN upstream gradient (autograd of log_softmax: NaN everywhere, also where p = 0)
+    if (m2 != m2 || t < 0 || t >= V || gl != gl || ge != ge) { row_fill<T>(orow, V, NAN); continue; }
     if (gl == 0.0f && ge == 0.0f) { row_fill<T>(orow, V, 0.0f); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
     row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);
@@ -312,7 +313,9 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
     __syncthreads();
     const float m2 = coef[0], l2s = coef[1], H = coef[2], gl = coef[3], ge = coef[4];
     __syncthreads();
-    if (m2 != m2) row_fill<T>(orow, V, NAN);  // an undefined row (row_reduce)
+    // an undefined row (row_reduce), or NaN coefficients (e.g. a NaN logp of a target outside [0, V)):
+    // NaN everywhere, also where p = 0, as on the CPU and in autograd
+    if (m2 != m2 || gl != gl || ge != ge) row_fill<T>(orow, V, NAN);
     else if (gl == 0.0f && ge == 0.0f) row_fill<T>(orow, V, 0.0f);
     else row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t);
   }

@@ -25,6 +25,7 @@ get ``logp = H = 0`` and zero ``dlogits``. A valid row whose softmax is undefine
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -267,6 +268,13 @@ def _grid(rows: int, block_n: int) -> tuple[int]:
     return (tiles if MAX_PROGRAMS is None else max(1, min(tiles, MAX_PROGRAMS)),)
 
 
+def _on(x: torch.Tensor):
+    """``x``'s GPU as the current device during a launch: Triton launches on the current device and its
+    current stream, not the tensors' (logits on ``cuda:1`` while ``cuda:0`` is current would run on GPU 0
+    with GPU 1 pointers). Nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def as_rows(logits: torch.Tensor) -> torch.Tensor:
     """A ``(B, T, V)`` view of ``(..., V)`` logits (a copy only if the leading dims cannot be viewed so)."""
     if logits.dim() == 3:
@@ -290,9 +298,10 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     lse = torch.empty(2, n, dtype=torch.float32, device=x.device)
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
     bn, block, warps = block_config(V, x.dtype)
-    _stats_kernel[_grid(n, bn)](
-        x, x.stride(0), x.stride(1), n, T, V, tgt, logp, ent if with_entropy else logp, lse, float(temperature),
-        BLOCK_N=bn, BLOCK_V=block, WITH_ENT=bool(with_entropy), num_warps=warps)
+    with _on(x):
+        _stats_kernel[_grid(n, bn)](
+            x, x.stride(0), x.stride(1), n, T, V, tgt, logp, ent if with_entropy else logp, lse,
+            float(temperature), BLOCK_N=bn, BLOCK_V=block, WITH_ENT=bool(with_entropy), num_warps=warps)
     return logp, ent, lse
 
 
@@ -306,10 +315,11 @@ def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, ou
     g_logp = g_logp.reshape(-1).contiguous()
     ent = entropy.reshape(-1).contiguous() if grad_ent else g_logp
     g_ent = g_entropy.reshape(-1).contiguous() if grad_ent else g_logp
-    _grad_kernel[_grid(B * T, bn)](
-        x, x.stride(0), x.stride(1), B * T, T, V, targets.reshape(-1).contiguous(), o, o.stride(0), o.stride(1),
-        lse, g_logp, ent, g_ent, float(temperature), BLOCK_N=bn, BLOCK_V=block, GRAD_ENT=grad_ent,
-        num_warps=warps)
+    with _on(x):
+        _grad_kernel[_grid(B * T, bn)](
+            x, x.stride(0), x.stride(1), B * T, T, V, targets.reshape(-1).contiguous(), o, o.stride(0),
+            o.stride(1), lse, g_logp, ent, g_ent, float(temperature), BLOCK_N=bn, BLOCK_V=block, GRAD_ENT=grad_ent,
+            num_warps=warps)
     return o.view(logits.shape) if out is None else out
 
 
@@ -334,13 +344,14 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
     if epilogue["ROLLOUT"] != 0 and rollout is None:
         raise ValueError("token rollout correction needs the rollout log-probs")
     unused = advantages  # any pointer for the arguments the constexprs leave unread
-    _policy_kernel[_grid(n, bn)](
-        x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
-        unused if old is None else old, unused if ref is None else ref, unused if rollout is None else rollout,
-        o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
-        kl if epilogue["KL"] != 0 else logp, float(temperature),
-        WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,
-        **epilogue)
+    with _on(x):
+        _policy_kernel[_grid(n, bn)](
+            x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
+            unused if old is None else old, unused if ref is None else ref, unused if rollout is None else rollout,
+            o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
+            kl if epilogue["KL"] != 0 else logp, float(temperature),
+            WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,
+            **epilogue)
     return logp, ent, loss, ratio, kl
 
 
@@ -349,6 +360,6 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
     r = as_rows(x)
     B, T, V = r.shape
     bn, block, warps = block_config(V, r.dtype)
-    _scale_kernel[_grid(B * T, bn)](r, r.stride(0), r.stride(1), B * T, T, V,
-                                             g.reshape(()).to(torch.float32), BLOCK_N=bn, BLOCK_V=block,
-                                             num_warps=warps)
+    with _on(r):
+        _scale_kernel[_grid(B * T, bn)](r, r.stride(0), r.stride(1), B * T, T, V, g.reshape(()).to(torch.float32),
+                                        BLOCK_N=bn, BLOCK_V=block, num_warps=warps)

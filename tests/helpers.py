@@ -117,6 +117,13 @@ def magnitude_scale(logits: torch.Tensor, temperature: float) -> float:
     return max(1.0, float(torch.where(torch.isfinite(x), x, 0.0).max()) / temperature / 100.0)
 
 
+def same_layout(x: torch.Tensor) -> torch.Tensor:
+    """A leaf copy of ``x`` with its strides, gaps included (``clone`` of a ``logits[:, :-1]`` view is
+    contiguous, so a kernel would never see the view's batch stride)."""
+    x = x.detach()
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 def compare_policy_loss(backend: str, case: PolicyCase, config: PolicyLossConfig, *,
                         token_normalizer=None, tol_scale: float = 1.0, **backend_kwargs) -> None:
     """Loss, logprobs, entropy, metrics and dlogits of ``backend`` against the fp32 reference on the
@@ -127,7 +134,8 @@ def compare_policy_loss(backend: str, case: PolicyCase, config: PolicyLossConfig
     expected = fused_rl.reference.policy_loss(ref_logits, case.targets, case.advantages, case.mask,
                                               config=config, token_normalizer=token_normalizer, **case.kwargs())
     expected.loss.backward()
-    leaf = case.logits.detach().clone().requires_grad_(True)
+    leaf = same_layout(case.logits).requires_grad_(True)
+    assert leaf.stride() == case.logits.stride()
     # in place needs a non-leaf buffer, as model logits are (over a leaf the backends ignore it)
     logits = leaf * 1.0 if backend_kwargs.get("inplace") else leaf
     got = fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=config,

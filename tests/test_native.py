@@ -17,7 +17,7 @@ from fused_rl import PolicyLossConfig, _C  # noqa: E402
 from fused_rl.backends import get_backend, native  # noqa: E402
 from fused_rl.loss_math import per_token_loss  # noqa: E402
 from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
-                     on_device)
+                     on_device, same_layout)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E731
@@ -400,7 +400,8 @@ def test_cuda_sliced_inplace_and_token_logprobs(dtype):
     case.logits = make_logits((3, 8, 4099), generator=torch.Generator().manual_seed(1), dtype=dtype).cuda()[:, :-1]
     compare_policy_loss("cuda", case, CONFIGS[1])
     _check_inplace("cuda", on_device(make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2), "cuda"), CONFIGS[1])
-    x = case.logits.detach().clone().requires_grad_(True)
+    x = same_layout(case.logits).requires_grad_(True)
+    assert x.stride() == (8 * 4099, 4099, 1)  # the view's batch stride, not a contiguous copy's
     lp, ent = fused_rl.token_logprobs(x, case.targets, return_entropy=True, temperature=0.7, backend="cuda")
     (lp.sum() + ent.sum()).backward()
     xr = case.logits.detach().float().requires_grad_(True)

@@ -488,35 +488,47 @@ def test_block_heuristic(monkeypatch):
 
 
 # --------------------------------------------------------------------------- CUDA-only scale checks
+def _gpu_backend_or_skip(backend):
+    reason = fused_rl.available_backends(torch.device("cuda"))[backend]
+    if reason is not None:
+        pytest.skip(reason)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU")
-def test_cuda_large_vocab_default_blocks(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_cuda_large_vocab_default_blocks(backend, monkeypatch):
+    """V = 151936 (Qwen) bf16 with the default block sizes, against the reference (the CUDA C++ kernel
+    too: its per-row loop and L2 re-read at a real vocabulary)."""
     from fused_rl.kernels import logits as K
 
+    _gpu_backend_or_skip(backend)
     monkeypatch.setattr(K, "MAX_BLOCK_V", None)
     case = on_device(make_case(batch=4, length=16, vocab=151936, dtype=torch.bfloat16, seed=1), "cuda")
-    compare_policy_loss("triton", case, CONFIGS[1])
+    compare_policy_loss(backend, case, CONFIGS[1])
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU")
-def test_cuda_many_rows_and_int64_offsets(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_cuda_many_rows_and_int64_offsets(backend, monkeypatch):
     """N > 65,535 rows, and N * V > 2^31 elements (offsets past int32)."""
     from fused_rl.kernels import logits as K
 
+    _gpu_backend_or_skip(backend)
     monkeypatch.setattr(K, "MAX_BLOCK_V", None)
     g = torch.Generator(device="cuda").manual_seed(0)
     n, v = 70_000, 512
     x = torch.randn(1, n, v, device="cuda", generator=g)
     t = torch.randint(0, v, (1, n), device="cuda", generator=g)
-    got = fused_rl.token_logprobs(x, t, backend="triton")
+    got = fused_rl.token_logprobs(x, t, backend=backend)
     ref = fused_rl.token_logprobs(x, t, backend="reference")
     assert_close(got, ref, torch.float32, "70k rows")
     n, v = 14_200, 151_936  # 2.16e9 elements of bf16 (4.3 GB)
     x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     xr = x.detach().requires_grad_(True)
-    lp = fused_rl.token_logprobs(xr, t, backend="triton")
+    lp = fused_rl.token_logprobs(xr, t, backend=backend)
     lp[-8:].sum().backward()
     tail = x[-8:].float().requires_grad_(True)
     lp_ref = torch.log_softmax(tail, -1).gather(-1, t[-8:].long().unsqueeze(-1)).squeeze(-1)
