@@ -241,21 +241,23 @@ def main():
     except torch.cuda.OutOfMemoryError as exc:
         results.append(dict(name="reference", error=str(exc)))
 
-    # full-size agreement of triton with the reference (loss, metrics, a few rows of dlogits)
+    # full-size agreement of triton (and cuda) with the reference (loss, metrics, a few rows of dlogits)
+    checked = ("triton", "cuda") if cuda_reason is None and not DRY else ("triton",)
     try:
         got = {}
-        for backend in ("triton", "reference"):
+        for backend in checked + ("reference",):
             x.grad = None
             out = fused_rl.policy_loss(x, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
                                        backend=backend, check_inputs=False)
             out.loss.backward()
             got[backend] = (out.loss.item(), {k: v.item() for k, v in out.metrics.items()},
                             x.grad[:, :4].float().clone())
-        info["check_loss"] = dict(triton=got["triton"][0], reference=got["reference"][0])
-        info["check_metrics"] = dict(triton=got["triton"][1], reference=got["reference"][1])
-        info["check_dlogits_max_abs_diff_first4"] = (got["triton"][2] - got["reference"][2]).abs().max().item()
+        info["check_loss"] = {b: got[b][0] for b in got}
+        info["check_metrics"] = {b: got[b][1] for b in got}
+        info["check_dlogits_max_abs_diff_first4"] = {b: (got[b][2] - got["reference"][2]).abs().max().item()
+                                                     for b in checked}
         info["check_dlogits_max_abs_first4"] = got["reference"][2].abs().max().item()
-        log(f"full-size check: {info['check_loss']}, dlogits max diff {info['check_dlogits_max_abs_diff_first4']:.3e}"
+        log(f"full-size check: {info['check_loss']}, dlogits max diff {info['check_dlogits_max_abs_diff_first4']}"
             f" (max |g| {info['check_dlogits_max_abs_first4']:.3e})")
         del got
     except Exception as exc:
@@ -294,8 +296,18 @@ def main():
         if "x" not in locals():
             x = logits.clone().requires_grad_(True)
 
+    if not args.quick and cuda_reason is None and not DRY:
+        # grid sweep of the CUDA kernels: blocks (rows in flight) per SM
+        from fused_rl.backends import native
+
+        default = native._C.cuda_rows_per_sm()
+        for k in (1, 2, 3, 4, 8):
+            native._C.cuda_set_rows_per_sm(k)
+            measure(f"sweep cuda single-pass rows_per_sm={k}", step_for("cuda"), x, results,
+                    extra=dict(rows_per_sm=k), **one)
+        native._C.cuda_set_rows_per_sm(default)
     if not args.quick:
-        # block / grid sweep of the single pass
+        # block / grid sweep of the triton single pass
         for block in ((256,) if DRY else (4096, 8192, 16384)):
             for warps in (8, 16):
                 for progs in (None, sms):

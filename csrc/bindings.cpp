@@ -165,6 +165,11 @@ PYBIND11_MODULE(_C, m) {
 #ifdef FRL_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("cuda_device_count", &cuda::device_count);
+  m.def("cuda_set_rows_per_sm", [](int k) {
+    if (k < 1 || k > 64) throw std::invalid_argument("rows per SM must be in [1, 64], got " + std::to_string(k));
+    cuda::set_rows_per_sm(k);
+  }, py::arg("k"), "blocks per SM of the CUDA kernels' grid (default 2; a tuning knob)");
+  m.def("cuda_rows_per_sm", &cuda::rows_per_sm);
   m.def("cuda_token_stats", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                                uintptr_t targets, int tdtype, float inv_tau, uintptr_t logp, uintptr_t ent,
                                uintptr_t lse, uintptr_t stream) {

@@ -14,5 +14,8 @@ std::string token_stats(const StatsArgs& a, uintptr_t stream);
 std::string token_grad(const GradArgs& a, uintptr_t stream);
 std::string policy_fused(const PolicyArgs& a, uintptr_t stream);
 int device_count();
+// Blocks launched per SM (grid = SMs x k, grid-stride over the rows); k >= 1, default 2.
+void set_rows_per_sm(int k);
+int rows_per_sm();
 }  // namespace cuda
 }  // namespace fused_rl

@@ -23,10 +23,11 @@ namespace fused_rl {
 namespace cuda {
 namespace {
 
-// 512 threads per row and 2 resident rows per SM: the rows in flight (2 x SMs, e.g. 264 x 128 KiB for
-// fp32 V = 32000 on H100/H200) fit in L2, so the second (gradient) sweep re-reads them from L2.
+// 512 threads per row and by default 2 resident rows per SM: the rows in flight (2 x SMs, e.g. 264 x 128
+// KiB for fp32 V = 32000 on H100/H200) fit in L2, so the second (gradient) sweep re-reads them from L2.
+// set_rows_per_sm changes it (a tuning knob for bench/gpu_logits_bench.py's sweep).
 constexpr int kThreads = 512;
-constexpr int kRowsPerSm = 2;
+int g_rows_per_sm = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -325,7 +326,7 @@ int grid_for(int64_t rows) {
   int dev = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
     sms = 108;
-  const int64_t g = int64_t(sms) * kRowsPerSm;
+  const int64_t g = int64_t(sms) * g_rows_per_sm;
   return int(rows < g ? (rows > 0 ? rows : 1) : g);
 }
 
@@ -361,6 +362,10 @@ std::string token_grad(const GradArgs& a, uintptr_t stream) {
 std::string policy_fused(const PolicyArgs& a, uintptr_t stream) {
   return launch(a, stream, policy_kernel<float>, policy_kernel<__nv_bfloat16>, policy_kernel<__half>);
 }
+
+void set_rows_per_sm(int k) { g_rows_per_sm = k; }
+
+int rows_per_sm() { return g_rows_per_sm; }
 
 int device_count() {
   int n = 0;

@@ -410,3 +410,21 @@ def test_cuda_sliced_inplace_and_token_logprobs(dtype):
     assert_close(lp, lpr, dtype, "logp")
     assert_close(ent, entr, dtype, "entropy")
     assert_close(x.grad, xr.grad, dtype, "grad", grad=True)
+
+
+def test_cuda_rows_per_sm_knob():
+    """The CUDA grid's blocks per SM (the benchmark's sweep knob): default 2, [1, 64] accepted, other
+    values rejected with the range; compiled in wherever nvcc built the CUDA part (no GPU needed)."""
+    if not getattr(native._C, "has_cuda", False):
+        pytest.skip("built without the CUDA part")
+    C = native._C
+    assert C.cuda_rows_per_sm() == 2
+    try:
+        C.cuda_set_rows_per_sm(4)
+        assert C.cuda_rows_per_sm() == 4
+        for bad in (0, 65):
+            with pytest.raises(ValueError, match=r"\[1, 64\]"):
+                C.cuda_set_rows_per_sm(bad)
+        assert C.cuda_rows_per_sm() == 4
+    finally:
+        C.cuda_set_rows_per_sm(2)
