@@ -8,7 +8,8 @@
 # whole command ends inside the device tool's 600 s per call):
 #   wheels  pip install --target of the carried .whl/*.whl (peers for the benchmarks), if present
 #   build   FUSED_RL_CUDA=1 setup.py build_ext --inplace (CPU + CUDA kernels; a CUDA part that cannot be
-#           built fails the build loudly), when fused_rl/_C*.so is missing; then a preflight line in the
+#           built fails the build loudly), unless fused_rl._C imports and is newer than csrc/ and setup.py
+#           (a warm machine keeps an older build; a carried one may be for another Python); then a preflight line in the
 #           summary says whether the cuda and triton backends are usable (else their tests only skip)
 #   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening and variant tests (xdist)
 #   logits  bench/gpu_logits_bench.py: policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
@@ -69,7 +70,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     --target /tmp/gpu_check_site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
 fi
-if ! ls fused_rl/_C*.so > /dev/null 2>&1; then
+SO="$("$PY" -c "import fused_rl._C as C; print(C.__file__)" 2>/dev/null)"
+if [ -z "$SO" ] || [ -n "$(find csrc setup.py -newer "$SO" 2>/dev/null)" ]; then
   FUSED_RL_CUDA=1 TAIL=5 step build 150 "$PY" setup.py build_ext --inplace
 fi
 "$PY" -c "import torch, fused_rl

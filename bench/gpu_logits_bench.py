@@ -296,10 +296,10 @@ def main():
         if "x" not in locals():
             x = logits.clone().requires_grad_(True)
 
-    if not args.quick and cuda_reason is None and not DRY:
-        # grid sweep of the CUDA kernels: blocks (rows in flight) per SM
-        from fused_rl.backends import native
+    from fused_rl.backends import native
 
+    if not args.quick and cuda_reason is None and not DRY and hasattr(native._C, "cuda_set_rows_per_sm"):
+        # grid sweep of the CUDA kernels: blocks (rows in flight) per SM
         default = native._C.cuda_rows_per_sm()
         for k in (1, 2, 3, 4, 8):
             native._C.cuda_set_rows_per_sm(k)

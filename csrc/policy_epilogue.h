@@ -7,8 +7,8 @@
 // autograd (torch.maximum / minimum split the gradient in half on ties, clamp passes it at the
 // bounds):
 //
-//   r = exp(logp - old)                     (old = sg(logp) on-policy: r = 1, dr/dlogp = r; where r
-//                                            overflows to inf and dl/dr = 0, dl/dlogp = 0, not NaN)
+//   r = exp(logp - old)                     (old = sg(logp) on-policy: r = 1, dr/dlogp = r; an r that
+//                                            overflows to inf is a constant: no gradient through it)
 //   ppo_clip: l = max(-a u, -a clamp(r, 1-cl, 1+ch)), u = r (min(r, delta) with TRL's two-sided
 //             clip); dual clip c: l = min(l, -c a) where a < 0
 //   sapo:     l = -a 4/tau sigmoid(tau (r - 1)), tau = sapo_pos if a > 0 else sapo_neg
@@ -64,9 +64,9 @@ FRL_HD float frl_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo),
 // d(clamp(x, lo, hi))/dx as torch computes it: 1 on the closed interval, else 0.
 FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x <= hi) ? 1.0f : 0.0f; }
 
-// dl/dlogp = dl/dr * r (dr/dlogp = r), 0 where dl/dr = 0 and r overflowed to inf (a clipped token:
-// loss_math._RatioExp), not 0 * inf = NaN.
-FRL_HD float frl_times_ratio(float dl_dr, float r) { return (dl_dr == 0.0f && r == INFINITY) ? 0.0f : dl_dr * r; }
+// dl/dlogp = dl/dr * r (dr/dlogp = r); r overflowed to inf is a constant (loss_math.ratio_exp): 0, not
+// 0 * inf = NaN for a clipped token (where the loss depends on r it is inf anyway).
+FRL_HD float frl_times_ratio(float dl_dr, float r) { return r == INFINITY ? 0.0f : dl_dr * r; }
 
 FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float ent, float a, float old,
                                    float ref, float rollout, float w) {

@@ -100,32 +100,23 @@ def log_importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tens
     return log_ratio
 
 
-class _RatioExp(torch.autograd.Function):
-    """``exp(x)`` whose gradient is 0, not ``0 * inf = NaN``, where the upstream gradient is 0 and
-    ``exp(x)`` overflowed: a token whose ratio overflows (``log r > 88`` in fp32, e.g. an old log-prob of
-    -9999 from an inference engine) but whose loss is clipped (constant in ``r``) has dl/dr = 0 and so
-    dl/dlogp = 0, as the fused epilogues compute it; plain autograd would make it NaN and with it every
-    weight's gradient. Everything else is autograd of ``exp`` (double backward included)."""
-
-    @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.exp(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (y,) = ctx.saved_tensors
-        return torch.where((grad == 0) & torch.isinf(y), torch.zeros_like(grad), grad * y)
+def ratio_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(log_ratio)``, a constant (no gradient) where it overflows to inf: a token whose ratio
+    overflows (``log r > 88`` in fp32, e.g. an old log-prob of -9999 from an inference engine) but whose
+    loss is clipped there has dl/dr = 0, so dl/dlogp = 0, as the fused epilogues compute it; autograd of
+    ``exp`` would make it ``0 * inf = NaN`` and with it every weight's gradient (where the loss does
+    depend on r it is inf anyway). Plain torch ops: double backward, forward AD, ``vmap`` and
+    ``torch.compile`` work as for ``exp``; a NaN log-ratio stays NaN with a NaN gradient."""
+    value = torch.exp(log_ratio.detach())
+    overflow = torch.isinf(value)
+    return torch.where(overflow, value, torch.exp(torch.where(overflow, torch.zeros_like(log_ratio), log_ratio)))
 
 
 def importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                      config: PolicyLossConfig) -> torch.Tensor:
-    """``r_t = exp(log r_t)`` with ``log r_t`` from :func:`log_importance_ratio` (where ``r`` overflows to
-    inf and the loss does not depend on it, its gradient is 0: :class:`_RatioExp`)."""
-    return _RatioExp.apply(log_importance_ratio(logp, old, mask, config))
+    """``r_t = exp(log r_t)`` with ``log r_t`` from :func:`log_importance_ratio` (a constant where it
+    overflows to inf: :func:`ratio_exp`)."""
+    return ratio_exp(log_importance_ratio(logp, old, mask, config))
 
 
 def bias_corrected_k3(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,

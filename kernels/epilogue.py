@@ -12,10 +12,10 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   ``u = min(r, delta)``; ``dl/dr`` follows torch's autograd rules exactly: ``clamp`` / ``min`` pass
   the gradient at their bounds (``dc/dr = 1[1-cl <= r <= 1+ch]``, ``du/dr = 1[r <= delta]``) and
   ``max`` / ``min`` of two equal values give each half of it. Dual clip ``k`` (``A < 0``):
-  ``l = min(l, -k A)``, the cap a constant. ``dl/dlogp = r dl/dr``, 0 where ``dl/dr = 0`` and ``r``
-  overflowed to inf (a clipped token; ``loss_math._RatioExp``), not ``0 * inf = NaN``;
+  ``l = min(l, -k A)``, the cap a constant. ``dl/dlogp = r dl/dr``, 0 where ``r`` overflowed to inf
+  (a constant there, ``loss_math.ratio_exp``; not ``0 * inf = NaN`` for a clipped token);
 * sapo: ``l = -A 4/tau sigmoid(tau (r - 1))`` with ``tau = tau_pos`` where ``A > 0``, else
-  ``tau_neg``; ``dl/dlogp = -4 A s (1 - s) r`` with ``s = sigmoid(tau (r - 1))``;
+  ``tau_neg``; ``dl/dlogp = -4 A s (1 - s) r`` with ``s = sigmoid(tau (r - 1))`` (0 where ``r`` is inf);
 * cispo: ``l = -min(r, 1+ch) A logp`` with the weight detached: ``dl/dlogp = -min(r, 1+ch) A``;
 * reinforce: ``l = -A logp``, ``dl/dlogp = -A``;
 * token rollout correction (``rollout_is="token_*"``): ``rho = exp(old - rollout)`` (``old = sg(logp)``
@@ -94,8 +94,8 @@ def expm1(x):
 
 @triton.jit
 def _times_ratio(dl_dr, ratio):
-    """``dl/dlogp = dl/dr * r`` (``dr/dlogp = r``), 0 where ``dl/dr = 0`` and ``r`` is inf (not NaN)."""
-    return tl.where((dl_dr == 0.0) & (ratio == float("inf")), 0.0, dl_dr * ratio)
+    """``dl/dlogp = dl/dr * r`` (``dr/dlogp = r``); an ``r`` that overflowed to inf is a constant: 0."""
+    return tl.where(ratio == float("inf"), 0.0, dl_dr * ratio)
 
 
 @triton.jit

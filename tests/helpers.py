@@ -136,8 +136,9 @@ def compare_policy_loss(backend: str, case: PolicyCase, config: PolicyLossConfig
     expected.loss.backward()
     leaf = same_layout(case.logits).requires_grad_(True)
     assert leaf.stride() == case.logits.stride()
-    # in place needs a non-leaf buffer, as model logits are (over a leaf the backends ignore it)
-    logits = leaf * 1.0 if backend_kwargs.get("inplace") else leaf
+    # in place needs a non-leaf buffer, as model logits are (over a leaf the backends ignore it): a
+    # differentiable copy into a buffer of the same layout
+    logits = same_layout(leaf).copy_(leaf) if backend_kwargs.get("inplace") else leaf
     got = fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=config,
                                token_normalizer=token_normalizer, backend=backend, **case.kwargs(),
                                **backend_kwargs)

@@ -176,7 +176,8 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, normalizer: torch.Tensor,
                old_values: Optional[torch.Tensor] = None, clip: Optional[float] = None):
-    """PPO's value loss ``sum_t m_t l_t / normalizer`` and the count of tokens where clipping bit.
+    """PPO's value loss ``sum_t m_t l_t / normalizer`` and the count of tokens where clipping bit (None
+    without clipping).
 
     Unclipped: ``l_t = 0.5 (V_t - R_t)^2``. With ``clip = c`` (TRL's ``cliprange_value``, verl's
     ``cliprange_value``, OpenRLHF's ``value_clip``) the value may move at most ``c`` from the rollout's
@@ -187,7 +188,9 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, 
     m = mask.bool()
     err = torch.where(m, values - returns, torch.zeros_like(values)) ** 2
     if clip is None:
-        return 0.5 * err.sum() / normalizer, torch.zeros((), device=values.device)
+        return 0.5 * err.sum() / normalizer, None
+    if old_values is None:
+        raise ValueError("value clipping needs the rollout's old_values")
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     err_clipped = torch.where(m, clipped - returns, torch.zeros_like(values)) ** 2
     return 0.5 * torch.maximum(err, err_clipped).sum() / normalizer, (err_clipped > err).sum().float()

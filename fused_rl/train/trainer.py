@@ -248,7 +248,8 @@ class Trainer:
                             value_loss, value_clipped = value
                             loss = loss + cfg.vf_coef * value_loss * self.world
                             sums["value_loss"] = sums.get("value_loss", 0.0) + value_loss.detach().float()
-                            sums["value_clip_frac"] = sums.get("value_clip_frac", 0.0) + value_clipped
+                            if value_clipped is not None:
+                                sums["value_clip_frac"] = sums.get("value_clip_frac", 0.0) + value_clipped
                         loss.backward()
                     tokens = batch.mask[idx].sum().float()
                     for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean"),
