@@ -491,8 +491,26 @@ def test_smollm2_config_loads_and_steps(tmp_path):
                       group_size=2, max_new_tokens=4, progress=False, plot=False, eval_every=0, backend=BACKEND,
                       threads=1)
     t = Trainer(cfg, quiet=True)
+    assert len(t.tokenizer) > 40000
+    # the de-quantized weights are SmolLM2's: a fact it knows, greedily
+    tok, lm = t.tokenizer.tok, t.policy.lm
+    ids = torch.tensor([tok("The capital of France is")["input_ids"]], device=t.device)
+    with torch.no_grad():
+        greedy = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert "Paris" in tok.decode(greedy[0, ids.shape[1]:]), tok.decode(greedy[0])
+    # the trainer's fused log-probs (hidden states + LM head, no logits) are the model's own log_softmax
+    full, plen = greedy, ids.shape[1]
+    targets = full[:, plen:]
+    ones = torch.ones_like(full)
+    pos = torch.arange(full.shape[1], device=t.device).unsqueeze(0)
+    mask = torch.ones_like(targets, dtype=torch.bool)
+    fused, _ = t.policy.token_logprobs(full, ones, pos, plen, targets, mask, 1.0, backend=BACKEND)
+    with torch.no_grad():
+        logits = lm(input_ids=full, attention_mask=ones, position_ids=pos).logits[:, plen - 1:-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)
     head = t.policy.lm_head.weight
     before = head.detach().clone()
     m = t.train_step()
     assert math.isfinite(m["loss"]) and math.isfinite(m["entropy"])
-    assert len(t.tokenizer) > 40000
+    assert not torch.equal(head.detach(), before)  # the step reached the (tied) LM head
