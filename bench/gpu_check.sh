@@ -4,7 +4,7 @@
 #   bash bench/gpu_wheels.sh             # here, once: liger-kernel + cut-cross-entropy wheels into .whl/
 #   device run: command "bash bench/gpu_check.sh $OUT", carry [".whl"], timeout_s 600
 #
-# Steps (each under its own cap and one overall deadline, GPU_CHECK_BUDGET_S, default 520 s, so the
+# Steps (each under its own cap and one overall deadline, GPU_CHECK_BUDGET_S, default 560 s, so the
 # whole command ends inside the device tool's 600 s per call):
 #   wheels  pip install --target of the carried .whl/*.whl (peers for the benchmarks), if present
 #   build   FUSED_RL_CUDA=1 setup.py build_ext --inplace (CPU + CUDA kernels; a CUDA part that cannot be
@@ -25,7 +25,7 @@ OUTDIR="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUTDIR"
 WORK="$(mktemp -d)"
 PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET_S:-520}"
+BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 DEADLINE=$((SECONDS + BUDGET))
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -88,7 +88,7 @@ for name in ('numpy', 'transformers', 'liger_kernel', 'cut_cross_entropy'):
 cat "$SUMMARY"
 publish
 
-FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 240 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
+FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
   tests/test_hardening.py tests/test_variants.py
