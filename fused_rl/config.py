@@ -181,6 +181,14 @@ class PolicyLossConfig:
         # Normalize numeric fields to float so equal configs hash (and compile) identically.
         for name, value in floats.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_literal", repr(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    @property
+    def literal(self) -> str:
+        """``repr`` of the field tuple, computed once at construction: how the custom ops receive the
+        config (a ``str`` argument). A constant under ``torch.compile``, also with ``dynamic=True``, whose
+        symbolic floats ``repr`` cannot format."""
+        return self._literal
 
     # ------------------------------------------------------------------ presets
     @classmethod

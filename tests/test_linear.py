@@ -323,3 +323,35 @@ def test_compile_fullgraph():
         torch.testing.assert_close(c_aux, e_aux)
         for a, b in zip(comp_leaves, eager_leaves):
             torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu")
+                                     if fused_rl.available_backends(torch.device("cpu"))[b] is None])
+def test_compile_dynamic_shapes_and_configs(backend):
+    """``torch.compile(fullgraph=True, dynamic=True)`` of the fused-linear and the logits loss: the
+    config travels as a string formed at construction (``repr`` of the float fields, symbolic under
+    ``dynamic=True``, could not be traced); a new length and a new config give the eager values."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(50, 16, generator=g)
+
+    def linear(h, t, a, m, ref, cfg):
+        return fused_rl.linear_policy_loss(h, w, t, a, m, ref_logprobs=ref, config=cfg, backend=backend,
+                                           check_inputs=False).loss
+
+    def logits(x, t, a, m, ref, cfg):
+        return fused_rl.policy_loss(x, t, a, m, ref_logprobs=ref, config=cfg, backend=backend,
+                                    check_inputs=False).loss
+
+    for fn, width in ((linear, 16), (logits, 50)):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+        for length, beta in ((3, 0.1), (5, 0.1), (5, 0.3)):
+            cfg = fused_rl.PolicyLossConfig(kl="k3", beta=beta, clip_low=0.1 + beta)
+            x = torch.randn(2, length, width, generator=g)
+            args = (torch.randint(0, 50, (2, length), generator=g), torch.randn(2, generator=g),
+                    torch.ones(2, length, dtype=torch.bool), torch.randn(2, length, generator=g) - 4, cfg)
+            xs = [x.clone().requires_grad_(True) for _ in range(2)]
+            got, expected = compiled(xs[0], *args), fn(xs[1], *args)
+            got.backward()
+            expected.backward()
+            torch.testing.assert_close(got, expected)
+            torch.testing.assert_close(xs[0].grad, xs[1].grad)

@@ -284,9 +284,9 @@ def _config_from_literal(text: str) -> PolicyLossConfig:
 
 
 def config_literal(config: PolicyLossConfig) -> str:
-    """The config as the literal of its field tuple (a string argument of the custom op, traceable
-    by dynamo, unlike ``json.dumps``)."""
-    return repr(tuple(getattr(config, name) for name in _CONFIG_FIELDS))
+    """The config as the literal of its field tuple (a string argument of the custom op):
+    :attr:`PolicyLossConfig.literal`, formed at construction."""
+    return config.literal
 
 
 @contextlib.contextmanager
