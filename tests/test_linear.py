@@ -355,3 +355,28 @@ def test_compile_dynamic_shapes_and_configs(backend):
             expected.backward()
             torch.testing.assert_close(got, expected)
             torch.testing.assert_close(xs[0].grad, xs[1].grad)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu")
+                                     if fused_rl.available_backends(torch.device("cpu"))[b] is None])
+@pytest.mark.parametrize("normalizer, scale", [(None, 65536.0), (2.0 ** 20, 32768.0)])
+def test_fp16_gradients_survive_a_loss_scale(backend, normalizer, scale):
+    """fp16 inputs under a loss scale (GradScaler starts at 65536): the forward's gradients are kept in
+    fp32 until the backward multiplies them by ``grad_output``, so they neither overflow (an fp16
+    ``grad_output`` of 65536 is inf) nor flush to 0 before scaling (``w_t p`` at a token normalizer of
+    2^20 is below fp16's subnormals); all three gradients match the fp64 reference of the same fp16
+    inputs to fp16 precision."""
+    case = make_linear_case(vocab=300, hidden_size=32, seed=6)
+    case.hidden = torch.nan_to_num(case.hidden)
+    kw = dict(token_normalizer=normalizer, old_logprobs=case.old, ref_logprobs=case.ref, config=CONFIGS[1])
+    grads = []
+    for dtype, fn in ((torch.float16, lambda *a, **k: fused_rl.linear_policy_loss(*a, backend=backend, **k)),
+                      (torch.float64, fused_rl.reference.linear_policy_loss)):
+        h, w, b = (x.to(torch.float16).to(dtype).requires_grad_(True) for x in (case.hidden, case.weight, case.bias))
+        out = fn(h, w, case.targets, case.advantages, case.mask, bias=b, **kw)
+        (out.loss * scale).backward()
+        grads.append([x.grad for x in (h, w, b)])
+    for name, got, expected in zip(("hidden", "weight", "bias"), *grads):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all(), name
+        err = (got.double() - expected).abs().max() / expected.abs().max()
+        assert err < 2e-3, (name, float(err))

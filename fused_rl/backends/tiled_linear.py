@@ -252,15 +252,14 @@ def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, confi
 def _setup_context(ctx, inputs, output):
     _, _, _, gh, gw, gb = output
     ctx.flags = (inputs[11], inputs[12], inputs[13])  # need_h, need_w, need_b
+    ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
     ctx.save_for_backward(gh, gw, gb)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, g_loss, *_):
     refuse_double_backward("tiled fused-linear policy")
-    gh, gw, gb = ctx.saved_tensors
-    scaled = tuple(g * g_loss.to(g.dtype) if need else None for g, need in zip((gh, gw, gb), ctx.flags))
-    return scaled + (None,) * 14
+    return torch_linear.scale_grads(ctx, g_loss) + (None,) * 14
 
 
 tiled_linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)

@@ -60,6 +60,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient computed in the forward is kept in until the backward scales it by
+    ``grad_output``: the input's, except fp32 for fp16, whose range a loss scale (GradScaler's 65536)
+    overflows and whose subnormals flush the unscaled ``w_t p`` terms."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype,
                  memory_budget_bytes: Optional[int] = None) -> int:
     """Tokens per tile: ``CHUNK_TOKENS`` if set, else ``budget // (2 * vocab * itemsize)`` with the
@@ -236,7 +243,8 @@ class _Grads:
 
     def __init__(self, hidden, weight, need_h, need_w, need_b, cdtype):
         n_tok = hidden.shape[0] * hidden.shape[1]
-        self.h = torch.zeros(n_tok, hidden.shape[2], dtype=hidden.dtype, device=hidden.device) if need_h else None
+        self.h = (torch.zeros(n_tok, hidden.shape[2], dtype=grad_dtype(hidden.dtype), device=hidden.device)
+                  if need_h else None)
         self.w = torch.empty(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
         self.w_written = False
         self.b = torch.zeros(weight.shape[0], dtype=cdtype, device=weight.device) if need_b else None
@@ -262,9 +270,10 @@ class _Grads:
     def results(self, hidden, weight):
         if self.w is not None and not self.w_written:
             self.w.zero_()
+        wdtype = grad_dtype(weight.dtype)
         return (hidden.new_empty(0) if self.h is None else self.h.view(hidden.shape),
-                weight.new_empty(0) if self.w is None else self.w.to(weight.dtype),
-                weight.new_empty(0) if self.b is None else self.b.to(weight.dtype))
+                weight.new_empty(0) if self.w is None else self.w.to(wdtype),
+                weight.new_empty(0) if self.b is None else self.b.to(wdtype))
 
 
 def _prepare(hidden, weight, bias):
@@ -410,30 +419,41 @@ def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollo
 
 def fake_loss_outputs(hidden, weight, config, with_entropy, need_h, need_w, need_b, dtype):
     """Fake ``(loss, logp, entropy, grad_hidden, grad_weight, grad_bias)`` of a fused-linear loss op
-    (this one and :mod:`fused_rl.backends.tiled_linear`'s), values in ``dtype``."""
+    (this one and :mod:`fused_rl.backends.tiled_linear`'s), values in ``dtype``, gradients in
+    :func:`grad_dtype`."""
     batch, length, _ = hidden.shape
     want_ent = with_entropy or config.needs_entropy
     return (hidden.new_empty((), dtype=dtype), hidden.new_empty((batch, length), dtype=dtype),
             hidden.new_empty((batch, length) if want_ent else (0,), dtype=dtype),
-            hidden.new_empty(hidden.shape if need_h else (0,)),
-            weight.new_empty(weight.shape if need_w else (0,)),
-            weight.new_empty((weight.shape[0],) if need_b else (0,)))
+            *fake_grads(hidden, weight, need_h, need_w, need_b))
+
+
+def fake_grads(hidden, weight, need_h, need_w, need_b):
+    """Fake ``(grad_hidden, grad_weight, grad_bias)`` of :class:`_Grads` (empty where not needed)."""
+    return (hidden.new_empty(hidden.shape if need_h else (0,), dtype=grad_dtype(hidden.dtype)),
+            weight.new_empty(weight.shape if need_w else (0,), dtype=grad_dtype(weight.dtype)),
+            weight.new_empty((weight.shape[0],) if need_b else (0,), dtype=grad_dtype(weight.dtype)))
+
+
+def scale_grads(ctx, g_loss):
+    """The stored ``(grad_hidden, grad_weight, grad_bias)`` times ``grad_output``, in the inputs' dtypes
+    (the product in the stored dtype: fp32 for fp16 inputs); None where not needed."""
+    return tuple((g * g_loss.to(g.dtype)).to(dtype) if need else None
+                 for g, need, dtype in zip(ctx.saved_tensors, ctx.flags, ctx.dtypes))
 
 
 def _loss_setup_context(ctx, inputs, output):
     _, _, _, gh, gw, gb = output
     need_h, need_w, need_b = inputs[13], inputs[14], inputs[15]
     ctx.flags = (need_h, need_w, need_b)
+    ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
     ctx.save_for_backward(gh, gw, gb)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _loss_backward(ctx, g_loss, *_):
     refuse_double_backward("chunked fused-linear policy")
-    gh, gw, gb = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.flags
-    return (gh * g_loss.to(gh.dtype) if need_h else None, gw * g_loss.to(gw.dtype) if need_w else None,
-            gb * g_loss.to(gb.dtype) if need_b else None) + (None,) * 14
+    return scale_grads(ctx, g_loss) + (None,) * 14
 
 
 linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
@@ -463,7 +483,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
         return PolicyLossOutput(loss=loss, logprobs=logp.detach(),
                                 entropy=None if entropy is None else entropy.detach(), metrics=mets)
     cdtype = _compute_dtype(hidden.dtype)
-    weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer).to(cdtype)
+    weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer, dtype=cdtype)
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes)
     loss, logp, entropy, _, _, _ = linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
@@ -544,8 +564,7 @@ def linear_token_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, targets, g_logp, g_entropy, temperature, need_h, need_w, need_b, n_tile):
-    return (hidden.new_empty(hidden.shape if need_h else (0,)), weight.new_empty(weight.shape if need_w else (0,)),
-            weight.new_empty((weight.shape[0],) if need_b else (0,)))
+    return fake_grads(hidden, weight, need_h, need_w, need_b)
 
 
 def _stats_setup_context(ctx, inputs, output):
@@ -564,7 +583,8 @@ def _stats_backward(ctx, g_logp, g_entropy):
         g_logp = torch.zeros(targets.shape, dtype=_compute_dtype(hidden.dtype), device=hidden.device)
     gh, gw, gb = linear_token_grad(hidden, weight, bias, targets, g_logp, g_entropy if with_entropy else None,
                                    temperature, need_h, need_w, need_b, n_tile)
-    return (gh if need_h else None, gw if need_w else None, gb if need_b else None, None, None, None, None)
+    return (gh.to(hidden.dtype) if need_h else None, gw.to(weight.dtype) if need_w else None,
+            gb.to(weight.dtype) if need_b else None, None, None, None, None)
 
 
 linear_token_stats.register_autograd(_stats_backward, setup_context=_stats_setup_context)
