@@ -325,7 +325,7 @@ def test_compile_fullgraph():
             torch.testing.assert_close(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")
+@pytest.mark.parametrize("backend", [b for b in ("reference", "torch", "cpu", "triton")
                                      if fused_rl.available_backends(torch.device("cpu"))[b] is None])
 def test_compile_dynamic_shapes_and_configs(backend):
     """``torch.compile(fullgraph=True, dynamic=True)`` of the fused-linear and the logits loss: the
