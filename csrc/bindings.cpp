@@ -79,7 +79,11 @@ void check(const std::string& err) {
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
+#ifndef FRL_MODULE
+#define FRL_MODULE _C  // tests/cuda_sim builds these bindings over the CPU emulation of the CUDA kernels
+#endif
+
+PYBIND11_MODULE(FRL_MODULE, m) {
   m.doc() = "fused_rl native kernels (CPU, optionally CUDA); raw-pointer interface, see fused_rl/backends/native.py";
 
   m.def("cpu_token_stats", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,

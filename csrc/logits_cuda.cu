@@ -19,6 +19,11 @@
 #include "cuda_kernels.h"
 #include "policy_epilogue.h"
 
+// tests/cuda_sim (the CPU emulation these kernels are tested with where no GPU is present) defines its own.
+#ifndef FRL_LAUNCH
+#define FRL_LAUNCH(kernel, grid, block, stream, args) kernel<<<grid, block, 0, stream>>>(args)
+#endif
+
 namespace fused_rl {
 namespace cuda {
 namespace {
@@ -342,9 +347,9 @@ std::string launch(const Args& a, uintptr_t stream, void (*f32)(Args), void (*bf
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int grid = grid_for(rows);
   switch (a.in.dtype) {
-    case kFloat32: f32<<<grid, kThreads, 0, s>>>(a); break;
-    case kBFloat16: bf16<<<grid, kThreads, 0, s>>>(a); break;
-    default: f16<<<grid, kThreads, 0, s>>>(a); break;
+    case kFloat32: FRL_LAUNCH(f32, grid, kThreads, s, a); break;
+    case kBFloat16: FRL_LAUNCH(bf16, grid, kThreads, s, a); break;
+    default: FRL_LAUNCH(f16, grid, kThreads, s, a); break;
   }
   return last_error();
 }

@@ -1,0 +1,314 @@
+"""The CUDA kernels of ``csrc/logits_cuda.cu``, run on the CPU in an emulation of CUDA, against the
+reference.
+
+Where no GPU is present the ``cuda`` backend's tests skip; these run its kernel code anyway. The
+module built here is fused_rl's own ``csrc/bindings.cpp`` with its CUDA part, the kernels compiled by
+g++ over ``tests/cuda_sim/include`` (``cuda_sim.h``: every thread of a block a fiber, barriers and warp
+shuffles scheduled so that a missing or divergent barrier fails the launch; see its header comment).
+The ``cuda_kernels`` fixture swaps that module in for ``fused_rl._C`` with its ``cpu_*`` entry points
+calling the emulated ``cuda_*`` ones, so the whole Python path of the native backends (custom ops,
+autograd, in place, the two-pass composition, fused linear) runs the CUDA kernels on CPU tensors,
+bindings included. The emulated device has 4 multiprocessors, so the 8-block grid strides over rows.
+What the emulation cannot show (speed, coalescing, registers) needs ``bash bench/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import fcntl
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl.backends import native
+import test_hardening as hardening
+import test_native as native_tests
+import test_variants as variants
+from helpers import CONFIGS, LOGIT_KINDS, compare_policy_loss, make_case, make_logits
+from test_linear import compare_linear, make_linear_case
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+SIM = Path(__file__).resolve().parent / "cuda_sim"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E731
+#: CUDA sources as C++ over the emulation headers; a misaligned vector load traps, as it faults on a GPU
+CU_FLAGS = ["-x", "c++", "-I", str(SIM / "include"), "-Wno-unknown-pragmas", "-fno-strict-aliasing",
+            "-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"]
+
+
+def _build_plan(out: Path) -> dict[Path, list[tuple[list[str], Path]]]:
+    """``{shared library: [(compile command, object)]}``: the ``_C_cudasim`` module (``csrc/`` with its CUDA
+    part, in a namespace of its own so that its pybind11 classes do not clash with ``fused_rl._C``'s) and the
+    emulation's self-test kernels."""
+    import pybind11
+
+    common = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wno-psabi", "-I", str(CSRC),
+              "-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"],
+              "-Dfused_rl=fused_rl_sim", "-DFRL_WITH_CUDA=1", "-DFRL_MODULE=_C_cudasim"]
+    sources = [(CSRC / "bindings.cpp", []), (CSRC / "logits_cpu.cpp", [])]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        common += ["-march=x86-64-v2", "-DFRL_HAVE_AVX2_TU=1"]
+        sources.append((CSRC / "logits_cpu_avx2.cpp", []))
+    sources.append((CSRC / "logits_cuda.cu", CU_FLAGS))
+    job = lambda src, flags: ([*flags, "-c", str(src), "-o", str(out / f"{src.name}.o")], out / f"{src.name}.o")
+    module = out / ("_C_cudasim" + sysconfig.get_config_var("EXT_SUFFIX"))
+    return {module: [job(src, ["g++", *common, *extra]) for src, extra in sources],
+            out / "selftest.so": [job(SIM / "selftest.cu", ["g++", "-std=c++17", "-O2", "-fPIC", *CU_FLAGS])]}
+
+
+def _source_key() -> str:
+    h = hashlib.sha256()
+    for path in sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cpp"), *CSRC.glob("*.cu"), *SIM.rglob("*.h"),
+                        *SIM.glob("*.cu")]):
+        h.update(path.name.encode() + path.read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build(cache: Path) -> dict[str, Path]:
+    """Compile (once per state of the sources; xdist workers share the result under a lock) the shared
+    libraries of :func:`_build_plan`; ``{"module": ..., "selftest": ...}``."""
+    if shutil.which("g++") is None or importlib.util.find_spec("pybind11") is None:
+        if os.environ.get("FUSED_RL_REQUIRE_NATIVE") == "1":
+            raise RuntimeError("the CUDA emulation needs g++ and pybind11 (pip install -e '.[test]')")
+        pytest.skip("the CUDA emulation needs g++ and pybind11")
+    out = cache / _source_key()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        plan = _build_plan(out)
+        if not all(lib.exists() for lib in plan):
+            out.mkdir(parents=True, exist_ok=True)
+            jobs = [job for lib_jobs in plan.values() for job in lib_jobs]
+            procs = [(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cmd)
+                     for cmd, _ in jobs]
+            for proc, cmd in procs:
+                log = proc.communicate()[0]
+                if proc.returncode:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{log}")
+            for lib, lib_jobs in plan.items():
+                tmp = lib.with_suffix(".tmp")
+                subprocess.run(["g++", "-shared", "-fopenmp", *[str(o) for _, o in lib_jobs], "-o", str(tmp)],
+                               check=True, capture_output=True, text=True)
+                tmp.rename(lib)
+    module, selftest = plan
+    return {"module": module, "selftest": selftest}
+
+
+class CudaKernelsAsCpu:
+    """Stands in for ``fused_rl._C`` in :mod:`fused_rl.backends.native`: the ``cpu_*`` kernel entry points
+    run the emulated CUDA kernels (same arguments, the thread count replaced by a null stream)."""
+
+    def __init__(self, sim):
+        self._sim = sim
+        self.calls = collections.Counter()
+
+    def __getattr__(self, name):
+        return getattr(self._sim, name)
+
+    def _run(self, kernel, args):
+        self.calls[kernel] += 1
+        getattr(self._sim, kernel)(*args[:-1], 0)
+
+    def cpu_token_stats(self, *args):
+        self._run("cuda_token_stats", args)
+
+    def cpu_token_grad(self, *args):
+        self._run("cuda_token_grad", args)
+
+    def cpu_policy_fused(self, *args):
+        self._run("cuda_policy_fused", args)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    # the parent of the per-worker base temp is shared by pytest-xdist's workers
+    return build(tmp_path_factory.getbasetemp().parent / "cuda_sim_build")
+
+
+@pytest.fixture(scope="session")
+def sim(built):
+    spec = importlib.util.spec_from_file_location("_C_cudasim", built["module"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def cuda_kernels(sim, monkeypatch):
+    """Route the ``cpu`` backend's kernel calls to the emulated CUDA kernels for one test."""
+    native.epilogue_params.cache_clear()  # its params objects are the module's own class
+    kernels = CudaKernelsAsCpu(sim)
+    monkeypatch.setattr(native, "_C", kernels)
+    yield kernels
+    native.epilogue_params.cache_clear()
+
+
+# ------------------------------------------------------------------------------ the emulation itself
+SELFTEST = {"block_sum": 0, "block_sum_missing_barrier": 1, "warp_sum": 2, "divergent_barrier": 3,
+            "divergent_shuffle": 4}
+
+
+@pytest.fixture(scope="session")
+def selftest(built):
+    lib = ctypes.CDLL(str(built["selftest"]))
+    lib.cuda_sim_selftest.restype = ctypes.c_char_p
+    lib.cuda_sim_selftest.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+
+    def run(kernel: str, x: torch.Tensor) -> tuple[torch.Tensor, str]:
+        blocks = x.numel() // 64
+        out = torch.full((x.numel(),), -1.0)
+        err = lib.cuda_sim_selftest(SELFTEST[kernel], blocks, x.data_ptr(), out.data_ptr()).decode()
+        return out, err
+
+    return run
+
+
+def test_the_emulation_runs_barriers_and_shuffles(selftest):
+    x = torch.randn(3 * 64, generator=torch.Generator().manual_seed(0))
+    out, err = selftest("block_sum", x)
+    assert err == ""
+    torch.testing.assert_close(out[:3], x.view(3, 64).sum(1))
+    out, err = selftest("warp_sum", x)
+    assert err == ""
+    torch.testing.assert_close(out, x.view(-1, 32).sum(1).repeat_interleave(32))
+
+
+def test_the_emulation_catches_a_missing_barrier(selftest):
+    """Thread 0 sums shared memory that other threads have not all written yet: the threads run in a new
+    order at each launch, so some launch reads a stale entry."""
+    wrong = 0
+    for seed in range(5):
+        x = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+        out, err = selftest("block_sum_missing_barrier", x)
+        assert err == ""
+        wrong += not torch.allclose(out[0], x.sum())
+    assert wrong > 0
+
+
+@pytest.mark.parametrize("kernel, message", [("divergent_barrier", "exited"), ("divergent_shuffle", "deadlock")])
+def test_the_emulation_fails_a_launch_that_would_hang(selftest, kernel, message):
+    _, err = selftest(kernel, torch.zeros(64))
+    assert message in err and err.startswith("cuda_sim: ")
+    assert selftest("block_sum", torch.zeros(64))[1] == ""  # reported once, then cleared
+
+
+# ------------------------------------------------------------------------------ policy_loss: single pass
+@pytest.mark.parametrize("config", CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize("kind", LOGIT_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [1000, 4099])
+def test_policy_loss_matches_reference(cuda_kernels, config, kind, dtype, vocab):
+    """policy_kernel (gspo: stats_kernel + grad_kernel) on ragged batches; with V = 4099 the rows start at
+    every 16-byte alignment, so both the 128-bit and the scalar loads run; 24 rows on an 8-block grid."""
+    compare_policy_loss("cpu", make_case(vocab=vocab, kind=kind, dtype=dtype, seed=3), config)
+    kernel = "cuda_policy_fused" if config.has_token_epilogue else "cuda_token_grad"
+    assert cuda_kernels.calls[kernel] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inplace_sliced_view_and_int32_targets(cuda_kernels, dtype):
+    native_tests._check_inplace("cpu", make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2), CONFIGS[1])
+    case = make_case(batch=3, length=7, vocab=4099, dtype=dtype, seed=5)
+    case.logits = make_logits((3, 8, 4099), generator=torch.Generator().manual_seed(1), dtype=dtype)[:, :-1]
+    case.targets = case.targets.to(torch.int32)
+    for inplace in (False, True):
+        compare_policy_loss("cpu", case, CONFIGS[1], inplace=inplace)
+
+
+@pytest.mark.parametrize("name", list({**variants.VARIANTS, **variants.SINGLE_PASS}))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_variants_match_reference(cuda_kernels, name, dtype):
+    """Every #10 variant: the token-local ones through policy_kernel's epilogue, the others through the
+    stats and gradient kernels of the two-pass composition."""
+    config = {**variants.VARIANTS, **variants.SINGLE_PASS}[name]
+    variants._compare_backend("cpu", "cpu", dtype, name, config, (("randn", True, ""), ("peaked", False, ""),
+                                                                  ("negative", True, "token")))
+    if config.has_token_epilogue:
+        native_tests._check_inplace("cpu", variants.with_extras(make_case(batch=5, length=6, seed=1), config),
+                                    config)
+    kernel = "cuda_policy_fused" if config.has_token_epilogue else "cuda_token_grad"
+    assert cuda_kernels.calls[kernel] >= 3
+
+
+# ------------------------------------------------------------------------------ token_logprobs: two kernels
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 5, 333), (10, 4099), (2, 2, 3, 257)], ids=str)
+def test_token_logprobs_grad_of_both_outputs(cuda_kernels, temperature, dtype, shape):
+    native_tests.test_token_logprobs_grad_of_both_outputs(temperature, dtype, shape)
+    assert cuda_kernels.calls["cuda_token_stats"] == 1 and cuda_kernels.calls["cuda_token_grad"] == 1
+
+
+# ------------------------------------------------------------------------------ fused linear: tiles in place
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[7]], ids=cfg_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_linear_matches_reference(cuda_kernels, config, dtype):
+    compare_linear(make_linear_case(vocab=4099, dtype=dtype, seed=7), config, backend="cpu")
+    assert cuda_kernels.calls["cuda_policy_fused"] >= 1
+
+
+# ------------------------------------------------------------------------------ undefined rows, bad values
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("config", hardening.UNDEFINED_CONFIGS, ids=hardening._undefined_ids)
+@pytest.mark.parametrize("kind", hardening.UNDEFINED_KINDS)
+def test_undefined_row(cuda_kernels, kind, config):
+    """NaN, +inf and all -inf rows: NaN log-prob, entropy and gradient rows as the reference's; masked NaN
+    rows change nothing; the same through the fused linear loss."""
+    hardening.test_undefined_row_policy_loss("cpu", "cpu", kind, config, None)
+    hardening.test_nan_in_masked_rows_changes_nothing("cpu", "cpu", config, None)
+    if config.policy_loss != "gspo":
+        hardening.test_undefined_row_linear_policy_loss("cpu", "cpu", kind, config)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_undefined_rows_token_logprobs(cuda_kernels, dtype):
+    hardening.test_undefined_rows_token_logprobs("cpu", "cpu", dtype, None)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_out_of_range_targets_nan_upstream_and_overflowing_ratios(cuda_kernels):
+    hardening.test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read("cpu", "cpu", None)
+    hardening.test_nan_upstream_gradient_gives_a_nan_row_also_where_p_is_0("cpu", "cpu")
+    for config, adv in hardening.OVERFLOW_CONFIGS:
+        hardening.test_overflowing_ratio_of_a_clipped_token_has_zero_gradient("cpu", "cpu", config, adv)
+
+
+# ------------------------------------------------------------------------------ grid, schedule, compile
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bitwise_identical_across_grids_and_schedules(cuda_kernels, dtype):
+    """One block per row at a time: the grid size (rows per SM 1, 2, 64: from 4 to 24 blocks for 24 rows)
+    and the order the emulation runs threads in between barriers (drawn anew per launch) change nothing."""
+    case = make_case(batch=4, length=6, vocab=4099, dtype=dtype, seed=12)
+    outs = []
+    try:
+        for rows_per_sm in (2, 1, 64, 2):
+            cuda_kernels.cuda_set_rows_per_sm(rows_per_sm)
+            x = case.logits.clone().requires_grad_(True)
+            out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[1],
+                                       backend="cpu", **case.kwargs())
+            out.loss.backward()
+            lp, ent = fused_rl.token_logprobs(case.logits, case.targets, return_entropy=True, backend="cpu")
+            outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent))
+    finally:
+        cuda_kernels.cuda_set_rows_per_sm(2)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_compile_fullgraph(cuda_kernels):
+    native_tests.test_compile_fullgraph()
+    assert cuda_kernels.calls["cuda_policy_fused"] >= 2
