@@ -13,7 +13,7 @@
 #           summary says whether the cuda and triton backends are usable (else their tests only skip)
 #   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening and variant tests (xdist)
 #   logits  bench/gpu_logits_bench.py: policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
-#           torch / reference / liger, and a block x warps x grid sweep
+#           torch / reference / liger, a block x warps x grid sweep (triton), a rows-per-SM x unroll sweep (cuda)
 #   variants  bench/bench_variants.py on triton and cuda: single pass vs two-pass per variant
 #   linear  bench.report --set gpu --ops linear_policy_loss: N=8192, H=4096, V=128256, bf16
 # What comes back (the device tool returns at most 8 files): OUTDIR/summary.txt (environment, each

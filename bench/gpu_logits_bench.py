@@ -299,13 +299,18 @@ def main():
     from fused_rl.backends import native
 
     if not args.quick and cuda_reason is None and not DRY and hasattr(native._C, "cuda_set_rows_per_sm"):
-        # grid sweep of the CUDA kernels: blocks (rows in flight) per SM
-        default = native._C.cuda_rows_per_sm()
+        # grid x unroll sweep of the CUDA kernels: blocks (rows in flight) per SM, 128-bit loads in flight
+        # per thread (cuda_set_unroll: bitwise the same results)
+        C = native._C
+        default, default_unroll = C.cuda_rows_per_sm(), C.cuda_unroll()
         for k in (1, 2, 3, 4, 8):
-            native._C.cuda_set_rows_per_sm(k)
-            measure(f"sweep cuda single-pass rows_per_sm={k}", step_for("cuda"), x, results,
-                    extra=dict(rows_per_sm=k), **one)
-        native._C.cuda_set_rows_per_sm(default)
+            for u in (1, 2, 4):
+                C.cuda_set_rows_per_sm(k)
+                C.cuda_set_unroll(u)
+                measure(f"sweep cuda single-pass rows_per_sm={k} unroll={u}", step_for("cuda"), x, results,
+                        extra=dict(rows_per_sm=k, unroll=u), **one)
+        C.cuda_set_rows_per_sm(default)
+        C.cuda_set_unroll(default_unroll)
     if not args.quick:
         # block / grid sweep of the triton single pass
         for block in ((256,) if DRY else (4096, 8192, 16384)):

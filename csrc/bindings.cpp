@@ -174,6 +174,11 @@ PYBIND11_MODULE(FRL_MODULE, m) {
     cuda::set_rows_per_sm(k);
   }, py::arg("k"), "blocks per SM of the CUDA kernels' grid (default 2; a tuning knob)");
   m.def("cuda_rows_per_sm", &cuda::rows_per_sm);
+  m.def("cuda_set_unroll", [](int u) {
+    if (u != 1 && u != 2 && u != 4) throw std::invalid_argument("unroll must be 1, 2 or 4, got " + std::to_string(u));
+    cuda::set_unroll(u);
+  }, py::arg("u"), "128-bit loads per thread in flight in the CUDA kernels' row sweeps (default 4; a tuning knob)");
+  m.def("cuda_unroll", &cuda::unroll);
   m.def("cuda_token_stats", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                                uintptr_t targets, int tdtype, float inv_tau, uintptr_t logp, uintptr_t ent,
                                uintptr_t lse, uintptr_t stream) {

@@ -17,5 +17,8 @@ int device_count();
 // Blocks launched per SM (grid = SMs x k, grid-stride over the rows); k >= 1, default 2.
 void set_rows_per_sm(int k);
 int rows_per_sm();
+// 128-bit loads per thread in flight in the row sweeps: 1, 2 or 4 (default 4); bitwise the same results.
+void set_unroll(int u);
+int unroll();
 }  // namespace cuda
 }  // namespace fused_rl

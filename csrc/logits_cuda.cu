@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda_kernels.h"
 #include "policy_epilogue.h"
@@ -33,6 +34,11 @@ namespace {
 // set_rows_per_sm changes it (a tuning knob for bench/gpu_logits_bench.py's sweep).
 constexpr int kThreads = 512;
 int g_rows_per_sm = 2;
+// 128-bit loads each thread issues before it uses the first (1, 2 or 4; set_unroll): the bytes in flight
+// must cover HBM latency x bandwidth (~3 MB on an H200), which one load per thread of 2 x 512 threads per
+// SM does not (~2 MB), and one row per SM (the L2-resident setting for 151936-entry bf16 rows) less so.
+// The values are accumulated in the same order whatever the unroll: the results are bitwise the same.
+int g_unroll = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -149,7 +155,7 @@ __device__ __forceinline__ Acc warp_merge(Acc a) {
 // m = s = u = NaN: a NaN anywhere (fmaxf drops NaN and a thread whose other values are all -inf never
 // sums, so each thread ORs x != x into a flag, voted on by the block's first barrier), a +inf y (m = +inf)
 // or no finite y at all (m = -inf).
-template <class T>
+template <class T, int U>
 __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   using E = Elem<T>;
   constexpr int VEC = E::kVec;
@@ -157,8 +163,20 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   bool seen_nan = false;
   int64_t start = 0;
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
-    const int64_t nvec = V / VEC;
-    for (int64_t k = threadIdx.x; k < nvec; k += blockDim.x) {
+    const int64_t nvec = V / VEC, step = blockDim.x;
+    int64_t k = threadIdx.x;
+    for (; k + (U - 1) * step < nvec; k += U * step) {  // U loads in flight, then their values in order
+      float v[U][VEC];
+#pragma unroll
+      for (int u = 0; u < U; ++u) E::load_vec(row + (k + u * step) * VEC, v[u]);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) { seen_nan |= v[u][i] != v[u][i]; v[u][i] *= scale2; }
+        acc_add<VEC>(a, v[u]);
+      }
+    }
+    for (; k < nvec; k += step) {
       float v[VEC];
       E::load_vec(row + k * VEC, v);
 #pragma unroll
@@ -189,42 +207,53 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   return r;
 }
 
+// The gradient of entry j from its logit x: d2 = log2 p, dz = z - lse.
+struct GradCoef {
+  float scale2, m2, l2s, H, cgl, cge;
+  int64_t target;
+  __device__ __forceinline__ float operator()(float x, int64_t j) const {
+    const float d2 = (x * scale2 - m2) - l2s;
+    const float p = exp2f(d2);
+    const float dz = d2 * kLn2;
+    if (j == target) return cgl * -expm1f(dz) + p * cge * (-H - dz);  // exact 1 - p
+    return (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
+  }
+};
+
 // dlogits of one row (out may alias row: each element is read before it is written by the same thread).
 // In base 2: d2 = (y - m2) - l2s = log2 p, with m2 and l2s = log2 s kept apart (their sum rounded to one
 // float would lose l2s at large |m2|, and with it 1 - p of a near-certain token).
-template <class T>
+template <class T, int U>
 __device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float inv_tau, float m2, float l2s,
                          float H, float g_logp, float g_ent, int64_t target) {
   using E = Elem<T>;
   constexpr int VEC = E::kVec;
-  const float cgl = g_logp * inv_tau, cge = g_ent * inv_tau;
+  const GradCoef gc{scale2, m2, l2s, H, g_logp * inv_tau, g_ent * inv_tau, target};
   int64_t start = 0;
   if (((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
-    const int64_t nvec = V / VEC;
-    for (int64_t k = threadIdx.x; k < nvec; k += blockDim.x) {
+    const int64_t nvec = V / VEC, step = blockDim.x;
+    int64_t k = threadIdx.x;
+    for (; k + (U - 1) * step < nvec; k += U * step) {  // U loads in flight, then U stores
+      float v[U][VEC];
+#pragma unroll
+      for (int u = 0; u < U; ++u) E::load_vec(row + (k + u * step) * VEC, v[u]);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[u][i] = gc(v[u][i], (k + u * step) * VEC + i);
+        E::store_vec(out + (k + u * step) * VEC, v[u]);
+      }
+    }
+    for (; k < nvec; k += step) {
       float v[VEC];
       E::load_vec(row + k * VEC, v);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float d2 = (v[i] * scale2 - m2) - l2s;
-        const float p = exp2f(d2);
-        const float dz = d2 * kLn2;  // z - lse
-        float g = (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
-        if (k * VEC + i == target) g = cgl * -expm1f(dz) + p * cge * (-H - dz);  // exact 1 - p
-        v[i] = g;
-      }
+      for (int i = 0; i < VEC; ++i) v[i] = gc(v[i], k * VEC + i);
       E::store_vec(out + k * VEC, v);
     }
     start = nvec * VEC;
   }
-  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) {
-    const float d2 = (E::load(row + j) * scale2 - m2) - l2s;
-    const float p = exp2f(d2);
-    const float dz = d2 * kLn2;
-    float g = (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
-    if (j == target) g = cgl * -expm1f(dz) + p * cge * (-H - dz);  // exact 1 - p
-    E::store(out + j, g);
-  }
+  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) E::store(out + j, gc(E::load(row + j), j));
 }
 
 // A row of one value: 0 (ignored rows, zero coefficients) or NaN (rows whose softmax is undefined, whatever
@@ -238,7 +267,7 @@ __device__ __forceinline__ int64_t target_at(const void* t, int tdtype, int64_t 
   return tdtype == kInt32 ? int64_t(static_cast<const int32_t*>(t)[i]) : static_cast<const int64_t*>(t)[i];
 }
 
-template <class T>
+template <class T, int U>
 __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
   __shared__ Acc smem[33];
   const T* x = static_cast<const T*>(a.in.x);
@@ -251,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
       continue;
     }
     const T* row = x + (i / a.in.T) * a.in.sb + (i % a.in.T) * a.in.st;
-    const Acc r = row_reduce<T>(row, V, scale2, smem);
+    const Acc r = row_reduce<T, U>(row, V, scale2, smem);
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);
       const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
@@ -263,7 +292,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
   }
 }
 
-template <class T>
+template <class T, int U>
 __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
   const T* x = static_cast<const T*>(a.in.x);
   T* out = static_cast<T*>(a.out);
@@ -282,11 +311,11 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
     if (m2 != m2 || t < 0 || t >= V || gl != gl || ge != ge) { row_fill<T>(orow, V, NAN); continue; }
     if (gl == 0.0f && ge == 0.0f) { row_fill<T>(orow, V, 0.0f); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
-    row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);
+    row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);
   }
 }
 
-template <class T>
+template <class T, int U>
 __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
   __shared__ Acc smem[33];
   __shared__ float coef[5];
@@ -304,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
       continue;
     }
     const T* row = x + b * a.in.sb + tt * a.in.st;
-    const Acc r = row_reduce<T>(row, V, scale2, smem);
+    const Acc r = row_reduce<T, U>(row, V, scale2, smem);
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);  // NaN m, s: NaN logp, H and a NaN dlogits row
       const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
@@ -323,7 +352,7 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
     // NaN everywhere, also where p = 0, as on the CPU and in autograd
     if (m2 != m2 || gl != gl || ge != ge) row_fill<T>(orow, V, NAN);
     else if (gl == 0.0f && ge == 0.0f) row_fill<T>(orow, V, 0.0f);
-    else row_grad<T>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t);
+    else row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t);
   }
 }
 
@@ -354,23 +383,46 @@ std::string launch(const Args& a, uintptr_t stream, void (*f32)(Args), void (*bf
   return last_error();
 }
 
+// f(std::integral_constant<int, U>) for U = g_unroll.
+template <class F>
+std::string by_unroll(F f) {
+  switch (g_unroll) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
 }  // namespace
 
 std::string token_stats(const StatsArgs& a, uintptr_t stream) {
-  return launch(a, stream, stats_kernel<float>, stats_kernel<__nv_bfloat16>, stats_kernel<__half>);
+  return by_unroll([&](auto u) {
+    constexpr int U = decltype(u)::value;
+    return launch(a, stream, stats_kernel<float, U>, stats_kernel<__nv_bfloat16, U>, stats_kernel<__half, U>);
+  });
 }
 
 std::string token_grad(const GradArgs& a, uintptr_t stream) {
-  return launch(a, stream, grad_kernel<float>, grad_kernel<__nv_bfloat16>, grad_kernel<__half>);
+  return by_unroll([&](auto u) {
+    constexpr int U = decltype(u)::value;
+    return launch(a, stream, grad_kernel<float, U>, grad_kernel<__nv_bfloat16, U>, grad_kernel<__half, U>);
+  });
 }
 
 std::string policy_fused(const PolicyArgs& a, uintptr_t stream) {
-  return launch(a, stream, policy_kernel<float>, policy_kernel<__nv_bfloat16>, policy_kernel<__half>);
+  return by_unroll([&](auto u) {
+    constexpr int U = decltype(u)::value;
+    return launch(a, stream, policy_kernel<float, U>, policy_kernel<__nv_bfloat16, U>, policy_kernel<__half, U>);
+  });
 }
 
 void set_rows_per_sm(int k) { g_rows_per_sm = k; }
 
 int rows_per_sm() { return g_rows_per_sm; }
+
+void set_unroll(int u) { g_unroll = u; }
+
+int unroll() { return g_unroll; }
 
 int device_count() {
   int n = 0;

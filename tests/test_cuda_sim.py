@@ -309,6 +309,32 @@ def test_bitwise_identical_across_grids_and_schedules(cuda_kernels, dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unrolled_row_sweeps(cuda_kernels, dtype):
+    """Rows of 49,229 entries, so that each thread has 24 (fp32) / 12 (16-bit) vectors: the 2- and 4-deep
+    unrolled loops of both sweeps run, with a remainder, on aligned and unaligned rows (the row stride is
+    not a multiple of 16 bytes). The reference's values, and bitwise the same for unroll 4, 2 and 1."""
+    case = make_case(batch=3, length=2, vocab=49229, dtype=dtype, seed=21)
+    compare_policy_loss("cpu", case, CONFIGS[1])
+    outs = []
+    try:
+        for unroll in (4, 2, 1):
+            cuda_kernels.cuda_set_unroll(unroll)
+            x = case.logits.clone().requires_grad_(True)
+            out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[1],
+                                       backend="cpu", **case.kwargs())
+            out.loss.backward()
+            xt = case.logits.clone().requires_grad_(True)
+            lp, ent = fused_rl.token_logprobs(xt, case.targets, return_entropy=True, temperature=0.7, backend="cpu")
+            (lp.sum() - 0.5 * ent.sum()).backward()
+            outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent, xt.grad))
+    finally:
+        cuda_kernels.cuda_set_unroll(4)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
 def test_compile_fullgraph(cuda_kernels):
     native_tests.test_compile_fullgraph()
     assert cuda_kernels.calls["cuda_policy_fused"] >= 2

@@ -412,6 +412,24 @@ def test_cuda_sliced_inplace_and_token_logprobs(dtype):
     assert_close(x.grad, xr.grad, dtype, "grad", grad=True)
 
 
+def test_cuda_unroll_knob():
+    """Loads in flight per thread in the CUDA kernels' sweeps (the benchmark's sweep knob): default 4, 1 / 2 / 4
+    accepted, other values rejected (tests/test_cuda_sim.py checks the results are bitwise the same)."""
+    if not getattr(native._C, "has_cuda", False):
+        pytest.skip("built without the CUDA part")
+    C = native._C
+    assert C.cuda_unroll() == 4
+    try:
+        C.cuda_set_unroll(2)
+        assert C.cuda_unroll() == 2
+        for bad in (0, 3, 8):
+            with pytest.raises(ValueError, match="1, 2 or 4"):
+                C.cuda_set_unroll(bad)
+        assert C.cuda_unroll() == 2
+    finally:
+        C.cuda_set_unroll(4)
+
+
 def test_cuda_rows_per_sm_knob():
     """The CUDA grid's blocks per SM (the benchmark's sweep knob): default 2, [1, 64] accepted, other
     values rejected with the range; compiled in wherever nvcc built the CUDA part (no GPU needed)."""
