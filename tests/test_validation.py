@@ -226,3 +226,25 @@ def test_double_backward_is_refused_where_the_gradient_is_precomputed(backend):
     ref = fused_rl.policy_loss(x_ref, args["targets"], args["advantages"], args["mask"], backend="reference").loss
     (g,) = torch.autograd.grad(ref, x_ref, create_graph=True)
     assert g.requires_grad
+
+
+@pytest.mark.parametrize("backend", [b for b in fused_backends() if b in ("cpu", "triton", "torch")])
+def test_second_order_through_the_recomputing_ops_is_refused_by_name(backend):
+    """token_logprobs and the two-pass policy losses (gspo) recompute the logits gradient in the backward:
+    ``create_graph=True`` gives a first-order gradient equal to the reference's, and differentiating that
+    gradient again raises with the alternative named (not torch's "no autograd formula registered")."""
+    args = good()
+    x = args["logits"].clone().requires_grad_(True)
+    lp = fused_rl.token_logprobs(x, args["targets"], backend=backend)
+    gspo = PolicyLossConfig(policy_loss="gspo", agg="seq-mean-token-mean")
+    loss = fused_rl.policy_loss(x, args["targets"], args["advantages"], args["mask"], config=gspo, backend=backend).loss
+    x_ref = args["logits"].clone().requires_grad_(True)
+    lp_ref = fused_rl.token_logprobs(x_ref, args["targets"], backend="reference")
+    loss_ref = fused_rl.policy_loss(x_ref, args["targets"], args["advantages"], args["mask"], config=gspo,
+                                    backend="reference").loss
+    for out, ref in ((lp.sum(), lp_ref.sum()), (loss, loss_ref)):
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        (g_ref,) = torch.autograd.grad(ref, x_ref, create_graph=True)
+        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+        with pytest.raises(RuntimeError, match="no backward of its own.*backend='reference'"):
+            g.pow(2).sum().backward()

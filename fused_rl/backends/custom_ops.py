@@ -9,7 +9,8 @@ Each backend defines two ``torch.library`` custom ops with the same schema:
   ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, ``E[z] = lse - H``.
 
 :func:`register_token_ops` wires the backward of ``stats`` to ``grad`` and gives ``grad`` its fake
-implementation, so the three backends do not each repeat it. :func:`consume_stored_grad` is the
+implementation and a backward that refuses, by name, a second-order gradient, so the three backends do
+not each repeat it. :func:`consume_stored_grad` is the
 one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward already wrote ``dlogits``;
 :func:`refuse_double_backward` the rule of every op whose gradient the forward computed.
 """
@@ -41,6 +42,13 @@ def register_token_ops(stats_op, grad_op) -> None:
         return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
 
     stats_op.register_autograd(backward, setup_context=setup_context)
+
+    def no_double_backward(ctx, g_dlogits):
+        raise RuntimeError("fused_rl: the logits gradient of token_logprobs and of the two-pass policy losses has "
+                           "no backward of its own (a second-order gradient through create_graph=True); use "
+                           "backend='reference' for higher-order gradients")
+
+    grad_op.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def refuse_double_backward(backend: str) -> None:
