@@ -45,6 +45,12 @@ cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E
 #: CUDA sources as C++ over the emulation headers; a misaligned vector load traps, as it faults on a GPU
 CU_FLAGS = ["-x", "c++", "-I", str(SIM / "include"), "-Wno-unknown-pragmas", "-fno-strict-aliasing",
             "-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"]
+#: ``FUSED_RL_SIM_ASAN=1``: the CUDA sources also under AddressSanitizer (reads and writes outside the
+#: tensors' allocations); run with ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)
+#: ASAN_OPTIONS=detect_leaks=0``, see docs/native.md
+ASAN = os.environ.get("FUSED_RL_SIM_ASAN") == "1"
+if ASAN:
+    CU_FLAGS += ["-fsanitize=address", "-fno-omit-frame-pointer"]
 
 
 def _build_plan(out: Path) -> dict[Path, list[tuple[list[str], Path]]]:
@@ -72,7 +78,7 @@ def _source_key() -> str:
     for path in sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cpp"), *CSRC.glob("*.cu"), *SIM.rglob("*.h"),
                         *SIM.glob("*.cu")]):
         h.update(path.name.encode() + path.read_bytes())
-    h.update(Path(__file__).read_bytes())
+    h.update(Path(__file__).read_bytes() + bytes([ASAN]))
     return h.hexdigest()[:16]
 
 
@@ -99,7 +105,8 @@ def build(cache: Path) -> dict[str, Path]:
                     raise RuntimeError(f"{' '.join(cmd)} failed:\n{log}")
             for lib, lib_jobs in plan.items():
                 tmp = lib.with_suffix(".tmp")
-                subprocess.run(["g++", "-shared", "-fopenmp", *[str(o) for _, o in lib_jobs], "-o", str(tmp)],
+                subprocess.run(["g++", "-shared", "-fopenmp", *(["-fsanitize=address"] if ASAN else []),
+                                *[str(o) for _, o in lib_jobs], "-o", str(tmp)],
                                check=True, capture_output=True, text=True)
                 tmp.rename(lib)
     module, selftest = plan
