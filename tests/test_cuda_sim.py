@@ -46,8 +46,7 @@ cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E
 CU_FLAGS = ["-x", "c++", "-I", str(SIM / "include"), "-Wno-unknown-pragmas", "-fno-strict-aliasing",
             "-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"]
 #: ``FUSED_RL_SIM_ASAN=1``: the CUDA sources also under AddressSanitizer (reads and writes outside the
-#: tensors' allocations); run with ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)
-#: ASAN_OPTIONS=detect_leaks=0``, see docs/native.md
+#: tensors' allocations); run with libasan and libstdc++ preloaded, as ``.ci/run`` does (docs/native.md)
 ASAN = os.environ.get("FUSED_RL_SIM_ASAN") == "1"
 if ASAN:
     CU_FLAGS += ["-fsanitize=address", "-fno-omit-frame-pointer"]
