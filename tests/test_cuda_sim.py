@@ -292,6 +292,20 @@ def test_out_of_range_targets_nan_upstream_and_overflowing_ratios(cuda_kernels):
         hardening.test_overflowing_ratio_of_a_clipped_token_has_zero_gradient("cpu", "cpu", config, adv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_differential_fuzz(cuda_kernels, dtype):
+    """hypothesis cases of test_hardening (40 a dtype): 1-4 x 1-6 rows, V from 2 to 1000, |z| up to 1e4,
+    identical rows, -inf entries, left / right padding, every config family, against the reference."""
+    hardening.test_differential_fuzz("cpu", "cpu", dtype)
+    assert cuda_kernels.calls["cuda_policy_fused"] > 0 and cuda_kernels.calls["cuda_token_grad"] > 0
+
+
+def test_offsets_beyond_int32(cuda_kernels):
+    """Two rows 2^31 + 3 elements apart in one storage: the kernels' row offsets are 64-bit."""
+    hardening.test_offsets_beyond_int32("cpu", "cpu")
+    assert cuda_kernels.calls["cuda_token_stats"] == 1
+
+
 # ------------------------------------------------------------------------------ grid, schedule, compile
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bitwise_identical_across_grids_and_schedules(cuda_kernels, dtype):
