@@ -412,37 +412,25 @@ def test_cuda_sliced_inplace_and_token_logprobs(dtype):
     assert_close(x.grad, xr.grad, dtype, "grad", grad=True)
 
 
-def test_cuda_unroll_knob():
-    """Loads in flight per thread in the CUDA kernels' sweeps (the benchmark's sweep knob): default 4, 1 / 2 / 4
-    accepted, other values rejected (tests/test_cuda_sim.py checks the results are bitwise the same)."""
+@pytest.mark.parametrize("name, default, good, bad, message", [
+    ("rows_per_sm", 2, 4, (0, 65), r"\[1, 64\]"),
+    ("unroll", 4, 2, (0, 3, 8), "1, 2 or 4"),
+])
+def test_cuda_tuning_knobs(name, default, good, bad, message):
+    """The CUDA kernels' tuning knobs of the benchmark's sweep, blocks per SM of the grid and 128-bit loads
+    in flight per thread: the default, an accepted value, and other values rejected with the range;
+    compiled in wherever nvcc built the CUDA part (no GPU needed; tests/test_cuda_sim.py checks that the
+    results are bitwise the same whatever their values)."""
     if not getattr(native._C, "has_cuda", False):
         pytest.skip("built without the CUDA part")
-    C = native._C
-    assert C.cuda_unroll() == 4
+    get, set_ = getattr(native._C, f"cuda_{name}"), getattr(native._C, f"cuda_set_{name}")
+    assert get() == default
     try:
-        C.cuda_set_unroll(2)
-        assert C.cuda_unroll() == 2
-        for bad in (0, 3, 8):
-            with pytest.raises(ValueError, match="1, 2 or 4"):
-                C.cuda_set_unroll(bad)
-        assert C.cuda_unroll() == 2
+        set_(good)
+        assert get() == good
+        for value in bad:
+            with pytest.raises(ValueError, match=message):
+                set_(value)
+        assert get() == good
     finally:
-        C.cuda_set_unroll(4)
-
-
-def test_cuda_rows_per_sm_knob():
-    """The CUDA grid's blocks per SM (the benchmark's sweep knob): default 2, [1, 64] accepted, other
-    values rejected with the range; compiled in wherever nvcc built the CUDA part (no GPU needed)."""
-    if not getattr(native._C, "has_cuda", False):
-        pytest.skip("built without the CUDA part")
-    C = native._C
-    assert C.cuda_rows_per_sm() == 2
-    try:
-        C.cuda_set_rows_per_sm(4)
-        assert C.cuda_rows_per_sm() == 4
-        for bad in (0, 65):
-            with pytest.raises(ValueError, match=r"\[1, 64\]"):
-                C.cuda_set_rows_per_sm(bad)
-        assert C.cuda_rows_per_sm() == 4
-    finally:
-        C.cuda_set_rows_per_sm(2)
+        set_(default)
