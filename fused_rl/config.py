@@ -78,7 +78,8 @@ class PolicyLossConfig:
       ``A < 0`` whose mean ``sum_t m (q - sg(logp)) / sum_t m`` exceeds ``delta``, ``q`` the rollout
       log-probs if given, else ``old`` (TRL's ``off_policy_mask_threshold``).
     * ``top_entropy_quantile=rho < 1``: ``c *= 1[H_t >= quantile_{1-rho}(H)]``, the quantile (linear
-      interpolation) over the batch's unmasked tokens: train only the highest-entropy fraction
+      interpolation) over the batch's unmasked tokens (every process's inside
+      :func:`fused_rl.loss_math.entropy_quantile_across`): train only the highest-entropy fraction
       ("Beyond the 80/20 rule", TRL's ``top_entropy_quantile``). The entropy comes from the same pass.
     * ``mask_truncated_completions``: sequences flagged in the ``truncated`` argument are masked out.
     * ``entropy_coef``: the per-token loss gets ``- entropy_coef * H_t``.

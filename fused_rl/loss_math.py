@@ -15,7 +15,8 @@ Conventions (``m`` the boolean mask, ``r = exp(logp - old)``, ``d = ref - logp``
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+import contextlib
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -197,19 +198,57 @@ def off_policy_keep(logp: torch.Tensor, behaviour: torch.Tensor, advantages: tor
     return (advantages >= 0) | (_sequence_mean(kl, mask) <= config.off_policy_mask)
 
 
-def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """``m & (H >= q)`` (bool, detached) with ``q`` the ``(1 - quantile)`` quantile of the unmasked
-    entropies, linearly interpolated as ``torch.quantile`` does; computed by one sort, without a host
-    sync or a size limit."""
-    h = entropy.detach()
-    values = torch.where(mask, h, torch.full_like(h, float("inf"))).reshape(-1).sort().values
-    count = mask.sum()
-    pos = (count - 1).clamp(min=0).to(h.dtype) * (1.0 - quantile)
+EntropyGather = Callable[[torch.Tensor], torch.Tensor]
+#: The gather of :func:`entropy_quantile_across` while its block runs (a module global, not a ContextVar:
+#: torch.compile traces a global's read, with a guard on it, but not ``ContextVar.get``).
+_entropy_gather: Optional[EntropyGather] = None
+
+
+@contextlib.contextmanager
+def entropy_quantile_across(gather: EntropyGather) -> Iterator[None]:
+    """Within the block, ``top_entropy_quantile``'s threshold is the quantile of the unmasked entropies of
+    every process, as TRL's ``get_high_entropy_mask`` takes it: ``gather(local)`` receives this process's
+    1-D fp32 tensor of unmasked entropies and returns their concatenation over the processes (the order
+    does not matter), e.g. :func:`fused_rl.distributed.all_gather_1d` or accelerate's
+    ``pad_across_processes`` + ``gather``. Each process keeps its own mask and normalizer. Eager mode (the
+    gather's variable length costs a host sync), process-wide while the block runs (not per thread); the
+    gather runs once per loss call (each backend evaluates the threshold in its O(N) loss math, between
+    its stats and gradient passes)."""
+    global _entropy_gather
+    previous, _entropy_gather = _entropy_gather, gather
+    try:
+        yield
+    finally:
+        _entropy_gather = previous
+
+
+def _quantile_of_sorted(values: torch.Tensor, count: torch.Tensor, q: float) -> torch.Tensor:
+    """The ``q`` quantile of the first ``count`` entries of the ascending 1-D ``values``, linearly
+    interpolated as ``torch.quantile`` does, with a tensor index (no data-dependent int under
+    torch.compile); ``values[0]`` when ``count`` is 0."""
+    pos = (count - 1).clamp(min=0).to(values.dtype) * q
     lo = pos.floor()
     idx = torch.stack([lo, pos.ceil()]).long()
-    low, high = values.gather(0, idx).unbind()  # a tensor index: no data-dependent int under torch.compile
+    low, high = values.gather(0, idx).unbind()
     lo_idx, hi_idx = idx.unbind()
-    threshold = torch.where(hi_idx > lo_idx, torch.lerp(low, high, pos - lo), low)
+    return torch.where(hi_idx > lo_idx, torch.lerp(low, high, pos - lo), low)
+
+
+def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """``m & (H >= q)`` (bool, detached) with ``q`` the ``(1 - quantile)`` quantile of the unmasked
+    entropies (of every process inside :func:`entropy_quantile_across`), linearly interpolated as
+    ``torch.quantile`` does; computed by one sort, without a host sync or a size limit (locally)."""
+    h = entropy.detach()
+    gather = _entropy_gather
+    if gather is None:
+        values = torch.where(mask, h, torch.full_like(h, float("inf"))).reshape(-1).sort().values
+        count = mask.sum()
+    else:
+        values = gather(h[mask].to(torch.float32)).reshape(-1).sort().values
+        if values.numel() == 0:  # no unmasked token anywhere: nothing to keep (as TRL)
+            return torch.zeros_like(mask)
+        count = torch.tensor(values.numel(), device=values.device)
+    threshold = _quantile_of_sorted(values, count, 1.0 - quantile).to(h.dtype)
     return mask & (h >= threshold)
 
 

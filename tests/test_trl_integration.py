@@ -7,6 +7,7 @@ optimizer step (SGD, no gradient clipping, so each gradient is seen unscaled).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -260,3 +261,45 @@ def test_new_option_cases_are_exercised(model_dir, tmp_path, case, option):
     without = {k: v for k, v in CASES[case].items() if k != option}
     without_option, _, _ = run(model_dir, trl.GRPOTrainer, tmp_path / "without", **without)
     assert any(not math.isclose(a["loss"], b["loss"], rel_tol=1e-6) for a, b in zip(with_option, without_option))
+
+
+#: The entropies of a simulated second process (this model's are at most log(33) = 3.50).
+OTHER_PROCESS_ENTROPIES = torch.linspace(3.30, 3.50, 41)
+
+
+def _with_other_process(fn, calls: list):
+    """``fn(trainer, ...)`` during which ``trainer.accelerator.gather`` also returns a second process's
+    entropies (appended to what it gathers), as the gather of several processes would."""
+    @functools.wraps(fn)
+    def wrapped(self, *args, **kwargs):
+        accelerator = self.accelerator
+        real = accelerator.gather
+        accelerator.gather = lambda t: torch.cat([real(t), OTHER_PROCESS_ENTROPIES.to(t)])
+        calls.append(fn.__name__)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            del accelerator.gather
+    return wrapped
+
+
+def test_top_entropy_threshold_over_processes_matches_stock(model_dir, tmp_path, fused_calls, monkeypatch):
+    """With several processes TRL takes ``top_entropy_quantile``'s threshold over every process's
+    entropies (``get_high_entropy_mask``: pad across processes, gather). Simulated in one process: the
+    gather in TRL's function and in fused_rl's ``_gather_entropies`` alike appends a second process's
+    (high) entropies, which moves the threshold; both trainers must still train identically, and
+    differently from one process (so the simulated process matters)."""
+    import fused_rl.integrations.trl as integration
+
+    overrides = CASES["top-entropy"]
+    alone = run(model_dir, trl.GRPOTrainer, tmp_path / "alone", **overrides)
+    calls = []
+    monkeypatch.setattr(trl.GRPOTrainer, "get_high_entropy_mask",
+                        _with_other_process(trl.GRPOTrainer.get_high_entropy_mask, calls))
+    monkeypatch.setattr(integration, "_gather_entropies", _with_other_process(integration._gather_entropies, calls))
+    stock = run(model_dir, trl.GRPOTrainer, tmp_path / "stock", **overrides)
+    fused = run(model_dir, FusedGRPOTrainer, tmp_path / "fused", **overrides)
+    assert calls.count("get_high_entropy_mask") == 6 and calls.count("_gather_entropies") == 6
+    assert len(fused_calls) == 6
+    assert_same_training(stock, fused)
+    assert any(not math.isclose(a["loss"], b["loss"], rel_tol=1e-6) for a, b in zip(stock[0], alone[0]))

@@ -23,7 +23,8 @@ penalty against ``inputs["ref_per_token_logps"]``, times the importance ratio wi
 ``beta != 0``), ``entropy``, ``clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max}``
 (cispo: ``cispo_clip_ratio``), with TRL's cross-process reductions.
 
-Also honoured: ``loss_type="sapo"``, ``delta``, ``top_entropy_quantile``, ``off_policy_mask_threshold``
+Also honoured: ``loss_type="sapo"``, ``delta``, ``top_entropy_quantile`` (its threshold over every
+process's entropies, gathered as TRL's ``get_high_entropy_mask`` gathers them), ``off_policy_mask_threshold``
 (against ``inputs["sampling_per_token_logps"]`` when vLLM provides them, else the old log-probs) and
 ``vllm_importance_sampling_correction`` (every mode, ``clip_min`` / ``clip_max``; fused_rl recomputes
 TRL's ratio from the old and sampling log-probs, and raises on NaN sampling log-probs where TRL
@@ -36,13 +37,14 @@ soft-capping or logit scaling, sequence-level cispo; multimodal inputs raise at 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any, Optional
 
 import torch
 
-from ..loss_math import importance_ratio, kl_estimator
+from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator
 from ..nn import NUM_ITEMS_LOSS_TYPES, grpo_policy_loss_config
 from ..ops import linear_policy_loss
 
@@ -170,6 +172,15 @@ def _full_tensor(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
+def _gather_entropies(self: GRPOTrainer, local: torch.Tensor) -> torch.Tensor:
+    """Every process's unmasked entropies for the top-entropy threshold, gathered as TRL's
+    ``get_high_entropy_mask`` does: padded across processes with a negative sentinel (entropies are
+    >= 0), gathered, the sentinel dropped."""
+    pad = -1e9
+    gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=pad))
+    return gathered[gathered != pad]
+
+
 def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> torch.Tensor:
     for key in _MULTIMODAL_KEYS:
         if inputs.get(key) is not None:
@@ -209,7 +220,9 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
             hidden = hidden.float()
         if hidden.dtype != weight.dtype:
             hidden = hidden.to(weight.dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
+        across = (entropy_quantile_across(functools.partial(_gather_entropies, self))
+                  if config.top_entropy_quantile < 1.0 else contextlib.nullcontext())
+        with torch.autocast(hidden.device.type, enabled=False), across:
             return linear_policy_loss(hidden, weight, completion_ids, advantages, bool_mask, bias=bias,
                                       old_logprobs=old, ref_logprobs=ref, rollout_logprobs=rollout, config=config,
                                       token_normalizer=normalizer,
