@@ -265,6 +265,24 @@ def test_fused_linear_matches_reference(cuda_kernels, config, dtype):
     assert cuda_kernels.calls["cuda_policy_fused"] >= 1
 
 
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]], ids=cfg_id)
+def test_fused_linear_gpu_tiling(cuda_kernels, config, monkeypatch):
+    """The tiling the fused linear loss uses on a GPU: fixed 3-token slices (masked rows computed with an
+    IGNORE_INDEX target) and, for bf16, the mixed GEMM mode (fp32 logits tile, the gradient rounded to
+    bf16 once), each tile through the emulated policy kernel in place."""
+    from fused_rl.backends import tiled_linear, torch_linear
+
+    monkeypatch.setattr(tiled_linear, "CHUNK_TOKENS", 3)
+    monkeypatch.setattr(torch_linear, "CHUNK_TOKENS", 3)
+    monkeypatch.setattr(torch_linear, "GATHER_VALID", False)
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
+    for dtype in (torch.float32, torch.bfloat16):
+        compare_linear(make_linear_case(batch=5, length=7, vocab=1000, dtype=dtype, seed=11, per_token_adv=True),
+                       config, backend="cpu")
+        compare_linear(make_linear_case(vocab=4099, dtype=dtype, seed=14), config, frozen_weight=True, backend="cpu")
+    assert cuda_kernels.calls["cuda_policy_fused"] == 2 * (12 + 8)  # 3-token tiles of 35 and of 24 tokens
+
+
 # ------------------------------------------------------------------------------ undefined rows, bad values
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("config", hardening.UNDEFINED_CONFIGS, ids=hardening._undefined_ids)
