@@ -12,7 +12,8 @@ Each backend defines two ``torch.library`` custom ops with the same schema:
 implementation and a backward that refuses, by name, a second-order gradient, so the three backends do
 not each repeat it. :func:`consume_stored_grad` is the
 one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward already wrote ``dlogits``;
-:func:`refuse_double_backward` the rule of every op whose gradient the forward computed.
+:func:`refuse_double_backward` the rule of every op whose gradient the forward computed;
+:func:`register_stored_grad` the autograd formula of the single-pass ops' ``attach``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,22 @@ def refuse_double_backward(backend: str) -> None:
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         raise RuntimeError(f"the {backend} loss computes its gradient in the forward and has no double backward "
                            "(create_graph=True); use backend='reference' for higher-order gradients")
+
+
+def register_stored_grad(attach_op, scale_, backend: str) -> None:
+    """The autograd formula of a single-pass backend's ``attach(loss, logits, dlogits) -> loss`` op: the
+    gradient w.r.t. ``logits`` is the ``dlogits`` its forward computed, scaled in place by the incoming
+    gradient with ``scale_(dlogits, grad)`` (after :func:`consume_stored_grad`)."""
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    def backward(ctx, grad):
+        consume_stored_grad(ctx, backend)
+        (dlogits,) = ctx.saved_tensors
+        scale_(dlogits, grad)
+        return None, dlogits, None
+
+    attach_op.register_autograd(backward, setup_context=setup_context)
 
 
 def consume_stored_grad(ctx, backend: str) -> None:

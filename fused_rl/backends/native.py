@@ -39,7 +39,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing
 from .base import Backend
-from .custom_ops import consume_stored_grad, register_token_ops
+from .custom_ops import register_stored_grad, register_token_ops
 from .torch_linear import _config_from_literal, config_literal
 
 try:
@@ -282,18 +282,7 @@ def _(loss, logits, dlogits):
     return torch.empty_like(loss)
 
 
-def _attach_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2])
-
-
-def _attach_backward(ctx, g):
-    consume_stored_grad(ctx, "cpu/cuda")
-    (dlogits,) = ctx.saved_tensors
-    scale_grad_(dlogits, g)
-    return None, dlogits, None
-
-
-attach_grad.register_autograd(_attach_backward, setup_context=_attach_setup_context)
+register_stored_grad(attach_grad, scale_grad_, "cpu/cuda")
 
 
 def _is_compiling() -> bool:

@@ -37,7 +37,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing, torch_linear
 from .base import Backend
-from .custom_ops import consume_stored_grad, register_token_ops
+from .custom_ops import register_stored_grad, register_token_ops
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
 # functions, so an early import (e.g. at `import fused_rl` during test collection) would break the
@@ -200,18 +200,7 @@ def _(loss_terms, logits, dlogits):
     return loss_terms.new_empty(())
 
 
-def _attach_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2])
-
-
-def _attach_backward(ctx, grad):
-    consume_stored_grad(ctx, "triton")
-    (dlogits,) = ctx.saved_tensors
-    scale_(dlogits, grad)
-    return None, dlogits, None
-
-
-attach_grad.register_autograd(_attach_backward, setup_context=_attach_setup_context)
+register_stored_grad(attach_grad, scale_, "triton")
 
 
 class TritonBackend(Backend):
