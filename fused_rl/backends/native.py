@@ -36,7 +36,7 @@ import torch
 from ..config import IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import aggregation_weights, compute_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import PolicyInputs
+from ..validation import PolicyInputs, _is_compiling
 from . import register, register_missing
 from .base import Backend
 from .custom_ops import register_stored_grad, register_token_ops
@@ -283,13 +283,6 @@ def _(loss, logits, dlogits):
 
 
 register_stored_grad(attach_grad, scale_grad_, "cpu/cuda")
-
-
-def _is_compiling() -> bool:
-    try:
-        return bool(torch.compiler.is_compiling())
-    except AttributeError:
-        return False
 
 
 class NativeBackend(Backend):
