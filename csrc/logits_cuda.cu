@@ -151,6 +151,30 @@ __device__ __forceinline__ Acc warp_merge(Acc a) {
   return a;
 }
 
+// The 16-byte-aligned part of a row, V / VEC vectors: f(v, j) on the VEC values v of entries j .. j+VEC-1 of
+// each vector this thread takes (k, k + blockDim.x, ... in that order), U loads issued before the first
+// f; returns the number of entries covered (the scalar tail starts there).
+template <class T, int U, class F>
+__device__ __forceinline__ int64_t for_each_vector(const T* row, int64_t V, F&& f) {
+  using E = Elem<T>;
+  constexpr int VEC = E::kVec;
+  const int64_t nvec = V / VEC, step = blockDim.x;
+  int64_t k = threadIdx.x;
+  for (; k + (U - 1) * step < nvec; k += U * step) {
+    float v[U][VEC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) E::load_vec(row + (k + u * step) * VEC, v[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) f(v[u], (k + u * step) * VEC);
+  }
+  for (; k < nvec; k += step) {
+    float v[VEC];
+    E::load_vec(row + k * VEC, v);
+    f(v, k * VEC);
+  }
+  return nvec * VEC;
+}
+
 // Block-wide (m, s, u) of one row; every thread gets the result. A row whose softmax is undefined gives
 // m = s = u = NaN: a NaN anywhere (fmaxf drops NaN and a thread whose other values are all -inf never
 // sums, so each thread ORs x != x into a flag, voted on by the block's first barrier), a +inf y (m = +inf)
@@ -163,27 +187,11 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   bool seen_nan = false;
   int64_t start = 0;
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
-    const int64_t nvec = V / VEC, step = blockDim.x;
-    int64_t k = threadIdx.x;
-    for (; k + (U - 1) * step < nvec; k += U * step) {  // U loads in flight, then their values in order
-      float v[U][VEC];
-#pragma unroll
-      for (int u = 0; u < U; ++u) E::load_vec(row + (k + u * step) * VEC, v[u]);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) { seen_nan |= v[u][i] != v[u][i]; v[u][i] *= scale2; }
-        acc_add<VEC>(a, v[u]);
-      }
-    }
-    for (; k < nvec; k += step) {
-      float v[VEC];
-      E::load_vec(row + k * VEC, v);
+    start = for_each_vector<T, U>(row, V, [&](float* v, int64_t) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) { seen_nan |= v[i] != v[i]; v[i] *= scale2; }
       acc_add<VEC>(a, v);
-    }
-    start = nvec * VEC;
+    });
   }
   for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) {
     float v[1] = {E::load(row + j) * scale2};
@@ -231,27 +239,11 @@ __device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float in
   const GradCoef gc{scale2, m2, l2s, H, g_logp * inv_tau, g_ent * inv_tau, target};
   int64_t start = 0;
   if (((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
-    const int64_t nvec = V / VEC, step = blockDim.x;
-    int64_t k = threadIdx.x;
-    for (; k + (U - 1) * step < nvec; k += U * step) {  // U loads in flight, then U stores
-      float v[U][VEC];
+    start = for_each_vector<T, U>(row, V, [&](float* v, int64_t j) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) E::load_vec(row + (k + u * step) * VEC, v[u]);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) v[u][i] = gc(v[u][i], (k + u * step) * VEC + i);
-        E::store_vec(out + (k + u * step) * VEC, v[u]);
-      }
-    }
-    for (; k < nvec; k += step) {
-      float v[VEC];
-      E::load_vec(row + k * VEC, v);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] = gc(v[i], k * VEC + i);
-      E::store_vec(out + k * VEC, v);
-    }
-    start = nvec * VEC;
+      for (int i = 0; i < VEC; ++i) v[i] = gc(v[i], j + i);
+      E::store_vec(out + j, v);
+    });
   }
   for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) E::store(out + j, gc(E::load(row + j), j));
 }
