@@ -51,12 +51,21 @@ def test_threshold_is_the_quantile_of_every_process_entropies():
 @pytest.mark.parametrize("backend", fused_backends())
 def test_backends_take_the_gathered_threshold(backend):
     """Every backend (logits and fused linear) under the gather equals the reference under it, and differs
-    from the one-process loss (so the gathered entropies reach each backend's loss math)."""
+    from the one-process loss (so the gathered entropies reach each backend's loss math). The gather runs
+    exactly once per loss, forward and backward together: with a real collective every process must call
+    it equally often."""
     case = make_case(batch=5, length=6, vocab=257, seed=4)
-    with entropy_quantile_across(appending(OTHER)):
+    calls = []
+    gather = appending(OTHER)
+    with entropy_quantile_across(lambda local: calls.append(1) or gather(local)):
         compare_policy_loss(backend, case, CONFIG)
-        across = fused_rl.policy_loss(case.logits, case.targets, case.advantages, case.mask, config=CONFIG,
+        assert len(calls) == 2  # the reference's and the backend's
+        x = case.logits.clone().requires_grad_(True)
+        across = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIG,
                                       backend=backend, **case.kwargs()).loss
+        across.backward()
+        assert len(calls) == 3
+        across = across.detach()
     alone = fused_rl.policy_loss(case.logits, case.targets, case.advantages, case.mask, config=CONFIG,
                                  backend=backend, **case.kwargs()).loss
     assert not torch.isclose(across, alone)
