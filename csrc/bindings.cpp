@@ -174,6 +174,18 @@ PYBIND11_MODULE(FRL_MODULE, m) {
     cuda::set_rows_per_sm(k);
   }, py::arg("k"), "blocks per SM of the CUDA kernels' grid (default 2; a tuning knob)");
   m.def("cuda_rows_per_sm", &cuda::rows_per_sm);
+  m.def("cuda_set_threads", [](int n) {
+    if (n < 64 || n > 1024 || n % 32 != 0)
+      throw std::invalid_argument("threads must be a multiple of 32 in [64, 1024], got " + std::to_string(n));
+    cuda::set_threads(n);
+  }, py::arg("n"), "threads per block of the CUDA kernels (one row at a time; default 512; a tuning knob)");
+  m.def("cuda_threads", &cuda::threads);
+  m.def("cuda_set_reverse", &cuda::set_reverse, py::arg("on"),
+        "the CUDA kernels' gradient sweep from each row's end (default off; a tuning knob, same results)");
+  m.def("cuda_reverse", &cuda::reverse);
+  m.def("cuda_set_streaming", &cuda::set_streaming, py::arg("on"),
+        "evict-first loads and stores in the CUDA kernels' gradient sweep (default off; a tuning knob, same results)");
+  m.def("cuda_streaming", &cuda::streaming);
   m.def("cuda_set_unroll", [](int u) {
     if (u != 1 && u != 2 && u != 4) throw std::invalid_argument("unroll must be 1, 2 or 4, got " + std::to_string(u));
     cuda::set_unroll(u);
@@ -202,6 +214,11 @@ PYBIND11_MODULE(FRL_MODULE, m) {
                                      ep, logp, ent, out, osb, ost, 0);
     check(cuda::policy_fused(a, stream));
   }, FRL_POLICY_ARGS, py::arg("stream"));
+  m.def("cuda_scale_", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
+                          uintptr_t g, uintptr_t stream) {
+    check(cuda::scale_rows(cuda::ScaleArgs{rows(x, dtype, B, T, V, sb, st), ptr<const float>(g)}, stream));
+  }, py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("T"), py::arg("V"), py::arg("sb"), py::arg("st"),
+     py::arg("g"), py::arg("stream"), "rows of x *= *g (an fp32 device scalar) in place; nothing when g == 1");
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -13,7 +13,24 @@ namespace cuda {
 std::string token_stats(const StatsArgs& a, uintptr_t stream);
 std::string token_grad(const GradArgs& a, uintptr_t stream);
 std::string policy_fused(const PolicyArgs& a, uintptr_t stream);
+
+// rows *= *g in place (in.x is written), g read on the device: no host sync, and nothing done when
+// g == 1 (the usual loss.backward() of a loss whose single pass stored its dlogits).
+struct ScaleArgs {
+  RowsView in;
+  const float* g;
+};
+std::string scale_rows(const ScaleArgs& a, uintptr_t stream);
 int device_count();
+// The gradient sweep from each row's end (default off) and with evict-first loads and stores (default
+// off); bitwise the same results.
+void set_reverse(bool on);
+bool reverse();
+void set_streaming(bool on);
+bool streaming();
+// Threads per block (one block per row at a time): a multiple of 32 in [64, 1024], default 512.
+void set_threads(int n);
+int threads();
 // Blocks launched per SM (grid = SMs x k, grid-stride over the rows); k >= 1, default 2.
 void set_rows_per_sm(int k);
 int rows_per_sm();

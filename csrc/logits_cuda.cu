@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -29,18 +30,55 @@ namespace fused_rl {
 namespace cuda {
 namespace {
 
-// 512 threads per row and by default 2 resident rows per SM: the rows in flight (2 x SMs, e.g. 264 x 128
-// KiB for fp32 V = 32000 on H100/H200) fit in L2, so the second (gradient) sweep re-reads them from L2.
-// set_rows_per_sm changes it (a tuning knob for bench/gpu_logits_bench.py's sweep).
-constexpr int kThreads = 512;
+// One block of g_threads (default 512) threads per row and by default 2 resident rows per SM: the rows in
+// flight (2 x SMs, e.g. 264 x 128 KiB for fp32 V = 32000 on H100/H200) fit in L2, so the second (gradient)
+// sweep re-reads them from L2. set_threads and set_rows_per_sm change them (tuning knobs for
+// bench/gpu_logits_bench.py's sweep); every kernel is compiled for up to kMaxThreads (<= 64 registers).
+constexpr int kMaxThreads = 1024;
+int g_threads = 512;
 int g_rows_per_sm = 2;
 // 128-bit loads each thread issues before it uses the first (1, 2 or 4; set_unroll): the bytes in flight
 // must cover HBM latency x bandwidth (~3 MB on an H200), which one load per thread of 2 x 512 threads per
 // SM does not (~2 MB), and one row per SM (the L2-resident setting for 151936-entry bf16 rows) less so.
 // The values are accumulated in the same order whatever the unroll: the results are bitwise the same.
 int g_unroll = 4;
+// The gradient sweep's order and cache policy (tuning knobs, bitwise the same results): reverse walks a row's
+// vectors from its end, the ones the statistics sweep read last and L2 most likely still holds; streaming
+// reads them with ld.global.cs (last use: evict first) and writes dlogits with st.global.cs, so that
+// neither displaces the rows still to be re-read.
+bool g_reverse = false;
+bool g_streaming = false;
+
+struct Tuning {
+  bool reverse, streaming;
+};
+
+// What a kernel is launched with: the arguments shared with the CPU kernels and the knobs above.
+template <class Args>
+struct Launch {
+  Args a;
+  Tuning tune;
+};
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// 2^x by one MUFU.EX2 with flush-to-zero (exp2f adds a denormal range fix-up: 4 more instructions per
+// element). Results below 2^-126 are 0: nothing in an fp32 sum that holds the row max's 2^0 = 1, and a
+// gradient entry under 1e-38. The CPU emulation of tests/cuda_sim flushes the same.
+__device__ __forceinline__ float exp2_ftz(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float y = exp2f(x);
+  return y < 1.17549435e-38f ? 0.0f : y;
+#endif
+}
+
+// The smallest base-2 exponent a sweep passes to exp2_ftz: 2^-256 is 0, and (y - m) - log2 s clamped
+// here keeps p * (y - m) finite (0) where y = -inf, without a branch.
+constexpr float kMinExp2 = -256.0f;
 
 // log p = ln2 ((y_t - m) - log2 s), clamped to <= 0 (FMA contraction of y_t can round it to +1e-8 for
 // a near-certain token); NaN passes.
@@ -49,53 +87,85 @@ __device__ __forceinline__ float target_logp(float yt, float m, float l2s) {
   return lp > 0.0f ? 0.0f : lp;
 }
 
+// One 128-bit store of four 32-bit words to a 16-byte-aligned global address: nvcc splits a uint4 / float4
+// assigned through a cast pointer into four 32-bit stores.
+// With streaming, st.global.cs (evict first).
+__device__ __forceinline__ void store128(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d, bool streaming) {
+#if defined(__CUDA_ARCH__)
+  if (streaming)
+    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+  else
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+#else
+  (void)streaming;
+  *static_cast<uint4*>(p) = uint4{a, b, c, d};
+#endif
+}
+
+// One 128-bit load; with last_use, ld.global.cs (evict first).
+template <class V>
+__device__ __forceinline__ V load128(const void* p, bool last_use) {
+  const V* q = static_cast<const V*>(p);
+  return last_use ? __ldcs(q) : *q;
+}
+
+__device__ __forceinline__ uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
 template <class T> struct Elem;
 template <> struct Elem<float> {
   static constexpr int kVec = 4;
   __device__ static float load(const float* p) { return *p; }
   __device__ static void store(float* p, float v) { *p = v; }
-  __device__ static void load_vec(const float* p, float* v) {
-    const float4 q = *reinterpret_cast<const float4*>(p);
+  __device__ static void load_vec(const float* p, float* v, bool last_use = false) {
+    const float4 q = load128<float4>(p, last_use);
     v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
   }
-  __device__ static void store_vec(float* p, const float* v) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  __device__ static void store_vec(float* p, const float* v, bool streaming = false) {
+    store128(p, float_bits(v[0]), float_bits(v[1]), float_bits(v[2]), float_bits(v[3]), streaming);
   }
 };
 template <> struct Elem<__nv_bfloat16> {
   static constexpr int kVec = 8;
   __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
   __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-  __device__ static void load_vec(const __nv_bfloat16* p, float* v) {
-    const uint4 q = *reinterpret_cast<const uint4*>(p);
+  __device__ static void load_vec(const __nv_bfloat16* p, float* v, bool last_use = false) {
+    const uint4 q = load128<uint4>(p, last_use);
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
 #pragma unroll
     for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }
   }
-  __device__ static void store_vec(__nv_bfloat16* p, const float* v) {
-    uint4 q;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = q;
+  __device__ static uint32_t pack(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    uint32_t u;
+    memcpy(&u, &h, sizeof u);
+    return u;
+  }
+  __device__ static void store_vec(__nv_bfloat16* p, const float* v, bool streaming = false) {
+    store128(p, pack(v[0], v[1]), pack(v[2], v[3]), pack(v[4], v[5]), pack(v[6], v[7]), streaming);
   }
 };
 template <> struct Elem<__half> {
   static constexpr int kVec = 8;
   __device__ static float load(const __half* p) { return __half2float(*p); }
   __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
-  __device__ static void load_vec(const __half* p, float* v) {
-    const uint4 q = *reinterpret_cast<const uint4*>(p);
+  __device__ static void load_vec(const __half* p, float* v, bool last_use = false) {
+    const uint4 q = load128<uint4>(p, last_use);
     const __half2* h = reinterpret_cast<const __half2*>(&q);
 #pragma unroll
     for (int i = 0; i < 4; ++i) { const float2 f = __half22float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }
   }
-  __device__ static void store_vec(__half* p, const float* v) {
-    uint4 q;
-    __half2* h = reinterpret_cast<__half2*>(&q);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = q;
+  __device__ static uint32_t pack(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    uint32_t u;
+    memcpy(&u, &h, sizeof u);
+    return u;
+  }
+  __device__ static void store_vec(__half* p, const float* v, bool streaming = false) {
+    store128(p, pack(v[0], v[1]), pack(v[2], v[3]), pack(v[4], v[5]), pack(v[6], v[7]), streaming);
   }
 };
 
@@ -123,10 +193,10 @@ __device__ __forceinline__ void acc_add(Acc& a, const float* y) {
   if (a.m == -INFINITY) return;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const float d = y[i] - a.m;
-    const float e = exp2f(d);  // exp2(-inf) = 0
+    const float d = fmaxf(y[i] - a.m, kMinExp2);  // y = -inf: 2^d = 0 and e * d = 0, not 0 * -inf
+    const float e = exp2_ftz(d);
     a.s += e;
-    a.u += (e > 0.0f) ? e * d : 0.0f;
+    a.u = fmaf(e, d, a.u);
   }
 }
 
@@ -152,25 +222,28 @@ __device__ __forceinline__ Acc warp_merge(Acc a) {
 }
 
 // The 16-byte-aligned part of a row, V / VEC vectors: f(v, j) on the VEC values v of entries j .. j+VEC-1 of
-// each vector this thread takes (k, k + blockDim.x, ... in that order), U loads issued before the first
-// f; returns the number of entries covered (the scalar tail starts there).
+// each vector this thread takes (k, k + blockDim.x, ... in that order; with reverse, vector V / VEC - 1 - k
+// for each k), U loads issued before the first f (with last_use: ld.global.cs); returns the number of
+// entries covered (the scalar tail starts there).
 template <class T, int U, class F>
-__device__ __forceinline__ int64_t for_each_vector(const T* row, int64_t V, F&& f) {
+__device__ __forceinline__ int64_t for_each_vector(const T* row, int64_t V, F&& f, bool reverse = false,
+                                                   bool last_use = false) {
   using E = Elem<T>;
   constexpr int VEC = E::kVec;
   const int64_t nvec = V / VEC, step = blockDim.x;
+  const auto at = [&](int64_t k) { return (reverse ? nvec - 1 - k : k) * VEC; };
   int64_t k = threadIdx.x;
   for (; k + (U - 1) * step < nvec; k += U * step) {
     float v[U][VEC];
 #pragma unroll
-    for (int u = 0; u < U; ++u) E::load_vec(row + (k + u * step) * VEC, v[u]);
+    for (int u = 0; u < U; ++u) E::load_vec(row + at(k + u * step), v[u], last_use);
 #pragma unroll
-    for (int u = 0; u < U; ++u) f(v[u], (k + u * step) * VEC);
+    for (int u = 0; u < U; ++u) f(v[u], at(k + u * step));
   }
   for (; k < nvec; k += step) {
     float v[VEC];
-    E::load_vec(row + k * VEC, v);
-    f(v, k * VEC);
+    E::load_vec(row + at(k), v, last_use);
+    f(v, at(k));
   }
   return nvec * VEC;
 }
@@ -215,37 +288,51 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   return r;
 }
 
-// The gradient of entry j from its logit x: d2 = log2 p, dz = z - lse.
+// The gradient of an entry from its logit x, with d2 = log2 p = (x scale2 - m2) - l2s and E[z] - z = -H - ln2 d2:
+// (g_H p (E[z] - z) - g_logp p) / tau = p (c0 + c1 d2), c0 = -(cge H + cgl), c1 = -cge ln2 (cgl, cge: g / tau);
+// d2 is clamped at kMinExp2, where p = 0 already, so that x = -inf gives 0 without a branch. The target
+// entry adds cgl = g_logp / tau; target() computes it with 1 - p = -expm1(ln2 d2), exact for a
+// near-certain token.
 struct GradCoef {
-  float scale2, m2, l2s, H, cgl, cge;
-  int64_t target;
-  __device__ __forceinline__ float operator()(float x, int64_t j) const {
+  float scale2, m2, l2s, H, cgl, cge, c0, c1;
+  __device__ __forceinline__ float operator()(float x) const {
+    const float d2 = fmaxf((x * scale2 - m2) - l2s, kMinExp2);
+    return exp2_ftz(d2) * fmaf(c1, d2, c0);
+  }
+  __device__ __forceinline__ float target(float x) const {
     const float d2 = (x * scale2 - m2) - l2s;
-    const float p = exp2f(d2);
     const float dz = d2 * kLn2;
-    if (j == target) return cgl * -expm1f(dz) + p * cge * (-H - dz);  // exact 1 - p
-    return (p > 0.0f) ? p * (cge * (-H - dz) - cgl) : 0.0f;
+    return cgl * -expm1f(dz) + exp2f(d2) * cge * (-H - dz);
   }
 };
 
 // dlogits of one row (out may alias row: each element is read before it is written by the same thread).
 // In base 2: d2 = (y - m2) - l2s = log2 p, with m2 and l2s = log2 s kept apart (their sum rounded to one
-// float would lose l2s at large |m2|, and with it 1 - p of a near-certain token).
+// float would lose l2s at large |m2|, and with it 1 - p of a near-certain token). The sweep is the same
+// for every entry; the thread whose sweep covers the target (0 <= target < V) reads it first and writes
+// its value last (no other thread touches it).
 template <class T, int U>
 __device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float inv_tau, float m2, float l2s,
-                         float H, float g_logp, float g_ent, int64_t target) {
+                         float H, float g_logp, float g_ent, int64_t target, Tuning tune) {
   using E = Elem<T>;
   constexpr int VEC = E::kVec;
-  const GradCoef gc{scale2, m2, l2s, H, g_logp * inv_tau, g_ent * inv_tau, target};
-  int64_t start = 0;
-  if (((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
-    start = for_each_vector<T, U>(row, V, [&](float* v, int64_t j) {
+  const float cgl = g_logp * inv_tau, cge = g_ent * inv_tau;
+  const GradCoef gc{scale2, m2, l2s, H, cgl, cge, -(cge * H + cgl), -cge * kLn2};
+  const bool vectorized = ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0;
+  const int64_t nvec = vectorized ? V / VEC : 0, start = nvec * VEC;  // for_each_vector's part
+  const int64_t tvec = tune.reverse ? nvec - 1 - target / VEC : target / VEC;  // its k: on thread k % blockDim
+  const int64_t owner = target < start ? tvec % blockDim.x : (target - start) % blockDim.x;
+  const bool own = threadIdx.x == owner;
+  const float g_target = own ? gc.target(E::load(row + target)) : 0.0f;
+  if (vectorized) {
+    for_each_vector<T, U>(row, V, [&](float* v, int64_t j) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] = gc(v[i], j + i);
-      E::store_vec(out + j, v);
-    });
+      for (int i = 0; i < VEC; ++i) v[i] = gc(v[i]);
+      E::store_vec(out + j, v, tune.streaming);
+    }, tune.reverse, tune.streaming);
   }
-  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) E::store(out + j, gc(E::load(row + j), j));
+  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) E::store(out + j, gc(E::load(row + j)));
+  if (own) E::store(out + target, g_target);
 }
 
 // A row of one value: 0 (ignored rows, zero coefficients) or NaN (rows whose softmax is undefined, whatever
@@ -260,7 +347,8 @@ __device__ __forceinline__ int64_t target_at(const void* t, int tdtype, int64_t 
 }
 
 template <class T, int U>
-__global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
+__global__ void __launch_bounds__(kMaxThreads) stats_kernel(Launch<StatsArgs> l) {
+  const StatsArgs& a = l.a;
   __shared__ Acc smem[33];
   const T* x = static_cast<const T*>(a.in.x);
   const int64_t N = a.in.B * a.in.T, V = a.in.V;
@@ -272,10 +360,12 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
       continue;
     }
     const T* row = x + (i / a.in.T) * a.in.sb + (i % a.in.T) * a.in.st;
+    // thread 0's target logit, loaded before the sweep (its latency hidden behind it)
+    const float xt = (threadIdx.x == 0 && t >= 0 && t < V) ? Elem<T>::load(row + t) : NAN;
     const Acc r = row_reduce<T, U>(row, V, scale2, smem);
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);
-      const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
+      const float yt = xt * scale2;
       a.logp[i] = target_logp(yt, r.m, l2s);
       a.lse[i] = r.m;  // base 2, as row_grad reads them
       a.lse[N + i] = l2s;
@@ -285,7 +375,8 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
 }
 
 template <class T, int U>
-__global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
+__global__ void __launch_bounds__(kMaxThreads) grad_kernel(Launch<GradArgs> l) {
+  const GradArgs& a = l.a;
   const T* x = static_cast<const T*>(a.in.x);
   T* out = static_cast<T*>(a.out);
   const int64_t N = a.in.B * a.in.T, V = a.in.V;
@@ -303,12 +394,14 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradArgs a) {
     if (m2 != m2 || t < 0 || t >= V || gl != gl || ge != ge) { row_fill<T>(orow, V, NAN); continue; }
     if (gl == 0.0f && ge == 0.0f) { row_fill<T>(orow, V, 0.0f); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
-    row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t);
+    row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t,
+                   l.tune);
   }
 }
 
 template <class T, int U>
-__global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
+__global__ void __launch_bounds__(kMaxThreads) policy_kernel(Launch<PolicyArgs> l) {
+  const PolicyArgs& a = l.a;
   __shared__ Acc smem[33];
   __shared__ float coef[5];
   const T* x = static_cast<const T*>(a.in.x);
@@ -325,16 +418,20 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
       continue;
     }
     const T* row = x + b * a.in.sb + tt * a.in.st;
+    // thread 0's target logit and per-token inputs, loaded before the sweep (their latency hidden behind it)
+    const bool lead = threadIdx.x == 0;
+    const float xt = (lead && t >= 0 && t < V) ? Elem<T>::load(row + t) : NAN;
+    const float adv = lead ? a.adv[i] : 0.0f, w = lead ? a.w[i] : 0.0f;
+    const float old = (lead && a.old) ? a.old[i] : 0.0f, ref = (lead && a.ref) ? a.ref[i] : 0.0f;
+    const float rollout = (lead && a.rollout) ? a.rollout[i] : 0.0f;
     const Acc r = row_reduce<T, U>(row, V, scale2, smem);
-    if (threadIdx.x == 0) {
+    if (lead) {
       const float l2s = log2f(r.s);  // NaN m, s: NaN logp, H and a NaN dlogits row
-      const float yt = (t >= 0 && t < V) ? Elem<T>::load(row + t) * scale2 : NAN;
-      const float logp = target_logp(yt, r.m, l2s);
+      const float logp = target_logp(xt * scale2, r.m, l2s);
       const float H = kLn2 * (l2s - r.u / r.s);
       a.logp[i] = logp;
       a.ent[i] = H;
-      const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
-                                            a.ref ? a.ref[i] : 0.0f, a.rollout ? a.rollout[i] : 0.0f, a.w[i]);
+      const EpilogueOut e = policy_epilogue(a.ep, logp, H, adv, old, ref, rollout, w);
       coef[0] = r.m; coef[1] = l2s; coef[2] = H; coef[3] = e.g_logp; coef[4] = e.g_ent;
     }
     __syncthreads();
@@ -344,7 +441,30 @@ __global__ void __launch_bounds__(kThreads) policy_kernel(PolicyArgs a) {
     // NaN everywhere, also where p = 0, as on the CPU and in autograd
     if (m2 != m2 || gl != gl || ge != ge) row_fill<T>(orow, V, NAN);
     else if (gl == 0.0f && ge == 0.0f) row_fill<T>(orow, V, 0.0f);
-    else row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t);
+    else row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t, l.tune);
+  }
+}
+
+template <class T, int U>
+__global__ void __launch_bounds__(kMaxThreads) scale_kernel(Launch<ScaleArgs> l) {
+  const ScaleArgs& a = l.a;
+  using E = Elem<T>;
+  constexpr int VEC = E::kVec;
+  const float g = *a.g;
+  if (g == 1.0f) return;
+  T* x = const_cast<T*>(static_cast<const T*>(a.in.x));
+  const int64_t N = a.in.B * a.in.T, V = a.in.V;
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    T* row = x + (i / a.in.T) * a.in.sb + (i % a.in.T) * a.in.st;
+    int64_t start = 0;
+    if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+      start = for_each_vector<T, U>(row, V, [&](float* v, int64_t j) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[k] *= g;
+        E::store_vec(row + j, v);
+      });
+    }
+    for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) E::store(row + j, E::load(row + j) * g);
   }
 }
 
@@ -362,15 +482,17 @@ std::string last_error() {
 }
 
 template <class Args>
-std::string launch(const Args& a, uintptr_t stream, void (*f32)(Args), void (*bf16)(Args), void (*f16)(Args)) {
-  const int64_t rows = a.in.B * a.in.T;
+std::string launch(const Args& args, uintptr_t stream, void (*f32)(Launch<Args>), void (*bf16)(Launch<Args>),
+                   void (*f16)(Launch<Args>)) {
+  const Launch<Args> a{args, Tuning{g_reverse, g_streaming}};
+  const int64_t rows = args.in.B * args.in.T;
   if (rows == 0) return std::string();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int grid = grid_for(rows);
-  switch (a.in.dtype) {
-    case kFloat32: FRL_LAUNCH(f32, grid, kThreads, s, a); break;
-    case kBFloat16: FRL_LAUNCH(bf16, grid, kThreads, s, a); break;
-    default: FRL_LAUNCH(f16, grid, kThreads, s, a); break;
+  switch (args.in.dtype) {
+    case kFloat32: FRL_LAUNCH(f32, grid, g_threads, s, a); break;
+    case kBFloat16: FRL_LAUNCH(bf16, grid, g_threads, s, a); break;
+    default: FRL_LAUNCH(f16, grid, g_threads, s, a); break;
   }
   return last_error();
 }
@@ -407,6 +529,25 @@ std::string policy_fused(const PolicyArgs& a, uintptr_t stream) {
     return launch(a, stream, policy_kernel<float, U>, policy_kernel<__nv_bfloat16, U>, policy_kernel<__half, U>);
   });
 }
+
+std::string scale_rows(const ScaleArgs& a, uintptr_t stream) {
+  return by_unroll([&](auto u) {
+    constexpr int U = decltype(u)::value;
+    return launch(a, stream, scale_kernel<float, U>, scale_kernel<__nv_bfloat16, U>, scale_kernel<__half, U>);
+  });
+}
+
+void set_reverse(bool on) { g_reverse = on; }
+
+bool reverse() { return g_reverse; }
+
+void set_streaming(bool on) { g_streaming = on; }
+
+bool streaming() { return g_streaming; }
+
+void set_threads(int n) { g_threads = n; }
+
+int threads() { return g_threads; }
 
 void set_rows_per_sm(int k) { g_rows_per_sm = k; }
 

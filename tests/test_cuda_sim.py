@@ -351,13 +351,17 @@ def test_bitwise_identical_across_grids_and_schedules(cuda_kernels, dtype):
 def test_unrolled_row_sweeps(cuda_kernels, dtype):
     """Rows of 49,229 entries, so that each thread has 24 (fp32) / 12 (16-bit) vectors: the 2- and 4-deep
     unrolled loops of both sweeps run, with a remainder, on aligned and unaligned rows (the row stride is
-    not a multiple of 16 bytes). The reference's values, and bitwise the same for unroll 4, 2 and 1."""
+    not a multiple of 16 bytes). The reference's values, and bitwise the same for unroll 4, 2 and 1 and
+    with the gradient sweep reversed and streaming (whose thread owning the target entry differs)."""
     case = make_case(batch=3, length=2, vocab=49229, dtype=dtype, seed=21)
     compare_policy_loss("cpu", case, CONFIGS[1])
     outs = []
     try:
-        for unroll in (4, 2, 1):
+        for unroll, reverse, streaming in ((4, False, False), (2, False, False), (1, False, False),
+                                           (4, True, False), (2, True, True), (1, False, True)):
             cuda_kernels.cuda_set_unroll(unroll)
+            cuda_kernels.cuda_set_reverse(reverse)
+            cuda_kernels.cuda_set_streaming(streaming)
             x = case.logits.clone().requires_grad_(True)
             out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[1],
                                        backend="cpu", **case.kwargs())
@@ -368,9 +372,45 @@ def test_unrolled_row_sweeps(cuda_kernels, dtype):
             outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent, xt.grad))
     finally:
         cuda_kernels.cuda_set_unroll(4)
+        cuda_kernels.cuda_set_reverse(False)
+        cuda_kernels.cuda_set_streaming(False)
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [64, 1024])
+def test_threads_per_block(cuda_kernels, threads):
+    """The threads-per-block knob (the reductions' warp count changes with it: the reference's values, not
+    bitwise the same as 512) on rows with a scalar tail, unaligned rows and rows of a single vector."""
+    try:
+        cuda_kernels.cuda_set_threads(threads)
+        for vocab in (4099, 8):
+            compare_policy_loss("cpu", make_case(batch=3, length=4, vocab=vocab, seed=vocab), CONFIGS[1])
+        compare_policy_loss("cpu", make_case(batch=2, length=3, vocab=1000, dtype=torch.bfloat16, seed=4), CONFIGS[3])
+    finally:
+        cuda_kernels.cuda_set_threads(512)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("g", [1.0, -2.5, 0.0])
+def test_scale_rows_in_place(sim, dtype, g):
+    """``cuda_scale_`` (the single-pass backward's ``dlogits *= grad_output``) on aligned contiguous rows,
+    on a sliced view whose rows are unaligned, with more rows than the grid: ``x * g`` rounded once, and
+    with ``g == 1`` nothing written (the buffer keeps its bits, a -0.0 and a NaN included)."""
+    full = make_logits((5, 7, 4099), "randn", generator=torch.Generator().manual_seed(3), dtype=dtype)
+    full[0, 0, :3] = torch.tensor([-0.0, float("nan"), 1e30 if dtype == torch.float32 else 3e4])
+    for x in (full[:, :-1], full.reshape(-1)[: 35 * 4096].view(5, 7, 4096)):
+        before = x.clone()
+        gt = torch.tensor(g, dtype=torch.float32)
+        sim.cuda_scale_(x.data_ptr(), native._DTYPE_CODES[dtype], x.shape[0], x.shape[1], x.shape[2], x.stride(0),
+                        x.stride(1), gt.data_ptr(), 0)
+        if g == 1.0:
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            assert torch.equal(x.view(bits), before.view(bits))
+        else:
+            torch.testing.assert_close(x, (before.float() * g).to(dtype), rtol=0, atol=0, equal_nan=True)
+        x.copy_(before)
 
 
 def test_compile_fullgraph(cuda_kernels):

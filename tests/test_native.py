@@ -412,13 +412,48 @@ def test_cuda_sliced_inplace_and_token_logprobs(dtype):
     assert_close(x.grad, xr.grad, dtype, "grad", grad=True)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("scale", [-2.5, 1.0])
+def test_cuda_grad_output_scaling(scale):
+    """The stored dlogits times grad_output by the CUDA scale kernel (g read on the device; with g == 1 it
+    returns at once), on bf16 rows of 1000 (16-byte aligned: 128-bit loads) and 1001 entries (unaligned)."""
+    _cuda_or_skip()
+    case = on_device(make_case(batch=3, length=7, vocab=1000, dtype=torch.bfloat16, seed=9), "cuda")
+    for logits in (case.logits, make_logits((3, 8, 1001), generator=torch.Generator().manual_seed(2),
+                                            dtype=torch.bfloat16).cuda()[:, :-1]):
+        xr = logits.detach().float().requires_grad_(True)
+        x = logits.detach().clone().requires_grad_(True)
+        for leaf, backend in ((xr, "reference"), (x, "cuda")):
+            out = fused_rl.policy_loss(leaf, case.targets, case.advantages, case.mask, config=CONFIGS[1],
+                                       backend=backend, **case.kwargs())
+            (out.loss * scale).backward()
+        assert_close(x.grad, xr.grad, torch.bfloat16, "scaled dlogits", grad=True)
+
+
+@pytest.mark.parametrize("name", ["reverse", "streaming"])
+def test_cuda_switches(name):
+    """The CUDA kernels' on / off tuning knobs of the gradient sweep (order, cache policy): off by default;
+    tests/test_cuda_sim.py checks that they change no bit of the results."""
+    if not getattr(native._C, "has_cuda", False):
+        pytest.skip("built without the CUDA part")
+    get, set_ = getattr(native._C, f"cuda_{name}"), getattr(native._C, f"cuda_set_{name}")
+    assert get() is False
+    try:
+        set_(True)
+        assert get() is True
+    finally:
+        set_(False)
+
+
 @pytest.mark.parametrize("name, default, good, bad, message", [
     ("rows_per_sm", 2, 4, (0, 65), r"\[1, 64\]"),
     ("unroll", 4, 2, (0, 3, 8), "1, 2 or 4"),
+    ("threads", 512, 256, (0, 32, 100, 2048), r"multiple of 32 in \[64, 1024\]"),
 ])
 def test_cuda_tuning_knobs(name, default, good, bad, message):
-    """The CUDA kernels' tuning knobs of the benchmark's sweep, blocks per SM of the grid and 128-bit loads
-    in flight per thread: the default, an accepted value, and other values rejected with the range;
+    """The CUDA kernels' tuning knobs of the benchmark's sweep, blocks per SM of the grid, 128-bit loads
+    in flight per thread and threads per block: the default, an accepted value, and other values rejected
+    with the range;
     compiled in wherever nvcc built the CUDA part (no GPU needed; tests/test_cuda_sim.py checks that the
     results are bitwise the same whatever their values)."""
     if not getattr(native._C, "has_cuda", False):

@@ -235,6 +235,9 @@ struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+// cache-streaming load (ld.global.cs): a plain load here
+template <class T>
+inline T __ldcs(const T* p) { return *p; }
 
 struct __nv_bfloat16 {
   uint16_t bits;
