@@ -102,7 +102,7 @@ def main(full: bool) -> None:
                  "loss_ptr": "*fp32", "ratio_ptr": "*fp32", "kl_ptr": "*fp32"}
         for config, on_policy in (POLICY_VARIANTS_FULL if full else POLICY_VARIANTS):
             floats, consts = epilogue_signature(config, on_policy)
-            consts.update(WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block)
+            consts.update(WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block, REVERSE=False, HINTS=False)
             k = compile_kernel(K._policy_kernel, {**types, **floats}, consts, warps)
             print(xdt, f"policy {variant_name(config, on_policy)}", resource_usage(k))
         k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)

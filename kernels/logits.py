@@ -46,18 +46,26 @@ MAX_PROGRAMS: Optional[int] = None
 NUM_WARPS: Optional[int] = None
 #: Elements of one ``BLOCK_N x BLOCK_V`` tile: small vocabularies get several rows per program.
 TILE_ELEMENTS = 4096
+#: The single pass's gradient loop over a row's blocks from its end: the blocks the statistics loop read
+#: last, the likeliest still in L2 (a tuning knob; the results do not change).
+GRAD_REVERSE = False
+#: Cache policy of the single pass: the statistics loop loads ``evict_last`` (the row is read again), the
+#: gradient loop loads and stores ``evict_first`` (a tuning knob; the results do not change).
+CACHE_HINTS = False
 
 
 def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 8192 vocabulary entries for 2-byte logits and
     4096 for fp32 (16 KiB per row block load, 16-32 elements per thread), i.e. 19 / 38 blocks per row at
     V = 151936 with one row per program; ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per
-    program for small vocabularies; 4 warps up to 1024 elements per tile, 8 up to 4096, 16 above."""
+    program for small vocabularies; 4 warps up to 1024 elements per tile, 8 above (on an H200 at
+    N = 16384, V = 151936 bf16, 8 warps beat 16 at every BLOCK_V of the sweep: 3.24 vs 3.37 ms at 8192;
+    docs/triton.md)."""
     cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else (8192 if dtype.itemsize <= 2 else 4096)
     block = max(min(triton.next_power_of_2(vocab), triton.next_power_of_2(cap)), 16)
     rows = max(1, TILE_ELEMENTS // block)
     tile = rows * block
-    warps = 4 if tile <= 1024 else (8 if tile <= 4096 else 16)
+    warps = 4 if tile <= 1024 else 8
     return rows, block, NUM_WARPS or warps
 
 
@@ -80,7 +88,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.constexpr,
-               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
+               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr, EVICT: tl.constexpr = ""):
     """``(m, log2 s, logp, H)`` of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where not
     ``valid``; the caller masks); ``logp`` and ``H`` in natural log. Ignored rows load nothing.
 
@@ -103,7 +111,7 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < V),
-                    other=float("-inf")).to(tl.float32)
+                    other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
         u = x * scale
         m_new = tl.maximum(m, tl.max(u, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -135,7 +143,8 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
 
 @triton.jit
 def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, m2, log2_s, ent, g_logp, g_h,
-              BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
+              BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr, REVERSE: tl.constexpr = False,
+              EVICT: tl.constexpr = ""):
     """Writes ``(g_logp (onehot - p) + g_h p (E[z] - z)) / tau`` over the rows (zeros where not ``valid``).
 
     Per element, in base 2 (``u = x log2(e) / tau``, ``d = (u - m) - log2 s``, ``p = 2^d``):
@@ -151,18 +160,20 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
     ut = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=valid & in_vocab,
                  other=0.0).to(tl.float32) * scale
     one_minus_pt = -expm1(((ut - m2) - log2_s) * LN2)
-    for start in range(0, V, BLOCK_V):  # ignored rows load nothing and store zeros
+    n_blocks = tl.cdiv(V, BLOCK_V)
+    for k in range(0, n_blocks):  # ignored rows load nothing and store zeros
+        start = (n_blocks - 1 - k) * BLOCK_V if REVERSE else k * BLOCK_V
         cols = start + tl.arange(0, BLOCK_V)
         inb = cols[None, :] < V
         x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & inb,
-                    other=float("-inf")).to(tl.float32)
+                    other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
         d = (x * scale - m2[:, None]) - log2_s[:, None]
         p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
         g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
         if GRAD_ENT:
             g += b[:, None] * p * tl.where(p > 0.0, -h2[:, None] - d, 0.0)  # no 0 * inf
         tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
-                 mask=in_rows[:, None] & inb)
+                 mask=in_rows[:, None] & inb, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -208,14 +219,14 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
                    KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
                    ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, REVERSE: tl.constexpr, HINTS: tl.constexpr):
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         rows, in_rows = _rows(tile, N, BLOCK_N)
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
         valid = tgt != IGNORE_INDEX
         x_off = _row_offset(rows, T, xs0, xs1)
         m2, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
-                                           WITH_ENT)
+                                           WITH_ENT, "evict_last" if HINTS else "")
         logp = tl.where(valid, logp, 0.0)
         ent = tl.where(valid, ent, 0.0)
         adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
@@ -242,7 +253,7 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
             tl.store(kl_ptr + rows, kl, mask=in_rows)
         if WRITE_GRAD:
             _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
-                      m2, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT)
+                      m2, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "")
 
 
 @triton.jit
@@ -351,7 +362,7 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
             o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
             kl if epilogue["KL"] != 0 else logp, float(temperature),
             WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,
-            **epilogue)
+            REVERSE=bool(GRAD_REVERSE), HINTS=bool(CACHE_HINTS), **epilogue)
     return logp, ent, loss, ratio, kl
 
 

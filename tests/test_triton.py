@@ -193,11 +193,10 @@ def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, s
     and a capped grid: 2 programs loop over the row tiles."""
     monkeypatch.setattr(small_blocks, "MAX_PROGRAMS", 2)
     monkeypatch.setattr(small_blocks, "TILE_ELEMENTS", 512)  # 2 rows of 256 per tile: 8 tiles for 15 rows
-    case = make_case(batch=3, length=5, vocab=4099, seed=5)
-    full = make_logits((3, 6, 4099), "peaked", generator=torch.Generator().manual_seed(1))
-    case.logits = full[:, :-1]
+    case = on_device(make_case(batch=3, length=5, vocab=4099, seed=5), device)
+    full = make_logits((3, 6, 4099), "peaked", generator=torch.Generator().manual_seed(1)).to(device)
+    case.logits = full[:, :-1]  # sliced on the device: moving a view there would copy it to a contiguous tensor
     case.targets = case.targets.to(torch.int32)
-    case = on_device(case, device)
     assert not case.logits.is_contiguous()
     cfg = PolicyLossConfig(policy_loss="cispo", clip_high=0.2, kl="low_var_kl", beta=0.1, temperature=1.7,
                            entropy_coef=0.02)
@@ -275,6 +274,25 @@ def test_token_logprobs_shapes_int32_and_logp_only_grad(device, monkeypatch, sma
 # --------------------------------------------------------------------------- single-pass specifics
 def _loss(case, logits, cfg, **kw):
     return fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=cfg, **case.kwargs(), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_loop_order_and_cache_hints_change_nothing(device, monkeypatch, small_blocks):
+    """The single pass's tuning knobs (gradient loop from the row's end, eviction hints): the reference's
+    values, bitwise the same whatever their setting; V = 1000 in blocks of 256, a partial last block."""
+    case = on_device(make_case(vocab=1000, seed=4, dtype=torch.bfloat16), device)
+    outs = []
+    for reverse, hints in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(small_blocks, "GRAD_REVERSE", reverse)
+        monkeypatch.setattr(small_blocks, "CACHE_HINTS", hints)
+        x = case.logits.clone().requires_grad_(True)
+        out = _loss(case, x, CONFIGS[1], backend="triton")
+        out.loss.backward()
+        outs.append((out.loss, out.logprobs, out.entropy, x.grad))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+    compare_policy_loss("triton", case, CONFIGS[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -480,7 +498,7 @@ def test_block_heuristic(monkeypatch):
     from fused_rl.kernels import logits as K
 
     monkeypatch.setattr(K, "MAX_BLOCK_V", None)
-    assert K.block_config(151936, torch.bfloat16) == (1, 8192, 16)
+    assert K.block_config(151936, torch.bfloat16) == (1, 8192, 8)
     assert K.block_config(151936, torch.float32) == (1, 4096, 8)
     assert K.block_config(1000, torch.bfloat16) == (4, 1024, 8)
     monkeypatch.setattr(K, "MAX_BLOCK_V", 256)
