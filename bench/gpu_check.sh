@@ -13,9 +13,11 @@
 #           summary says whether the cuda and triton backends are usable (else their tests only skip)
 #   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening and variant tests (xdist)
 #   logits  bench/gpu_logits_bench.py: policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
-#           torch / reference / liger, a block x warps x grid sweep (triton), a rows-per-SM x unroll sweep (cuda)
+#           torch / reference / liger; sweeps of the triton (block x warps, then loop order, cache hints,
+#           grid) and cuda (threads x blocks per SM, then unroll, sweep order, cache policy) launch knobs
 #   variants  bench/bench_variants.py on triton and cuda: single pass vs two-pass per variant
 #   linear  bench.report --set gpu --ops linear_policy_loss: N=8192, H=4096, V=128256, bf16
+#   linear_budget  bench/gpu_linear_budget.py: the tiled fused linear by tile budget, and its GEMMs alone
 # What comes back (the device tool returns at most 8 files): OUTDIR/summary.txt (environment, each
 # step's exit code, wall time and output tail) and OUTDIR/results.tar.gz (every step's full output,
 # junit XML, JSON and Markdown tables), both rewritten after every step.
@@ -93,7 +95,7 @@ FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
   tests/test_hardening.py tests/test_variants.py
 
-TAIL=40 step logits 110 "$PY" bench/gpu_logits_bench.py "$WORK/logits"
+TAIL=60 step logits 150 "$PY" bench/gpu_logits_bench.py "$WORK/logits"
 
 for backend in triton cuda; do
   TAIL=15 step "variants_$backend" 40 "$PY" bench/bench_variants.py --backend "$backend" --dtype bf16 \
@@ -102,6 +104,8 @@ done
 
 TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops linear_policy_loss \
   --impls reference,torch,triton,cuda,liger,cce,reference-compiled --repeats 3 --out "$WORK/linear"
+
+TAIL=12 step linear_budget 70 "$PY" bench/gpu_linear_budget.py "$WORK/linear_budget"
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish

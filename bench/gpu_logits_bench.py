@@ -298,29 +298,56 @@ def main():
 
     from fused_rl.backends import native
 
-    if not args.quick and cuda_reason is None and not DRY and hasattr(native._C, "cuda_set_rows_per_sm"):
-        # grid x unroll sweep of the CUDA kernels: blocks (rows in flight) per SM, 128-bit loads in flight
-        # per thread (cuda_set_unroll: bitwise the same results)
+    def best(prefix):
+        rows = [r for r in results if r["name"].startswith(prefix) and "ms" in r]
+        return min(rows, key=lambda r: r["ms"]) if rows else None
+
+    if not args.quick and cuda_reason is None and not DRY and hasattr(native._C, "cuda_set_threads"):
+        # the CUDA kernels' launch shape (threads per block x blocks per SM), then at the best one the loads
+        # in flight per thread and the gradient sweep's order and cache policy (these do not change results)
         C = native._C
-        default, default_unroll = C.cuda_rows_per_sm(), C.cuda_unroll()
-        for k in (1, 2, 3, 4, 8):
-            for u in (1, 2, 4):
-                C.cuda_set_rows_per_sm(k)
-                C.cuda_set_unroll(u)
-                measure(f"sweep cuda single-pass rows_per_sm={k} unroll={u}", step_for("cuda"), x, results,
-                        extra=dict(rows_per_sm=k, unroll=u), **one)
-        C.cuda_set_rows_per_sm(default)
-        C.cuda_set_unroll(default_unroll)
+        knobs = ("threads", "rows_per_sm", "unroll", "reverse", "streaming")
+        defaults = {k: getattr(C, f"cuda_{k}")() for k in knobs}
+
+        def run_cuda(**kv):
+            for k, v in {**defaults, **kv}.items():
+                getattr(C, f"cuda_set_{k}")(v)
+            tag = " ".join(f"{k}={v}" for k, v in kv.items())
+            measure(f"sweep cuda single-pass {tag}", step_for("cuda"), x, results, extra=kv, **one)
+
+        try:
+            for threads, rows in ((256, 2), (256, 4), (256, 8), (512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2)):
+                run_cuda(threads=threads, rows_per_sm=rows)
+            top = best("sweep cuda")
+            shape = dict(threads=top["threads"], rows_per_sm=top["rows_per_sm"])
+            for unroll, reverse, streaming in ((2, False, False), (4, True, False), (4, False, True), (4, True, True),
+                                               (2, True, True)):
+                run_cuda(**shape, unroll=unroll, reverse=reverse, streaming=streaming)
+        finally:
+            for k, v in defaults.items():
+                getattr(C, f"cuda_set_{k}")(v)
     if not args.quick:
-        # block / grid sweep of the triton single pass
-        for block in ((256,) if DRY else (4096, 8192, 16384)):
-            for warps in (8, 16):
-                for progs in (None, sms):
-                    K.MAX_BLOCK_V, K.NUM_WARPS, K.MAX_PROGRAMS = block, warps, progs
-                    measure(f"sweep single-pass BLOCK_V={block} warps={warps} programs={progs or 'tiles'}",
-                            step_for("triton"), x, results, extra=dict(block_v=block, warps=warps, programs=progs),
-                            **one)
-        K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
+        # the triton single pass: block x warps, then at the best one the gradient loop's order, the cache
+        # hints and a capped grid (rows in flight bounded, so that a row's second read can hit L2)
+        def run_triton(block, warps, programs=None, reverse=False, hints=False):
+            K.MAX_BLOCK_V, K.NUM_WARPS, K.MAX_PROGRAMS = block, warps, programs
+            K.GRAD_REVERSE, K.CACHE_HINTS = reverse, hints
+            measure(f"sweep triton single-pass BLOCK_V={block} warps={warps} programs={programs or 'tiles'} "
+                    f"reverse={reverse} hints={hints}", step_for("triton"), x, results,
+                    extra=dict(block_v=block, warps=warps, programs=programs, reverse=reverse, hints=hints), **one)
+
+        try:
+            for block in ((256,) if DRY else (4096, 8192, 16384)):
+                for warps in (8, 16):
+                    run_triton(block, warps)
+            top = best("sweep triton")
+            bw = (top["block_v"], top["warps"]) if top else (256, 8)
+            for programs, reverse, hints in ((None, True, False), (None, False, True), (None, True, True),
+                                             (2 * sms, True, True), (4 * sms, True, True)):
+                run_triton(*bw, programs=programs, reverse=reverse, hints=hints)
+        finally:
+            K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
+            K.GRAD_REVERSE = K.CACHE_HINTS = False
 
     dump(args.out, info, results, final=True)
 
