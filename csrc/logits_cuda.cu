@@ -128,46 +128,42 @@ template <> struct Elem<float> {
     store128(p, float_bits(v[0]), float_bits(v[1]), float_bits(v[2]), float_bits(v[3]), streaming);
   }
 };
-template <> struct Elem<__nv_bfloat16> {
+// bf16 and fp16: 8 values a 128-bit vector, converted two at a time by C's functions.
+template <class T, class T2, class C>
+struct Elem16 {
   static constexpr int kVec = 8;
-  __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-  __device__ static void load_vec(const __nv_bfloat16* p, float* v, bool last_use = false) {
+  __device__ static float load(const T* p) { return C::to_float(*p); }
+  __device__ static void store(T* p, float v) { *p = C::from_float(v); }
+  __device__ static void load_vec(const T* p, float* v, bool last_use = false) {
     const uint4 q = load128<uint4>(p, last_use);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+    const T2* h = reinterpret_cast<const T2*>(&q);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }
+    for (int i = 0; i < 4; ++i) { const float2 f = C::to_float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }
   }
   __device__ static uint32_t pack(float a, float b) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    const T2 h = C::from_floats(a, b);
     uint32_t u;
     memcpy(&u, &h, sizeof u);
     return u;
   }
-  __device__ static void store_vec(__nv_bfloat16* p, const float* v, bool streaming = false) {
+  __device__ static void store_vec(T* p, const float* v, bool streaming = false) {
     store128(p, pack(v[0], v[1]), pack(v[2], v[3]), pack(v[4], v[5]), pack(v[6], v[7]), streaming);
   }
 };
-template <> struct Elem<__half> {
-  static constexpr int kVec = 8;
-  __device__ static float load(const __half* p) { return __half2float(*p); }
-  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
-  __device__ static void load_vec(const __half* p, float* v, bool last_use = false) {
-    const uint4 q = load128<uint4>(p, last_use);
-    const __half2* h = reinterpret_cast<const __half2*>(&q);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) { const float2 f = __half22float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }
-  }
-  __device__ static uint32_t pack(float a, float b) {
-    const __half2 h = __floats2half2_rn(a, b);
-    uint32_t u;
-    memcpy(&u, &h, sizeof u);
-    return u;
-  }
-  __device__ static void store_vec(__half* p, const float* v, bool streaming = false) {
-    store128(p, pack(v[0], v[1]), pack(v[2], v[3]), pack(v[4], v[5]), pack(v[6], v[7]), streaming);
-  }
+struct Bf16Conv {
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  __device__ static float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+  __device__ static __nv_bfloat162 from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
+struct HalfConv {
+  __device__ static float to_float(__half x) { return __half2float(x); }
+  __device__ static __half from_float(float v) { return __float2half_rn(v); }
+  __device__ static float2 to_float2(__half2 x) { return __half22float2(x); }
+  __device__ static __half2 from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <> struct Elem<__nv_bfloat16> : Elem16<__nv_bfloat16, __nv_bfloat162, Bf16Conv> {};
+template <> struct Elem<__half> : Elem16<__half, __half2, HalfConv> {};
 
 struct Acc {
   float m, s, u;  // base-2 running max, sum 2^(y-m), sum 2^(y-m) (y-m)
