@@ -44,7 +44,7 @@ def compile_kernel(fn, types, consts, num_warps):
 
 def vector_loads(kernel) -> str:
     """``vec16`` when the logits are read with 16-byte vector loads (``ld.global.v4``)."""
-    return "vec16" if re.search(r"ld\.global(\.\w+)*\.v4", kernel.asm["ptx"]) else "SCALAR-LOADS"
+    return "vec16" if re.search(r"ld\.global(\.[\w:]+)*\.v4", kernel.asm["ptx"]) else "SCALAR-LOADS"
 
 
 def resource_usage(kernel) -> str:
@@ -105,6 +105,10 @@ def main(full: bool) -> None:
             consts.update(WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block, REVERSE=False, HINTS=False)
             k = compile_kernel(K._policy_kernel, {**types, **floats}, consts, warps)
             print(xdt, f"policy {variant_name(config, on_policy)}", resource_usage(k))
+        for knobs in (dict(REVERSE=True), dict(HINTS=True)):
+            k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, **knobs}, warps)
+            hints = "evict_last" in k.asm["ptx"] and "evict_first" in k.asm["ptx"]
+            print(xdt, f"policy {' '.join(knobs)}{' cache-hints' if hints else ''}", resource_usage(k))
         k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
         print(xdt, "policy BLOCK_N=4 BLOCK_V=1024", resource_usage(k))
         k = compile_kernel(K._scale_kernel, dict(x_ptr="*" + xdt, s0="i64", g_ptr="*fp32"),

@@ -424,6 +424,7 @@ def test_kernels_compile_for_sm90():
     for line in res.stdout.splitlines():  # 16-byte vector loads of the logits at V = 151936
         if line.startswith(("bf16 stats", "bf16 grad", "bf16 policy", "bf16 scale")):
             assert "vec16" in line, line
+    assert "bf16 policy HINTS cache-hints" in res.stdout  # the eviction hints reach the PTX
 
 
 # --------------------------------------------------------------------------- availability, heuristics
