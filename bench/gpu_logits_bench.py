@@ -324,7 +324,7 @@ def main():
             for threads, rows in ((256, 2), (256, 4), (256, 8), (512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2)):
                 run_cuda(threads=threads, rows_per_sm=rows)
             top = best("sweep cuda")
-            shape = dict(threads=top["threads"], rows_per_sm=top["rows_per_sm"])
+            shape = dict(threads=top["threads"], rows_per_sm=top["rows_per_sm"]) if top else {}
             for unroll, reverse, streaming in ((2, False, False), (4, True, False), (4, False, True), (4, True, True),
                                                (2, True, True)):
                 run_cuda(**shape, unroll=unroll, reverse=reverse, streaming=streaming)
