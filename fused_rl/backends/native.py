@@ -263,15 +263,13 @@ def scale_grad_(grad: torch.Tensor, g: torch.Tensor) -> None:
     """``grad *= g`` in place, skipped when ``g == 1`` (the usual ``loss.backward()``): on CUDA the kernel
     reads ``g`` on the device (no host sync) and returns at once when it is 1; on CPU ``float(g)``."""
     if grad.is_cuda:
+        # the (B, T, V) buffer the forward wrote (unit vocabulary stride, validated): _rows takes no copy
         x, b, t, v, sb, st = _rows(grad)
-        if x.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr() and x.stride(-1) == 1:
-            g32 = g.detach().reshape(()).to(torch.float32)
-            with torch.cuda.device(grad.device):
-                _C.cuda_scale_(x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, g32.data_ptr(), _stream(grad))
-            return
-    elif float(g) == 1.0:
-        return
-    grad.mul_(g.to(grad.dtype))  # CPU, or rows the CUDA kernel cannot address without a copy
+        g32 = g.detach().reshape(()).to(torch.float32)
+        with torch.cuda.device(grad.device):
+            _C.cuda_scale_(x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, g32.data_ptr(), _stream(grad))
+    elif float(g) != 1.0:
+        grad.mul_(g.to(grad.dtype))
 
 
 @scale_grad_.register_fake
