@@ -88,7 +88,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.constexpr,
-               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr, EVICT: tl.constexpr = ""):
+               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr, EVICT: tl.constexpr):
     """``(m, log2 s, logp, H)`` of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where not
     ``valid``; the caller masks); ``logp`` and ``H`` in natural log. Ignored rows load nothing.
 
@@ -143,8 +143,7 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
 
 @triton.jit
 def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, m2, log2_s, ent, g_logp, g_h,
-              BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr, REVERSE: tl.constexpr = False,
-              EVICT: tl.constexpr = ""):
+              BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr, REVERSE: tl.constexpr, EVICT: tl.constexpr):
     """Writes ``(g_logp (onehot - p) + g_h p (E[z] - z)) / tau`` over the rows (zeros where not ``valid``).
 
     Per element, in base 2 (``u = x log2(e) / tau``, ``d = (u - m) - log2 s``, ``p = 2^d``):
@@ -184,7 +183,7 @@ def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr,
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
         valid = tgt != IGNORE_INDEX
         m2, log2_s, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V,
-                                           temperature, BLOCK_N, BLOCK_V, WITH_ENT)
+                                           temperature, BLOCK_N, BLOCK_V, WITH_ENT, "")
         tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
         tl.store(lse_ptr + rows, tl.where(valid, m2, 0.0), mask=in_rows)
         tl.store(lse_ptr + N + rows, tl.where(valid, log2_s, 0.0), mask=in_rows)
@@ -208,7 +207,7 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
             ent = tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
             g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
         _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
-                  valid, V, temperature, m2, log2_s, ent, g_logp, g_h, BLOCK_V, GRAD_ENT)
+                  valid, V, temperature, m2, log2_s, ent, g_logp, g_h, BLOCK_V, GRAD_ENT, False, "")
 
 
 @triton.jit
