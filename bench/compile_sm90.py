@@ -88,8 +88,7 @@ def main(full: bool) -> None:
     dtypes = ("bf16", "fp32", "fp16") if full else ("bf16",)
     for xdt in dtypes:
         base = dict(x_ptr="*" + xdt, xs0="i64", xs1="i32", tgt_ptr="*i64", temperature=F32)
-        _, block, warps = K.block_config(151936, {"bf16": K.torch.bfloat16, "fp16": K.torch.float16,
-                                                  "fp32": K.torch.float32}[xdt])
+        _, block, warps = K.block_config(151936)
         k = compile_kernel(K._stats_kernel, {**base, "logp_ptr": "*fp32", "ent_ptr": "*fp32", "lse_ptr": "*fp32"},
                            dict(BLOCK_N=1, BLOCK_V=block, WITH_ENT=True), warps)
         print(xdt, "stats", resource_usage(k))
@@ -102,13 +101,15 @@ def main(full: bool) -> None:
                  "loss_ptr": "*fp32", "ratio_ptr": "*fp32", "kl_ptr": "*fp32"}
         for config, on_policy in (POLICY_VARIANTS_FULL if full else POLICY_VARIANTS):
             floats, consts = epilogue_signature(config, on_policy)
-            consts.update(WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block, REVERSE=False, HINTS=False)
+            consts.update(WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block, REVERSE=K.GRAD_REVERSE,
+                          HINTS=K.CACHE_HINTS)
             k = compile_kernel(K._policy_kernel, {**types, **floats}, consts, warps)
             print(xdt, f"policy {variant_name(config, on_policy)}", resource_usage(k))
-        for knobs in (dict(REVERSE=True), dict(HINTS=True)):
+        for knobs in (dict(REVERSE=True, HINTS=True), dict(REVERSE=False, HINTS=False)):
             k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, **knobs}, warps)
             hints = "evict_last" in k.asm["ptx"] and "evict_first" in k.asm["ptx"]
-            print(xdt, f"policy {' '.join(knobs)}{' cache-hints' if hints else ''}", resource_usage(k))
+            tag = " ".join(f"{n}={int(v)}" for n, v in knobs.items())
+            print(xdt, f"policy {tag}{' cache-hints' if hints else ''}", resource_usage(k))
         k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
         print(xdt, "policy BLOCK_N=4 BLOCK_V=1024", resource_usage(k))
         k = compile_kernel(K._scale_kernel, dict(x_ptr="*" + xdt, s0="i64", g_ptr="*fp32"),

@@ -18,6 +18,8 @@
 #   variants  bench/bench_variants.py on triton and cuda: single pass vs two-pass per variant
 #   linear  bench.report --set gpu --ops linear_policy_loss: N=8192, H=4096, V=128256, bf16
 #   linear_budget  bench/gpu_linear_budget.py: the tiled fused linear by tile budget, and its GEMMs alone
+# GPU_CHECK_STEPS (default all): the steps to run among pytest, logits, variants, linear, linear_budget
+# (wheels and build always run; e.g. GPU_CHECK_STEPS="logits linear_budget" for a short confirmation).
 # What comes back (the device tool returns at most 8 files): OUTDIR/summary.txt (environment, each
 # step's exit code, wall time and output tail) and OUTDIR/results.tar.gz (every step's full output,
 # junit XML, JSON and Markdown tables), both rewritten after every step.
@@ -61,6 +63,14 @@ step() {
   publish
 }
 
+# wanted STEP: whether GPU_CHECK_STEPS names it
+wanted() {
+  case " ${GPU_CHECK_STEPS:-pytest logits variants linear linear_budget} " in
+    *" $1 "*) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
@@ -90,22 +100,22 @@ for name in ('numpy', 'transformers', 'liger_kernel', 'cut_cross_entropy'):
 cat "$SUMMARY"
 publish
 
-FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
+wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
   tests/test_hardening.py tests/test_variants.py
 
-TAIL=60 step logits 150 "$PY" bench/gpu_logits_bench.py "$WORK/logits"
+wanted logits && TAIL=60 step logits 150 "$PY" bench/gpu_logits_bench.py "$WORK/logits"
 
-for backend in triton cuda; do
+wanted variants && for backend in triton cuda; do
   TAIL=15 step "variants_$backend" 40 "$PY" bench/bench_variants.py --backend "$backend" --dtype bf16 \
     --batch 16 --length 512 --vocab 151936 --repeat 3
 done
 
-TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops linear_policy_loss \
+wanted linear && TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops linear_policy_loss \
   --impls reference,torch,triton,cuda,liger,cce,reference-compiled --repeats 3 --out "$WORK/linear"
 
-TAIL=12 step linear_budget 70 "$PY" bench/gpu_linear_budget.py "$WORK/linear_budget"
+wanted linear_budget && TAIL=12 step linear_budget 70 "$PY" bench/gpu_linear_budget.py "$WORK/linear_budget"
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish

@@ -308,8 +308,9 @@ def main():
         return min(rows, key=lambda r: r["ms"]) if rows else None
 
     if not args.quick and cuda_reason is None and not DRY and hasattr(native._C, "cuda_set_threads"):
-        # the CUDA kernels' launch shape (threads per block x blocks per SM), then at the best one the loads
-        # in flight per thread and the gradient sweep's order and cache policy (these do not change results)
+        # the CUDA kernels' launch shape (threads per block x blocks per SM) at the default loop knobs, then at
+        # the best shape the loads in flight per thread and each other setting of the gradient sweep's order
+        # and cache policy (these do not change results)
         C = native._C
         knobs = ("threads", "rows_per_sm", "unroll", "reverse", "streaming")
         defaults = {k: getattr(C, f"cuda_{k}")() for k in knobs}
@@ -317,24 +318,28 @@ def main():
         def run_cuda(**kv):
             for k, v in {**defaults, **kv}.items():
                 getattr(C, f"cuda_set_{k}")(v)
-            tag = " ".join(f"{k}={v}" for k, v in kv.items())
-            measure(f"sweep cuda single-pass {tag}", step_for("cuda"), x, results, extra=kv, **one)
+            tag = " ".join(f"{k}={v}" for k, v in {**defaults, **kv}.items())
+            measure(f"sweep cuda single-pass {tag}", step_for("cuda"), x, results, extra={**defaults, **kv}, **one)
 
         try:
-            for threads, rows in ((256, 2), (256, 4), (256, 8), (512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2)):
+            for threads, rows in ((256, 4), (256, 8), (512, 2), (512, 4), (512, 6), (768, 2), (1024, 2)):
                 run_cuda(threads=threads, rows_per_sm=rows)
             top = best("sweep cuda")
             shape = dict(threads=top["threads"], rows_per_sm=top["rows_per_sm"]) if top else {}
-            for unroll, reverse, streaming in ((2, False, False), (4, True, False), (4, False, True), (4, True, True),
-                                               (2, True, True)):
+            r, st = defaults["reverse"], defaults["streaming"]
+            for unroll, reverse, streaming in ((2, r, st), (defaults["unroll"], not r, st), (defaults["unroll"], r, not st),
+                                               (defaults["unroll"], not r, not st)):
                 run_cuda(**shape, unroll=unroll, reverse=reverse, streaming=streaming)
         finally:
             for k, v in defaults.items():
                 getattr(C, f"cuda_set_{k}")(v)
     if not args.quick:
-        # the triton single pass: block x warps, then at the best one the gradient loop's order, the cache
-        # hints and a capped grid (rows in flight bounded, so that a row's second read can hit L2)
-        def run_triton(block, warps, programs=None, reverse=False, hints=False):
+        # the triton single pass: block x warps at the default loop knobs, then at the best one each other
+        # setting of the gradient loop's order and the cache hints, and capped grids (rows in flight bounded,
+        # so that a row's second read can hit L2)
+        knob_defaults = (K.GRAD_REVERSE, K.CACHE_HINTS)
+
+        def run_triton(block, warps, programs=None, reverse=knob_defaults[0], hints=knob_defaults[1]):
             K.MAX_BLOCK_V, K.NUM_WARPS, K.MAX_PROGRAMS = block, warps, programs
             K.GRAD_REVERSE, K.CACHE_HINTS = reverse, hints
             measure(f"sweep triton single-pass BLOCK_V={block} warps={warps} programs={programs or 'tiles'} "
@@ -342,17 +347,19 @@ def main():
                     extra=dict(block_v=block, warps=warps, programs=programs, reverse=reverse, hints=hints), **one)
 
         try:
-            for block in ((256,) if DRY else (4096, 8192, 16384)):
-                for warps in (8, 16):
-                    run_triton(block, warps)
+            for block, warps in (((256, 8),) if DRY else ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8),
+                                                          (8192, 16), (16384, 16))):
+                run_triton(block, warps)
             top = best("sweep triton")
             bw = (top["block_v"], top["warps"]) if top else (256, 8)
-            for programs, reverse, hints in ((None, True, False), (None, False, True), (None, True, True),
-                                             (2 * sms, True, True), (4 * sms, True, True)):
-                run_triton(*bw, programs=programs, reverse=reverse, hints=hints)
+            r, h = knob_defaults
+            for reverse, hints in ((not r, h), (r, not h), (not r, not h)):
+                run_triton(*bw, reverse=reverse, hints=hints)
+            for programs in (4 * sms, 8 * sms):
+                run_triton(*bw, programs=programs)
         finally:
             K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
-            K.GRAD_REVERSE = K.CACHE_HINTS = False
+            K.GRAD_REVERSE, K.CACHE_HINTS = knob_defaults
 
     dump(args.out, info, results, final=True)
 

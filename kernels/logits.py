@@ -47,21 +47,22 @@ NUM_WARPS: Optional[int] = None
 #: Elements of one ``BLOCK_N x BLOCK_V`` tile: small vocabularies get several rows per program.
 TILE_ELEMENTS = 4096
 #: The single pass's gradient loop over a row's blocks from its end: the blocks the statistics loop read
-#: last, the likeliest still in L2 (a tuning knob; the results do not change).
-GRAD_REVERSE = False
+#: last, the likeliest still in L2 (a tuning knob; the results do not change). On by measurement: on an
+#: H200 (N = 16384, V = 151936 bf16) with CACHE_HINTS 3.10 ms against 3.27 ms with neither (docs/triton.md).
+GRAD_REVERSE = True
 #: Cache policy of the single pass: the statistics loop loads ``evict_last`` (the row is read again), the
-#: gradient loop loads and stores ``evict_first`` (a tuning knob; the results do not change).
-CACHE_HINTS = False
+#: gradient loop loads and stores ``evict_first`` (a tuning knob; the results do not change). On by
+#: measurement, with GRAD_REVERSE (alone it was slower: 3.47 ms).
+CACHE_HINTS = True
 
 
-def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 8192 vocabulary entries for 2-byte logits and
-    4096 for fp32 (16 KiB per row block load, 16-32 elements per thread), i.e. 19 / 38 blocks per row at
-    V = 151936 with one row per program; ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per
-    program for small vocabularies; 4 warps up to 1024 elements per tile, 8 above (on an H200 at
-    N = 16384, V = 151936 bf16, 8 warps beat 16 at every BLOCK_V of the sweep: 3.24 vs 3.37 ms at 8192;
-    docs/triton.md)."""
-    cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else (8192 if dtype.itemsize <= 2 else 4096)
+def block_config(vocab: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 4096 vocabulary entries (8-16 KiB per row block
+    load, 16 elements per thread), i.e. 38 blocks per row at V = 151936 with one row per program;
+    ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per program for small vocabularies; 4 warps up
+    to 1024 elements per tile, 8 above (on an H200 at N = 16384, V = 151936 bf16: 4096 x 8 warps 3.27 ms,
+    8192 x 8 3.31, 16384 x 16 3.36, 16 warps slower at 4096 and 8192; docs/triton.md)."""
+    cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else 4096
     block = max(min(triton.next_power_of_2(vocab), triton.next_power_of_2(cap)), 16)
     rows = max(1, TILE_ELEMENTS // block)
     tile = rows * block
@@ -307,7 +308,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     logp = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(2, n, dtype=torch.float32, device=x.device)
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
-    bn, block, warps = block_config(V, x.dtype)
+    bn, block, warps = block_config(V)
     with _on(x):
         _stats_kernel[_grid(n, bn)](
             x, x.stride(0), x.stride(1), n, T, V, tgt, logp, ent if with_entropy else logp, lse,
@@ -321,7 +322,7 @@ def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, ou
     B, T, V = x.shape
     o = torch.empty((B, T, V), dtype=x.dtype, device=x.device) if out is None else as_rows(out)
     grad_ent = entropy is not None and g_entropy is not None
-    bn, block, warps = block_config(V, x.dtype)
+    bn, block, warps = block_config(V)
     g_logp = g_logp.reshape(-1).contiguous()
     ent = entropy.reshape(-1).contiguous() if grad_ent else g_logp
     g_ent = g_entropy.reshape(-1).contiguous() if grad_ent else g_logp
@@ -350,7 +351,7 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
     ent = new(n if with_entropy else 0)
     kl = new(n if epilogue["KL"] != 0 else 0)
     o = as_rows(out) if write_grad else x
-    bn, block, warps = block_config(V, x.dtype)
+    bn, block, warps = block_config(V)
     if epilogue["ROLLOUT"] != 0 and rollout is None:
         raise ValueError("token rollout correction needs the rollout log-probs")
     unused = advantages  # any pointer for the arguments the constexprs leave unread
@@ -369,7 +370,7 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
     """In-place ``x *= g`` for ``(..., V)`` ``x`` with any row strides; ``g`` a one-element tensor."""
     r = as_rows(x)
     B, T, V = r.shape
-    bn, block, warps = block_config(V, r.dtype)
+    bn, block, warps = block_config(V)
     with _on(r):
         _scale_kernel[_grid(B * T, bn)](r, r.stride(0), r.stride(1), B * T, T, V, g.reshape(()).to(torch.float32),
                                         BLOCK_N=bn, BLOCK_V=block, num_warps=warps)

@@ -151,13 +151,21 @@ def sim(built):
     return module
 
 
+#: The CUDA kernels' launch knobs (``cuda_set_<knob>`` / ``cuda_<knob>``), restored after each test.
+KNOBS = ("threads", "rows_per_sm", "unroll", "reverse", "streaming")
+
+
 @pytest.fixture
 def cuda_kernels(sim, monkeypatch):
-    """Route the ``cpu`` backend's kernel calls to the emulated CUDA kernels for one test."""
+    """Route the ``cpu`` backend's kernel calls to the emulated CUDA kernels for one test (its launch knobs
+    set back to the defaults afterwards)."""
     native.epilogue_params.cache_clear()  # its params objects are the module's own class
     kernels = CudaKernelsAsCpu(sim)
+    defaults = {k: getattr(sim, f"cuda_{k}")() for k in KNOBS}
     monkeypatch.setattr(native, "_C", kernels)
     yield kernels
+    for k, v in defaults.items():
+        getattr(sim, f"cuda_set_{k}")(v)
     native.epilogue_params.cache_clear()
 
 
@@ -328,20 +336,18 @@ def test_offsets_beyond_int32(cuda_kernels):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bitwise_identical_across_grids_and_schedules(cuda_kernels, dtype):
     """One block per row at a time: the grid size (rows per SM 1, 2, 64: from 4 to 24 blocks for 24 rows)
-    and the order the emulation runs threads in between barriers (drawn anew per launch) change nothing."""
+    and the order the emulation runs threads in between barriers (drawn anew per launch) change nothing
+    (the fixture sets the knobs back)."""
     case = make_case(batch=4, length=6, vocab=4099, dtype=dtype, seed=12)
     outs = []
-    try:
-        for rows_per_sm in (2, 1, 64, 2):
-            cuda_kernels.cuda_set_rows_per_sm(rows_per_sm)
-            x = case.logits.clone().requires_grad_(True)
-            out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[1],
-                                       backend="cpu", **case.kwargs())
-            out.loss.backward()
-            lp, ent = fused_rl.token_logprobs(case.logits, case.targets, return_entropy=True, backend="cpu")
-            outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent))
-    finally:
-        cuda_kernels.cuda_set_rows_per_sm(2)
+    for rows_per_sm in (2, 1, 64, 2):
+        cuda_kernels.cuda_set_rows_per_sm(rows_per_sm)
+        x = case.logits.clone().requires_grad_(True)
+        out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[1],
+                                   backend="cpu", **case.kwargs())
+        out.loss.backward()
+        lp, ent = fused_rl.token_logprobs(case.logits, case.targets, return_entropy=True, backend="cpu")
+        outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent))
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             assert torch.equal(a, b)
@@ -356,24 +362,19 @@ def test_unrolled_row_sweeps(cuda_kernels, dtype):
     case = make_case(batch=3, length=2, vocab=49229, dtype=dtype, seed=21)
     compare_policy_loss("cpu", case, CONFIGS[1])
     outs = []
-    try:
-        for unroll, reverse, streaming in ((4, False, False), (2, False, False), (1, False, False),
-                                           (4, True, False), (2, True, True), (1, False, True)):
-            cuda_kernels.cuda_set_unroll(unroll)
-            cuda_kernels.cuda_set_reverse(reverse)
-            cuda_kernels.cuda_set_streaming(streaming)
-            x = case.logits.clone().requires_grad_(True)
-            out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[1],
-                                       backend="cpu", **case.kwargs())
-            out.loss.backward()
-            xt = case.logits.clone().requires_grad_(True)
-            lp, ent = fused_rl.token_logprobs(xt, case.targets, return_entropy=True, temperature=0.7, backend="cpu")
-            (lp.sum() - 0.5 * ent.sum()).backward()
-            outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent, xt.grad))
-    finally:
-        cuda_kernels.cuda_set_unroll(4)
-        cuda_kernels.cuda_set_reverse(False)
-        cuda_kernels.cuda_set_streaming(False)
+    for unroll, reverse, streaming in ((4, False, False), (2, False, False), (1, False, False),
+                                       (4, True, False), (2, True, True), (1, False, True)):
+        cuda_kernels.cuda_set_unroll(unroll)
+        cuda_kernels.cuda_set_reverse(reverse)
+        cuda_kernels.cuda_set_streaming(streaming)
+        x = case.logits.clone().requires_grad_(True)
+        out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[1],
+                                   backend="cpu", **case.kwargs())
+        out.loss.backward()
+        xt = case.logits.clone().requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(xt, case.targets, return_entropy=True, temperature=0.7, backend="cpu")
+        (lp.sum() - 0.5 * ent.sum()).backward()
+        outs.append((out.loss, out.logprobs, out.entropy, x.grad, lp, ent, xt.grad))
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             assert torch.equal(a, b)
@@ -383,13 +384,10 @@ def test_unrolled_row_sweeps(cuda_kernels, dtype):
 def test_threads_per_block(cuda_kernels, threads):
     """The threads-per-block knob (the reductions' warp count changes with it: the reference's values, not
     bitwise the same as 512) on rows with a scalar tail, unaligned rows and rows of a single vector."""
-    try:
-        cuda_kernels.cuda_set_threads(threads)
-        for vocab in (4099, 8):
-            compare_policy_loss("cpu", make_case(batch=3, length=4, vocab=vocab, seed=vocab), CONFIGS[1])
-        compare_policy_loss("cpu", make_case(batch=2, length=3, vocab=1000, dtype=torch.bfloat16, seed=4), CONFIGS[3])
-    finally:
-        cuda_kernels.cuda_set_threads(512)
+    cuda_kernels.cuda_set_threads(threads)
+    for vocab in (4099, 8):
+        compare_policy_loss("cpu", make_case(batch=3, length=4, vocab=vocab, seed=vocab), CONFIGS[1])
+    compare_policy_loss("cpu", make_case(batch=2, length=3, vocab=1000, dtype=torch.bfloat16, seed=4), CONFIGS[3])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

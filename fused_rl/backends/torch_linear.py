@@ -437,9 +437,10 @@ def fake_grads(hidden, weight, need_h, need_w, need_b):
 
 def scale_grads(ctx, g_loss):
     """The stored ``(grad_hidden, grad_weight, grad_bias)`` times ``grad_output``, in the inputs' dtypes
-    (the product in the stored dtype: fp32 for fp16 inputs); None where not needed."""
-    return tuple((g * g_loss.to(g.dtype)).to(dtype) if need else None
-                 for g, need, dtype in zip(ctx.saved_tensors, ctx.flags, ctx.dtypes))
+    (the product in the stored dtype: fp32 for fp16 inputs, rounded once to the input dtype on store: one
+    pass over the fp32 weight gradient, no fp32 temporary); None where not needed."""
+    return tuple(torch.mul(g, g_loss.to(g.dtype), out=torch.empty(g.shape, dtype=dtype, device=g.device))
+                 if need else None for g, need, dtype in zip(ctx.saved_tensors, ctx.flags, ctx.dtypes))
 
 
 def _loss_setup_context(ctx, inputs, output):
