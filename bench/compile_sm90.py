@@ -88,7 +88,8 @@ def main(full: bool) -> None:
     dtypes = ("bf16", "fp32", "fp16") if full else ("bf16",)
     for xdt in dtypes:
         base = dict(x_ptr="*" + xdt, xs0="i64", xs1="i32", tgt_ptr="*i64", temperature=F32)
-        _, block, warps = K.block_config(151936)
+        _, block, warps = K.block_config(151936, {"bf16": K.torch.bfloat16, "fp16": K.torch.float16,
+                                                  "fp32": K.torch.float32}[xdt])
         k = compile_kernel(K._stats_kernel, {**base, "logp_ptr": "*fp32", "ent_ptr": "*fp32", "lse_ptr": "*fp32"},
                            dict(BLOCK_N=1, BLOCK_V=block, WITH_ENT=True), warps)
         print(xdt, "stats", resource_usage(k))

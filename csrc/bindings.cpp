@@ -172,13 +172,13 @@ PYBIND11_MODULE(FRL_MODULE, m) {
   m.def("cuda_set_rows_per_sm", [](int k) {
     if (k < 1 || k > 64) throw std::invalid_argument("rows per SM must be in [1, 64], got " + std::to_string(k));
     cuda::set_rows_per_sm(k);
-  }, py::arg("k"), "blocks per SM of the CUDA kernels' grid (default 4; a tuning knob)");
+  }, py::arg("k"), "blocks per SM of the CUDA kernels' grid (default 2; a tuning knob)");
   m.def("cuda_rows_per_sm", &cuda::rows_per_sm);
   m.def("cuda_set_threads", [](int n) {
     if (n < 64 || n > 1024 || n % 32 != 0)
       throw std::invalid_argument("threads must be a multiple of 32 in [64, 1024], got " + std::to_string(n));
     cuda::set_threads(n);
-  }, py::arg("n"), "threads per block of the CUDA kernels (one row at a time; default 512; a tuning knob)");
+  }, py::arg("n"), "threads per block of the CUDA kernels (one row at a time; default 1024; a tuning knob)");
   m.def("cuda_threads", &cuda::threads);
   m.def("cuda_set_reverse", &cuda::set_reverse, py::arg("on"),
         "the CUDA kernels' gradient sweep from each row's end (default on; a tuning knob, same results)");

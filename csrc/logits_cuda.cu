@@ -30,13 +30,14 @@ namespace fused_rl {
 namespace cuda {
 namespace {
 
-// One block of g_threads (default 512) threads per row and by default 4 resident rows per SM (the best of
-// bench/gpu_logits_bench.py's sweep on an H200 at N = 16384, V = 151936 bf16: 3.31 ms against 3.34 at 2 rows
-// and 3.41-3.86 at 256 or 1024 threads; docs/native.md). set_threads and set_rows_per_sm change them
-// (tuning knobs for that sweep); every kernel is compiled for up to kMaxThreads (<= 64 registers).
+// One block of g_threads (default 1024) threads per row and by default 2 resident rows per SM: the best of
+// bench/gpu_logits_bench.py's sweep on an H200 at N = 16384, V = 151936 bf16, with the gradient sweep reversed
+// and streaming (3.15 ms; 768 x 2 3.17, 512 x 2-6 3.22-3.25, 256 x 4-8 3.46; docs/native.md). set_threads and
+// set_rows_per_sm change them (tuning knobs for that sweep); every kernel is compiled for up to kMaxThreads
+// (<= 64 registers).
 constexpr int kMaxThreads = 1024;
-int g_threads = 512;
-int g_rows_per_sm = 4;
+int g_threads = 1024;
+int g_rows_per_sm = 2;
 // 128-bit loads each thread issues before it uses the first (1, 2 or 4; set_unroll): the bytes in flight
 // must cover HBM latency x bandwidth (~3 MB on an H200), which one load per thread of 2 x 512 threads per
 // SM does not (~2 MB), and one row per SM (the L2-resident setting for 151936-entry bf16 rows) less so.
@@ -45,8 +46,8 @@ int g_unroll = 4;
 // The gradient sweep's order and cache policy (tuning knobs, bitwise the same results): reverse walks a row's
 // vectors from its end, the ones the statistics sweep read last and L2 most likely still holds; streaming
 // reads them with ld.global.cs (last use: evict first) and writes dlogits with st.global.cs, so that
-// neither displaces the rows still to be re-read. Both on by measurement (the H200 sweep above: 3.22 ms with
-// both, 3.27 reverse alone, 3.37 streaming alone, 3.31 neither).
+// neither displaces the rows still to be re-read. Both on by measurement (the H200 sweep above, 1024 x 2:
+// 3.15 ms with both, 3.26 reverse alone, 3.18 streaming alone, 3.37 neither).
 bool g_reverse = true;
 bool g_streaming = true;
 

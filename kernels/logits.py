@@ -56,13 +56,14 @@ GRAD_REVERSE = True
 CACHE_HINTS = True
 
 
-def block_config(vocab: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 4096 vocabulary entries (8-16 KiB per row block
-    load, 16 elements per thread), i.e. 38 blocks per row at V = 151936 with one row per program;
-    ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per program for small vocabularies; 4 warps up
-    to 1024 elements per tile, 8 above (on an H200 at N = 16384, V = 151936 bf16: 4096 x 8 warps 3.27 ms,
-    8192 x 8 3.31, 16384 x 16 3.36, 16 warps slower at 4096 and 8192; docs/triton.md)."""
-    cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else 4096
+def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 8192 vocabulary entries for 2-byte logits and
+    4096 for fp32 (16 KiB per row block load, 16-32 elements per thread), i.e. 19 / 38 blocks per row at
+    V = 151936 with one row per program; ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per
+    program for small vocabularies; 4 warps up to 1024 elements per tile, 8 above. On an H200 at
+    N = 16384, V = 151936 bf16 with GRAD_REVERSE and CACHE_HINTS: 8192 x 8 warps 2.99 ms, 4096 x 4 or 8
+    3.09-3.10, 16384 x 16 3.07, 8192 x 16 3.16, 2048 x 4 3.34 (docs/triton.md)."""
+    cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else (8192 if dtype.itemsize <= 2 else 4096)
     block = max(min(triton.next_power_of_2(vocab), triton.next_power_of_2(cap)), 16)
     rows = max(1, TILE_ELEMENTS // block)
     tile = rows * block
@@ -308,7 +309,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     logp = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(2, n, dtype=torch.float32, device=x.device)
     ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
-    bn, block, warps = block_config(V)
+    bn, block, warps = block_config(V, x.dtype)
     with _on(x):
         _stats_kernel[_grid(n, bn)](
             x, x.stride(0), x.stride(1), n, T, V, tgt, logp, ent if with_entropy else logp, lse,
@@ -322,7 +323,7 @@ def token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature, ou
     B, T, V = x.shape
     o = torch.empty((B, T, V), dtype=x.dtype, device=x.device) if out is None else as_rows(out)
     grad_ent = entropy is not None and g_entropy is not None
-    bn, block, warps = block_config(V)
+    bn, block, warps = block_config(V, x.dtype)
     g_logp = g_logp.reshape(-1).contiguous()
     ent = entropy.reshape(-1).contiguous() if grad_ent else g_logp
     g_ent = g_entropy.reshape(-1).contiguous() if grad_ent else g_logp
@@ -351,7 +352,7 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
     ent = new(n if with_entropy else 0)
     kl = new(n if epilogue["KL"] != 0 else 0)
     o = as_rows(out) if write_grad else x
-    bn, block, warps = block_config(V)
+    bn, block, warps = block_config(V, x.dtype)
     if epilogue["ROLLOUT"] != 0 and rollout is None:
         raise ValueError("token rollout correction needs the rollout log-probs")
     unused = advantages  # any pointer for the arguments the constexprs leave unread
@@ -370,7 +371,7 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
     """In-place ``x *= g`` for ``(..., V)`` ``x`` with any row strides; ``g`` a one-element tensor."""
     r = as_rows(x)
     B, T, V = r.shape
-    bn, block, warps = block_config(V)
+    bn, block, warps = block_config(V, r.dtype)
     with _on(r):
         _scale_kernel[_grid(B * T, bn)](r, r.stride(0), r.stride(1), B * T, T, V, g.reshape(()).to(torch.float32),
                                         BLOCK_N=bn, BLOCK_V=block, num_warps=warps)

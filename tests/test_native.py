@@ -446,9 +446,9 @@ def test_cuda_switches(name):
 
 
 @pytest.mark.parametrize("name, default, good, bad, message", [
-    ("rows_per_sm", 4, 2, (0, 65), r"\[1, 64\]"),
+    ("rows_per_sm", 2, 4, (0, 65), r"\[1, 64\]"),
     ("unroll", 4, 2, (0, 3, 8), "1, 2 or 4"),
-    ("threads", 512, 256, (0, 32, 100, 2048), r"multiple of 32 in \[64, 1024\]"),
+    ("threads", 1024, 256, (0, 32, 100, 2048), r"multiple of 32 in \[64, 1024\]"),
 ])
 def test_cuda_tuning_knobs(name, default, good, bad, message):
     """The CUDA kernels' tuning knobs of the benchmark's sweep, blocks per SM of the grid, 128-bit loads

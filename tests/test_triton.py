@@ -499,10 +499,11 @@ def test_block_heuristic(monkeypatch):
     from fused_rl.kernels import logits as K
 
     monkeypatch.setattr(K, "MAX_BLOCK_V", None)
-    assert K.block_config(151936) == (1, 4096, 8)
-    assert K.block_config(1000) == (4, 1024, 8)
+    assert K.block_config(151936, torch.bfloat16) == (1, 8192, 8)
+    assert K.block_config(151936, torch.float32) == (1, 4096, 8)
+    assert K.block_config(1000, torch.bfloat16) == (4, 1024, 8)
     monkeypatch.setattr(K, "MAX_BLOCK_V", 256)
-    assert K.block_config(1000) == (16, 256, 8)
+    assert K.block_config(1000, torch.float32) == (16, 256, 8)
 
 
 # --------------------------------------------------------------------------- CUDA-only scale checks
