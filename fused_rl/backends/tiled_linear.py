@@ -60,8 +60,9 @@ GEMM_MODE: Optional[str] = None
 #: Default budget on CUDA when neither ``memory_budget_bytes`` nor ``torch_linear.MEMORY_BUDGET_BYTES``
 #: is set: 1 GiB (1395 tokens at V = 128256 in mixed mode). Thin tiles cost GEMM efficiency on a GPU
 #: and one read + write of the fp32 weight gradient each; the issue allows 1.5 GB beyond the weight
-#: gradient. On an H200 at N = 8192, H = 4096, V = 128256 bf16: 43.6 ms forward + backward, 1034 MiB
-#: beyond the weight gradient (docs/tiled_linear.md); larger budgets not yet measured.
+#: gradient. On an H200 at N = 8192, H = 4096, V = 128256 bf16: 41-44 ms forward + backward (triton),
+#: 1034 MiB beyond the weight gradient and the returned gradients; 1.35 GiB tiles: triton no faster,
+#: cuda 2-3 ms faster, 1388 MiB, too close to the bound (docs/tiled_linear.md).
 CUDA_DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
 
