@@ -18,7 +18,9 @@
 #   variants  bench/bench_variants.py on triton and cuda: single pass vs two-pass per variant
 #   linear  bench.report --set gpu --ops linear_policy_loss: N=8192, H=4096, V=128256, bf16
 #   linear_budget  bench/gpu_linear_budget.py: the tiled fused linear by tile budget, and its GEMMs alone
-# GPU_CHECK_STEPS (default all): the steps to run among pytest, logits, variants, linear, linear_budget
+#   linear_profile  bench/gpu_linear_profile.py: torch.profiler of the tiled fused linear, kernel time by kind
+# GPU_CHECK_STEPS (default all): the steps to run among pytest, logits, variants, linear, linear_budget,
+# linear_profile
 # (wheels and build always run; e.g. GPU_CHECK_STEPS="logits linear_budget" for a short confirmation).
 # What comes back (the device tool returns at most 8 files): OUTDIR/summary.txt (environment, each
 # step's exit code, wall time and output tail) and OUTDIR/results.tar.gz (every step's full output,
@@ -65,7 +67,7 @@ step() {
 
 # wanted STEP: whether GPU_CHECK_STEPS names it
 wanted() {
-  case " ${GPU_CHECK_STEPS:-pytest logits variants linear linear_budget} " in
+  case " ${GPU_CHECK_STEPS:-pytest logits variants linear linear_budget linear_profile} " in
     *" $1 "*) return 0 ;;
     *) return 1 ;;
   esac
@@ -116,6 +118,8 @@ wanted linear && TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops li
   --impls reference,torch,triton,cuda,liger,cce,reference-compiled --repeats 3 --out "$WORK/linear"
 
 wanted linear_budget && TAIL=12 step linear_budget 70 "$PY" bench/gpu_linear_budget.py "$WORK/linear_budget"
+
+wanted linear_profile && TAIL=45 step linear_profile 45 "$PY" bench/gpu_linear_profile.py "$WORK/linear_profile"
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish
