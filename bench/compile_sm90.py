@@ -103,10 +103,11 @@ def main(full: bool) -> None:
         for config, on_policy in (POLICY_VARIANTS_FULL if full else POLICY_VARIANTS):
             floats, consts = epilogue_signature(config, on_policy)
             consts.update(WITH_ENT=True, WRITE_GRAD=True, BLOCK_N=1, BLOCK_V=block, REVERSE=K.GRAD_REVERSE,
-                          HINTS=K.CACHE_HINTS)
+                          HINTS=K.CACHE_HINTS, PREFETCH=K.PREFETCH)
             k = compile_kernel(K._policy_kernel, {**types, **floats}, consts, warps)
             print(xdt, f"policy {variant_name(config, on_policy)}", resource_usage(k))
-        for knobs in (dict(REVERSE=True, HINTS=True), dict(REVERSE=False, HINTS=False)):
+        for knobs in (dict(REVERSE=True, HINTS=True, PREFETCH=False), dict(REVERSE=False, HINTS=False, PREFETCH=False),
+                      dict(REVERSE=True, HINTS=True, PREFETCH=True), dict(REVERSE=False, HINTS=False, PREFETCH=True)):
             k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, **knobs}, warps)
             hints = "evict_last" in k.asm["ptx"] and "evict_first" in k.asm["ptx"]
             tag = " ".join(f"{n}={int(v)}" for n, v in knobs.items())

@@ -335,16 +335,18 @@ def main():
                 getattr(C, f"cuda_set_{k}")(v)
     if not args.quick:
         # the triton single pass: block x warps at the default loop knobs, then at the best one each other
-        # setting of the gradient loop's order and the cache hints, and capped grids (rows in flight bounded,
-        # so that a row's second read can hit L2)
-        knob_defaults = (K.GRAD_REVERSE, K.CACHE_HINTS)
+        # setting of the gradient loop's order and the cache hints, capped grids (rows in flight bounded,
+        # so that a row's second read can hit L2) and the other prefetch setting
+        knob_defaults = (K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH)
 
-        def run_triton(block, warps, programs=None, reverse=knob_defaults[0], hints=knob_defaults[1]):
+        def run_triton(block, warps, programs=None, reverse=knob_defaults[0], hints=knob_defaults[1],
+                       prefetch=knob_defaults[2]):
             K.MAX_BLOCK_V, K.NUM_WARPS, K.MAX_PROGRAMS = block, warps, programs
-            K.GRAD_REVERSE, K.CACHE_HINTS = reverse, hints
+            K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH = reverse, hints, prefetch
             measure(f"sweep triton single-pass BLOCK_V={block} warps={warps} programs={programs or 'tiles'} "
-                    f"reverse={reverse} hints={hints}", step_for("triton"), x, results,
-                    extra=dict(block_v=block, warps=warps, programs=programs, reverse=reverse, hints=hints), **one)
+                    f"reverse={reverse} hints={hints} prefetch={prefetch}", step_for("triton"), x, results,
+                    extra=dict(block_v=block, warps=warps, programs=programs, reverse=reverse, hints=hints,
+                               prefetch=prefetch), **one)
 
         try:
             for block, warps in (((256, 8),) if DRY else ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8),
@@ -352,14 +354,18 @@ def main():
                 run_triton(block, warps)
             top = best("sweep triton")
             bw = (top["block_v"], top["warps"]) if top else (256, 8)
-            r, h = knob_defaults
+            r, h, p = knob_defaults
             for reverse, hints in ((not r, h), (r, not h), (not r, not h)):
                 run_triton(*bw, reverse=reverse, hints=hints)
             for programs in (4 * sms, 8 * sms):
                 run_triton(*bw, programs=programs)
+            # the other prefetch setting: at the best shape, at 16 warps over 16384 (one program per SM), and
+            # with the grid capped at 1 and 2 programs per SM (rows in L2, the loads in flight from prefetch)
+            for block, warps, programs in (bw + (None,), (16384, 16, None), bw + (sms,), bw + (2 * sms,)):
+                run_triton(block, warps, programs=programs, prefetch=not p)
         finally:
             K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
-            K.GRAD_REVERSE, K.CACHE_HINTS = knob_defaults
+            K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH = knob_defaults
 
     dump(args.out, info, results, final=True)
 

@@ -54,6 +54,11 @@ GRAD_REVERSE = True
 #: gradient loop loads and stores ``evict_first`` (a tuning knob; the results do not change). On by
 #: measurement, with GRAD_REVERSE (alone it was slower: 3.47 ms).
 CACHE_HINTS = True
+#: The single pass's loops load the next block of the row before they reduce the current one (one block
+#: of registers more, twice the loads in flight per thread; the same values in the same order, so the
+#: results do not change). A tuning knob for ``bench/gpu_logits_bench.py``'s sweep, not yet measured
+#: on a GPU: off until it is.
+PREFETCH = False
 
 
 def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -89,8 +94,19 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _load_block(x_ptr, x_off, valid, start, V, BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
+    """The ``BLOCK_V`` entries of each row from column ``start`` (``-inf`` outside ``[0, V)`` and on rows
+    not ``valid``, which load nothing), in the logits' dtype. The mask keeps the column bounds apart from
+    the per-row ``valid`` so that the compiler still proves 16-byte vector loads (V divisible by 16)."""
+    cols = start + tl.arange(0, BLOCK_V)
+    return tl.load(x_ptr + x_off[:, None] + cols[None, :],
+                   mask=valid[:, None] & ((cols[None, :] >= 0) & (cols[None, :] < V)), other=float("-inf"),
+                   eviction_policy=EVICT)
+
+
+@triton.jit
 def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.constexpr,
-               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr, EVICT: tl.constexpr):
+               BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr):
     """``(m, log2 s, logp, H)`` of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where not
     ``valid``; the caller masks); ``logp`` and ``H`` in natural log. Ignored rows load nothing.
 
@@ -107,14 +123,17 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     q = tl.zeros([BLOCK_N], tl.float32)
-    # a tile without a valid row skips the loop; the mask keeps `cols < V` separate from the per-row
-    # `valid` so that the compiler still proves 16-byte vector loads (V divisible by 16)
+    # a tile without a valid row skips the loop
     n_cols = tl.where(tl.max(valid.to(tl.int32), axis=0) > 0, V, 0)
+    if PREFETCH:  # block 0 before the loop; each iteration loads the next (past V: masked, reads nothing)
+        x_next = _load_block(x_ptr, x_off, valid, 0, V, BLOCK_V, EVICT)
     for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < V),
-                    other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-        u = x * scale
+        if PREFETCH:
+            x_raw = x_next
+            x_next = _load_block(x_ptr, x_off, valid, start + BLOCK_V, V, BLOCK_V, EVICT)
+        else:
+            x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
+        u = x_raw.to(tl.float32) * scale
         m_new = tl.maximum(m, tl.max(u, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -144,8 +163,16 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
 
 
 @triton.jit
+def _block_start(k, n_blocks, BLOCK_V: tl.constexpr, REVERSE: tl.constexpr):
+    """First column of the gradient loop's ``k``-th block: from the row's start, or its end (``REVERSE``);
+    ``k = n_blocks`` gives a block outside the row (``V`` or beyond; ``-BLOCK_V`` reversed)."""
+    return (n_blocks - 1 - k) * BLOCK_V if REVERSE else k * BLOCK_V
+
+
+@triton.jit
 def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, m2, log2_s, ent, g_logp, g_h,
-              BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr, REVERSE: tl.constexpr, EVICT: tl.constexpr):
+              BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr, REVERSE: tl.constexpr, EVICT: tl.constexpr,
+              PREFETCH: tl.constexpr):
     """Writes ``(g_logp (onehot - p) + g_h p (E[z] - z)) / tau`` over the rows (zeros where not ``valid``).
 
     Per element, in base 2 (``u = x log2(e) / tau``, ``d = (u - m) - log2 s``, ``p = 2^d``):
@@ -162,13 +189,19 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
                  other=0.0).to(tl.float32) * scale
     one_minus_pt = -expm1(((ut - m2) - log2_s) * LN2)
     n_blocks = tl.cdiv(V, BLOCK_V)
+    if PREFETCH:  # the first block before the loop; each iteration loads the next (none past the row)
+        x_next = _load_block(x_ptr, x_off, valid, _block_start(0, n_blocks, BLOCK_V, REVERSE), V, BLOCK_V, EVICT)
     for k in range(0, n_blocks):  # ignored rows load nothing and store zeros
-        start = (n_blocks - 1 - k) * BLOCK_V if REVERSE else k * BLOCK_V
+        start = _block_start(k, n_blocks, BLOCK_V, REVERSE)
         cols = start + tl.arange(0, BLOCK_V)
         inb = cols[None, :] < V
-        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=valid[:, None] & inb,
-                    other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-        d = (x * scale - m2[:, None]) - log2_s[:, None]
+        if PREFETCH:
+            x_raw = x_next
+            x_next = _load_block(x_ptr, x_off, valid, _block_start(k + 1, n_blocks, BLOCK_V, REVERSE), V, BLOCK_V,
+                                 EVICT)
+        else:
+            x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
+        d = (x_raw.to(tl.float32) * scale - m2[:, None]) - log2_s[:, None]
         p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
         g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
         if GRAD_ENT:
@@ -185,7 +218,7 @@ def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr,
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
         valid = tgt != IGNORE_INDEX
         m2, log2_s, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V,
-                                           temperature, BLOCK_N, BLOCK_V, WITH_ENT, "")
+                                           temperature, BLOCK_N, BLOCK_V, WITH_ENT, "", False)
         tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
         tl.store(lse_ptr + rows, tl.where(valid, m2, 0.0), mask=in_rows)
         tl.store(lse_ptr + N + rows, tl.where(valid, log2_s, 0.0), mask=in_rows)
@@ -209,7 +242,7 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
             ent = tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
             g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
         _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
-                  valid, V, temperature, m2, log2_s, ent, g_logp, g_h, BLOCK_V, GRAD_ENT, False, "")
+                  valid, V, temperature, m2, log2_s, ent, g_logp, g_h, BLOCK_V, GRAD_ENT, False, "", False)
 
 
 @triton.jit
@@ -220,14 +253,15 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
                    KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
                    ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, REVERSE: tl.constexpr, HINTS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, REVERSE: tl.constexpr, HINTS: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         rows, in_rows = _rows(tile, N, BLOCK_N)
         tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
         valid = tgt != IGNORE_INDEX
         x_off = _row_offset(rows, T, xs0, xs1)
         m2, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
-                                           WITH_ENT, "evict_last" if HINTS else "")
+                                           WITH_ENT, "evict_last" if HINTS else "", PREFETCH)
         logp = tl.where(valid, logp, 0.0)
         ent = tl.where(valid, ent, 0.0)
         adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
@@ -254,7 +288,8 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
             tl.store(kl_ptr + rows, kl, mask=in_rows)
         if WRITE_GRAD:
             _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
-                      m2, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "")
+                      m2, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "",
+                      PREFETCH)
 
 
 @triton.jit
@@ -363,7 +398,7 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
             o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
             kl if epilogue["KL"] != 0 else logp, float(temperature),
             WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,
-            REVERSE=bool(GRAD_REVERSE), HINTS=bool(CACHE_HINTS), **epilogue)
+            REVERSE=bool(GRAD_REVERSE), HINTS=bool(CACHE_HINTS), PREFETCH=bool(PREFETCH), **epilogue)
     return logp, ent, loss, ratio, kl
 
 

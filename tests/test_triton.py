@@ -276,15 +276,19 @@ def _loss(case, logits, cfg, **kw):
     return fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, config=cfg, **case.kwargs(), **kw)
 
 
+@pytest.mark.parametrize("vocab", [1000, 100])
 @pytest.mark.parametrize("device", DEVICES)
-def test_grad_loop_order_and_cache_hints_change_nothing(device, monkeypatch, small_blocks):
-    """The single pass's tuning knobs (gradient loop from the row's end, eviction hints): the reference's
-    values, bitwise the same whatever their setting; V = 1000 in blocks of 256, a partial last block."""
-    case = on_device(make_case(vocab=1000, seed=4, dtype=torch.bfloat16), device)
+def test_grad_loop_order_and_cache_hints_change_nothing(device, vocab, monkeypatch, small_blocks):
+    """The single pass's tuning knobs (gradient loop from the row's end, eviction hints, prefetch of the
+    next block): the reference's values, bitwise the same whatever their setting; V = 1000 in blocks of
+    256 (a partial last block) and V = 100 (one partial block: the prefetch past it loads nothing)."""
+    case = on_device(make_case(vocab=vocab, seed=4, dtype=torch.bfloat16), device)
     outs = []
-    for reverse, hints in ((False, False), (True, False), (True, True)):
+    for reverse, hints, prefetch in ((False, False, False), (True, False, False), (True, True, False),
+                                     (False, False, True), (True, True, True)):
         monkeypatch.setattr(small_blocks, "GRAD_REVERSE", reverse)
         monkeypatch.setattr(small_blocks, "CACHE_HINTS", hints)
+        monkeypatch.setattr(small_blocks, "PREFETCH", prefetch)
         x = case.logits.clone().requires_grad_(True)
         out = _loss(case, x, CONFIGS[1], backend="triton")
         out.loss.backward()
@@ -424,7 +428,8 @@ def test_kernels_compile_for_sm90():
     for line in res.stdout.splitlines():  # 16-byte vector loads of the logits at V = 151936
         if line.startswith(("bf16 stats", "bf16 grad", "bf16 policy", "bf16 scale")):
             assert "vec16" in line, line
-    assert "bf16 policy REVERSE=1 HINTS=1 cache-hints" in res.stdout  # the eviction hints reach the PTX
+    assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=0 cache-hints" in res.stdout  # the eviction hints reach the PTX
+    assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=1 cache-hints" in res.stdout
 
 
 # --------------------------------------------------------------------------- availability, heuristics
