@@ -22,13 +22,13 @@ struct ScaleArgs {
 };
 std::string scale_rows(const ScaleArgs& a, uintptr_t stream);
 int device_count();
-// The gradient sweep from each row's end (default off) and with evict-first loads and stores (default
-// off); bitwise the same results.
+// The gradient sweep from each row's end (default on) and with evict-first loads and stores (default
+// on); bitwise the same results.
 void set_reverse(bool on);
 bool reverse();
 void set_streaming(bool on);
 bool streaming();
-// Threads per block (one block per row at a time): a multiple of 32 in [64, 1024], default 512.
+// Threads per block (one block per row at a time): a multiple of 32 in [64, 1024], default 1024.
 void set_threads(int n);
 int threads();
 // Blocks launched per SM (grid = SMs x k, grid-stride over the rows); k >= 1, default 2.

@@ -40,7 +40,8 @@ int g_threads = 1024;
 int g_rows_per_sm = 2;
 // 128-bit loads each thread issues before it uses the first (1, 2 or 4; set_unroll): the bytes in flight
 // must cover HBM latency x bandwidth (~3 MB on an H200), which one load per thread of 2 x 512 threads per
-// SM does not (~2 MB), and one row per SM (the L2-resident setting for 151936-entry bf16 rows) less so.
+// SM does not (~2 MB), and one row per SM (the L2-resident setting for 151936-entry bf16 rows) less so
+// (the H200 sweep: unroll 2 3.28 ms against 3.15 at 1024 x 2).
 // The values are accumulated in the same order whatever the unroll: the results are bitwise the same.
 int g_unroll = 4;
 // The gradient sweep's order and cache policy (tuning knobs, bitwise the same results): reverse walks a row's
