@@ -1,0 +1,48 @@
+"""The GPU benchmark scripts of ``bench/gpu_check.sh`` on this CPU machine, in their dry-run modes: a
+device session has one or two runs, so a script that breaks must break here first.
+
+``bench/gpu_logits_bench.py --cpu-dry-run`` runs every variant and both sweeps on the Triton interpreter
+(N = 64, V = 1000), with its full-size agreement check against the reference; ``bench/gpu_linear_profile.py
+--device cpu`` profiles the ``cpu`` backend's fused linear loss on a small shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _run(args, tmp_path, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")  # the dry run is on the CPU interpreter
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=timeout)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res
+
+
+def test_logits_bench_dry_run(tmp_path):
+    pytest.importorskip("triton")
+    _run(["bench/gpu_logits_bench.py", str(tmp_path), "--cpu-dry-run"], tmp_path)
+    report = json.loads((tmp_path / "logits_bench.json").read_text())
+    rows = report["results"]
+    assert not [r for r in rows if "error" in r], rows
+    names = [r["name"] for r in rows]
+    assert "triton single-pass" in names and "reference (eager fp32 log_softmax)" in names
+    assert any(n.startswith("sweep triton") and "prefetch=True" in n for n in names)
+    # the script's own agreement check: the same loss as the reference
+    check = report["info"]["check_loss"]
+    assert check["triton"] == pytest.approx(check["reference"], rel=1e-5, abs=1e-6)
+    assert (tmp_path / "logits_bench.md").read_text().startswith("# logits-pass benchmark")
+
+
+def test_linear_profile_dry_run(tmp_path):
+    _run(["bench/gpu_linear_profile.py", str(tmp_path), "--device", "cpu", "--steps", "1"], tmp_path)
+    report = json.loads((tmp_path / "linear_profile.json").read_text())["results"]
+    assert "error" not in report["cpu"], report
+    kinds = report["cpu"]["kinds_ms"]
+    assert kinds.get("gemm", 0) > 0 and kinds.get("logits kernel", 0) > 0, kinds
