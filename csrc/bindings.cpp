@@ -47,14 +47,17 @@ GradArgs grad_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int6
 PolicyArgs policy_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                        uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old, uintptr_t ref,
                        uintptr_t rollout, uintptr_t w, EpilogueParams ep, uintptr_t logp, uintptr_t ent,
-                       uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
+                       uintptr_t out, int64_t osb, int64_t ost, int odtype, int nthreads) {
   if (ep.policy == kGspo) throw std::invalid_argument("fused_rl._C: gspo is sequence-level; not fused");
+  if (odtype != dtype && !(dtype == kFloat32 && (odtype == kBFloat16 || odtype == kFloat16)))
+    throw std::invalid_argument("fused_rl._C: dlogits in the logits dtype, or 16-bit for fp32 logits only");
   if (ep.rollout != kRolloutNone && rollout == 0)
     throw std::invalid_argument("fused_rl._C: the rollout correction needs the rollout log-probs");
   ep.has_old = old != 0 ? 1 : 0;
   return PolicyArgs{rows(x, dtype, B, T, V, sb, st), ptr<const void>(targets), tdtype, inv_tau,
                     ptr<const float>(adv), ptr<const float>(old), ptr<const float>(ref), ptr<const float>(rollout),
-                    ptr<const float>(w), ep, ptr<float>(logp), ptr<float>(ent), ptr<void>(out), osb, ost, nthreads};
+                    ptr<const float>(w), ep, ptr<float>(logp), ptr<float>(ent), ptr<void>(out), osb, ost, odtype,
+                    nthreads};
 }
 
 #define FRL_STATS_ARGS                                                                                    \
@@ -69,7 +72,7 @@ PolicyArgs policy_args(uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, 
   py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("T"), py::arg("V"), py::arg("sb"), py::arg("st"), \
       py::arg("targets"), py::arg("tdtype"), py::arg("inv_tau"), py::arg("adv"), py::arg("old"),         \
       py::arg("ref"), py::arg("rollout"), py::arg("w"), py::arg("ep"), py::arg("logp"), py::arg("ent"),  \
-      py::arg("out"), py::arg("osb"), py::arg("ost")
+      py::arg("out"), py::arg("osb"), py::arg("ost"), py::arg("odtype")
 
 #ifdef FRL_WITH_CUDA
 void check(const std::string& err) {
@@ -126,9 +129,10 @@ PYBIND11_MODULE(FRL_MODULE, m) {
   m.def("cpu_policy_fused", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,
                                uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old,
                                uintptr_t ref, uintptr_t rollout, uintptr_t w, const EpilogueParams& ep,
-                               uintptr_t logp, uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost, int nthreads) {
+                               uintptr_t logp, uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost, int odtype,
+                               int nthreads) {
     const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, rollout, w,
-                                     ep, logp, ent, out, osb, ost, nthreads);
+                                     ep, logp, ent, out, osb, ost, odtype, nthreads);
     py::gil_scoped_release nogil;
     cpu::policy_fused(a);
   }, FRL_POLICY_ARGS, py::arg("nthreads"));
@@ -209,9 +213,9 @@ PYBIND11_MODULE(FRL_MODULE, m) {
                                 uintptr_t targets, int tdtype, float inv_tau, uintptr_t adv, uintptr_t old,
                                 uintptr_t ref, uintptr_t rollout, uintptr_t w, const EpilogueParams& ep,
                                 uintptr_t logp, uintptr_t ent, uintptr_t out, int64_t osb, int64_t ost,
-                                uintptr_t stream) {
+                                int odtype, uintptr_t stream) {
     const PolicyArgs a = policy_args(x, dtype, B, T, V, sb, st, targets, tdtype, inv_tau, adv, old, ref, rollout, w,
-                                     ep, logp, ent, out, osb, ost, 0);
+                                     ep, logp, ent, out, osb, ost, odtype, 0);
     check(cuda::policy_fused(a, stream));
   }, FRL_POLICY_ARGS, py::arg("stream"));
   m.def("cuda_scale_", [](uintptr_t x, int dtype, int64_t B, int64_t T, int64_t V, int64_t sb, int64_t st,

@@ -58,6 +58,7 @@ struct PolicyArgs {
   float* ent;
   void* out;  // dlogits (may alias in.x for the in-place variant: same strides)
   int64_t osb, ost;
+  int odtype;  // dlogits' DType: in.dtype, or bf16 / fp16 for fp32 logits (the fused linear's mixed mode)
   int nthreads;
 };
 

@@ -249,8 +249,9 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
 }
 
 // dlogits row: (g_logp (onehot - p) + g_ent p (E[z] - z)) / tau, p = exp(d), d = (z - m) - logs; E[z] - z = -H - d.
-template <class D>
-inline void row_grad(const typename D::T* x, typename D::T* out, int64_t V, float inv_tau, float m, float logs,
+// Read as D, written as DO (D itself, or a 16-bit type for fp32 logits: one rounding on store).
+template <class D, class DO = D>
+inline void row_grad(const typename D::T* x, typename DO::T* out, int64_t V, float inv_tau, float m, float logs,
                      float H, float g_logp, float g_ent, int64_t target) {
   const float xt = (target >= 0 && target < V) ? D::load1(x + target) : NAN;  // before any write
   const v8f vt = splat(inv_tau), vm = splat(m), vls = splat(logs), vgl = splat(-g_logp * inv_tau),
@@ -259,18 +260,18 @@ inline void row_grad(const typename D::T* x, typename D::T* out, int64_t V, floa
   for (int64_t j = 0; j < nv; j += W) {
     const v8f d = vmax((D::load8(x + j) * vt - vm) - vls, splat(kExpLo));
     const v8f p = vexp(d);
-    D::store8(out + j, p * (vgl + vge * (vnh - d)));
+    DO::store8(out + j, p * (vgl + vge * (vnh - d)));
   }
   if (nv < V) {
     const v8f d = vmax((load_tail<D>(x + nv, V - nv, -INFINITY) * vt - vm) - vls, splat(kExpLo));
     const v8f p = vexp(d);
     const v8f g = p * (vgl + vge * (vnh - d));
-    for (int64_t l = 0; l < V - nv; ++l) D::store1(out + nv + l, g[l]);
+    for (int64_t l = 0; l < V - nv; ++l) DO::store1(out + nv + l, g[l]);
   }
   if (target >= 0 && target < V) {
     // 1 - p by expm1: a near-certain token's 1 - p is below the error of the vector exp
     const float d = nonpositive(fmaxf(shifted(xt, inv_tau, m) - logs, kExpLo));
-    D::store1(out + target, (g_logp * -std::expm1(d) + g_ent * std::exp(d) * (-H - d)) * inv_tau);
+    DO::store1(out + target, (g_logp * -std::expm1(d) + g_ent * std::exp(d) * (-H - d)) * inv_tau);
   }
 }
 
@@ -338,19 +339,19 @@ void grad_impl(const GradArgs& a) {
   }
 }
 
-template <class D>
+template <class D, class DO = D>
 void policy_impl(const PolicyArgs& a) {
   const auto* x = static_cast<const typename D::T*>(a.in.x);
-  auto* out = static_cast<typename D::T*>(a.out);
+  auto* out = static_cast<typename DO::T*>(a.out);
   const int64_t N = a.in.B * a.in.T, T = a.in.T, V = a.in.V;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads(a.nthreads))
   for (int64_t i = 0; i < N; ++i) {
     const int64_t b = i / T, tt = i % T;
-    typename D::T* orow = out + b * a.osb + tt * a.ost;
+    typename DO::T* orow = out + b * a.osb + tt * a.ost;
     const int64_t t = target_at(a.targets, a.tdtype, i);
     if (t == kIgnoreIndex) {
       a.logp[i] = 0.0f; a.ent[i] = 0.0f;
-      row_zero<D>(orow, V);
+      row_zero<DO>(orow, V);
       continue;
     }
     const typename D::T* row = x + b * a.in.sb + tt * a.in.st;
@@ -361,11 +362,11 @@ void policy_impl(const PolicyArgs& a) {
     const float H = float(double(logs) - st.u / st.s);
     a.logp[i] = logp;
     a.ent[i] = H;
-    if (st.bad()) { row_nan<D>(orow, V); continue; }  // NaN logp and H (the epilogue's g_logp is NaN too)
+    if (st.bad()) { row_nan<DO>(orow, V); continue; }  // NaN logp and H (the epilogue's g_logp is NaN too)
     const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
                                           a.ref ? a.ref[i] : 0.0f, a.rollout ? a.rollout[i] : 0.0f, a.w[i]);
-    if (e.g_logp == 0.0f && e.g_ent == 0.0f) { row_zero<D>(orow, V); continue; }
-    row_grad<D>(row, orow, V, a.inv_tau, st.m, logs, H, e.g_logp, e.g_ent, t);
+    if (e.g_logp == 0.0f && e.g_ent == 0.0f) { row_zero<DO>(orow, V); continue; }
+    row_grad<D, DO>(row, orow, V, a.inv_tau, st.m, logs, H, e.g_logp, e.g_ent, t);
   }
 }
 
@@ -388,6 +389,11 @@ void token_grad(const GradArgs& a) {
 }
 
 void policy_fused(const PolicyArgs& a) {
+  if (a.odtype != a.in.dtype) {  // fp32 logits, 16-bit dlogits (the bindings admit no other pair)
+    if (a.odtype == kBFloat16) policy_impl<F32, BF16>(a);
+    else policy_impl<F32, F16>(a);
+    return;
+  }
   switch (a.in.dtype) {
     case kFloat32: policy_impl<F32>(a); break;
     case kBFloat16: policy_impl<BF16>(a); break;

@@ -105,6 +105,19 @@ __device__ __forceinline__ void store128(void* p, uint32_t a, uint32_t b, uint32
 #endif
 }
 
+// One 64-bit store of two 32-bit words to an 8-byte-aligned global address (st.global.cs with streaming).
+__device__ __forceinline__ void store64(void* p, uint32_t a, uint32_t b, bool streaming) {
+#if defined(__CUDA_ARCH__)
+  if (streaming)
+    asm volatile("st.global.cs.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
+  else
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
+#else
+  (void)streaming;
+  *static_cast<uint2*>(p) = uint2{a, b};
+#endif
+}
+
 // One 128-bit load; with last_use, ld.global.cs (evict first).
 template <class V>
 __device__ __forceinline__ V load128(const void* p, bool last_use) {
@@ -151,6 +164,10 @@ struct Elem16 {
   }
   __device__ static void store_vec(T* p, const float* v, bool streaming = false) {
     store128(p, pack(v[0], v[1]), pack(v[2], v[3]), pack(v[4], v[5]), pack(v[6], v[7]), streaming);
+  }
+  // Four values (an fp32 vector's worth: the dlogits of fp32 logits rounded to 16 bits) at 8-byte alignment.
+  __device__ static void store_vec4(T* p, const float* v, bool streaming = false) {
+    store64(p, pack(v[0], v[1]), pack(v[2], v[3]), streaming);
   }
 };
 struct Bf16Conv {
@@ -305,15 +322,17 @@ struct GradCoef {
   }
 };
 
-// dlogits of one row (out may alias row: each element is read before it is written by the same thread).
+// dlogits of one row, read as T and written as TO (T itself, or bf16 / fp16 for fp32 logits: one rounding on
+// store); out may alias row when TO is T (each element is read before it is written by the same thread).
 // In base 2: d2 = (y - m2) - l2s = log2 p, with m2 and l2s = log2 s kept apart (their sum rounded to one
 // float would lose l2s at large |m2|, and with it 1 - p of a near-certain token). The sweep is the same
 // for every entry; the thread whose sweep covers the target (0 <= target < V) reads it first and writes
 // its value last (no other thread touches it).
-template <class T, int U>
-__device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float inv_tau, float m2, float l2s,
+template <class T, class TO, int U>
+__device__ void row_grad(const T* row, TO* out, int64_t V, float scale2, float inv_tau, float m2, float l2s,
                          float H, float g_logp, float g_ent, int64_t target, Tuning tune) {
   using E = Elem<T>;
+  using EO = Elem<TO>;
   constexpr int VEC = E::kVec;
   const float cgl = g_logp * inv_tau, cge = g_ent * inv_tau;
   const GradCoef gc{scale2, m2, l2s, H, cgl, cge, -(cge * H + cgl), -cge * kLn2};
@@ -327,11 +346,12 @@ __device__ void row_grad(const T* row, T* out, int64_t V, float scale2, float in
     for_each_vector<T, U>(row, V, [&](float* v, int64_t j) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v[i] = gc(v[i]);
-      E::store_vec(out + j, v, tune.streaming);
+      if constexpr (std::is_same<T, TO>::value) EO::store_vec(out + j, v, tune.streaming);
+      else EO::store_vec4(out + j, v, tune.streaming);  // T = float: 4 values a vector
     }, tune.reverse, tune.streaming);
   }
-  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) E::store(out + j, gc(E::load(row + j)));
-  if (own) E::store(out + target, g_target);
+  for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) EO::store(out + j, gc(E::load(row + j)));
+  if (own) EO::store(out + target, g_target);
 }
 
 // A row of one value: 0 (ignored rows, zero coefficients) or NaN (rows whose softmax is undefined, whatever
@@ -393,27 +413,27 @@ __global__ void __launch_bounds__(kMaxThreads) grad_kernel(Launch<GradArgs> l) {
     if (m2 != m2 || t < 0 || t >= V || gl != gl || ge != ge) { row_fill<T>(orow, V, NAN); continue; }
     if (gl == 0.0f && ge == 0.0f) { row_fill<T>(orow, V, 0.0f); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
-    row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t,
-                   l.tune);
+    row_grad<T, T, U>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t,
+                      l.tune);
   }
 }
 
-template <class T, int U>
+template <class T, class TO, int U>
 __global__ void __launch_bounds__(kMaxThreads) policy_kernel(Launch<PolicyArgs> l) {
   const PolicyArgs& a = l.a;
   __shared__ Acc smem[33];
   __shared__ float coef[5];
   const T* x = static_cast<const T*>(a.in.x);
-  T* out = static_cast<T*>(a.out);
+  TO* out = static_cast<TO*>(a.out);
   const int64_t N = a.in.B * a.in.T, V = a.in.V;
   const float scale2 = a.inv_tau * kLog2e;
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const int64_t b = i / a.in.T, tt = i % a.in.T;
-    T* orow = out + b * a.osb + tt * a.ost;
+    TO* orow = out + b * a.osb + tt * a.ost;
     const int64_t t = target_at(a.targets, a.tdtype, i);
     if (t == kIgnoreIndex) {
       if (threadIdx.x == 0) { a.logp[i] = 0.0f; a.ent[i] = 0.0f; }
-      row_fill<T>(orow, V, 0.0f);
+      row_fill<TO>(orow, V, 0.0f);
       continue;
     }
     const T* row = x + b * a.in.sb + tt * a.in.st;
@@ -438,9 +458,9 @@ __global__ void __launch_bounds__(kMaxThreads) policy_kernel(Launch<PolicyArgs> 
     __syncthreads();
     // an undefined row (row_reduce), or NaN coefficients (e.g. a NaN logp of a target outside [0, V)):
     // NaN everywhere, also where p = 0, as on the CPU and in autograd
-    if (m2 != m2 || gl != gl || ge != ge) row_fill<T>(orow, V, NAN);
-    else if (gl == 0.0f && ge == 0.0f) row_fill<T>(orow, V, 0.0f);
-    else row_grad<T, U>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t, l.tune);
+    if (m2 != m2 || gl != gl || ge != ge) row_fill<TO>(orow, V, NAN);
+    else if (gl == 0.0f && ge == 0.0f) row_fill<TO>(orow, V, 0.0f);
+    else row_grad<T, TO, U>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t, l.tune);
   }
 }
 
@@ -525,7 +545,10 @@ std::string token_grad(const GradArgs& a, uintptr_t stream) {
 std::string policy_fused(const PolicyArgs& a, uintptr_t stream) {
   return by_unroll([&](auto u) {
     constexpr int U = decltype(u)::value;
-    return launch(a, stream, policy_kernel<float, U>, policy_kernel<__nv_bfloat16, U>, policy_kernel<__half, U>);
+    // fp32 logits may have 16-bit dlogits (the bindings admit no other pair of dtypes)
+    auto* f32 = a.odtype == kBFloat16 ? policy_kernel<float, __nv_bfloat16, U>
+                : a.odtype == kFloat16 ? policy_kernel<float, __half, U> : policy_kernel<float, float, U>;
+    return launch(a, stream, f32, policy_kernel<__nv_bfloat16, __nv_bfloat16, U>, policy_kernel<__half, __half, U>);
   });
 }
 

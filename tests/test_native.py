@@ -95,6 +95,40 @@ def test_inplace(dtype):
     _check_inplace("cpu", make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2), CONFIGS[1])
 
 
+def _kernel_args(case, config):
+    """The flat per-token arguments the native policy ops take (as NativeBackend.policy_loss builds them)."""
+    from fused_rl.backends.torch_linear import config_literal
+
+    mask = case.mask
+    targets = torch.where(mask, case.targets, torch.full_like(case.targets, fused_rl.IGNORE_INDEX)).contiguous()
+    adv = case.advantages[:, None].expand(mask.shape).reshape(-1).contiguous()
+    w = (mask / mask.sum()).reshape(-1).float().contiguous()
+    flat = lambda x: x.reshape(-1).float().contiguous()  # noqa: E731
+    return targets, adv, flat(case.old), flat(case.ref), None, w, config_literal(config)
+
+
+@pytest.mark.parametrize("vocab", [1024, 1003])
+@pytest.mark.parametrize("odtype", [torch.bfloat16, torch.float16], ids=str)
+def test_policy_fwd_into_rounds_the_fp32_gradient_once(odtype, vocab, isa):
+    """fp32 logits, 16-bit dlogits written by the kernel (the tiled fused linear's mixed mode): bitwise the
+    fp32 single pass's dlogits rounded once, with the same logp and entropy; vocabulary 1024 (aligned rows:
+    the vector stores) and 1003 (a tail, unaligned rows), a fully masked row, ignored targets. Other dtype
+    pairs, an aliased output and a wrong shape are refused."""
+    case = make_case(batch=3, length=5, vocab=vocab, seed=6)
+    args = _kernel_args(case, CONFIGS[1])
+    logp, ent, dlogits = native.policy_fwd(case.logits, *args)
+    out = torch.full(case.logits.shape, 7.0, dtype=odtype)
+    logp16, ent16 = native.policy_fwd_into(case.logits, out, *args)
+    assert torch.equal(out, dlogits.to(odtype)) and torch.equal(logp16, logp) and torch.equal(ent16, ent)
+    assert dlogits.abs().max() > 0
+    with pytest.raises(ValueError, match="bf16 / fp16 for fp32 logits"):
+        native.policy_fwd_into(case.logits.to(torch.bfloat16), out.to(torch.float16), *args)
+    with pytest.raises(ValueError, match="shares the logits' storage"):
+        native.policy_fwd_into(case.logits, case.logits.view(case.logits.shape), *args)
+    with pytest.raises(ValueError, match="the logits' shape"):
+        native.policy_fwd_into(case.logits, out[:, :-1], *args)
+
+
 def test_inplace_ignored_for_leaf():
     case = make_case(batch=3, length=4, vocab=300, seed=2)
     x = case.logits.clone().requires_grad_(True)

@@ -202,7 +202,8 @@ def _policy_args(x, targets, adv, old, ref, rollout, w, config_literal, logp, en
     xr, b, t, v, sb, st = _rows(x)
     return (xr.data_ptr(), _DTYPE_CODES[xr.dtype], b, t, v, sb, st, targets.data_ptr(), _INDEX_CODES[targets.dtype],
             1.0 / config.temperature, adv.data_ptr(), _ptr(old), _ptr(ref), _ptr(rollout), w.data_ptr(),
-            epilogue_params(config), logp.data_ptr(), ent.data_ptr(), out.data_ptr(), osb, ost)
+            epilogue_params(config), logp.data_ptr(), ent.data_ptr(), out.data_ptr(), osb, ost,
+            _DTYPE_CODES[out.dtype])
 
 
 def _launch_policy(x: torch.Tensor, args: tuple) -> None:
@@ -254,6 +255,36 @@ def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, adv: torch.T
 
 @policy_fwd_inplace.register_fake
 def _(logits, targets, adv, old, ref, rollout, w, config_literal):
+    n = targets.numel()
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fused_rl::native_policy_fwd_into", mutates_args=("out",))
+def policy_fwd_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor,
+                    old: Optional[torch.Tensor], ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor],
+                    w: torch.Tensor, config_literal: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`policy_fwd`, writing ``dlogits`` into ``out`` (the logits' shape, unit vocabulary stride,
+    not overlapping them): in the logits dtype, or bf16 / fp16 for fp32 logits, rounded once on store (the
+    tiled fused linear's mixed mode: no fp32 gradient tile and no copy of it)."""
+    if out.shape != logits.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must have the logits' shape {tuple(logits.shape)} and unit last stride, got "
+                         f"{tuple(out.shape)} / {out.stride()}")
+    allowed = (logits.dtype,) + ((torch.bfloat16, torch.float16) if logits.dtype == torch.float32 else ())
+    if out.dtype not in allowed:
+        raise ValueError(f"out must be {logits.dtype} (or bf16 / fp16 for fp32 logits), got {out.dtype}")
+    if out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        raise ValueError("out shares the logits' storage: use policy_fwd_inplace")
+    n = targets.numel()
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    ent = torch.empty(n, dtype=torch.float32, device=logits.device)
+    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out,
+                        out.stride(0), out.stride(1))
+    _launch_policy(logits, args)
+    return logp, ent
+
+
+@policy_fwd_into.register_fake
+def _(logits, out, targets, adv, old, ref, rollout, w, config_literal):
     n = targets.numel()
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 

@@ -100,16 +100,15 @@ def runs_tiled(config: PolicyLossConfig) -> bool:
 
 def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
                    out: Optional[torch.Tensor] = None):
-    """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile, dlogits written over it (then copied to
-    ``out`` if given); ``(logp, H)``."""
+    """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile; dlogits written over it, or straight into
+    ``out`` if given (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``."""
     from . import native
 
-    # a (1, n, V) view: the op takes its output row strides from dims 0 and 1
-    logp, ent = native.policy_fwd_inplace(z.unsqueeze(0), targets, adv, old, ref, None, w,
-                                          torch_linear.config_literal(config))
+    # (1, n, V) views: the ops take their output row strides from dims 0 and 1
+    args = (targets, adv, old, ref, None, w, torch_linear.config_literal(config))
     if out is not None and write_grad:
-        out.copy_(z)
-    return logp, ent
+        return native.policy_fwd_into(z.unsqueeze(0), out.unsqueeze(0), *args)
+    return native.policy_fwd_inplace(z.unsqueeze(0), *args)
 
 
 def _triton_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,

@@ -234,6 +234,9 @@ struct alignas(16) float4 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) uint2 {  // 64-bit vector stores: -fsanitize=alignment checks their 8-byte alignment
+  unsigned x, y;
+};
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 // cache-streaming load (ld.global.cs): a plain load here
 template <class T>
