@@ -206,12 +206,24 @@ def _policy_args(x, targets, adv, old, ref, rollout, w, config_literal, logp, en
             _DTYPE_CODES[out.dtype])
 
 
-def _launch_policy(x: torch.Tensor, args: tuple) -> None:
-    if x.is_cuda:
-        with torch.cuda.device(x.device):
-            _C.cuda_policy_fused(*args, _stream(x))
+def _run_policy(logits, out, osb, ost, targets, adv, old, ref, rollout, w, config_literal):
+    """The single pass over ``logits``, dlogits written to ``out`` (row strides ``osb``, ``ost``); the fp32
+    per-token ``(logp, entropy)``."""
+    n = targets.numel()
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    ent = torch.empty(n, dtype=torch.float32, device=logits.device)
+    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost)
+    if logits.is_cuda:
+        with torch.cuda.device(logits.device):
+            _C.cuda_policy_fused(*args, _stream(logits))
     else:
         _C.cpu_policy_fused(*args, _threads())
+    return logp, ent
+
+
+def _fake_stats(logits, targets):
+    n = targets.numel()
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_rl::native_policy_fwd", mutates_args=())
@@ -221,22 +233,15 @@ def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, o
     """Per-token fp32 ``(logp, entropy)`` (flat) and ``dlogits`` of ``sum_t w_t l_t`` (contiguous,
     logits dtype) for the config ``torch_linear.config_literal(config)``. ``targets`` must be
     ``IGNORE_INDEX`` wherever the mask is off; per-token tensors are contiguous fp32 of ``B*T`` elements."""
-    n = targets.numel()
-    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-    ent = torch.empty(n, dtype=torch.float32, device=logits.device)
     out = _new_output(logits.shape, logits)
     v = logits.shape[-1]
-    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out,
-                        logits.shape[1] * v, v)
-    _launch_policy(logits, args)
+    logp, ent = _run_policy(logits, out, logits.shape[1] * v, v, targets, adv, old, ref, rollout, w, config_literal)
     return logp, ent, out
 
 
 @policy_fwd.register_fake
 def _(logits, targets, adv, old, ref, rollout, w, config_literal):
-    n = targets.numel()
-    return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32),
-            torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
+    return (*_fake_stats(logits, targets), torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
 
 
 @torch.library.custom_op("fused_rl::native_policy_fwd_inplace", mutates_args=("logits",))
@@ -244,19 +249,13 @@ def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, adv: torch.T
                        ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
                        config_literal: str) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`policy_fwd`, writing ``dlogits`` over ``logits`` (same strides)."""
-    n = targets.numel()
-    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-    ent = torch.empty(n, dtype=torch.float32, device=logits.device)
-    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, logits,
-                        logits.stride(0), logits.stride(1))
-    _launch_policy(logits, args)
-    return logp, ent
+    return _run_policy(logits, logits, logits.stride(0), logits.stride(1), targets, adv, old, ref, rollout, w,
+                       config_literal)
 
 
 @policy_fwd_inplace.register_fake
 def _(logits, targets, adv, old, ref, rollout, w, config_literal):
-    n = targets.numel()
-    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+    return _fake_stats(logits, targets)
 
 
 @torch.library.custom_op("fused_rl::native_policy_fwd_into", mutates_args=("out",))
@@ -274,19 +273,12 @@ def policy_fwd_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tens
         raise ValueError(f"out must be {logits.dtype} (or bf16 / fp16 for fp32 logits), got {out.dtype}")
     if out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
         raise ValueError("out shares the logits' storage: use policy_fwd_inplace")
-    n = targets.numel()
-    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-    ent = torch.empty(n, dtype=torch.float32, device=logits.device)
-    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out,
-                        out.stride(0), out.stride(1))
-    _launch_policy(logits, args)
-    return logp, ent
+    return _run_policy(logits, out, out.stride(0), out.stride(1), targets, adv, old, ref, rollout, w, config_literal)
 
 
 @policy_fwd_into.register_fake
 def _(logits, out, targets, adv, old, ref, rollout, w, config_literal):
-    n = targets.numel()
-    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+    return _fake_stats(logits, targets)
 
 
 @torch.library.custom_op("fused_rl::native_scale_grad_", mutates_args=("grad",))
