@@ -326,9 +326,8 @@ def main():
                 run_cuda(threads=threads, rows_per_sm=rows)
             top = best("sweep cuda")
             shape = dict(threads=top["threads"], rows_per_sm=top["rows_per_sm"]) if top else {}
-            r, st = defaults["reverse"], defaults["streaming"]
-            for unroll, reverse, streaming in ((2, r, st), (defaults["unroll"], not r, st), (defaults["unroll"], r, not st),
-                                               (defaults["unroll"], not r, not st)):
+            u, r, st = defaults["unroll"], defaults["reverse"], defaults["streaming"]
+            for unroll, reverse, streaming in ((2, r, st), (u, not r, st), (u, r, not st), (u, not r, not st)):
                 run_cuda(**shape, unroll=unroll, reverse=reverse, streaming=streaming)
         finally:
             for k, v in defaults.items():

@@ -392,7 +392,8 @@ def test_unrolled_row_sweeps(cuda_kernels, dtype):
 @pytest.mark.parametrize("threads", [64, 512])
 def test_threads_per_block(cuda_kernels, threads):
     """The threads-per-block knob (the reductions' warp count changes with it: the reference's values, not
-    bitwise the same as the default 1024) on rows with a scalar tail, unaligned rows and rows of a single vector."""
+    bitwise the same as the default 1024) on rows with a scalar tail, unaligned rows and rows of a single
+    vector."""
     cuda_kernels.cuda_set_threads(threads)
     for vocab in (4099, 8):
         compare_policy_loss("cpu", make_case(batch=3, length=4, vocab=vocab, seed=vocab), CONFIGS[1])

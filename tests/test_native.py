@@ -98,11 +98,12 @@ def test_inplace(dtype):
 def _kernel_args(case, config):
     """The flat per-token arguments the native policy ops take (as NativeBackend.policy_loss builds them)."""
     from fused_rl.backends.torch_linear import config_literal
+    from fused_rl.loss_math import aggregation_weights
 
     mask = case.mask
     targets = torch.where(mask, case.targets, torch.full_like(case.targets, fused_rl.IGNORE_INDEX)).contiguous()
     adv = case.advantages[:, None].expand(mask.shape).reshape(-1).contiguous()
-    w = (mask / mask.sum()).reshape(-1).float().contiguous()
+    w = aggregation_weights(mask, config, None).reshape(-1).float().contiguous()
     flat = lambda x: x.reshape(-1).float().contiguous()  # noqa: E731
     return targets, adv, flat(case.old), flat(case.ref), None, w, config_literal(config)
 
