@@ -240,7 +240,7 @@ def tiled_linear_policy_loss_op(
     loss_t = per_token_loss(logp.view(shape), advantages, valid, config, old_logprobs=old, ref_logprobs=ref,
                             entropy=ent_bt).loss
     loss = (loss_t * weights).sum().to(f32)
-    gh, gw, gb = grads.results(hidden, weight)
+    gh, gw, gb = grads.results(hidden, weight, cast=False)
     return loss, logp.view(shape), entropy.view(shape) if want_ent else entropy, gh, gw, gb
 
 

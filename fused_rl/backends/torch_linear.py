@@ -61,9 +61,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a gradient computed in the forward is kept in until the backward scales it by
-    ``grad_output``: the input's, except fp32 for fp16, whose range a loss scale (GradScaler's 65536)
-    overflows and whose subnormals flush the unscaled ``w_t p`` terms."""
+    """The dtype of a returned gradient, and of the hidden gradient a loss op keeps until the backward
+    scales it by ``grad_output``: the input's, except fp32 for fp16, whose range a loss scale
+    (GradScaler's 65536) overflows and whose subnormals flush the unscaled ``w_t p`` terms. (A loss op
+    keeps the weight and bias gradients in their fp32 accumulators: ``_Grads.results(cast=False)``.)"""
     return torch.float32 if dtype == torch.float16 else dtype
 
 
@@ -245,6 +246,7 @@ class _Grads:
         n_tok = hidden.shape[0] * hidden.shape[1]
         self.h = (torch.zeros(n_tok, hidden.shape[2], dtype=grad_dtype(hidden.dtype), device=hidden.device)
                   if need_h else None)
+        self.cdtype = cdtype
         self.w = torch.empty(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
         self.w_written = False
         self.b = torch.zeros(weight.shape[0], dtype=cdtype, device=weight.device) if need_b else None
@@ -267,10 +269,14 @@ class _Grads:
         if self.b is not None:
             self.b.add_(dz_t.sum(dim=1))
 
-    def results(self, hidden, weight):
+    def results(self, hidden, weight, cast: bool = True):
+        """``(grad_hidden, grad_weight, grad_bias)``; the weight and bias ones rounded to
+        :func:`grad_dtype` if ``cast``, else left in the accumulator dtype (for a loss op whose backward,
+        :func:`scale_grads`, rounds them once when it multiplies by ``grad_output``: one pass over the
+        ``(V, H)`` accumulator instead of a cast here and a multiply there)."""
         if self.w is not None and not self.w_written:
             self.w.zero_()
-        wdtype = grad_dtype(weight.dtype)
+        wdtype = grad_dtype(weight.dtype) if cast else self.cdtype
         return (hidden.new_empty(0) if self.h is None else self.h.view(hidden.shape),
                 weight.new_empty(0) if self.w is None else self.w.to(wdtype),
                 weight.new_empty(0) if self.b is None else self.b.to(wdtype))
@@ -406,7 +412,7 @@ def linear_policy_loss_op(
                 h, t, ok, tile_state = state
             grads.add(tile, _tile_dlogits(tile_state, t, g_lp, g_ent, inv_tau), h, weight_c, ok)
         del kept, state
-    gh, gw, gb = grads.results(hidden, weight)
+    gh, gw, gb = grads.results(hidden, weight, cast=False)
     return (loss, logp.view(batch, length), entropy.view(batch, length) if want_ent else entropy, gh, gw, gb)
 
 
@@ -419,26 +425,29 @@ def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollo
 
 def fake_loss_outputs(hidden, weight, config, with_entropy, need_h, need_w, need_b, dtype):
     """Fake ``(loss, logp, entropy, grad_hidden, grad_weight, grad_bias)`` of a fused-linear loss op
-    (this one and :mod:`fused_rl.backends.tiled_linear`'s), values in ``dtype``, gradients in
-    :func:`grad_dtype`."""
+    (this one and :mod:`fused_rl.backends.tiled_linear`'s), values in ``dtype``, the hidden gradient in
+    :func:`grad_dtype`, the weight and bias gradients in their accumulator dtype ``dtype``
+    (``_Grads.results(cast=False)``: :func:`scale_grads` rounds them)."""
     batch, length, _ = hidden.shape
     want_ent = with_entropy or config.needs_entropy
     return (hidden.new_empty((), dtype=dtype), hidden.new_empty((batch, length), dtype=dtype),
             hidden.new_empty((batch, length) if want_ent else (0,), dtype=dtype),
-            *fake_grads(hidden, weight, need_h, need_w, need_b))
+            *fake_grads(hidden, weight, need_h, need_w, need_b, param_dtype=dtype))
 
 
-def fake_grads(hidden, weight, need_h, need_w, need_b):
-    """Fake ``(grad_hidden, grad_weight, grad_bias)`` of :class:`_Grads` (empty where not needed)."""
+def fake_grads(hidden, weight, need_h, need_w, need_b, param_dtype: Optional[torch.dtype] = None):
+    """Fake ``(grad_hidden, grad_weight, grad_bias)`` of :class:`_Grads` (empty where not needed); the
+    weight and bias ones in ``param_dtype`` (default :func:`grad_dtype` of the weight)."""
+    param_dtype = param_dtype or grad_dtype(weight.dtype)
     return (hidden.new_empty(hidden.shape if need_h else (0,), dtype=grad_dtype(hidden.dtype)),
-            weight.new_empty(weight.shape if need_w else (0,), dtype=grad_dtype(weight.dtype)),
-            weight.new_empty((weight.shape[0],) if need_b else (0,), dtype=grad_dtype(weight.dtype)))
+            weight.new_empty(weight.shape if need_w else (0,), dtype=param_dtype),
+            weight.new_empty((weight.shape[0],) if need_b else (0,), dtype=param_dtype))
 
 
 def scale_grads(ctx, g_loss):
     """The stored ``(grad_hidden, grad_weight, grad_bias)`` times ``grad_output``, in the inputs' dtypes
-    (the product in the stored dtype: fp32 for fp16 inputs, rounded once to the input dtype on store: one
-    pass over the fp32 weight gradient, no fp32 temporary); None where not needed."""
+    (the product in the stored dtype, e.g. the fp32 accumulator of the weight gradient, rounded once to
+    the input dtype on store: one pass over it, no temporary); None where not needed."""
     return tuple(torch.mul(g, g_loss.to(g.dtype), out=torch.empty(g.shape, dtype=dtype, device=g.device))
                  if need else None for g, need, dtype in zip(ctx.saved_tensors, ctx.flags, ctx.dtypes))
 
