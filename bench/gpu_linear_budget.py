@@ -1,15 +1,18 @@
 """The fused linear policy loss on a GPU against its own GEMM floor, by tile budget.
 
 Usage: python bench/gpu_linear_budget.py OUTDIR [--n 8192] [--hidden 4096] [--vocab 128256]
+       python bench/gpu_linear_budget.py OUTDIR --cpu-dry-run   (the script's logic on the CPU: triton in the
+       interpreter and the cpu backend in place of cuda, N = 16, H = 32, V = 300, one timed call each)
 
 For backends triton and cuda (the tiled route of ``fused_rl/backends/tiled_linear.py``, bf16 inputs in
 its mixed GEMM mode) and tile budgets of 1 GiB (``CUDA_DEFAULT_MEMORY_BUDGET_BYTES``) and 1.35 GiB:
 median forward+backward ms, TFLOP/s on the ``6 N H V`` FLOPs and the peak memory beyond the inputs and
-the fp32 weight-gradient buffer; triton at 1 GiB also with the other settings of the Triton single
-pass's knobs (``GRAD_REVERSE`` + ``CACHE_HINTS``, ``PREFETCH``: tuned on bf16 logits, here the kernel
-reads fp32 tiles the GEMM has just written). Then the same tiles' three GEMMs alone (``z = h W^T``, ``dh = dz W``,
-``dW += dz^T h``, cuBLAS as the tiled route calls them): the time the route cannot go below without a
-GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON line per measurement.
+the fp32 weight-gradient buffer; triton at 1 GiB also with other settings of the Triton single
+pass's knobs (``GRAD_REVERSE`` + ``CACHE_HINTS``, ``PREFETCH``, ``MAX_PROGRAMS``, ``MAX_BLOCK_V``,
+``NUM_WARPS``: tuned on bf16 logits, here the kernel reads fp32 tiles the GEMM has just written; a row
+"knobs" names the ones that differ from the defaults). Then the same tiles' three GEMMs alone
+(``z = h W^T``, ``dh = dz W``, ``dW += dz^T h``, cuBLAS as the tiled route calls them): the time the
+route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 import torch
 from triton.testing import do_bench
@@ -33,16 +38,20 @@ def main():
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    n, h, v, dev = args.n, args.hidden, args.vocab, "cuda"
+    dry = args.cpu_dry_run
+    n, h, v = (16, 32, 300) if dry else (args.n, args.hidden, args.vocab)
+    dev, native_backend = ("cpu", "cpu") if dry else ("cuda", "cuda")
+    seq = min(n, 512)
     g = torch.Generator(device=dev).manual_seed(0)
-    hidden = (torch.randn(n // 512, 512, h, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+    hidden = (torch.randn(n // seq, seq, h, device=dev, generator=g) * 0.5).to(torch.bfloat16)
     weight = (torch.randn(v, h, device=dev, generator=g) * h ** -0.5).to(torch.bfloat16)
-    targets = torch.randint(0, v, (n // 512, 512), device=dev, generator=g)
-    adv = torch.randn(n // 512, device=dev, generator=g)
-    mask = torch.ones(n // 512, 512, dtype=torch.bool, device=dev)
-    old = torch.randn(n // 512, 512, device=dev, generator=g) * 0.1 - 3.0
+    targets = torch.randint(0, v, (n // seq, seq), device=dev, generator=g)
+    adv = torch.randn(n // seq, device=dev, generator=g)
+    mask = torch.ones(n // seq, seq, dtype=torch.bool, device=dev)
+    old = torch.randn(n // seq, seq, device=dev, generator=g) * 0.1 - 3.0
     cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
     flops = 6 * n * h * v
     results = []
@@ -51,23 +60,43 @@ def main():
         print(json.dumps(row), flush=True)
         results.append(row)
         with open(os.path.join(args.out, "linear_budget.json"), "w") as f:
-            json.dump(dict(n=n, hidden=h, vocab=v, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           results=results), f, indent=2)
+            json.dump(dict(n=n, hidden=h, vocab=v, device="cpu (dry run)" if dry else torch.cuda.get_device_name(),
+                           torch=torch.__version__, results=results), f, indent=2)
 
-    knob_defaults = (K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH)
-    r, h_, p = knob_defaults
+    def time_ms(fn) -> float:
+        if not dry:
+            return float(do_bench(fn, warmup=3, rep=300, return_mode="median"))
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
 
-    def knob_names(knobs):
-        return None if knobs is None else dict(zip(("reverse", "hints", "prefetch"), knobs))
+    sync = (lambda: None) if dry else torch.cuda.synchronize
+    empty_cache = (lambda: None) if dry else torch.cuda.empty_cache
 
-    # (backend, budget, triton knobs): the Triton single pass's knobs were tuned on bf16 logits; here it
-    # reads fp32 tiles the GEMM has just written, so the other settings are measured too
-    runs = [("triton", 1.0, knob_defaults), ("triton", 1.35, knob_defaults), ("cuda", 1.0, None), ("cuda", 1.35, None)]
-    runs += [("triton", 1.0, knobs) for knobs in ((not r, not h_, p), (r, h_, not p), (not r, not h_, not p))]
+    # the Triton single pass's knobs (module globals of fused_rl.kernels.logits), by name
+    knob_attrs = dict(reverse="GRAD_REVERSE", hints="CACHE_HINTS", prefetch="PREFETCH", programs="MAX_PROGRAMS",
+                      block="MAX_BLOCK_V", warps="NUM_WARPS")
+    knob_defaults = {k: getattr(K, a) for k, a in knob_attrs.items()}
+    r, h_, p = knob_defaults["reverse"], knob_defaults["hints"], knob_defaults["prefetch"]
+    sms = 2 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
+
+    # (backend, budget, triton knobs that differ from the defaults): the Triton single pass's knobs were tuned on
+    # bf16 logits; here it reads fp32 rows (513 KB at V = 128256) that the GEMM has just written, two rows per SM
+    # in flight by default (135 MB, beyond the 50 MB L2: the gradient loop's second read misses), so also the
+    # other loop settings, grids capped at 1-2 programs per SM (with prefetch: the loads in flight of the
+    # missing programs) and 32 KiB blocks
+    runs = [("triton", 1.0, {}), ("triton", 1.35, {}), (native_backend, 1.0, None), (native_backend, 1.35, None)]
+    runs += [("triton", 1.0, knobs) for knobs in (
+        dict(reverse=not r, hints=not h_), dict(prefetch=not p), dict(reverse=not r, hints=not h_, prefetch=not p),
+        dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
+        dict(block=8192), dict(block=8192, warps=16, programs=sms))]
     for backend, budget_gib, knobs in runs:
         tiled_linear.CUDA_DEFAULT_MEMORY_BUDGET_BYTES = int(budget_gib * 2**30)
-        if knobs is not None:
-            K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH = knobs
+        for k, value in {**knob_defaults, **(knobs or {})}.items():
+            setattr(K, knob_attrs[k], value)
         x = hidden.clone().requires_grad_(True)
         w = weight.clone().requires_grad_(True)
 
@@ -78,24 +107,26 @@ def main():
 
         try:
             step()
-            torch.cuda.synchronize()
+            sync()
             x.grad = w.grad = None
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base - v * h * 4  # beyond the fp32 dW buffer
-            ms = float(do_bench(step, warmup=3, rep=300, return_mode="median"))
-            record(dict(backend=backend, budget_gib=budget_gib, knobs=knob_names(knobs), ms=ms, tflops=flops / ms / 1e9,
+            empty_cache()
+            peak = 0.0
+            if not dry:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                sync()
+                peak = torch.cuda.max_memory_allocated() - base - v * h * 4  # beyond the fp32 dW buffer
+            ms = time_ms(step)
+            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, ms=ms, tflops=flops / ms / 1e9,
                         peak_extra_beyond_fp32_dw_mib=peak / 2**20,
                         tile_tokens=tiled_linear.chunk_tokens(n, v, torch.bfloat16, x.device, mixed=True)))
         except Exception as exc:  # keep going
-            record(dict(backend=backend, budget_gib=budget_gib, knobs=knob_names(knobs),
-                        error=f"{type(exc).__name__}: {exc}"))
+            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, error=f"{type(exc).__name__}: {exc}"))
         del x, w
-        torch.cuda.empty_cache()
-    K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH = knob_defaults
+        empty_cache()
+    for k, value in knob_defaults.items():
+        setattr(K, knob_attrs[k], value)
     tiled_linear.CUDA_DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
     # the GEMM floor of the same tiles
@@ -109,17 +140,18 @@ def main():
             for s in range(0, n, rows):
                 t = hf[s:s + rows]
                 k = t.shape[0]
-                torch.mm(t, weight.t(), out_dtype=torch.float32, out=z[:k])
-                torch.mm(dz[:k], weight, out_dtype=torch.float32, out=dh[s:s + k])
-                torch.addmm(dw, dz[:k].t(), t, out_dtype=torch.float32, out=dw)
+                # cuBLAS with fp32 output as the route calls it (upcast emulation on the CPU)
+                tiled_linear._mm_f32(t, weight.t(), z[:k], accumulate=False)
+                tiled_linear._mm_f32(dz[:k], weight, dh[s:s + k], accumulate=False)
+                tiled_linear._mm_f32(dz[:k].t(), t, dw, accumulate=True)
 
         try:
-            ms = float(do_bench(gemms, warmup=3, rep=300, return_mode="median"))
+            ms = time_ms(gemms)
             record(dict(backend="gemms only", budget_gib=budget_gib, ms=ms, tflops=flops / ms / 1e9, tile_tokens=rows))
         except Exception as exc:  # keep going
             record(dict(backend="gemms only", budget_gib=budget_gib, error=f"{type(exc).__name__}: {exc}"))
         del z, dz, dh, dw
-        torch.cuda.empty_cache()
+        empty_cache()
 
 
 if __name__ == "__main__":

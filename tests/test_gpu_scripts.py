@@ -3,7 +3,8 @@ device session has one or two runs, so a script that breaks must break here firs
 
 ``bench/gpu_logits_bench.py --cpu-dry-run`` runs every variant and both sweeps on the Triton interpreter
 (N = 64, V = 1000), with its full-size agreement check against the reference; ``bench/gpu_linear_profile.py
---device cpu`` profiles the ``cpu`` backend's fused linear loss on a small shape."""
+--device cpu`` profiles the ``cpu`` backend's fused linear loss on a small shape; ``bench/gpu_linear_budget.py
+--cpu-dry-run`` runs its tile budgets and Triton knob settings on a small shape (triton in the interpreter)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_linear_profile_dry_run(tmp_path):
     assert "error" not in report["cpu"], report
     kinds = report["cpu"]["kinds_ms"]
     assert kinds.get("gemm", 0) > 0 and kinds.get("logits kernel", 0) > 0, kinds
+
+
+def test_linear_budget_dry_run(tmp_path):
+    pytest.importorskip("triton")
+    _run(["bench/gpu_linear_budget.py", str(tmp_path), "--cpu-dry-run"], tmp_path)
+    rows = json.loads((tmp_path / "linear_budget.json").read_text())["results"]
+    assert not [r for r in rows if "error" in r], rows
+    backends = [r["backend"] for r in rows]
+    assert backends.count("gemms only") == 2 and "cpu" in backends
+    knobs = [r["knobs"] for r in rows if r["backend"] == "triton"]
+    assert {} in knobs and dict(programs=2, prefetch=True) in knobs and dict(block=8192) in knobs
