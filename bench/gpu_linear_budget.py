@@ -84,8 +84,8 @@ def main():
     sms = 2 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
 
     # (backend, budget, triton knobs that differ from the defaults): the Triton single pass's knobs were tuned on
-    # bf16 logits; here it reads fp32 rows (513 KB at V = 128256) that the GEMM has just written, two rows per SM
-    # in flight by default (135 MB, beyond the 50 MB L2: the gradient loop's second read misses), so also the
+    # bf16 logits; here it reads fp32 rows (513 KB at V = 128256) that the GEMM has just written, 2-3 rows per SM
+    # in flight by default (135-200 MB, beyond the 50 MB L2: the second read of a row misses), so also the
     # other loop settings, grids capped at 1-2 programs per SM (with prefetch: the loads in flight of the
     # missing programs) and 32 KiB blocks
     runs = [("triton", 1.0, {}), ("triton", 1.35, {}), (native_backend, 1.0, None), (native_backend, 1.35, None)]
