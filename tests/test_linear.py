@@ -37,22 +37,30 @@ def assert_close(actual, expected, dtype, what, grad=False, slack=None):
         f"{expected.flatten()[worst].item():.6g}, slack {slack.flatten()[worst].item():.3g}")
 
 
-def mixed_mode_slack(case, leaves, config, hidden_view, **loss_kwargs):
+def mixed_mode_slack(case, leaves, config, hidden_view, dtype=torch.bfloat16, **loss_kwargs):
     """Per-element bounds on the gradient error that the mixed GEMM mode adds by rounding ``dz`` (the
-    logits gradient) to bf16 once, ``|dz - bf16(dz)| <= 2^-9 |dz|``: for ``grad_h = dz W``,
-    ``grad_W = dz^T h`` and ``grad_b = sum_t dz`` that is ``2^-9`` times the same products of absolute
-    values, i.e. the gradients of ``sum(|dz| * (|h| |W|^T + |b|))`` with respect to ``|h|, |W|, |b|``.
-    ``dz`` is the reference's, from fp32 logits; a wrong formula still misses by O(|grad|)."""
+    logits gradient) to ``dtype`` once. bf16: ``|dz - bf16(dz)| <= 2^-9 |dz|``. fp16: the kernel writes
+    ``dz / u`` with ``u = max_t w_t`` (the aggregation weights), so ``<= 2^-11 |dz| + 2^-25 u`` (half of fp16's
+    subnormal spacing, in units of ``u``). For ``grad_h = dz W``, ``grad_W = dz^T h`` and ``grad_b = sum_t dz``
+    the bound is that of the same products of absolute values, i.e. the gradients of
+    ``sum(bound(dz) * (|h| |W|^T + |b|))`` with respect to ``|h|, |W|, |b|``. ``dz`` is the reference's, from
+    fp32 logits; a wrong formula still misses by O(|grad|)."""
     rh, rw, rb = leaves
     view = hidden_view or (lambda x: x)
     z = torch.nn.functional.linear(view(rh.detach()), rw.detach(), None if rb is None else rb.detach())
     z.requires_grad_(True)
     fused_rl.reference.policy_loss(z, case.targets, case.advantages, case.mask, config=config,
                                    **loss_kwargs, **case.kwargs()).loss.backward()
+    if dtype == torch.bfloat16:
+        bound = z.grad.abs() * 2.0 ** -9
+    else:
+        unit = fused_rl.loss_math.aggregation_weights(case.mask, config, loss_kwargs.get("token_normalizer")).max()
+        rows = case.mask & (case.targets != fused_rl.IGNORE_INDEX)  # the kernel writes exact zero rows elsewhere
+        bound = z.grad.abs() * 2.0 ** -11 + 2.0 ** -25 * unit * rows.unsqueeze(-1).to(z.dtype)
     absolute = [None if x is None else x.detach().abs().requires_grad_(True) for x in leaves]
     ah, aw, ab = absolute
-    (z.grad.abs() * torch.nn.functional.linear(view(ah), aw, ab)).sum().backward()
-    return [None if x is None else x.grad * 2.0 ** -9 for x in absolute]
+    (bound * torch.nn.functional.linear(view(ah), aw, ab)).sum().backward()
+    return [None if x is None else x.grad for x in absolute]
 
 
 @dataclass
@@ -160,7 +168,7 @@ def compare_linear(case: LinearCase, config, *, frozen_weight: bool = False, tok
         assert_close(got.metrics[name], value, dtype, f"metric {name}")
     slack = [None] * 3
     if backend != "torch" and tiled_linear.runs_tiled(config) and tiled_linear._mode(h.device, dtype) == "mixed":
-        slack = mixed_mode_slack(case, (rh, rw, rb), config, hidden_view, token_normalizer=token_normalizer,
+        slack = mixed_mode_slack(case, (rh, rw, rb), config, hidden_view, dtype, token_normalizer=token_normalizer,
                                  compute_entropy=compute_entropy)
     grads = [("grad_hidden", h, rh, slack[0]), ("grad_bias", b, rb, slack[2])]
     if frozen_weight:
@@ -389,15 +397,20 @@ def test_compile_dynamic_shapes_and_configs(backend):
             torch.testing.assert_close(xs[0].grad, xs[1].grad)
 
 
-@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu")
-                                     if fused_rl.available_backends(torch.device("cpu"))[b] is None])
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "cpu-mixed")
+                                     if fused_rl.available_backends(torch.device("cpu"))[b.split("-")[0]] is None])
 @pytest.mark.parametrize("normalizer, scale", [(None, 65536.0), (2.0 ** 20, 32768.0)])
-def test_fp16_gradients_survive_a_loss_scale(backend, normalizer, scale):
+def test_fp16_gradients_survive_a_loss_scale(backend, normalizer, scale, monkeypatch):
     """fp16 inputs under a loss scale (GradScaler starts at 65536): the forward's gradients are kept in
     fp32 until the backward multiplies them by ``grad_output``, so they neither overflow (an fp16
     ``grad_output`` of 65536 is inf) nor flush to 0 before scaling (``w_t p`` at a token normalizer of
     2^20 is below fp16's subnormals); all three gradients match the fp64 reference of the same fp16
-    inputs to fp16 precision."""
+    inputs to fp16 precision. ``cpu-mixed``: the tiled route's mixed GEMM mode (CUDA's default for fp16,
+    emulated), whose kernel writes an fp16 ``dz`` in units of the largest aggregation weight (without
+    them, ``w_t p`` at 2^20 flushes to 0 in that fp16 tile)."""
+    if backend == "cpu-mixed":
+        monkeypatch.setattr(fused_rl.backends.tiled_linear, "GEMM_MODE", "mixed")
+        backend = "cpu"
     case = make_linear_case(vocab=300, hidden_size=32, seed=6)
     case.hidden = torch.nan_to_num(case.hidden)
     kw = dict(token_normalizer=normalizer, old_logprobs=case.old, ref_logprobs=case.ref, config=CONFIGS[1])
@@ -440,3 +453,27 @@ def test_bf16_parameter_gradients_rounded_once(backend):
         bound = half_ulp + 1e-5 * scale * absolute * 2.0 ** 9
         excess = (got.double() - expected).abs() - bound
         assert (excess <= 0).all(), (name, int((excess > 0).sum()), float(excess.max()))
+
+
+def opcheck_args(dtype=torch.bfloat16, config=None):
+    """``(hidden, weight, bias, targets, advantages (B, T), valid, weights, old, ref, config literal)`` of a
+    small case, the leading arguments of the fused-linear loss ops."""
+    config = config or CONFIGS[1]
+    case = make_linear_case(vocab=300, hidden_size=32, seed=3)
+    h, w, b = (x.to(dtype).requires_grad_(True) for x in (torch.nan_to_num(case.hidden), case.weight, case.bias))
+    adv = case.advantages[:, None].expand_as(case.mask).contiguous()
+    weights = fused_rl.loss_math.aggregation_weights(case.mask, config)
+    targets = torch.where(case.mask, case.targets, torch.full_like(case.targets, fused_rl.IGNORE_INDEX))
+    return h, w, b, targets, adv, case.mask, weights, case.old, case.ref, config.literal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("need", [(True, True, True), (True, False, False), (False, False, False)],
+                         ids=["all", "hidden", "none"])
+def test_loss_op_passes_opcheck(dtype, need):
+    """``torch.library.opcheck`` of the chunked torch loss op: schema, fake outputs equal to the real ones
+    in shape and dtype (the gradients stay fp32 until the backward, empty ones included), AOT dispatch."""
+    h, w, b, targets, adv, valid, weights, old, ref, literal = opcheck_args(dtype)
+    args = (h, w, b, targets, adv, valid, weights, old, ref, None, None, literal, True, *need, 7)
+    torch.library.opcheck(torch_linear.linear_policy_loss_op, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

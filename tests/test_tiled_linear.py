@@ -10,7 +10,7 @@ import torch
 import fused_rl
 from fused_rl.backends import get_backend, tiled_linear, torch_linear
 from helpers import CONFIGS, on_device
-from test_linear import _leaves, assert_close, compare_linear, make_linear_case
+from test_linear import _leaves, assert_close, compare_linear, make_linear_case, opcheck_args
 from test_variants import VARIANTS, with_extras
 
 cid = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}{'-biascorr' if c.kl_bias_correction else ''}"
@@ -190,11 +190,12 @@ def test_auto_picks_the_tiled_cpu_backend(kernel_calls):
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]], ids=cid)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cpu_mixed_gemm_mode(config, dtype, tiles, monkeypatch):
-    """The mixed GEMM mode (bf16 operands, fp32 logits and weight gradient; CUDA's default for bf16
-    inputs) emulated on CPU: the tile logic around it, with ``dz`` rounded to bf16 once. fp16 stays in
-    fp32 mode (its range cannot hold ``dz``)."""
+    """The mixed GEMM mode (16-bit operands, fp32 logits and gradients; CUDA's default for bf16 and fp16
+    inputs) emulated on CPU: the tile logic around it, with ``dz`` rounded to the input dtype once (for
+    fp16 in units of the largest aggregation weight, see ``test_linear.mixed_mode_slack``)."""
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
-    assert tiled_linear._mode(torch.device("cuda"), dtype) == ("mixed" if dtype == torch.bfloat16 else "fp32")
+    assert tiled_linear._mode(torch.device("cuda"), dtype) == "mixed"
+    assert tiled_linear._mode(torch.device("cuda"), torch.float32) == "fp32"
     compare_linear(make_linear_case(vocab=1000, dtype=dtype, seed=13), config, backend="cpu")
     compare_linear(make_linear_case(vocab=4099, dtype=dtype, seed=14), config, frozen_weight=True, backend="cpu")
 
@@ -235,6 +236,22 @@ def test_cpu_compile_fullgraph():
     torch.testing.assert_close(c_aux, e_aux)
     for a, b in zip(comp_leaves, eager_leaves):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+@needs_cpu
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("need", [(True, True, True), (True, False, False), (False, False, False)],
+                         ids=["all", "hidden", "none"])
+def test_op_passes_opcheck(mixed, dtype, need):
+    """``torch.library.opcheck`` of the tiled op (native kernel): schema, fake outputs equal to the real
+    ones in shape and dtype (fp32 gradients, empty ones included, and the 0-dim unit), AOT dispatch."""
+    if mixed and dtype == torch.float32:
+        pytest.skip("the mixed mode is for 16-bit inputs")
+    h, w, b, targets, adv, valid, weights, old, ref, literal = opcheck_args(dtype)
+    args = (h, w, b, targets, adv, valid, weights, old, ref, literal, True, *need, 7, "native", mixed)
+    torch.library.opcheck(tiled_linear.tiled_linear_policy_loss_op, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 # ------------------------------------------------------- triton backend (interpreter on CPU; CUDA tensors on a GPU)
@@ -279,8 +296,9 @@ def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
     compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1], frozen_weight=True,
                    backend="triton")
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
-    compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, dtype=torch.bfloat16, seed=24), GPU),
-                   CONFIGS[6], backend="triton")
+    for dtype in (torch.bfloat16, torch.float16):
+        compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, dtype=dtype, seed=24), GPU),
+                       CONFIGS[6], backend="triton")
 
 
 # ------------------------------------------------------------------------- cuda backend (GPU only)
@@ -298,7 +316,7 @@ def test_cuda_matches_reference(config, dtype, tiles):
 @pytest.mark.skipif(GPU != "cuda", reason="the default mixed mode of 16-bit inputs is CUDA's")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_triton_gpu_default_mode_frozen_weight(dtype):
-    """On CUDA bf16 inputs take the mixed mode by default (fp16 the fp32 one); frozen weight, bias."""
+    """On CUDA 16-bit inputs take the mixed mode by default; frozen weight, bias."""
     case = on_device(make_linear_case(vocab=4099, dtype=dtype, seed=32), "cuda")
     compare_linear(case, CONFIGS[1], backend="triton")
     compare_linear(case, CONFIGS[0], frozen_weight=True, backend="triton")

@@ -25,14 +25,20 @@ are gathered; elsewhere tiles are fixed slices whose masked rows get target ``IG
 gradient rows) and zeroed hidden rows (NaN padding cannot reach ``grad_W``).
 
 GEMM precision (``GEMM_MODE``): ``"fp32"`` (16-bit inputs upcast, one fp32 copy of ``W``; the
-default on CPU, which has no fast 16-bit GEMM here, and for fp16) or ``"mixed"`` (the default for bf16
-inputs on CUDA): the GEMMs read the bf16 ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32 logits
-and the fp32 weight gradient (``torch.mm(..., out_dtype=torch.float32)``, CUDA only; on CPU the
-mode is emulated by upcasting, for the tests). The kernel reads fp32 logits either way (rounding the
-logits to bf16 would cost ~``|z| 2^-9`` of log-prob accuracy); in mixed mode it writes ``dz`` in the
-input dtype into a second ``(n, V)`` buffer (the Triton kernel rounds on store; the C++ one writes
-in place and is copied), the one rounding the GEMMs of the backward would do anyway. Not for fp16:
-``dz ~ w_t p`` (``1/N`` times ``1/V``, ~1e-9 at N = 8192, V = 128256) underflows fp16's range.
+default on CPU, which has no fast 16-bit GEMM here) or ``"mixed"`` (the default for bf16 and fp16
+inputs on CUDA): the GEMMs read the 16-bit ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32
+logits and fp32 gradients (``torch.mm(..., out_dtype=torch.float32)``, CUDA only; on CPU the mode is
+emulated by upcasting, for the tests). The kernel reads fp32 logits either way (rounding the logits to
+bf16 would cost ~``|z| 2^-9`` of log-prob accuracy); in mixed mode it writes ``dz`` in the input dtype
+into a second ``(n, V)`` buffer (both kernels round on store), the one rounding the GEMMs of the
+backward would do anyway. ``dz ~ w_t p`` (``1/N`` times ``1/V``, ~1e-9 at N = 8192, V = 128256) is below
+fp16's subnormals, so the kernel gets the weights in units of ``u = max_t w_t`` and writes ``dz / u``;
+the backward multiplies the gradients by ``u grad_output``. A token whose ``|w_t / u * dl/dlogp|``
+exceeds fp16's 65504 (e.g. ``|A| r`` past it, an unclipped ratio above ~10^4) gets inf gradients in
+fp16 mixed mode (loud: GradScaler skips the step); ``GEMM_MODE = "fp32"`` computes it.
+
+All gradients (fp32) stay in the op's outputs until the backward rounds ``grad * u * grad_output`` once
+to the parameters' dtypes (``torch_linear.scale_grads``).
 
 The operation is one ``torch.library`` custom op with a fake implementation and registered
 autograd, so ``torch.compile(fullgraph=True)`` sees one opaque call.
@@ -54,8 +60,8 @@ from .torch_linear import _config_from_literal, _Grads, _needs_grad, _prepare, _
 
 #: Force the tile size in tokens (``None``: derive it from the memory budget, see :func:`chunk_tokens`).
 CHUNK_TOKENS: Optional[int] = None
-#: ``"fp32"`` or ``"mixed"`` (see the module doc; mixed applies to bf16 only); ``None``: mixed for bf16
-#: inputs on CUDA, else fp32.
+#: ``"fp32"`` or ``"mixed"`` (see the module doc; mixed applies to bf16 and fp16 only); ``None``: mixed for
+#: 16-bit inputs on CUDA, else fp32.
 GEMM_MODE: Optional[str] = None
 #: Default budget on CUDA when neither ``memory_budget_bytes`` nor ``torch_linear.MEMORY_BUDGET_BYTES``
 #: is set: 1 GiB (1395 tokens at V = 128256 in mixed mode). Thin tiles cost GEMM efficiency on a GPU
@@ -66,12 +72,15 @@ GEMM_MODE: Optional[str] = None
 CUDA_DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _mode(device: torch.device, dtype: torch.dtype) -> str:
     if GEMM_MODE is not None:
         if GEMM_MODE not in ("fp32", "mixed"):
             raise ValueError(f"tiled_linear.GEMM_MODE must be 'fp32', 'mixed' or None, got {GEMM_MODE!r}")
-        return GEMM_MODE if dtype == torch.bfloat16 else "fp32"
-    return "mixed" if device.type == "cuda" and dtype == torch.bfloat16 else "fp32"
+        return GEMM_MODE if dtype in _HALF else "fp32"
+    return "mixed" if device.type == "cuda" and dtype in _HALF else "fp32"
 
 
 def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, device: torch.device,
@@ -147,17 +156,14 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
 
 
 class _MixedGrads(_Grads):
-    """:class:`torch_linear._Grads` with 16-bit GEMM operands: the 16-bit ``dz`` (fp32 accumulation in
-    the GEMMs and in the bias sum), the weight gradient accumulated in fp32."""
+    """:class:`torch_linear._Grads` with 16-bit GEMM operands: the 16-bit ``dz``, fp32 accumulation in
+    the GEMMs (fp32 output) and in the bias sum."""
 
     def add_mixed(self, tile, dz16, h, weight, ok):
         if self.h is not None:
-            gh = torch.mm(dz16, weight) if dz16.is_cuda else torch.mm(dz16.float(), weight.float())
-            if tile.contiguous is not None:
-                s, e = tile.contiguous
-                self.h[s:e] = torch.where(ok.unsqueeze(-1), gh, torch.zeros((), dtype=gh.dtype, device=gh.device))
-            else:
-                self.h.index_copy_(0, tile.idx, gh.to(self.h.dtype))
+            gh = torch.empty(dz16.shape[0], weight.shape[1], dtype=torch.float32, device=dz16.device)
+            _mm_f32(dz16, weight, gh, accumulate=False)
+            self.put_h(tile, gh, ok)
         if self.w is not None:
             _mm_f32(dz16.t(), h, self.w, self.w_written)
             self.w_written = True
@@ -172,10 +178,13 @@ def tiled_linear_policy_loss_op(
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
     ref: Optional[torch.Tensor], config_literal: str, with_entropy: bool, need_h: bool, need_w: bool,
     need_b: bool, n_tile: int, kernel: str, mixed: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias)`` (fp32;
-    gradients empty unless their ``need_*`` flag is set) of a token-level config; ``weights`` are the
-    aggregation weights, ``kernel`` a key of :data:`KERNELS`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias, unit)`` (fp32;
+    gradients empty unless their ``need_*`` flag is set, in units of the 0-dim ``unit``: the backward
+    multiplies them by ``unit * grad_output``) of a token-level config; ``weights`` are the aggregation
+    weights, ``kernel`` a key of :data:`KERNELS`. In mixed mode ``unit = max_t w_t`` and the kernel gets
+    ``w_t / unit``, so the 16-bit ``dz`` it writes is ``O(dl/dlogp p)`` whatever the token count: inside
+    fp16's normal range where ``dz`` itself (``w_t p``, ~1e-9 at N = 8192, V = 128256) would flush to 0."""
     config = _config_from_literal(config_literal)
     batch, length, hsize = hidden.shape
     vocab = weight.shape[0]
@@ -194,6 +203,11 @@ def tiled_linear_policy_loss_op(
     targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
     vec = lambda x: None if x is None else x.reshape(-1).to(f32)
     adv_flat, w_flat, old_flat = vec(advantages), vec(weights), vec(old)
+    unit = torch.ones((), dtype=f32, device=hidden.device)
+    if mixed:
+        w_max = w_flat.abs().amax() if w_flat.numel() else unit
+        unit = torch.where(w_max > 0, w_max, unit)
+        w_flat = w_flat / unit
     ref_flat = vec(ref) if config.kl is not None else None
     logp = torch.zeros(batch * length, dtype=f32, device=dev)
     entropy = torch.zeros(batch * length if want_ent else 0, dtype=f32, device=dev)
@@ -241,27 +255,29 @@ def tiled_linear_policy_loss_op(
                             entropy=ent_bt).loss
     loss = (loss_t * weights).sum().to(f32)
     gh, gw, gb = grads.results(hidden, weight, cast=False)
-    return loss, logp.view(shape), entropy.view(shape) if want_ent else entropy, gh, gw, gb
+    return loss, logp.view(shape), entropy.view(shape) if want_ent else entropy, gh, gw, gb, unit
 
 
 @tiled_linear_policy_loss_op.register_fake
 def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_literal, with_entropy, need_h,
       need_w, need_b, n_tile, kernel, mixed):
-    return torch_linear.fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy, need_h,
-                                          need_w, need_b, torch.float32)
+    return (*torch_linear.fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy,
+                                            need_h, need_w, need_b, torch.float32),
+            hidden.new_empty((), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    _, _, _, gh, gw, gb = output
+    _, _, _, gh, gw, gb, unit = output
     ctx.flags = (inputs[11], inputs[12], inputs[13])  # need_h, need_w, need_b
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
-    ctx.save_for_backward(gh, gw, gb)
+    ctx.save_for_backward(gh, gw, gb, unit)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, g_loss, *_):
     refuse_double_backward("tiled fused-linear policy")
-    return torch_linear.scale_grads(ctx, g_loss) + (None,) * 14
+    gh, gw, gb, unit = ctx.saved_tensors
+    return torch_linear.scale_grads(ctx, g_loss * unit, (gh, gw, gb)) + (None,) * 14
 
 
 tiled_linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)
@@ -281,7 +297,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer)
     want_ent = compute_entropy or config.needs_entropy
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
-    loss, logp, entropy, _, _, _ = tiled_linear_policy_loss_op(
+    loss, logp, entropy, _, _, _, _ = tiled_linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.kernel_advantages, inputs.mask, weights, inputs.old, inputs.ref,
         torch_linear.config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
         _needs_grad(bias), n_tile, kernel, mixed)

@@ -61,10 +61,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a returned gradient, and of the hidden gradient a loss op keeps until the backward
-    scales it by ``grad_output``: the input's, except fp32 for fp16, whose range a loss scale
-    (GradScaler's 65536) overflows and whose subnormals flush the unscaled ``w_t p`` terms. (A loss op
-    keeps the weight and bias gradients in their fp32 accumulators: ``_Grads.results(cast=False)``.)"""
+    """The dtype :func:`linear_token_grad` returns a gradient in: the input's, except fp32 for fp16, whose
+    range a loss scale (GradScaler's 65536) overflows. (A loss op keeps its gradients in their fp32
+    accumulators until the backward: ``_Grads.results(cast=False)``.)"""
     return torch.float32 if dtype == torch.float16 else dtype
 
 
@@ -239,14 +238,14 @@ def _tile_dlogits(state, t, g_logp, g_ent, inv_tau: float) -> torch.Tensor:
 
 
 class _Grads:
-    """Gradient buffers of the linear layer; the weight / bias accumulators exist only when wanted
-    (the weight one is written, not zero-filled, by the first tile)."""
+    """Gradient buffers of the linear layer, all three in the accumulation dtype ``cdtype`` (fp32 for
+    16-bit inputs); the weight / bias accumulators exist only when wanted (the weight one is written,
+    not zero-filled, by the first tile)."""
 
     def __init__(self, hidden, weight, need_h, need_w, need_b, cdtype):
         n_tok = hidden.shape[0] * hidden.shape[1]
-        self.h = (torch.zeros(n_tok, hidden.shape[2], dtype=grad_dtype(hidden.dtype), device=hidden.device)
-                  if need_h else None)
         self.cdtype = cdtype
+        self.h = torch.zeros(n_tok, hidden.shape[2], dtype=cdtype, device=hidden.device) if need_h else None
         self.w = torch.empty(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
         self.w_written = False
         self.b = torch.zeros(weight.shape[0], dtype=cdtype, device=weight.device) if need_b else None
@@ -254,12 +253,7 @@ class _Grads:
     def add(self, tile: _Tile, dz_t, h, weight_c, ok):
         """``dz_t``: the tile's ``(V, n)`` logits gradient (transposed)."""
         if self.h is not None:
-            gh = torch.mm(dz_t.t(), weight_c)
-            if tile.contiguous is not None:
-                s, e = tile.contiguous
-                self.h[s:e] = torch.where(ok.unsqueeze(-1), gh, torch.zeros((), dtype=gh.dtype, device=gh.device))
-            else:
-                self.h.index_copy_(0, tile.idx, gh.to(self.h.dtype))
+            self.put_h(tile, torch.mm(dz_t.t(), weight_c), ok)
         if self.w is not None:
             if self.w_written:
                 self.w.addmm_(dz_t, h)
@@ -269,17 +263,25 @@ class _Grads:
         if self.b is not None:
             self.b.add_(dz_t.sum(dim=1))
 
+    def put_h(self, tile: _Tile, gh, ok):
+        """The tile's hidden-gradient rows (zero where ``ok`` is False, for fixed-slice tiles)."""
+        if tile.contiguous is not None:
+            s, e = tile.contiguous
+            self.h[s:e] = torch.where(ok.unsqueeze(-1), gh, torch.zeros((), dtype=gh.dtype, device=gh.device))
+        else:
+            self.h.index_copy_(0, tile.idx, gh.to(self.h.dtype))
+
     def results(self, hidden, weight, cast: bool = True):
-        """``(grad_hidden, grad_weight, grad_bias)``; the weight and bias ones rounded to
-        :func:`grad_dtype` if ``cast``, else left in the accumulator dtype (for a loss op whose backward,
-        :func:`scale_grads`, rounds them once when it multiplies by ``grad_output``: one pass over the
-        ``(V, H)`` accumulator instead of a cast here and a multiply there)."""
+        """``(grad_hidden, grad_weight, grad_bias)``, rounded to :func:`grad_dtype` if ``cast``, else left
+        in the accumulation dtype (for a loss op, whose backward, :func:`scale_grads`, rounds them once
+        when it multiplies them by ``grad_output``: one pass over the ``(V, H)`` accumulator instead of a
+        cast here and a multiply there, and one rounding)."""
         if self.w is not None and not self.w_written:
             self.w.zero_()
-        wdtype = grad_dtype(weight.dtype) if cast else self.cdtype
-        return (hidden.new_empty(0) if self.h is None else self.h.view(hidden.shape),
-                weight.new_empty(0) if self.w is None else self.w.to(wdtype),
-                weight.new_empty(0) if self.b is None else self.b.to(wdtype))
+        hdtype, wdtype = (grad_dtype(hidden.dtype), grad_dtype(weight.dtype)) if cast else (self.cdtype,) * 2
+        return (hidden.new_empty(0, dtype=hdtype) if self.h is None else self.h.view(hidden.shape).to(hdtype),
+                weight.new_empty(0, dtype=wdtype) if self.w is None else self.w.to(wdtype),
+                weight.new_empty(0, dtype=wdtype) if self.b is None else self.b.to(wdtype))
 
 
 def _prepare(hidden, weight, bias):
@@ -425,31 +427,32 @@ def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollo
 
 def fake_loss_outputs(hidden, weight, config, with_entropy, need_h, need_w, need_b, dtype):
     """Fake ``(loss, logp, entropy, grad_hidden, grad_weight, grad_bias)`` of a fused-linear loss op
-    (this one and :mod:`fused_rl.backends.tiled_linear`'s), values in ``dtype``, the hidden gradient in
-    :func:`grad_dtype`, the weight and bias gradients in their accumulator dtype ``dtype``
-    (``_Grads.results(cast=False)``: :func:`scale_grads` rounds them)."""
+    (this one and :mod:`fused_rl.backends.tiled_linear`'s), values and gradients in the accumulation
+    dtype ``dtype`` (``_Grads.results(cast=False)``: :func:`scale_grads` rounds the gradients)."""
     batch, length, _ = hidden.shape
     want_ent = with_entropy or config.needs_entropy
     return (hidden.new_empty((), dtype=dtype), hidden.new_empty((batch, length), dtype=dtype),
             hidden.new_empty((batch, length) if want_ent else (0,), dtype=dtype),
-            *fake_grads(hidden, weight, need_h, need_w, need_b, param_dtype=dtype))
+            *fake_grads(hidden, weight, need_h, need_w, need_b, dtype=dtype))
 
 
-def fake_grads(hidden, weight, need_h, need_w, need_b, param_dtype: Optional[torch.dtype] = None):
-    """Fake ``(grad_hidden, grad_weight, grad_bias)`` of :class:`_Grads` (empty where not needed); the
-    weight and bias ones in ``param_dtype`` (default :func:`grad_dtype` of the weight)."""
-    param_dtype = param_dtype or grad_dtype(weight.dtype)
-    return (hidden.new_empty(hidden.shape if need_h else (0,), dtype=grad_dtype(hidden.dtype)),
-            weight.new_empty(weight.shape if need_w else (0,), dtype=param_dtype),
-            weight.new_empty((weight.shape[0],) if need_b else (0,), dtype=param_dtype))
+def fake_grads(hidden, weight, need_h, need_w, need_b, dtype: Optional[torch.dtype] = None):
+    """Fake ``(grad_hidden, grad_weight, grad_bias)`` of :class:`_Grads` (empty where not needed): in
+    ``dtype`` if given (``results(cast=False)``), else in :func:`grad_dtype` of the hidden states / weight."""
+    hdtype, wdtype = (dtype, dtype) if dtype is not None else (grad_dtype(hidden.dtype), grad_dtype(weight.dtype))
+    return (hidden.new_empty(hidden.shape if need_h else (0,), dtype=hdtype),
+            weight.new_empty(weight.shape if need_w else (0,), dtype=wdtype),
+            weight.new_empty((weight.shape[0],) if need_b else (0,), dtype=wdtype))
 
 
-def scale_grads(ctx, g_loss):
-    """The stored ``(grad_hidden, grad_weight, grad_bias)`` times ``grad_output``, in the inputs' dtypes
+def scale_grads(ctx, g_loss, grads=None):
+    """The stored ``grads`` (default ``ctx.saved_tensors``: ``(grad_hidden, grad_weight, grad_bias)``) times
+    ``g_loss`` (``grad_output``), in the inputs' dtypes
     (the product in the stored dtype, e.g. the fp32 accumulator of the weight gradient, rounded once to
     the input dtype on store: one pass over it, no temporary); None where not needed."""
+    grads = ctx.saved_tensors if grads is None else grads
     return tuple(torch.mul(g, g_loss.to(g.dtype), out=torch.empty(g.shape, dtype=dtype, device=g.device))
-                 if need else None for g, need, dtype in zip(ctx.saved_tensors, ctx.flags, ctx.dtypes))
+                 if need else None for g, need, dtype in zip(grads, ctx.flags, ctx.dtypes))
 
 
 def _loss_setup_context(ctx, inputs, output):
