@@ -293,8 +293,8 @@ def test_triton_dtypes_bias_small_tiles(dtype, bias, tiles):
 @needs_triton
 @pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
 def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
-    compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1], frozen_weight=True,
-                   backend="triton")
+    compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1],
+                   frozen_weight=True, backend="triton")
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
     for dtype in (torch.bfloat16, torch.float16):
         compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, dtype=dtype, seed=24), GPU),
