@@ -197,7 +197,8 @@ def test_numpy_scalar_arguments():
     np = pytest.importorskip("numpy")
     args = good()
     expected = fused_rl.policy_loss(**args, token_normalizer=4.0, config=PolicyLossConfig(temperature=0.5))
-    got = fused_rl.policy_loss(**args, token_normalizer=np.int64(4), config=PolicyLossConfig(temperature=np.float32(0.5)))
+    got = fused_rl.policy_loss(**args, token_normalizer=np.int64(4),
+                               config=PolicyLossConfig(temperature=np.float32(0.5)))
     torch.testing.assert_close(got.loss, expected.loss)
     torch.testing.assert_close(fused_rl.token_logprobs(args["logits"], args["targets"], temperature=np.float64(0.5)),
                                fused_rl.token_logprobs(args["logits"], args["targets"], temperature=0.5))
@@ -248,3 +249,13 @@ def test_second_order_through_the_recomputing_ops_is_refused_by_name(backend):
         torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
         with pytest.raises(RuntimeError, match="no backward of its own.*backend='reference'"):
             g.pow(2).sum().backward()
+    # linear_token_logprobs (every backend's is the chunked torch one): the same for the hidden states
+    h, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(11, 8)
+    h_ref = h.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(fused_rl.linear_token_logprobs(h, w, args["targets"], backend=backend).sum(), h,
+                               create_graph=True)
+    (g_ref,) = torch.autograd.grad(fused_rl.linear_token_logprobs(h_ref, w, args["targets"], backend="reference").sum(),
+                                   h_ref, create_graph=True)
+    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="no backward of its own.*backend='reference'"):
+        g.pow(2).sum().backward()

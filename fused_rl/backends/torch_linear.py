@@ -580,6 +580,15 @@ def _(hidden, weight, bias, targets, g_logp, g_entropy, temperature, need_h, nee
     return fake_grads(hidden, weight, need_h, need_w, need_b)
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("fused_rl: the gradient of linear_token_logprobs (and of the fused-linear losses that "
+                       "recompute it) has no backward of its own (a second-order gradient through "
+                       "create_graph=True); use backend='reference' for higher-order gradients")
+
+
+linear_token_grad.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 def _stats_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, temperature, with_entropy, n_tile = inputs
     ctx.save_for_backward(hidden, weight, bias, targets)

@@ -1,0 +1,119 @@
+"""``torch.library.opcheck`` of every ``fused_rl::`` custom op: the schema (declared mutations match what
+the op mutates), the fake implementation (the outputs ``torch.compile`` traces with have the real ones'
+shapes, dtypes and strides, empty ones included) and AOT dispatch (autograd registration). A mismatch
+there breaks compiled graphs that the eager tests never see. The fused-linear loss ops are checked in
+``test_linear.py`` / ``test_tiled_linear.py``. The Triton ops run in the interpreter here, on CUDA
+tensors on a GPU (marked ``cuda``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl import IGNORE_INDEX
+from fused_rl.backends import torch_chunked, torch_linear
+from fused_rl.loss_math import aggregation_weights
+from helpers import CONFIGS, make_case
+from test_linear import opcheck_args
+
+GPU = "cuda" if torch.cuda.is_available() else "cpu"
+CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def _module(name: str):
+    """The ops' module of a backend, skipping where it is unavailable on the device its tests use."""
+    device = torch.device(GPU if name == "triton" else "cpu")
+    reason = fused_rl.available_backends(device)[name]
+    if reason is not None:
+        pytest.skip(reason)
+    if name == "torch":
+        return torch_chunked, device
+    from fused_rl.backends import native, triton
+
+    return {"cpu": native, "triton": triton}[name], device
+
+
+def _policy_case(dtype, device, config):
+    """``(logits (B, T, V), targets with IGNORE_INDEX at masked positions, A, w, old, ref)`` (fp32 vectors,
+    contiguous)."""
+    case = make_case(batch=3, length=4, vocab=300, dtype=dtype, seed=5)
+    targets = torch.where(case.mask, case.targets, torch.full_like(case.targets, IGNORE_INDEX))
+    f32 = lambda x: x.to(torch.float32).contiguous().to(device)
+    adv = case.advantages[:, None].expand_as(case.mask)
+    weights = aggregation_weights(case.mask, config)
+    return (case.logits.to(device), targets.contiguous().to(device), f32(adv), f32(weights), f32(case.old),
+            f32(case.ref))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logp", "entropy"])
+@DTYPES
+def test_token_ops(backend, with_entropy, dtype):
+    module, device = _module(backend)
+    logits, targets, *_ = _policy_case(dtype, device, CONFIGS[0])
+    x = logits.detach().requires_grad_(True)
+    torch.library.opcheck(module.token_stats, (x, targets, 0.7, with_entropy), test_utils=CHECKS)
+    _, entropy, lse = module.token_stats(logits, targets, 0.7, with_entropy)
+    g_logp = torch.randn(targets.numel(), device=device)
+    g_ent = torch.randn(targets.numel(), device=device) if with_entropy else None
+    torch.library.opcheck(module.token_grad, (logits, targets, lse, g_logp, entropy if with_entropy else None, g_ent,
+                                              0.7), test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1]], ids=["on-policy-no-kl", "k3"])
+@DTYPES
+def test_native_policy_ops(config, dtype):
+    module, device = _module("cpu")
+    logits, targets, adv, weights, old, ref = _policy_case(dtype, device, config)
+    old = old if config.kl is not None else None
+    ref = ref if config.kl is not None else None
+    args = (targets, adv, old, ref, None, weights, config.literal)
+    torch.library.opcheck(module.policy_fwd, (logits, *args), test_utils=CHECKS)
+    torch.library.opcheck(module.policy_fwd_inplace, (logits.clone(), *args), test_utils=CHECKS)
+    if dtype == torch.float32:
+        out = torch.empty(logits.shape, dtype=torch.bfloat16, device=device)
+        torch.library.opcheck(module.policy_fwd_into, (logits, out, *args), test_utils=CHECKS)
+    _, _, dlogits = module.policy_fwd(logits, *args)
+    torch.library.opcheck(module.scale_grad_, (dlogits, torch.tensor(0.5, device=device)),
+                          test_utils=CHECKS)
+    loss = torch.tensor(1.5, device=device)
+    torch.library.opcheck(module.attach_grad, (loss, logits.detach().requires_grad_(True), dlogits),
+                          test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1]], ids=["on-policy-no-kl", "k3"])
+@pytest.mark.parametrize("write", [False, True], ids=["no-grad", "grad"])
+@DTYPES
+def test_triton_policy_ops(config, write, dtype):
+    module, device = _module("triton")
+    logits, targets, adv, weights, old, ref = _policy_case(dtype, device, config)
+    flat = lambda x: None if x is None else x.reshape(-1)
+    old = flat(old) if config.kl is not None else None
+    ref = flat(ref) if config.kl is not None else None
+    args = (targets.reshape(-1), flat(adv), flat(weights), old, ref, None, config.literal, True)
+    torch.library.opcheck(module.policy_fwd, (logits, *args, write), test_utils=CHECKS)
+    if not write:
+        return
+    torch.library.opcheck(module.policy_fwd_inplace, (logits.clone(), *args), test_utils=CHECKS)
+    dlogits = module.policy_fwd(logits, *args, True)[-1]
+    torch.library.opcheck(module.scale_, (dlogits, torch.tensor(0.5, device=device)), test_utils=CHECKS)
+    terms = torch.randn(targets.numel(), device=device)
+    torch.library.opcheck(module.attach_grad, (terms, logits.detach().requires_grad_(True), dlogits),
+                          test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logp", "entropy"])
+@DTYPES
+def test_linear_token_ops(with_entropy, dtype):
+    h, w, b, targets, *_ = opcheck_args(dtype)
+    torch.library.opcheck(torch_linear.linear_token_stats, (h, w, b, targets, 0.7, with_entropy, 5),
+                          test_utils=CHECKS)
+    g_logp = torch.randn(targets.shape)
+    g_ent = torch.randn(targets.shape) if with_entropy else None
+    h, w, b = h.detach(), w.detach(), b.detach()  # the grad op runs in a backward: it refuses one of its own
+    for need in ((True, True, True), (True, False, False)):
+        torch.library.opcheck(torch_linear.linear_token_grad, (h, w, b, targets, g_logp, g_ent, 0.7, *need, 5),
+                              test_utils=CHECKS)
