@@ -2,8 +2,9 @@
 the op mutates), the fake implementation (the outputs ``torch.compile`` traces with have the real ones'
 shapes, dtypes and strides, empty ones included) and AOT dispatch (autograd registration). A mismatch
 there breaks compiled graphs that the eager tests never see. The fused-linear loss ops are checked in
-``test_linear.py`` / ``test_tiled_linear.py``. The Triton ops run in the interpreter here, on CUDA
-tensors on a GPU (marked ``cuda``)."""
+``test_linear.py`` / ``test_tiled_linear.py``. The Triton ops run in the interpreter on CPU tensors; where a
+GPU is present they run on CUDA tensors, and so do the native ops as the ``cuda`` backend (marked ``cuda``,
+for ``bench/gpu_check.sh``)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,18 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
+def _backends(*names):
+    """``names`` as parameters, plus ``cuda`` where a GPU is present; those that run on CUDA tensors marked
+    ``cuda``."""
+    names = names + (("cuda",) if GPU == "cuda" and "cpu" in names else ())
+    on_gpu = lambda n: n == "cuda" or (n == "triton" and GPU == "cuda")
+    return pytest.mark.parametrize("backend", [pytest.param(n, marks=[pytest.mark.cuda] if on_gpu(n) else [])
+                                               for n in names])
+
+
 def _module(name: str):
-    """The ops' module of a backend, skipping where it is unavailable on the device its tests use."""
-    device = torch.device(GPU if name == "triton" else "cpu")
+    """``(the ops' module, device)`` of a backend, skipping where it is unavailable there."""
+    device = torch.device(GPU if name in ("triton", "cuda") else "cpu")
     reason = fused_rl.available_backends(device)[name]
     if reason is not None:
         pytest.skip(reason)
@@ -33,7 +43,7 @@ def _module(name: str):
         return torch_chunked, device
     from fused_rl.backends import native, triton
 
-    return {"cpu": native, "triton": triton}[name], device
+    return (triton if name == "triton" else native), device
 
 
 def _policy_case(dtype, device, config):
@@ -48,7 +58,7 @@ def _policy_case(dtype, device, config):
             f32(case.ref))
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@_backends("torch", "cpu", "triton")
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["logp", "entropy"])
 @DTYPES
 def test_token_ops(backend, with_entropy, dtype):
@@ -63,10 +73,11 @@ def test_token_ops(backend, with_entropy, dtype):
                                               0.7), test_utils=CHECKS)
 
 
+@_backends("cpu")
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1]], ids=["on-policy-no-kl", "k3"])
 @DTYPES
-def test_native_policy_ops(config, dtype):
-    module, device = _module("cpu")
+def test_native_policy_ops(backend, config, dtype):
+    module, device = _module(backend)
     logits, targets, adv, weights, old, ref = _policy_case(dtype, device, config)
     old = old if config.kl is not None else None
     ref = ref if config.kl is not None else None
@@ -84,11 +95,12 @@ def test_native_policy_ops(config, dtype):
                           test_utils=CHECKS)
 
 
+@_backends("triton")
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1]], ids=["on-policy-no-kl", "k3"])
 @pytest.mark.parametrize("write", [False, True], ids=["no-grad", "grad"])
 @DTYPES
-def test_triton_policy_ops(config, write, dtype):
-    module, device = _module("triton")
+def test_triton_policy_ops(backend, config, write, dtype):
+    module, device = _module(backend)
     logits, targets, adv, weights, old, ref = _policy_case(dtype, device, config)
     flat = lambda x: None if x is None else x.reshape(-1)
     old = flat(old) if config.kl is not None else None
