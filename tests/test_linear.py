@@ -39,7 +39,9 @@ def assert_close(actual, expected, dtype, what, grad=False, slack=None):
 
 def mixed_mode_slack(case, leaves, config, hidden_view, dtype=torch.bfloat16, **loss_kwargs):
     """Per-element bounds on the gradient error that the mixed GEMM mode adds by rounding ``dz`` (the
-    logits gradient) to ``dtype`` once. bf16: ``|dz - bf16(dz)| <= 2^-9 |dz|``. fp16: the kernel writes
+    logits gradient) to ``dtype`` once: the unit roundoff of a ``p``-bit significand is ``2^-p``, so bf16
+    (8 bits): ``|dz - bf16(dz)| <= 2^-8 |dz|`` (the bound was 2^-9, half of it, until a fuzz case hit the
+    gap: ``test_linear_fuzz.py``). fp16 (11 bits): the kernel writes
     ``dz / u`` with ``u = max_t w_t`` (the aggregation weights), so ``<= 2^-11 |dz| + 2^-25 u`` (half of fp16's
     subnormal spacing, in units of ``u``). For ``grad_h = dz W``, ``grad_W = dz^T h`` and ``grad_b = sum_t dz``
     the bound is that of the same products of absolute values, i.e. the gradients of
@@ -52,7 +54,7 @@ def mixed_mode_slack(case, leaves, config, hidden_view, dtype=torch.bfloat16, **
     fused_rl.reference.policy_loss(z, case.targets, case.advantages, case.mask, config=config,
                                    **loss_kwargs, **case.kwargs()).loss.backward()
     if dtype == torch.bfloat16:
-        bound = z.grad.abs() * 2.0 ** -9
+        bound = z.grad.abs() * 2.0 ** -8
     else:
         unit = fused_rl.loss_math.aggregation_weights(case.mask, config, loss_kwargs.get("token_normalizer")).max()
         rows = case.mask & (case.targets != fused_rl.IGNORE_INDEX)  # the kernel writes exact zero rows elsewhere
@@ -73,9 +75,12 @@ class LinearCase:
     mask: torch.Tensor
     old: Optional[torch.Tensor]
     ref: Optional[torch.Tensor]
+    rollout: Optional[torch.Tensor] = None
+    truncated: Optional[torch.Tensor] = None
 
     def kwargs(self) -> dict:
-        return dict(old_logprobs=self.old, ref_logprobs=self.ref)
+        extra = {k: v for k, v in (("rollout_logprobs", self.rollout), ("truncated", self.truncated)) if v is not None}
+        return dict(old_logprobs=self.old, ref_logprobs=self.ref, **extra)
 
 
 def make_linear_case(batch: int = 4, length: int = 6, vocab: int = 1000, hidden_size: int = HIDDEN, *,
@@ -446,11 +451,11 @@ def test_bf16_parameter_gradients_rounded_once(backend):
         (fn(h, w, case.targets, case.advantages, case.mask, bias=b, **kw).loss * scale).backward()
         grads.append((w.grad, b.grad))
     leaves = [x.to(torch.bfloat16).double().requires_grad_(True) for x in (case.hidden, case.weight, case.bias)]
-    terms = mixed_mode_slack(case, leaves, CONFIGS[1], None)  # 2^-9 sum_t |dz| |h| (sum_t |dz| for b)
+    terms = mixed_mode_slack(case, leaves, CONFIGS[1], None)  # 2^-8 sum_t |dz| |h| (sum_t |dz| for b)
     for name, got, expected, absolute in zip(("weight", "bias"), *grads, terms[1:]):
         assert got.dtype == torch.bfloat16
         half_ulp = torch.ldexp(torch.ones_like(expected), torch.frexp(expected).exponent - 9)
-        bound = half_ulp + 1e-5 * scale * absolute * 2.0 ** 9
+        bound = half_ulp + 1e-5 * scale * absolute * 2.0 ** 8
         excess = (got.double() - expected).abs() - bound
         assert (excess <= 0).all(), (name, int((excess > 0).sum()), float(excess.max()))
 

@@ -29,7 +29,7 @@ default on CPU, which has no fast 16-bit GEMM here) or ``"mixed"`` (the default 
 inputs on CUDA): the GEMMs read the 16-bit ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32
 logits and fp32 gradients (``torch.mm(..., out_dtype=torch.float32)``, CUDA only; on CPU the mode is
 emulated by upcasting, for the tests). The kernel reads fp32 logits either way (rounding the logits to
-bf16 would cost ~``|z| 2^-9`` of log-prob accuracy); in mixed mode it writes ``dz`` in the input dtype
+bf16 would cost up to ``|z| 2^-8`` of log-prob accuracy); in mixed mode it writes ``dz`` in the input dtype
 into a second ``(n, V)`` buffer (both kernels round on store), the one rounding the GEMMs of the
 backward would do anyway. ``dz ~ w_t p`` (``1/N`` times ``1/V``, ~1e-9 at N = 8192, V = 128256) is below
 fp16's subnormals, so the kernel gets the weights in units of ``u = max_t w_t`` and writes ``dz / u``;
