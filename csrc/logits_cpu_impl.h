@@ -166,6 +166,12 @@ struct RowStats {
   bool bad() const { return m != m; }  // the softmax is undefined (see row_stats)
 };
 
+// H = log S - U / S >= 0 despite its cancellation near a one-hot row (-1e-8 there otherwise); NaN passes
+inline float entropy_of(float logs, const RowStats& st) {
+  const float h = float(double(logs) - st.u / st.s);
+  return h < 0.0f ? 0.0f : h;
+}
+
 // The stats of a row whose softmax is undefined: NaN m, hence NaN log s, logp and H (stats_impl) and a NaN
 // dlogits row (row_nan).
 constexpr RowStats kBadRow = {NAN, NAN, NAN};
@@ -312,7 +318,7 @@ void stats_impl(const StatsArgs& a) {
     a.logp[i] = nonpositive(shifted(xt, a.inv_tau, st.m) - logs);
     a.lse[i] = st.m;
     a.lse[N + i] = logs;
-    if (a.ent) a.ent[i] = float(double(logs) - st.u / st.s);
+    if (a.ent) a.ent[i] = entropy_of(logs, st);
   }
 }
 
@@ -359,7 +365,7 @@ void policy_impl(const PolicyArgs& a) {
     const float logs = float(std::log(st.s));
     const float xt = (t >= 0 && t < V) ? D::load1(row + t) : NAN;
     const float logp = nonpositive(shifted(xt, a.inv_tau, st.m) - logs);
-    const float H = float(double(logs) - st.u / st.s);
+    const float H = entropy_of(logs, st);
     a.logp[i] = logp;
     a.ent[i] = H;
     if (st.bad()) { row_nan<DO>(orow, V); continue; }  // NaN logp and H (the epilogue's g_logp is NaN too)

@@ -90,6 +90,12 @@ __device__ __forceinline__ float target_logp(float yt, float m, float l2s) {
   return lp > 0.0f ? 0.0f : lp;
 }
 
+// H = ln2 (log2 s - u / s), clamped to >= 0 (its cancellation near a one-hot row gives -1e-8); NaN passes.
+__device__ __forceinline__ float row_entropy(float l2s, float u, float s) {
+  const float h = kLn2 * (l2s - u / s);
+  return h < 0.0f ? 0.0f : h;
+}
+
 // One 128-bit store of four 32-bit words to a 16-byte-aligned global address: nvcc splits a uint4 / float4
 // assigned through a cast pointer into four 32-bit stores.
 // With streaming, st.global.cs (evict first).
@@ -388,7 +394,7 @@ __global__ void __launch_bounds__(kMaxThreads) stats_kernel(Launch<StatsArgs> l)
       a.logp[i] = target_logp(yt, r.m, l2s);
       a.lse[i] = r.m;  // base 2, as row_grad reads them
       a.lse[N + i] = l2s;
-      if (a.ent) a.ent[i] = kLn2 * (l2s - r.u / r.s);
+      if (a.ent) a.ent[i] = row_entropy(l2s, r.u, r.s);
     }
   }
 }
@@ -447,7 +453,7 @@ __global__ void __launch_bounds__(kMaxThreads) policy_kernel(Launch<PolicyArgs> 
     if (lead) {
       const float l2s = log2f(r.s);  // NaN m, s: NaN logp, H and a NaN dlogits row
       const float logp = target_logp(xt * scale2, r.m, l2s);
-      const float H = kLn2 * (l2s - r.u / r.s);
+      const float H = row_entropy(l2s, r.u, r.s);
       a.logp[i] = logp;
       a.ent[i] = H;
       const EpilogueOut e = policy_epilogue(a.ep, logp, H, adv, old, ref, rollout, w);

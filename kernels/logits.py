@@ -159,6 +159,7 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     ent = tl.zeros([BLOCK_N], tl.float32)
     if WITH_ENT:
         ent = LN2 * (log2_s - q / s)
+        ent = tl.where(ent < 0.0, 0.0, ent)  # H >= 0 (its cancellation near a one-hot row gives -1e-8); NaN passes
     return m_fin, log2_s, logp, ent
 
 

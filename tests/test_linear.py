@@ -19,10 +19,10 @@ HIDDEN = 96
 LINEAR_GRAD_TOLERANCES = {**GRAD_TOLERANCES, torch.float32: (1e-5, 1e-4)}
 
 
-def assert_close(actual, expected, dtype, what, grad=False, slack=None):
+def assert_close(actual, expected, dtype, what, grad=False, slack=None, equal_nan=False):
     """``slack``: an extra per-element allowance (see :func:`mixed_mode_slack`) on top of the tolerance."""
     if not grad:
-        return _assert_close(actual, expected, dtype, what)
+        return _assert_close(actual, expected, dtype, what, equal_nan=equal_nan)
     atol, rtol = LINEAR_GRAD_TOLERANCES[dtype]
     if slack is None:
         torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol,
@@ -170,7 +170,7 @@ def compare_linear(case: LinearCase, config, *, frozen_weight: bool = False, tok
         assert_close(got.entropy, expected.entropy, dtype, "entropy")
     assert set(got.metrics) == set(expected.metrics)
     for name, value in expected.metrics.items():
-        assert_close(got.metrics[name], value, dtype, f"metric {name}")
+        assert_close(got.metrics[name], value, dtype, f"metric {name}", equal_nan=True)
     slack = [None] * 3
     if backend != "torch" and tiled_linear.runs_tiled(config) and tiled_linear._mode(h.device, dtype) == "mixed":
         slack = mixed_mode_slack(case, (rh, rw, rb), config, hidden_view, dtype, token_normalizer=token_normalizer,

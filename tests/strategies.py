@@ -1,0 +1,73 @@
+"""Hypothesis strategies shared by the differential fuzz tests (``test_hardening.py`` for the logits-level
+loss, ``test_linear_fuzz.py`` for the fused linear one)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import assume
+from hypothesis import strategies as st
+
+from fused_rl import PolicyLossConfig
+from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE, ROLLOUT_IS_MODES
+
+
+@st.composite
+def configs(draw) -> PolicyLossConfig:
+    """A config drawn from every field of ``PolicyLossConfig`` (combinations it refuses are rejected)."""
+    policy = draw(st.sampled_from(POLICY_LOSSES))
+    kl = draw(st.sampled_from(KL_ESTIMATORS))
+    agg = draw(st.sampled_from(AGGREGATIONS))
+    ppo = policy in PPO_STYLE
+    clip_high = draw(st.sampled_from([0.0, 0.2, 0.28, 4.0]))
+    rollout = draw(st.sampled_from(ROLLOUT_IS_MODES + (None,) * 4))  # None half the time: the tiled route
+    fields = dict(
+        policy_loss=policy, kl=kl, agg=agg, clip_high=clip_high,
+        clip_low=draw(st.sampled_from([0.0, 0.1, 0.2])),
+        beta=draw(st.sampled_from([0.0, 0.05, 1.0])) if kl else 0.0,
+        kl_bias_correction=bool(kl) and draw(st.booleans()),
+        dual_clip=draw(st.sampled_from([None, 3.0])) if ppo else None,
+        delta=draw(st.sampled_from([None, 1.5 + clip_high])) if ppo else None,
+        sapo_temperature_pos=draw(st.sampled_from([1.0, 0.5])), sapo_temperature_neg=draw(st.sampled_from([1.05, 2.0])),
+        rollout_is=rollout,
+        rollout_is_min=draw(st.sampled_from([None, 0.5])) if rollout else None,
+        rollout_is_max=draw(st.sampled_from([2.0, 3.0])),
+        off_policy_mask=draw(st.sampled_from([None, 0.05])),
+        top_entropy_quantile=draw(st.sampled_from([1.0, 1.0, 0.5])),
+        mask_truncated_completions=draw(st.booleans()),
+        max_len=draw(st.sampled_from([None, 12])) if agg == "seq-mean-token-sum-norm" else None,
+        temperature=draw(st.sampled_from([1.0, 0.3, 1.7])),
+        entropy_coef=draw(st.sampled_from([0.0, 0.01, -0.1])),
+    )
+    try:
+        return PolicyLossConfig(**fields)
+    except ValueError:  # a combination the config refuses (e.g. delta with clip_high = 4)
+        assume(False)
+
+
+def fit_inputs(config: PolicyLossConfig, case):
+    """A policy or linear case (a dataclass with ``old``, ``ref``, ``rollout``, ``truncated``) with just the
+    inputs ``config`` reads: old log-probs for the off-policy mask even when the case is on-policy (any
+    finite ones away from ``r = 1``), rollout log-probs only with rollout correction, the truncation flags
+    only when they are used."""
+    old = case.old
+    if old is None and config.off_policy_mask is not None:
+        old = case.ref + 0.1
+    return dataclasses.replace(case, old=old, rollout=case.rollout if config.rollout_is else None,
+                               truncated=case.truncated if config.mask_truncated_completions else None)
+
+
+def entropy_choice_is_a_tie(entropy, mask, config: PolicyLossConfig, tol: float) -> bool:
+    """Whether ``top_entropy_quantile``'s choice of tokens hangs on rounding: two unmasked entropies closer
+    than ``tol`` (identical rows, near-one-hot rows; the interpolated threshold then lies within ``tol`` of
+    both), or one within ``tol`` of the threshold without being it. Two correct implementations may keep
+    different tokens there (their entropies agree to ~1e-8, not bitwise), so the fuzz skips such draws."""
+    if config.top_entropy_quantile >= 1.0 or entropy is None:
+        return False
+    h = entropy[mask].double().sort().values
+    if h.numel() < 2:
+        return False
+    q = torch.quantile(h, 1.0 - config.top_entropy_quantile)
+    near = (h - q).abs()
+    return bool((h.diff() < tol).any() or ((near > 0) & (near < tol)).any())
