@@ -11,7 +11,8 @@
 #           built fails the build loudly), unless fused_rl._C imports and is newer than csrc/ and setup.py
 #           (a warm machine keeps an older build; a carried one may be for another Python); then a preflight line in the
 #           summary says whether the cuda and triton backends are usable (else their tests only skip)
-#   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening, variant and opcheck tests (xdist)
+#   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening, variant, opcheck and linear fuzz
+#           tests (xdist)
 #   logits  bench/gpu_logits_bench.py: policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
 #           torch / reference / liger; sweeps of the triton (block x warps, then loop order, cache hints,
 #           grid) and cuda (threads x blocks per SM, then unroll, sweep order, cache policy) launch knobs
@@ -105,7 +106,7 @@ publish
 wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
-  tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py
+  tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py
 
 wanted logits && TAIL=60 step logits 150 "$PY" bench/gpu_logits_bench.py "$WORK/logits"
 
