@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import KL_ESTIMATORS
-from helpers import PolicyCase, compare_policy_loss, fused_backends, magnitude_scale, on_device, supports
+from helpers import (PolicyCase, assert_close, compare_policy_loss, fused_backends, magnitude_scale, on_device,
+                     supports)
 from strategies import configs, entropy_choice_is_a_tie, fit_inputs
 
 BACKENDS = fused_backends()
@@ -100,6 +101,43 @@ def test_differential_fuzz(backend, device, dtype):
         z_max = float(torch.nan_to_num(case.logits.float().abs(), posinf=0.0).max()) / config.temperature
         dlogits_atol = float(torch.nan_to_num(x.grad.abs()).max()) * z_max * 2.0 ** -22
         compare_policy_loss(backend, on_device(case, device), config, tol_scale=scale, dlogits_atol=dlogits_atol)
+
+    check()
+
+
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_differential_fuzz(backend, device, dtype):
+    """``token_logprobs`` (the stats pass and the separate gradient pass) against the reference on the same
+    draws, with random upstream gradients of both outputs (a masked-out ``IGNORE_INDEX`` target included):
+    log-probs, entropies and the logits gradient."""
+    if not supports(backend, dtype, device):
+        pytest.skip(f"{backend} does not take {dtype}")
+
+    @settings(max_examples=EXAMPLES.get((backend, device), 40), deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(case=cases(dtype), temperature=st.sampled_from([1.0, 0.3, 1.7]), seed=st.integers(0, 2**16))
+    def check(case, temperature, seed):
+        g = torch.Generator().manual_seed(seed)
+        targets = torch.where(case.mask, case.targets, torch.full_like(case.targets, fused_rl.IGNORE_INDEX))
+        g_logp, g_ent = torch.randn(targets.shape, generator=g), torch.randn(targets.shape, generator=g)
+        x_ref = case.logits.detach().float().requires_grad_(True)
+        lp_ref, ent_ref = fused_rl.token_logprobs(x_ref, targets, temperature=temperature, return_entropy=True,
+                                                  backend="reference")
+        if not (torch.isfinite(lp_ref).all() and torch.isfinite(ent_ref).all()):
+            return  # a row of only -inf: NaN on every backend (test_undefined_rows_token_logprobs)
+        ((lp_ref * g_logp).sum() + (ent_ref * g_ent).sum()).backward()
+        x = case.logits.detach().to(device).requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(x, targets.to(device), temperature=temperature, return_entropy=True,
+                                          backend=backend)
+        ((lp * g_logp.to(device)).sum() + (ent * g_ent.to(device)).sum()).backward()
+        scale = magnitude_scale(case.logits, temperature)
+        z_max = float(torch.nan_to_num(case.logits.float().abs(), posinf=0.0).max()) / temperature
+        extra = float(x_ref.grad.abs().max()) * z_max * 2.0 ** -22  # as in test_differential_fuzz
+        assert_close(lp.cpu(), lp_ref, dtype, "logprobs", scale=scale)
+        assert_close(ent.cpu(), ent_ref, dtype, "entropy", scale=scale)
+        assert (lp <= 0).all() and (ent >= 0).all()
+        assert_close(x.grad.cpu(), x_ref.grad, dtype, "dlogits", grad=True, scale=scale, extra_atol=extra)
 
     check()
 
