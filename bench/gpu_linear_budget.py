@@ -12,7 +12,8 @@ pass's knobs (``GRAD_REVERSE`` + ``CACHE_HINTS``, ``PREFETCH``, ``MAX_PROGRAMS``
 ``NUM_WARPS``: tuned on bf16 logits, here the kernel reads fp32 tiles the GEMM has just written; a row
 "knobs" names the ones that differ from the defaults). Then the same tiles' three GEMMs alone
 (``z = h W^T``, ``dh = dz W``, ``dW += dz^T h``, cuBLAS as the tiled route calls them): the time the
-route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON line per measurement.
+route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON
+line per measurement.
 """
 
 from __future__ import annotations
