@@ -259,3 +259,119 @@ def test_second_order_through_the_recomputing_ops_is_refused_by_name(backend):
     torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
     with pytest.raises(RuntimeError, match="no backward of its own.*backend='reference'"):
         g.pow(2).sum().backward()
+
+
+# --------------------------------------------------------------------------------- bad-input fuzz
+_B, _T, _V, _H = 2, 3, 11, 4
+
+
+def _valid_inputs():
+    g = torch.Generator().manual_seed(1)
+    return dict(logits=torch.randn(_B, _T, _V, generator=g), targets=torch.randint(0, _V, (_B, _T), generator=g),
+                advantages=torch.randn(_B, generator=g), mask=torch.ones(_B, _T, dtype=torch.bool),
+                old=torch.randn(_B, _T, generator=g) - 3, ref=torch.randn(_B, _T, generator=g) - 3,
+                rollout=torch.randn(_B, _T, generator=g) - 3, hidden=torch.randn(_B, _T, _H, generator=g),
+                weight=torch.randn(_V, _H, generator=g), bias=torch.randn(_V, generator=g),
+                truncated=torch.zeros(_B, dtype=torch.bool), is_weights=torch.ones(_B, _T))
+
+
+#: Wrong shapes, dtypes, layouts, values and types of every argument (some are accepted: a float 0/1 mask,
+#: an omitted bias, a smaller vocabulary); ``config``, ``token_normalizer`` and ``temperature`` values too.
+_MUTATIONS = {
+    "logits": lambda: [torch.randn(_B, _T), torch.randn(_B, _T, 0), torch.randn(_B, _T, 2 * _V).half()[..., ::2],
+                       torch.randn(_B, _T, _V).to(torch.int32), torch.randn(1, _B, _T, _V),
+                       torch.full((_B, _T, _V), float("nan")), torch.randn(_V, _T, _B).permute(2, 1, 0),
+                       torch.randn(_B, _T, 1)],
+    "targets": lambda: [torch.randint(0, _V, (_B, _T)).float(), torch.randint(0, _V, (_B, _T)).to(torch.int16),
+                        torch.full((_B, _T), _V), torch.full((_B, _T), -5), torch.randint(0, _V, (_B,)),
+                        torch.randint(0, _V, (_B, _T, 1)), torch.randint(0, _V, (_T, _B)).t()],
+    "advantages": lambda: [torch.randn(_B, _T + 1), torch.randn(_B, 1), torch.randn(()), torch.tensor([float("inf"), 0.0]),
+                           torch.randn(_B).double(), torch.randn(_B).half(), torch.randint(0, 2, (_B,))],
+    "mask": lambda: [torch.ones(_B, _T), torch.ones(_B, _T, dtype=torch.int64), torch.full((_B, _T), 0.5),
+                     torch.ones(_B, _T + 1, dtype=torch.bool), torch.zeros(_B, _T, dtype=torch.bool),
+                     torch.ones(_T, _B, dtype=torch.bool).t()],
+    "old": lambda: [None, torch.randn(_B, _T + 1), torch.full((_B, _T), float("-inf")), torch.randn(_B, _T).double(),
+                    torch.randn(_B, _T).bfloat16(), torch.randn(_B)],
+    "ref": lambda: [torch.randn(_B, 2), torch.full((_B, _T), float("nan"))],
+    "rollout": lambda: [None, torch.randn(_B, _T + 1), torch.full((_B, _T), float("nan"))],
+    "hidden": lambda: [torch.randn(_B, _T, _H + 1), torch.randn(_B, _T), torch.randn(_B, _T, _H).double(),
+                       torch.randn(_B, _T, _H).bfloat16(), torch.randn(_B, _T, _H).long(), torch.randn(_B, _T, 0)],
+    "weight": lambda: [torch.randn(_V, _H + 1), torch.randn(_V), torch.randn(_V, _H).bfloat16(),
+                       torch.randn(_H, _V).t(), torch.randn(0, _H)],
+    "bias": lambda: [torch.randn(_V + 1), torch.randn(_V, 1), torch.randn(_V).double(), None],
+    "truncated": lambda: [torch.zeros(_B + 1, dtype=torch.bool), torch.zeros(_B), torch.zeros(_B, _T, dtype=torch.bool)],
+    "is_weights": lambda: [torch.ones(_B, _T + 1), -torch.ones(_B, _T), torch.full((_B, _T), float("nan"))],
+    "config": lambda: [PolicyLossConfig(kl="k3", beta=0.1), PolicyLossConfig(rollout_is="token_truncate"),
+                       PolicyLossConfig(mask_truncated_completions=True), PolicyLossConfig(off_policy_mask=0.1),
+                       PolicyLossConfig(top_entropy_quantile=0.5),
+                       PolicyLossConfig(policy_loss="gspo", agg="seq-mean-token-mean"), PolicyLossConfig(temperature=0.5)],
+    "token_normalizer": lambda: [0.0, -1.0, float("nan"), torch.tensor([1.0, 2.0]), torch.tensor(float("inf")), "x", 3],
+    "temperature": lambda: [0.0, -1.0, float("nan"), "1", torch.tensor(1.0)],
+}
+
+
+def _run_api(api, backend, a, config, extra):
+    """One call of ``api`` (and its backward when the differentiable input is floating point)."""
+    if api in ("policy", "linear"):
+        kw = dict(old_logprobs=a["old"], ref_logprobs=a["ref"], config=config, backend=backend)
+        if config is not None and config.rollout_is:
+            kw["rollout_logprobs"] = a["rollout"]
+        if config is not None and config.mask_truncated_completions:
+            kw["truncated"] = a["truncated"]
+        if "is_weights" in extra:
+            kw["rollout_is_weights"] = a["is_weights"]
+        if "token_normalizer" in extra:
+            kw["token_normalizer"] = extra["token_normalizer"]
+        if api == "policy":
+            x = a["logits"].clone().requires_grad_(a["logits"].is_floating_point())
+            out = fused_rl.policy_loss(x, a["targets"], a["advantages"], a["mask"], **kw).loss
+        else:
+            x = a["hidden"].clone().requires_grad_(a["hidden"].is_floating_point())
+            out = fused_rl.linear_policy_loss(x, a["weight"], a["targets"], a["advantages"], a["mask"], bias=a["bias"],
+                                              **kw).loss
+    else:
+        kw = {"temperature": extra["temperature"]} if "temperature" in extra else {}
+        if api == "token":
+            x = a["logits"].clone().requires_grad_(a["logits"].is_floating_point())
+            out = fused_rl.token_logprobs(x, a["targets"], backend=backend, **kw).sum()
+        else:
+            x = a["hidden"].clone().requires_grad_(a["hidden"].is_floating_point())
+            out = fused_rl.linear_token_logprobs(x, a["weight"], a["targets"], bias=a["bias"], backend=backend,
+                                                 **kw).sum()
+    if x.requires_grad:
+        out.backward()
+
+
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_bad_input_fuzz_raises_value_errors_only(backend):
+    """One or two arguments of a valid call of each public function replaced by a wrong shape, dtype,
+    layout, value or type: the call succeeds (the change was acceptable) or raises ``ValueError`` before
+    any kernel runs; never another exception from deeper down (an IndexError, a torch RuntimeError, a
+    kernel's assertion)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=60 if backend == "triton" else 300, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(api=st.sampled_from(["policy", "token", "linear", "linear_token"]),
+           picks=st.lists(st.tuples(st.sampled_from(sorted(_MUTATIONS)), st.integers(0, 7)), min_size=1, max_size=2,
+                          unique_by=lambda p: p[0]))
+    def check(api, picks):
+        a, config, extra = _valid_inputs(), None, {}
+        for key, i in picks:
+            options = _MUTATIONS[key]()
+            value = options[i % len(options)]
+            if key == "config":
+                config = value
+            elif key in ("token_normalizer", "temperature", "is_weights"):
+                extra[key] = value
+                if key == "is_weights":
+                    a[key] = value
+            else:
+                a[key] = value
+        try:
+            _run_api(api, backend, a, config, extra)
+        except ValueError:
+            pass
+
+    check()
