@@ -262,14 +262,13 @@ def test_second_order_through_the_recomputing_ops_is_refused_by_name(backend):
 
 
 # --------------------------------------------------------------------------------- bad-input fuzz
-_B, _T, _V, _H = 2, 3, 11, 4
+_B, _T, _V, _H = 2, 3, 11, 4  # good()'s shape, and a hidden size
 
 
 def _valid_inputs():
+    """:func:`good`'s call plus every optional input of the four public functions."""
     g = torch.Generator().manual_seed(1)
-    return dict(logits=torch.randn(_B, _T, _V, generator=g), targets=torch.randint(0, _V, (_B, _T), generator=g),
-                advantages=torch.randn(_B, generator=g), mask=torch.ones(_B, _T, dtype=torch.bool),
-                old=torch.randn(_B, _T, generator=g) - 3, ref=torch.randn(_B, _T, generator=g) - 3,
+    return dict(good(_B, _T, _V), old=torch.randn(_B, _T, generator=g) - 3, ref=torch.randn(_B, _T, generator=g) - 3,
                 rollout=torch.randn(_B, _T, generator=g) - 3, hidden=torch.randn(_B, _T, _H, generator=g),
                 weight=torch.randn(_V, _H, generator=g), bias=torch.randn(_V, generator=g),
                 truncated=torch.zeros(_B, dtype=torch.bool), is_weights=torch.ones(_B, _T))
