@@ -320,12 +320,13 @@ def test_every_algorithm_runs(tmp_path, overrides):
         assert hist[-1]["entropy_mask_frac"] > 0.3  # about half the tokens are dropped
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "ppo"])
 def test_loss_option_mask_truncated_completions_equals_truncation_mask(tmp_path, algorithm):
     """The loss's ``mask_truncated_completions`` (fed the rollout's ``truncated``) trains exactly like the
     trainer's own ``truncation: mask`` (which drops those rows from the mask): the same loss and gradient
     norm, and parameters equal after one Adam step of lr 1e-2 up to summation-order noise (Adam turns a
-    wrong mask into changes of ~lr). dapo (token-mean) also checks the normalizer: the kept tokens."""
+    wrong mask into changes of ~lr). dapo (token-mean) also checks the normalizer: the kept tokens; ppo that
+    the dropped rows take no part in GAE, the advantage whitening and the value loss."""
     from fused_rl.train.trainer import Trainer
 
     params, hists = [], []
@@ -335,7 +336,7 @@ def test_loss_option_mask_truncated_completions_equals_truncation_mask(tmp_path,
         hists.append(t.train_step())
         assert 0.0 < hists[-1]["truncated"] < 1.0, hists  # both kinds of rows are present
         params.append(t.policy.state_dict())
-    for key in ("loss", "grad_norm", "entropy"):
+    for key in ("loss", "grad_norm", "entropy") + (("value_loss",) if algorithm == "ppo" else ()):
         assert hists[1][key] == pytest.approx(hists[0][key], rel=1e-5), key
     for k, v in params[0].items():
         torch.testing.assert_close(params[1][k], v, atol=1e-4, rtol=0, msg=k)

@@ -249,8 +249,9 @@ class PolicyModule(nn.Module):
         value = None
         if self.value_head is not None:
             values = self.value_head(h.float()).squeeze(-1)
-            count = mask.float().sum().clamp(min=1.0) if value_normalizer is None else value_normalizer
-            value = value_loss(values, returns, mask, count, old_values=old_values, clip=value_clip)
+            vmask = mask if truncated is None else mask & ~truncated.unsqueeze(1)  # the rows the loss trains
+            count = vmask.float().sum().clamp(min=1.0) if value_normalizer is None else value_normalizer
+            value = value_loss(values, returns, vmask, count, old_values=old_values, clip=value_clip)
         return out, value
 
     @torch.no_grad()

@@ -56,6 +56,7 @@ def init_distributed(device_type: str) -> tuple[int, int]:
 
 
 def _all_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the processes (``x`` on the training device: NCCL reduces GPU tensors only)."""
     if _world()[1] > 1:
         x = x.clone()
         dist.all_reduce(x)
@@ -172,6 +173,11 @@ class Trainer:
             values.append(v)
         return torch.cat(logps), (torch.cat(values) if with_values else None)
 
+    def _trained_mask(self, mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        """The loss tokens: ``mask`` without the truncated rows when the loss option
+        ``mask_truncated_completions`` drops them (``truncation: mask`` has dropped them from ``mask`` already)."""
+        return mask & ~truncated.unsqueeze(1) if self.loss_config.mask_truncated_completions else mask
+
     def advantages(self, batch: Rollout, values: Optional[torch.Tensor]):
         """``(advantages (N,) or (N, T), returns or None)`` from the rollout's rewards."""
         cfg, G = self.cfg, self.cfg.group_size
@@ -186,8 +192,9 @@ class Trainer:
             return adv_lib.grpo(rewards, G, scale=False), None
         if self.advantage == "rloo":
             return adv_lib.rloo(rewards, G), None
-        # PPO: the sequence reward on the last loss token, GAE over the value head's estimates
-        mask = batch.mask
+        # PPO: the sequence reward on the last loss token, GAE over the value head's estimates; the rows the
+        # loss drops (mask_truncated_completions) take no part, as with truncation: mask
+        mask = self._trained_mask(batch.mask, batch.truncated)
         last = (mask.long().cumsum(1) == mask.long().sum(1, keepdim=True)) & mask
         token_rewards = torch.where(last, rewards.unsqueeze(1), torch.zeros_like(values))
         adv, returns = adv_lib.gae(token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
@@ -218,13 +225,11 @@ class Trainer:
                 # token-mean's normalizer: the minibatch's loss tokens over all processes (without truncated
                 # rows when the loss drops them); the value loss's: all its response tokens
                 normalizer = value_tokens = None
+                loss_mask = self._trained_mask(batch.mask[mb_idx], batch.truncated[mb_idx])
                 if token_mean:
-                    loss_mask = batch.mask[mb_idx]
-                    if self.loss_config.mask_truncated_completions:
-                        loss_mask = loss_mask & ~batch.truncated[mb_idx].unsqueeze(1)
                     normalizer = _all_sum(loss_mask.sum().float()).clamp(min=1.0)
                 if returns is not None:
-                    value_tokens = _all_sum(batch.mask[mb_idx].sum().float()).clamp(min=1.0)
+                    value_tokens = _all_sum(loss_mask.sum().float()).clamp(min=1.0)
                 micros = [mb_idx[i:i + cfg.resolved_micro] for i in range(0, len(mb_idx), cfg.resolved_micro)]
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, idx in enumerate(micros):
@@ -251,7 +256,7 @@ class Trainer:
                             if value_clipped is not None:
                                 sums["value_clip_frac"] = sums.get("value_clip_frac", 0.0) + value_clipped
                         loss.backward()
-                    tokens = batch.mask[idx].sum().float()
+                    tokens = self._trained_mask(batch.mask[idx], batch.truncated[idx]).sum().float()
                     for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean"),
                                       *((k, k) for k in OPTION_METRICS)):
                         if name in out.metrics and (key != "kl" or ref is not None):
@@ -296,7 +301,7 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         dt = time.perf_counter() - t0
-        gen_tokens = float(_all_sum(torch.tensor(float(batch.lengths.sum()))))
+        gen_tokens = float(_all_sum(batch.lengths.sum().to(self.device, torch.float64)))
         metrics.update(step=self.step, tokens_per_s=gen_tokens / dt, step_time=dt)
         return metrics
 
