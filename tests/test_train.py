@@ -421,6 +421,29 @@ def test_bfloat16_is_autocast_over_fp32_master_weights(tmp_path):
     assert seen and set(seen) == {torch.bfloat16}
 
 
+def test_resume_applies_a_changed_optimizer_config(tmp_path):
+    """The checkpoint restores AdamW's moments and the schedule's position, the resumed config its
+    hyperparameters: a new lr / weight decay / betas take effect at once (not the checkpoint's)."""
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=2, save_every=2, lr_schedule="constant"), quiet=True).train()
+    resumed = Trainer(small(tmp_path, steps=3, resume=True, lr=0.05, weight_decay=0.1, adam_betas=[0.5, 0.6],
+                            lr_schedule="constant"), quiet=True)
+    decay, no_decay = resumed.optimizer.param_groups
+    assert (decay["lr"], decay["weight_decay"], decay["betas"]) == (0.05, 0.1, (0.5, 0.6))
+    assert (no_decay["lr"], no_decay["weight_decay"]) == (0.05, 0.0)
+    assert resumed.optimizer.state  # the moments came from the checkpoint
+    assert resumed.train()[-1]["lr"] == 0.05
+
+
+def test_resume_into_another_model_names_the_changed_fields(tmp_path):
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=1, save_every=1), quiet=True).train()
+    with pytest.raises(ConfigError, match=r"does not fit this config's model .*'algorithm': \('grpo', 'ppo'\)"):
+        Trainer(small(tmp_path, steps=2, resume=True, algorithm="ppo"), quiet=True)
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     from fused_rl.train.trainer import Trainer
 

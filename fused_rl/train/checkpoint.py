@@ -69,11 +69,20 @@ def load_state(run_dir, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
+class CheckpointMismatch(ValueError):
+    """The checkpoint's model does not fit the model built from the current config."""
+
+
 def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, rank: int = 0,
          map_location="cpu") -> int:
-    """Restore everything saved by :func:`save`; returns the step to continue from."""
+    """Restore everything saved by :func:`save`; returns the step to continue from. Raises
+    :class:`CheckpointMismatch` naming the config fields that differ from the checkpoint's when its model
+    does not load into ``model``."""
     state = load_state(run_dir, map_location)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise CheckpointMismatch(str(exc).split("\n\t")[0], state.get("config", {})) from exc
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng_path = checkpoint_dir(run_dir) / f"rng_rank{rank}.pt"

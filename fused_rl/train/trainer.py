@@ -140,9 +140,28 @@ class Trainer:
             if not checkpoint.exists(self.run_dir):  # as HF's resume_from_checkpoint=True: never a silent restart
                 raise ConfigError(f"resume: no checkpoint in run_dir {str(self.run_dir)!r} to resume from "
                                  "(check the path, or drop --resume to start a new run there)")
-            self.step = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
-                                        scheduler=self.scheduler, prompt_rng=self.prompt_rng, rank=self.rank,
-                                        map_location=self.device)
+            try:
+                self.step = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
+                                            scheduler=self.scheduler, prompt_rng=self.prompt_rng, rank=self.rank,
+                                            map_location=self.device)
+            except checkpoint.CheckpointMismatch as exc:
+                message, saved = exc.args
+                changed = {k: (saved[k], v) for k, v in to_dict(cfg).items() if k in saved and saved[k] != v}
+                changed.pop("resume", None)
+                raise ConfigError(f"resume: the checkpoint in {str(self.run_dir)!r} does not fit this config's model "
+                                  f"({message}); fields changed since it was written (checkpoint, now): "
+                                  f"{changed}") from None
+            self._apply_optimizer_config()
+
+    def _apply_optimizer_config(self) -> None:
+        """After a resume: the checkpoint restored AdamW's moments and the schedule's position; ``lr``,
+        ``weight_decay``, ``adam_betas`` and the schedule (``warmup_steps``, ``steps``, ...) are this config's,
+        so a value changed for the resumed run applies from its first step (unchanged: the same numbers)."""
+        cfg, sched = self.cfg, self.scheduler
+        sched.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
+        for group, decay, fn in zip(self.optimizer.param_groups, (cfg.weight_decay, 0.0), sched.lr_lambdas):
+            group.update(initial_lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=decay,
+                         lr=cfg.lr * fn(sched.last_epoch))
 
     # ------------------------------------------------------------------ rollout and advantages
     def collect(self, examples: Optional[list] = None) -> Rollout:
@@ -288,7 +307,7 @@ class Trainer:
                        reward_std=math.sqrt(max(0.0, float(tot[k + 3] / count) - mean_r ** 2)),
                        accuracy=float(tot[k + 4] / count), length=float(tot[k + 5] / count),
                        truncated=float(tot[k + 6] / count), grad_norm=float(torch.stack(grad_norms).mean()),
-                       lr=self.scheduler.get_last_lr()[0])
+                       lr=self.optimizer.param_groups[0]["lr"])
         if value_loss:
             metrics["value_loss"] = float(tot[k + 8])
         return metrics
