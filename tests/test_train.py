@@ -93,7 +93,7 @@ def test_config_overrides_and_yaml(tmp_path):
     with pytest.raises(ConfigError, match="did you mean 'steps'"):
         load_config(str(tmp_path / "bad.yaml"))
     assert load_config(None).backend == "auto"  # the shipped default
-    assert load_config("dapo" if False else None, ["--algorithm", "dapo"]).loss_config().clip_high == 0.28
+    assert load_config(None, ["--algorithm", "dapo"]).loss_config().clip_high == 0.28
     (tmp_path / "sapo.yaml").write_text("loss_options: {policy_loss: sapo, sapo_temperature_neg: 2}\n")
     loss = load_config(str(tmp_path / "sapo.yaml"), ["--loss_options.rollout_is", "token_mask",
                                                      "--loss_options.rollout_is_min", "0.5"]).loss_config()
@@ -499,6 +499,21 @@ def test_cli_train_plot_eval_info(tmp_path, capsys):
     assert "no arguments" in capsys.readouterr().err
     assert main(["train", "--group_size", "1"]) == 2
     assert "group_size" in capsys.readouterr().err
+    # a bad task or model is a one-line error too (raised when the trainer builds them), not a traceback
+    for flags, words in ((["--task", "nosuch"], "unknown task 'nosuch'"), (["--model", str(run / "none")], "model"),
+                         (["--task", "add", "--task_args.bogus", "1"], "task 'add': bad task_args")):
+        assert main(["train", "--run_dir", str(tmp_path / "bad"), *flags]) == 2
+        assert f"fused-rl train: error: {words}" in capsys.readouterr().err
+
+
+def test_task_flag_takes_the_task_defaults_and_string_task_args():
+    """``--task X`` drops the file's task_args (they were its task's: ``--task add`` on the default config
+    would pass ``min_digits`` to AddTask); ``--task_args.digits 012`` stays the string "012" (YAML: octal 10)."""
+    assert load_config(None, ["--task", "add"]).task_args == {}
+    assert load_config(None, ["--task_args.max_digits", "4"]).task_args == {"min_digits": 3, "max_digits": 4}
+    cfg = load_config(None, ["--task", "reverse", "--task_args.digits", "012", "--task_args.max_digits", "4"])
+    assert cfg.task_args == {"digits": "012", "max_digits": 4}
+    assert load_config(None, ["--task", "add", "--task_args", "{max_digits: 2}"]).task_args == {"max_digits": 2}
 
 
 # ---------------------------------------------------------------------------------------------- SmolLM2

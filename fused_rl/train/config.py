@@ -362,6 +362,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         path = str(bundled_config(path))  # a bundled name such as "smollm2"
     data = load_yaml(path)
     cfg = from_dict(data, source=str(path))
+    file_task = cfg.task
+    task_args_set = "task_args" in kwargs
+    dotted_task_args: dict[str, str] = {}  # applied once the task is known (its parameters' types)
     items = list(overrides or [])
     i = 0
     while i < len(items):
@@ -382,7 +385,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
             top, sub = key.split(".", 1)
             if top not in ("task_args", "model_config", "loss_options"):
                 raise ConfigError(f"--{key}: only task_args.X, model_config.X and loss_options.X take a dotted key")
-            getattr(cfg, top)[sub] = _coerce(raw, None, key)
+            if top == "task_args":
+                dotted_task_args[sub] = raw
+            else:
+                getattr(cfg, top)[sub] = _coerce(raw, None, key)
             continue
         if key not in field_names():
             import difflib
@@ -391,11 +397,29 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
             raise ConfigError(f"unknown option --{key}" + (f" (did you mean --{close[0]}?)" if close else ""))
         value = _coerce(raw, getattr(cfg, key), key)
         setattr(cfg, key, _fix_numbers({key: value})[key])
+        task_args_set |= key == "task_args"
     for key, value in kwargs.items():
         if key not in field_names():
             raise ConfigError(f"unknown option {key!r}")
         setattr(cfg, key, value)
+    if cfg.task != file_task and not task_args_set:
+        cfg.task_args = {}  # the file's task_args were its own task's
+    for sub, raw in dotted_task_args.items():
+        cfg.task_args[sub] = _coerce_task_arg(cfg.task, sub, raw)
     return cfg.validate()
+
+
+def _coerce_task_arg(task: str, name: str, raw: str) -> Any:
+    """``--task_args.NAME raw``: a string where the task's parameter defaults to one (``--task_args.digits 012``
+    stays "012"), else parsed as YAML."""
+    import inspect
+
+    from .tasks import TASKS
+
+    param = inspect.signature(TASKS[task]).parameters.get(name) if task in TASKS else None
+    if param is not None and isinstance(param.default, str):
+        return raw
+    return _coerce(raw, None, f"task_args.{name}")
 
 
 def to_dict(cfg: TrainConfig) -> dict:

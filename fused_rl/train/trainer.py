@@ -15,6 +15,7 @@ The per-process prompt batch is ``prompts_per_step``; the global batch is ``W`` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -63,6 +64,17 @@ def _all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@contextlib.contextmanager
+def _config_errors():
+    """The ``ValueError`` of a bad task / model choice as a :class:`ConfigError` (the CLI's one-line error)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
@@ -107,14 +119,16 @@ class Trainer:
         self.prompt_rng = random.Random(cfg.seed * 7919 + self.rank)
         self.quiet = quiet or self.rank != 0
         self.run_dir = Path(cfg.run_dir)
-        self.task = make_task(cfg.task, cfg.task_args)
+        with _config_errors():
+            self.task = make_task(cfg.task, cfg.task_args)
         specs = cfg.rewards or list(self.task.default_rewards)
         self.reward_fns = [resolve_reward(s) for s in specs]
         self.reward_weights = [float(w) for w in cfg.reward_weights] or [1.0] * len(specs)
         self.loss_config = cfg.loss_config()
         self.advantage = cfg.resolved_advantage
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        lm, self.tokenizer = load_policy(cfg, self.task, self.device)
+        with _config_errors():
+            lm, self.tokenizer = load_policy(cfg, self.task, self.device)
         self.backend = resolve_linear_backend(cfg.backend, self.device, next(lm.parameters()).dtype)
         self.policy = PolicyModule(lm, value_head=self.advantage == "gae",
                                    compute_dtype=DTYPES[cfg.dtype]).to(self.device)
@@ -253,7 +267,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, idx in enumerate(micros):
                     sync = k == len(micros) - 1
-                    ctx = self.model.no_sync() if (self.world > 1 and not sync) else _nullcontext()
+                    ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
                     with ctx:
                         out, value = self.model(
                             batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
@@ -429,11 +443,3 @@ def _yaml_dump(d: dict) -> str:
     import yaml
 
     return yaml.safe_dump(d, sort_keys=False)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
