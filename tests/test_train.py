@@ -61,6 +61,8 @@ def small(tmp_path, **kw):
     (["--loss_options.delta", "1.1"], ["invalid loss settings", "delta"]),
     (["--loss_options.deltaa", "2"], ["invalid loss settings", "deltaa"]),
     (["--loss_options.temperature", "0.5"], ["loss_options", "sampling temperature"]),
+    (["--loss_options.kl", "k2"], ["loss_options", "'kl' is set by the trainer", "top-level 'kl'"]),
+    (["--loss_options.beta", "0.05"], ["loss_options", "top-level 'beta'"]),
     (["--loss_options.rollout_is", "token_truncate", "--loss_options.rollout_is_max", "null"],
      ["rollout_is needs rollout_is_max"]),
     (["--dtype", "float16"], ["dtype", "master weights"]),

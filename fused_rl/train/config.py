@@ -34,6 +34,8 @@ ALGORITHM_DEFAULTS = {
 LOSS_OPTIONS_OWNED = {
     "temperature": "the sampling temperature: set 'temperature'",
     "max_len": "dr_grpo's max_new_tokens",
+    # fields of their own, which the trainer's checks read (beta > 0 builds the reference model)
+    **{name: f"set the top-level {name!r}" for name in ("beta", "kl", "entropy_coef", "clip_low", "clip_high")},
 }
 
 
