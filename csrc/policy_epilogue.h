@@ -91,7 +91,9 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     const float clipped = frl_clamp(r, lo, hi);
     // TRL's delta: u = clamp(r, max=delta) (NaN passes, the gradient passes at r == delta)
     const bool capped_u = p.has_delta && r > p.delta;
-    const float u = na * (capped_u ? p.delta : r), v = na * clipped;
+    // -a r is 0 at a = 0 for an r overflowed to inf too (loss_math.policy_gradient_loss), not 0 * inf = NaN
+    const float ru = capped_u ? p.delta : r;
+    const float u = (a == 0.0f && ru == INFINITY) ? 0.0f : na * ru, v = na * clipped;
     // torch.maximum(u, v): gradient to u where u > v, half to each on a tie.
     float gu, gv;
     if (u > v) { gu = 1.0f; gv = 0.0f; } else if (u < v) { gu = 0.0f; gv = 1.0f; } else { gu = 0.5f; gv = 0.5f; }

@@ -43,8 +43,8 @@ def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: flo
 
     ``[1, 0, 0, 0] -> [sqrt(3), -1/sqrt(3), -1/sqrt(3), -1/sqrt(3)]``; equal rewards -> zeros.
     """
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not eps > 0:  # the stabilizer: a group of equal rewards gets 0 / eps = 0, not 0 / 0
+        raise ValueError(f"eps must be > 0, got {eps!r}")
     r = _float_groups(rewards, group_size, "rewards")
     # In fp64, about the group's first reward: a group of equal rewards is then exactly 0 before the
     # division (in fp32 the mean of eight 1/3 is 1 ulp off, std ~1e-8, and / (std + eps) made that 0.03).

@@ -72,7 +72,7 @@ class PolicyLossConfig:
       ``rho = exp(old - rollout)`` (``old = sg(logp)`` on-policy) of the training policy against the
       inference engine, per token (``token_*``) or per sequence (``sequence_*``: ``exp(sum_t m (old -
       rollout))``); ``*_truncate``: ``c *= clamp(rho, rollout_is_min, rollout_is_max)``; ``*_mask``:
-      ``c *= 1[rollout_is_min <= rho <= rollout_is_max]`` (a ``None`` bound is no bound). TRL's
+      ``c *= rho 1[rollout_is_min <= rho <= rollout_is_max]`` (a ``None`` bound is no bound). TRL's
       ``vllm_importance_sampling_*``, verl's ``rollout_correction``.
     * ``off_policy_mask=delta``: DeepSeek-V3.2's off-policy sequence mask: ``c *= 0`` on sequences with
       ``A < 0`` whose mean ``sum_t m (q - sg(logp)) / sum_t m`` exceeds ``delta``, ``q`` the rollout
@@ -196,7 +196,10 @@ class PolicyLossConfig:
     def preset(cls, name: str, **overrides: Any) -> "PolicyLossConfig":
         """A named recipe, with field overrides. See :data:`PRESETS` for each mapping.
 
-        ``beta > 0`` in ``overrides`` selects the ``k3`` estimator unless ``kl`` is given, as TRL does.
+        ``beta > 0`` in ``overrides`` selects the ``k3`` estimator unless ``kl`` is given, as TRL does;
+        ``kl_bias_correction`` stays False (verl's and Liger's default) unless given: TRL 1.16's GRPOConfig
+        defaults ``use_bias_correction_kl=True``, the same loss value with another gradient, so pass
+        ``kl_bias_correction=True`` to reproduce a default TRL run.
         """
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")

@@ -148,7 +148,8 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
         clipped = ratio.clamp(min=1.0 - config.clip_low, max=1.0 + config.clip_high)
         unclipped = ratio if config.delta is None else ratio.clamp(max=config.delta)
-        loss = torch.maximum(-a * unclipped, -a * clipped)
+        # -A r is 0 at A = 0 for an r that overflowed to inf too (a group of equal rewards), not 0 * inf = NaN
+        loss = torch.maximum(torch.where((a == 0) & torch.isinf(unclipped), 0.0, -a * unclipped), -a * clipped)
         if config.dual_clip is not None:
             loss = torch.where(a < 0, torch.minimum(loss, -config.dual_clip * a), loss)
         return loss

@@ -62,7 +62,9 @@ def grpo_policy_loss_config(
     * ``cispo``: ``-sg(min(r, epsilon_high)) A logp`` (TRL's ``epsilon_high`` is the cap itself, so
       ``clip_high = epsilon_high - 1``), ``agg="token-mean"``;
     * ``sapo``: ``-A 4/tau sigmoid(tau (r - 1))`` with TRL's ``sapo_temperature_pos/neg``, aggregated as grpo;
-    * ``beta > 0``: ``+ beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` (TRL's estimator);
+    * ``beta > 0``: ``+ beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` (TRL's estimator), times
+      ``r`` with ``use_bias_correction_kl`` (False by default, as Liger's; TRL 1.16's GRPOConfig defaults it
+      to True: pass it);
     * ``delta``: TRL's two-sided clip (``min(r, delta)`` in the unclipped term);
     * ``top_entropy_quantile``, ``off_policy_mask_threshold``: fused_rl's ``top_entropy_quantile`` /
       ``off_policy_mask``; ``vllm_importance_sampling_mode`` (with ``use_vllm`` and the correction on;

@@ -137,7 +137,9 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         else:
             unclipped = ratio
             d_unclipped = -a
-        loss, dl_dr = _max_grad(-a * unclipped, -a * clipped, d_unclipped, d_clipped)
+        # -A r is 0 at A = 0 for an overflowed r too (loss_math.policy_gradient_loss), not 0 * inf = NaN
+        pg_u = tl.where((a == 0.0) & (unclipped == float("inf")), zero, -a * unclipped)
+        loss, dl_dr = _max_grad(pg_u, -a * clipped, d_unclipped, d_clipped)
         if HAS_DUAL:
             capped, d_capped = _min_grad(loss, -dual_clip * a, dl_dr, zero)
             neg = a < 0.0

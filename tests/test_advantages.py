@@ -34,7 +34,7 @@ def test_grpo_equal_rewards_are_exactly_zero_whatever_the_rounding_of_the_mean(d
 
 def test_grpo_groups_are_independent_and_population_std():
     r = torch.tensor([1.0, 0, 0, 0, 3.0, 1.0, 2.0, 2.0])
-    a = advantages.grpo(r, 4, eps=0.0)
+    a = advantages.grpo(r, 4, eps=1e-12)
     g2 = r[4:]
     expected2 = (g2 - g2.mean()) / g2.std(unbiased=False)
     torch.testing.assert_close(a[4:], expected2)
@@ -138,6 +138,7 @@ def test_gae_hand_computed():
     (lambda: advantages.grpo(torch.ones(2, 4), 4), "1-D"),
     (lambda: advantages.grpo(torch.tensor([1.0, float("nan")]), 2), "NaN"),
     (lambda: advantages.grpo(torch.ones(4), 0), "group_size"),
+    (lambda: advantages.grpo(torch.ones(4), 2, eps=0.0), "eps must be > 0"),  # 0 / 0 for equal rewards
     (lambda: advantages.rloo(torch.ones(4), 1), "group_size >= 2"),
     (lambda: advantages.kimi_length_reward(torch.ones(4), torch.tensor([0, 2, 1, 0]), 2), "0/1"),
     (lambda: advantages.gae(torch.ones(2, 3), torch.ones(2, 2), torch.ones(2, 3)), "one shape"),
