@@ -38,7 +38,7 @@ typedef uint32_t v8u __attribute__((vector_size(FRL_VEC_BYTES)));
 typedef uint16_t v8h __attribute__((vector_size(FRL_VEC_BYTES / 2)));
 
 constexpr int64_t FRL_BLOCK = 2048;
-constexpr float kExpLo = -87.3f;  // exp(x) is returned as exactly 0 below this
+constexpr float kExpLo = -87.3f;  // exp(x) is returned as exactly 0 at and below this (so a clamped -inf gives 0)
 
 inline v8f splat(float x) {
   v8f v;
@@ -68,7 +68,7 @@ inline v8f vexp(v8f x) {
   const v8i ki = __builtin_convertvector(k, v8i);
   const v8u scale = (v8u)((ki + 127) << 23);
   const v8f res = p * as_f(scale);
-  return x < splat(kExpLo) ? splat(0.0f) : res;
+  return x <= splat(kExpLo) ? splat(0.0f) : res;
 }
 
 inline float sexp(float x) {  // the scalar twin of vexp (same arithmetic in lane 0)
@@ -277,7 +277,7 @@ inline void row_grad(const typename D::T* x, typename DO::T* out, int64_t V, flo
   if (target >= 0 && target < V) {
     // 1 - p by expm1: a near-certain token's 1 - p is below the error of the vector exp
     const float d = nonpositive(fmaxf(shifted(xt, inv_tau, m) - logs, kExpLo));
-    DO::store1(out + target, (g_logp * -std::expm1(d) + g_ent * std::exp(d) * (-H - d)) * inv_tau);
+    DO::store1(out + target, (g_logp * -std::expm1(d) + g_ent * sexp(d) * (-H - d)) * inv_tau);
   }
 }
 

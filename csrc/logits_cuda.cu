@@ -322,7 +322,7 @@ struct GradCoef {
     return exp2_ftz(d2) * fmaf(c1, d2, c0);
   }
   __device__ __forceinline__ float target(float x) const {
-    const float d2 = (x * scale2 - m2) - l2s;
+    const float d2 = fmaxf((x * scale2 - m2) - l2s, kMinExp2);  // a -inf target: p = 0, not 0 * inf = NaN
     const float dz = d2 * kLn2;
     return cgl * -expm1f(dz) + exp2f(d2) * cge * (-H - dz);
   }

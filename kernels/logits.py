@@ -89,6 +89,15 @@ def _rows(tile, N, BLOCK_N: tl.constexpr):
     return rows, rows < N
 
 
+@triton.jit
+def _load_targets(tgt_ptr, rows, in_rows, V):
+    """The rows' targets (int32 or int64 in memory) as int32: ``IGNORE_INDEX`` (also past ``N``) stays, any
+    other value outside ``[0, V)`` becomes -1 before the cast (an int64 ``2^32 + 3`` must not wrap to token 3,
+    nor ``2^32 - 100`` to ``IGNORE_INDEX``), so the callers' range test gives it a NaN row."""
+    raw = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX)
+    return tl.where((raw >= 0) & (raw < V), raw, tl.where(raw == IGNORE_INDEX, IGNORE_INDEX, -1)).to(tl.int32)
+
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -216,7 +225,7 @@ def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr,
                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENT: tl.constexpr):
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         rows, in_rows = _rows(tile, N, BLOCK_N)
-        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        tgt = _load_targets(tgt_ptr, rows, in_rows, V)
         valid = tgt != IGNORE_INDEX
         m2, log2_s, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V,
                                            temperature, BLOCK_N, BLOCK_V, WITH_ENT, "", False)
@@ -232,7 +241,7 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
                  temperature, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr):
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         rows, in_rows = _rows(tile, N, BLOCK_N)
-        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        tgt = _load_targets(tgt_ptr, rows, in_rows, V)
         valid = tgt != IGNORE_INDEX
         m2 = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
         log2_s = tl.load(lse_ptr + N + rows, mask=in_rows, other=0.0)
@@ -258,7 +267,7 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
                    PREFETCH: tl.constexpr):
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         rows, in_rows = _rows(tile, N, BLOCK_N)
-        tgt = tl.load(tgt_ptr + rows, mask=in_rows, other=IGNORE_INDEX).to(tl.int32)
+        tgt = _load_targets(tgt_ptr, rows, in_rows, V)
         valid = tgt != IGNORE_INDEX
         x_off = _row_offset(rows, T, xs0, xs1)
         m2, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,

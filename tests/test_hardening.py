@@ -551,9 +551,10 @@ def test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read(backend, de
     x = torch.randn(B, T, V, generator=g)
     targets = torch.randint(0, V, (B, T), generator=g)
     bad = torch.zeros(B, T, dtype=torch.bool)
-    bad[0, 1], bad[1, 2] = True, True
+    bad[0, 1], bad[1, 2], bad[0, 0], bad[1, 0] = True, True, True, True
     wild = targets.clone()
     wild[0, 1], wild[1, 2] = V + 5, -7
+    wild[0, 0], wild[1, 0] = 2**32 + 3, 2**32 - 100  # int64: not token 3, not IGNORE_INDEX once cast to int32
     x[0, 1, :5] = float("-inf")  # p = 0 entries: NaN too (a kernel skipping p = 0 would leave 0 there)
     adv, mask = torch.tensor([0.4, -1.1]), torch.ones(B, T, dtype=torch.bool)
     xr = x.clone().requires_grad_(True)
@@ -586,6 +587,10 @@ OVERFLOW_CONFIGS = [
     (PolicyLossConfig(policy_loss="sapo"), -1.0),
     (PolicyLossConfig(policy_loss="gspo_token", clip_low=3e-4, clip_high=4e-4), 1.0),
     (PolicyLossConfig(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"), 1.0),
+    # A = 0 (a group of equal rewards): -A r is 0, not 0 * inf = NaN
+    (PolicyLossConfig(), 0.0),
+    (PolicyLossConfig(policy_loss="gspo_token"), 0.0),
+    (PolicyLossConfig(policy_loss="gspo", agg="seq-mean-token-mean"), 0.0),
 ]
 
 
@@ -641,6 +646,40 @@ def test_nan_upstream_gradient_gives_a_nan_row_also_where_p_is_0(backend, device
     grad, expected = grads
     assert grad[0, 0].isnan().all() and expected[0, 0].isnan().all()
     torch.testing.assert_close(grad[0, 1:], expected[0, 1:], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+def test_neg_inf_logits_have_p_zero_even_at_the_target(backend, device):
+    """A ``-inf`` logit (a vocabulary mask) is ``p = 0`` with a gradient of exactly 0 (the C++ CPU kernel gave
+    ``exp(-87.3) = 1.2e-38`` there), also when it is the sampled target's (the CUDA kernel's entropy factor
+    was ``0 * inf = NaN`` at that entry): ``token_logprobs`` with an entropy term, and the single-pass
+    policy loss with an entropy bonus, against the reference."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 3, 45, generator=g) * 3
+    targets = torch.tensor([[4, 7, 30], [1, 2, 44]])
+    x[0, :, :9] = float("-inf")  # row (0, 0): a -inf target logit; rows (0, 1), (0, 2): -inf elsewhere
+    x[1, 2, 40:] = float("-inf")  # a -inf target in the last (ragged) block
+    upstream = torch.randn(2, 3, generator=g)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old = torch.full((2, 3), -3.0)
+    config = PolicyLossConfig(entropy_coef=0.05)
+    results = []
+    for be, dev in ((backend, device), ("reference", "cpu")):
+        xd = x.to(dev, copy=True).requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(xd, targets.to(dev), return_entropy=True, backend=be)
+        (torch.where(lp.isinf(), 0.0, lp * upstream.to(dev)) + 0.3 * ent).sum().backward()
+        xp = x.to(dev, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(xp, targets.to(dev), torch.tensor([0.7, -1.2]).to(dev), mask.to(dev),
+                                   old_logprobs=old.to(dev), config=config, backend=be)
+        out.loss.backward()
+        results.append((xd.grad.cpu(), xp.grad.cpu(), out.loss.detach().cpu()))
+    (grad, pgrad, loss), (expected, pexpected, loss_ref) = results
+    masked = x == float("-inf")
+    masked[0, 0, 4] = masked[1, 2, 44] = False  # the -inf targets: -upstream (1 - p) = -upstream, ...
+    for got, want in ((grad, expected), (pgrad, pexpected)):
+        assert (want[masked] == 0).all() and (got[masked] == 0).all()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend, device", on(BACKENDS))

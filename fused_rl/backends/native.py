@@ -292,7 +292,7 @@ def scale_grad_(grad: torch.Tensor, g: torch.Tensor) -> None:
         with torch.cuda.device(grad.device):
             _C.cuda_scale_(x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, g32.data_ptr(), _stream(grad))
     elif float(g) != 1.0:
-        grad.mul_(g.to(grad.dtype))
+        grad.mul_(g.detach().reshape(()).to(torch.float32))  # in fp32, one rounding (as the GPU kernels)
 
 
 @scale_grad_.register_fake
