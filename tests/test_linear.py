@@ -432,6 +432,55 @@ def test_fp16_gradients_survive_a_loss_scale(backend, normalizer, scale, monkeyp
         assert err < 2e-3, (name, float(err))
 
 
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")
+                                     if fused_rl.available_backends(torch.device("cpu"))[b] is None])
+@pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_autocast_does_not_change_the_gradients(backend, amp):
+    """The fused-linear ops compute their gradients in the forward, inside the caller's autocast region
+    (HF / accelerate wrap the loss in it; fp32 hidden states and LM head are the usual AMP setup): they run
+    with autocast off, so the gradients are the fp32 ones. Before, the hidden gradient's GEMM ran in fp16
+    on the unscaled ``w_t p`` (74% zeros at a token normalizer of 2^20, under a loss scale)."""
+    case = make_linear_case(vocab=300, hidden_size=32, seed=3)
+    config = CONFIGS[1].replace(entropy_coef=0.01)
+    results = []
+    for autocast in (False, True):
+        h, w, b = (x.detach().clone().requires_grad_(True) for x in (case.hidden, case.weight, case.bias))
+        with torch.autocast("cpu", dtype=amp, enabled=autocast):
+            out = fused_rl.linear_policy_loss(h, w, case.targets, case.advantages, case.mask, bias=b, config=config,
+                                              token_normalizer=2.0 ** 20, backend=backend, **case.kwargs())
+            lp, ent = fused_rl.linear_token_logprobs(h, w, torch.where(case.mask, case.targets, -100), bias=b,
+                                                     return_entropy=True, backend=backend)
+            (out.loss * 32768.0 + (lp * case.advantages.unsqueeze(1)).sum() + ent.sum()).backward()
+        results.append([out.loss, lp, ent, h.grad, w.grad, b.grad])
+    for name, got, expected in zip(("loss", "logp", "entropy", "hidden", "weight", "bias"), *results[::-1]):
+        assert got.dtype == expected.dtype == torch.float32, name
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")
+                                     if fused_rl.available_backends(torch.device("cpu"))[b] is None])
+def test_neg_inf_bias_entries_are_p_zero(backend):
+    """A bias with ``-inf`` entries (vocabulary ids blocked) gives those logits ``p = 0``: entropies, the
+    entropy bonus, the top-entropy mask (torch_linear for every backend) and all gradients as the
+    reference's, finite (torch_linear's entropy was ``0 * -inf = NaN``)."""
+    case = make_linear_case(vocab=300, hidden_size=32, seed=5)
+    case.bias[-40:] = float("-inf")
+    case.targets = case.targets % 260
+    for config in (CONFIGS[1].replace(entropy_coef=0.05), CONFIGS[1].replace(top_entropy_quantile=0.5)):
+        compare_linear(case, config, backend=backend)
+    tgt = torch.where(case.mask, case.targets, -100)
+    outs = []
+    for be in (backend, "reference"):
+        h, w, b = (x.detach().clone().requires_grad_(True) for x in (torch.nan_to_num(case.hidden), case.weight,
+                                                                      case.bias))
+        lp, ent = fused_rl.linear_token_logprobs(h, w, tgt, bias=b, return_entropy=True, backend=be)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        outs.append([lp, ent, h.grad, w.grad, b.grad])
+    for name, got, expected in zip(("logp", "entropy", "hidden", "weight", "bias"), *outs):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("backend", [b for b in ("torch", "cpu")
                                      if fused_rl.available_backends(torch.device("cpu"))[b] is None])
 def test_bf16_parameter_gradients_rounded_once(backend):

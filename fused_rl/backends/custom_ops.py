@@ -18,7 +18,28 @@ one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward alre
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+def autocast_free_op(name: str):
+    """``torch.library.custom_op(name)`` whose implementation (first argument a tensor) runs with autocast
+    off on that tensor's device: the fused-linear ops pick their GEMM precision themselves (fp32
+    accumulation, or the tiled mixed mode) and compute the gradients in their forward, which runs inside
+    the caller's autocast region; there a ``torch.mm`` without ``out=`` would run in fp16 / bf16 and round
+    gradients that carry no loss scale yet (fp16: mostly to 0). The schema is the undecorated function's."""
+
+    def register(op_body):
+        @functools.wraps(op_body)
+        def run(first, *args, **kwargs):
+            with torch.autocast(first.device.type, enabled=False):
+                return op_body(first, *args, **kwargs)
+
+        schema = torch.library.infer_schema(op_body, mutates_args=())
+        return torch.library.custom_op(name, run, mutates_args=(), schema=schema)
+
+    return register
 
 
 def register_token_ops(stats_op, grad_op) -> None:

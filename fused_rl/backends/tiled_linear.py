@@ -55,7 +55,7 @@ from ..loss_math import aggregation_weights, metrics, per_token_loss
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import torch_linear
-from .custom_ops import refuse_double_backward
+from .custom_ops import autocast_free_op, refuse_double_backward
 from .torch_linear import _config_from_literal, _Grads, _needs_grad, _prepare, _tile_inputs, _token_groups
 
 #: Force the tile size in tokens (``None``: derive it from the memory budget, see :func:`chunk_tokens`).
@@ -172,7 +172,7 @@ class _MixedGrads(_Grads):
 
 
 # ------------------------------------------------------------------------------------ the op
-@torch.library.custom_op("fused_rl::tiled_linear_policy_loss", mutates_args=())
+@autocast_free_op("fused_rl::tiled_linear_policy_loss")
 def tiled_linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],

@@ -44,7 +44,7 @@ from ..config import IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import aggregation_weights, compute_policy_loss, metrics, per_token_loss
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
-from .custom_ops import refuse_double_backward
+from .custom_ops import autocast_free_op, refuse_double_backward
 
 #: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
 MEMORY_BUDGET_BYTES: Optional[int] = None
@@ -189,12 +189,14 @@ class _Workspace:
 _DOT_BLOCK_ELEMENTS = 1 << 20
 
 
-def _column_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum_v a[v, i] * b[v, i]`` for ``(V, n)`` tiles, in row blocks (small temporary)."""
-    rows = max(1, _DOT_BLOCK_ELEMENTS // a.shape[1])
-    out = torch.zeros(a.shape[1], dtype=a.dtype, device=a.device)
-    for start in range(0, a.shape[0], rows):
-        out.add_((a[start:start + rows] * b[start:start + rows]).sum(dim=0))
+def _column_dot(e: torch.Tensor, zs: torch.Tensor) -> torch.Tensor:
+    """``sum_v e[v, i] * zs[v, i]`` for ``(V, n)`` tiles, in row blocks (small temporary), with the terms of
+    ``e = 0`` (a ``-inf`` logit: ``zs = -inf``) 0, not NaN."""
+    rows = max(1, _DOT_BLOCK_ELEMENTS // e.shape[1])
+    out = torch.zeros(e.shape[1], dtype=e.dtype, device=e.device)
+    for start in range(0, e.shape[0], rows):
+        eb = e[start:start + rows]
+        out.add_(torch.where(eb > 0, eb * zs[start:start + rows], 0.0).sum(dim=0))
     return out
 
 
@@ -233,6 +235,7 @@ def _tile_dlogits(state, t, g_logp, g_ent, inv_tau: float) -> torch.Tensor:
     else:
         ge = (g_ent * inv_tau).unsqueeze(0)
         zs.sub_(state[3].unsqueeze(0)).mul_(ge.neg() * inv_s).sub_(gl * inv_s).mul_(e)
+        zs.masked_fill_(e == 0, 0.0)  # p = 0 (a -inf logit, zs = -inf): 0, not 0 * inf
     zs.scatter_add_(0, t.unsqueeze(0), gl)
     return zs
 
@@ -361,7 +364,7 @@ def _coefficients(tile_groups: list[_Tile], logp_parts, ent_parts, config, adv, 
     return loss.detach(), out
 
 
-@torch.library.custom_op("fused_rl::torch_linear_policy_loss", mutates_args=())
+@autocast_free_op("fused_rl::torch_linear_policy_loss")
 def linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
@@ -516,7 +519,7 @@ def _token_groups(valid: torch.Tensor, n_tile: int) -> Iterator[_Tile]:
         yield group[0]
 
 
-@torch.library.custom_op("fused_rl::torch_linear_token_stats", mutates_args=())
+@autocast_free_op("fused_rl::torch_linear_token_stats")
 def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        targets: torch.Tensor, temperature: float, with_entropy: bool,
                        n_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -548,7 +551,7 @@ def _(hidden, weight, bias, targets, temperature, with_entropy, n_tile):
             hidden.new_empty(targets.shape if with_entropy else (0,), dtype=cdtype))
 
 
-@torch.library.custom_op("fused_rl::torch_linear_token_grad", mutates_args=())
+@autocast_free_op("fused_rl::torch_linear_token_grad")
 def linear_token_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       targets: torch.Tensor, g_logp: torch.Tensor, g_entropy: Optional[torch.Tensor],
                       temperature: float, need_h: bool, need_w: bool, need_b: bool,
