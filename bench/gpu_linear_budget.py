@@ -5,7 +5,7 @@ Usage: python bench/gpu_linear_budget.py OUTDIR [--n 8192] [--hidden 4096] [--vo
        interpreter and the cpu backend in place of cuda, N = 16, H = 32, V = 300, one timed call each)
 
 For backends triton and cuda (the tiled route of ``fused_rl/backends/tiled_linear.py``, bf16 inputs in
-its mixed GEMM mode) and tile budgets of 1 GiB (``CUDA_DEFAULT_MEMORY_BUDGET_BYTES``) and 1.35 GiB:
+its mixed GEMM mode) and tile budgets (``memory_budget_bytes``) of 1 GiB (the CUDA default) and 1.35 GiB:
 median forward+backward ms, TFLOP/s on the ``6 N H V`` FLOPs and the peak memory beyond the inputs and
 the fp32 weight-gradient buffer; triton at 1 GiB also with other settings of the Triton single
 pass's knobs (``GRAD_REVERSE`` + ``CACHE_HINTS``, ``PREFETCH``, ``MAX_PROGRAMS``, ``MAX_BLOCK_V``,
@@ -95,7 +95,7 @@ def main():
         dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
         dict(block=8192), dict(block=8192, warps=16, programs=sms))]
     for backend, budget_gib, knobs in runs:
-        tiled_linear.CUDA_DEFAULT_MEMORY_BUDGET_BYTES = int(budget_gib * 2**30)
+        budget = int(budget_gib * 2**30)
         for k, value in {**knob_defaults, **(knobs or {})}.items():
             setattr(K, knob_attrs[k], value)
         x = hidden.clone().requires_grad_(True)
@@ -104,7 +104,7 @@ def main():
         def step():
             x.grad = w.grad = None
             fused_rl.linear_policy_loss(x, w, targets, adv, mask, old_logprobs=old, config=cfg, backend=backend,
-                                        check_inputs=False).loss.backward()
+                                        check_inputs=False, memory_budget_bytes=budget).loss.backward()
 
         try:
             step()
@@ -121,14 +121,13 @@ def main():
             ms = time_ms(step)
             record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, ms=ms, tflops=flops / ms / 1e9,
                         peak_extra_beyond_fp32_dw_mib=peak / 2**20,
-                        tile_tokens=tiled_linear.chunk_tokens(n, v, torch.bfloat16, x.device, mixed=True)))
+                        tile_tokens=tiled_linear.chunk_tokens(n, v, torch.bfloat16, x.device, budget, mixed=True)))
         except Exception as exc:  # keep going
             record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, error=f"{type(exc).__name__}: {exc}"))
         del x, w
         empty_cache()
     for k, value in knob_defaults.items():
         setattr(K, knob_attrs[k], value)
-    tiled_linear.CUDA_DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
     # the GEMM floor of the same tiles
     for budget_gib in (1.0, 1.35):

@@ -91,7 +91,11 @@ def policy_loss(
     return be.policy_loss(logits, inputs, config, compute_entropy, inplace)
 
 
-def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  memory_budget_bytes: Optional[int] = None) -> None:
+    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool)
+                                            or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0):
+        raise ValueError(f"memory_budget_bytes must be a positive int or None, got {memory_budget_bytes!r}")
     for x, name in ((hidden, "hidden"), (weight, "weight")):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating torch.Tensor")
@@ -128,11 +132,14 @@ def linear_policy_loss(
     backend: str = "auto",
     compute_entropy: bool = True,
     check_inputs: bool = True,
+    memory_budget_bytes: Optional[int] = None,
 ) -> PolicyLossOutput:
     """``policy_loss`` of the logits ``hidden @ weight.T + bias`` without materializing them (fused
-    backends); ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``. Gradients flow to all three."""
+    backends); ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``. Gradients flow to all three.
+    ``memory_budget_bytes`` bounds the fused backends' ``(tokens, V)`` tile buffers (default: 1 GiB on CUDA,
+    128 MiB elsewhere; the tile is ``budget // (V * bytes a token)``, at least one token)."""
     config = PolicyLossConfig() if config is None else config
-    _check_linear(hidden, weight, bias)
+    _check_linear(hidden, weight, bias, memory_budget_bytes)
     be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
     batch, length, _ = hidden.shape
     inputs = prepare_policy_inputs(
@@ -140,7 +147,7 @@ def linear_policy_loss(
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
         token_normalizer=token_normalizer, compute_dtype=compute_dtype(hidden.dtype), check_inputs=check_inputs,
         rollout_logprobs=rollout_logprobs, truncated=truncated, rollout_is_weights=rollout_is_weights)
-    return be.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy)
+    return be.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes)
 
 
 def linear_token_logprobs(
@@ -153,12 +160,14 @@ def linear_token_logprobs(
     return_entropy: bool = False,
     backend: str = "auto",
     check_inputs: bool = True,
+    memory_budget_bytes: Optional[int] = None,
 ):
     """:func:`token_logprobs` of the logits ``z = hidden @ weight.T + bias`` without materializing them
     (fused backends): ``logp = log softmax(z / tau)[targets]`` ``(B, T)`` fp32 (fp64 for fp64 input) and,
     with ``return_entropy``, ``H = -sum_j p_j log p_j``; both differentiable w.r.t. ``hidden (B, T, H)``,
-    ``weight (V, H)`` and ``bias (V,)``. ``targets == -100`` gives 0 and no gradient."""
-    _check_linear(hidden, weight, bias)
+    ``weight (V, H)`` and ``bias (V,)``. ``targets == -100`` gives 0 and no gradient. ``memory_budget_bytes``:
+    as in :func:`linear_policy_loss`."""
+    _check_linear(hidden, weight, bias, memory_budget_bytes)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"targets must be an int32 or int64 tensor, got {getattr(targets, 'dtype', type(targets))}")
     if tuple(targets.shape) != tuple(hidden.shape[:2]) or targets.device != hidden.device:
@@ -169,5 +178,6 @@ def linear_token_logprobs(
         vocab = weight.shape[0]
         run_value_checks([(f"targets must be in [0, {vocab}) or -100", target_range_ok(targets, vocab))])
     be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
-    logp, entropy = be.linear_token_logprobs(hidden, weight, bias, targets, float(temperature), bool(return_entropy))
+    logp, entropy = be.linear_token_logprobs(hidden, weight, bias, targets, float(temperature), bool(return_entropy),
+                                             memory_budget_bytes)
     return (logp, entropy) if return_entropy else logp

@@ -273,10 +273,53 @@ def test_chunk_rule(monkeypatch):
     assert torch_linear.chunk_tokens(4096, 32000, torch.float32) == (128 << 20) // (8 * 32000) == 524
     assert torch_linear.chunk_tokens(4096, 32000, torch.bfloat16, memory_budget_bytes=1 << 30) == 4096
     assert torch_linear.chunk_tokens(10, 10**9, torch.float32) == 1
+    # on CUDA 1 GiB: 1046 tokens at V = 128256 (a sequence-level config's sequences of up to that in one pass)
+    assert torch_linear.chunk_tokens(8192, 128256, torch.bfloat16, device=torch.device("cuda")) == 1046
     monkeypatch.setattr(torch_linear, "MEMORY_BUDGET_BYTES", 2 * 4 * 1000 * 7)
     assert torch_linear.chunk_tokens(4096, 1000, torch.float32) == 7
+    assert torch_linear.chunk_tokens(4096, 1000, torch.float32, device=torch.device("cuda")) == 7
     monkeypatch.setattr(torch_linear, "CHUNK_TOKENS", 5)
     assert torch_linear.chunk_tokens(4096, 1000, torch.float32) == 5
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")
+                                     if fused_rl.available_backends(torch.device("cpu"))[b] is None])
+def test_memory_budget_argument_sets_the_tiles(backend, monkeypatch):
+    """``memory_budget_bytes`` of the public functions reaches the tiles: 3 tokens a tile here (the tiled
+    route's one fp32 ``(n, V)`` buffer; torch_linear's two, and the delegated / two-pass configs' too), and
+    the results match the default tiles'; bad values are refused."""
+    vocab, calls = 300, []
+    if backend == "torch":
+        real = torch_linear._tile_stats
+        monkeypatch.setattr(torch_linear, "_tile_stats", lambda h, *a: calls.append(h.shape[0]) or real(h, *a))
+        budget = 2 * 4 * vocab * 3
+    else:
+        real = tiled_linear.KERNELS
+        monkeypatch.setattr(tiled_linear, "KERNELS",
+                            {k: (lambda fn: lambda z, *a, **kw: calls.append(z.shape[0]) or fn(z, *a, **kw))(fn)
+                             for k, fn in real.items()})
+        budget = 4 * vocab * 3
+    case = make_linear_case(vocab=vocab, hidden_size=32, seed=9)
+    case.hidden = torch.nan_to_num(case.hidden)
+    outs = []
+    for b in (budget, None):
+        calls.clear()
+        h = case.hidden.clone().requires_grad_(True)
+        out = fused_rl.linear_policy_loss(h, case.weight, case.targets, case.advantages, case.mask, config=CONFIGS[1],
+                                          backend=backend, memory_budget_bytes=b, **case.kwargs())
+        out.loss.backward()
+        outs.append((out.loss, h.grad, max(calls)))
+    (loss, grad, most), (loss_default, grad_default, most_default) = outs
+    assert most == 3 < most_default
+    torch.testing.assert_close(loss, loss_default, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, grad_default, rtol=1e-5, atol=1e-7)
+    for bad in (0, -1, 1.5, True, "1GiB"):
+        with pytest.raises(ValueError, match="memory_budget_bytes"):
+            fused_rl.linear_policy_loss(case.hidden, case.weight, case.targets, case.advantages, case.mask,
+                                        backend=backend, memory_budget_bytes=bad)
+        with pytest.raises(ValueError, match="memory_budget_bytes"):
+            fused_rl.linear_token_logprobs(case.hidden, case.weight, case.targets.clamp(min=0), backend=backend,
+                                           memory_budget_bytes=bad)
 
 
 # ----------------------------------------------------------------------------- linear_token_logprobs

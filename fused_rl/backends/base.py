@@ -59,13 +59,13 @@ class Backend:
                                 entropy=None if entropy is None else entropy.detach(), metrics=metrics)
 
     def linear_policy_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           inputs: PolicyInputs, config: PolicyLossConfig,
-                           compute_entropy: bool) -> PolicyLossOutput:
+                           inputs: PolicyInputs, config: PolicyLossConfig, compute_entropy: bool,
+                           memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
         raise NotImplementedError(f"backend {self.name!r} has no fused-linear implementation")
 
     def linear_token_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                              targets: torch.Tensor, temperature: float,
-                              return_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                              targets: torch.Tensor, temperature: float, return_entropy: bool,
+                              memory_budget_bytes: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`token_logprobs` of the logits ``hidden @ weight.T + bias``, differentiable w.r.t.
-        ``hidden``, ``weight`` and ``bias``."""
+        ``hidden``, ``weight`` and ``bias``; ``memory_budget_bytes`` bounds the tiles of a tiled backend."""
         raise NotImplementedError(f"backend {self.name!r} has no fused-linear implementation")

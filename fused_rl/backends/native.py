@@ -355,16 +355,19 @@ class NativeBackend(Backend):
         loss = attach_grad(value, logits, dlogits)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=metrics)
 
-    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy):
+    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes=None):
         """Tiles of ``h W^T`` (MKL / cuBLAS) fed to the single-pass kernel: :mod:`fused_rl.backends.tiled_linear`."""
         from . import tiled_linear
 
-        return tiled_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, "native")
+        return tiled_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, "native",
+                                               memory_budget_bytes)
 
-    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
+                              memory_budget_bytes=None):
         from . import tiled_linear
 
-        return tiled_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy)
+        return tiled_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
+                                                  memory_budget_bytes)
 
 
 class CpuBackend(NativeBackend):

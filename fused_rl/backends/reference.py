@@ -57,12 +57,14 @@ class ReferenceBackend(Backend):
         return full_token_logprobs(logits, targets, temperature, return_entropy)
 
     def linear_policy_loss(self, hidden, weight, bias, inputs: PolicyInputs, config: PolicyLossConfig,
-                           compute_entropy: bool) -> PolicyLossOutput:
-        """Materialize ``logits = hidden @ weight.T + bias`` in full precision, then :meth:`policy_loss`."""
+                           compute_entropy: bool, memory_budget_bytes=None) -> PolicyLossOutput:
+        """Materialize ``logits = hidden @ weight.T + bias`` in full precision, then :meth:`policy_loss`
+        (no tiles: ``memory_budget_bytes`` does not apply)."""
         logits = full_logits(hidden, weight, bias, inputs.mask)
         return self.policy_loss(logits, inputs, config, compute_entropy, inplace=False)
 
-    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
+                              memory_budget_bytes=None):
         """Materialize the full-precision logits, then :func:`full_token_logprobs`."""
         logits = full_logits(hidden, weight, bias, targets != IGNORE_INDEX)
         return full_token_logprobs(logits, targets, temperature, return_entropy)

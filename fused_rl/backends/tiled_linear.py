@@ -63,13 +63,6 @@ CHUNK_TOKENS: Optional[int] = None
 #: ``"fp32"`` or ``"mixed"`` (see the module doc; mixed applies to bf16 and fp16 only); ``None``: mixed for
 #: 16-bit inputs on CUDA, else fp32.
 GEMM_MODE: Optional[str] = None
-#: Default budget on CUDA when neither ``memory_budget_bytes`` nor ``torch_linear.MEMORY_BUDGET_BYTES``
-#: is set: 1 GiB (1395 tokens at V = 128256 in mixed mode). Thin tiles cost GEMM efficiency on a GPU
-#: and one read + write of the fp32 weight gradient each; the issue allows 1.5 GB beyond the weight
-#: gradient. On an H200 at N = 8192, H = 4096, V = 128256 bf16: 41-44 ms forward + backward (triton),
-#: 1034 MiB beyond the weight gradient and the returned gradients; 1.35 GiB tiles: triton no faster,
-#: cuda 2-3 ms faster, 1388 MiB, too close to the bound (docs/tiled_linear.md).
-CUDA_DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -87,15 +80,14 @@ def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, device: torch.
                  memory_budget_bytes: Optional[int] = None, mixed: bool = False) -> int:
     """Tokens per tile: ``CHUNK_TOKENS`` (this module's, then torch_linear's) if set, else
     ``budget // (V * bytes per token)``: one fp32 ``(n, V)`` workspace (4 bytes per element), plus a
-    16-bit copy of the gradient in mixed mode (6). The budget is ``memory_budget_bytes`` /
-    ``torch_linear.MEMORY_BUDGET_BYTES`` / 128 MiB on CPU (1048 tokens at V = 32000) /
-    ``CUDA_DEFAULT_MEMORY_BUDGET_BYTES``. Clamped to ``[1, num_tokens]``."""
+    16-bit copy of the gradient in mixed mode (6). The budget is ``memory_budget_bytes`` (the public
+    argument), else :func:`torch_linear.default_budget` (128 MiB on CPU: 1048 tokens at V = 32000; 1 GiB on
+    CUDA, ``torch_linear.CUDA_DEFAULT_MEMORY_BUDGET_BYTES``). Clamped to ``[1, num_tokens]``."""
     forced = CHUNK_TOKENS if CHUNK_TOKENS is not None else torch_linear.CHUNK_TOKENS
     if forced is not None:
         n = int(forced)
     else:
-        budget = memory_budget_bytes or torch_linear.MEMORY_BUDGET_BYTES or (
-            CUDA_DEFAULT_MEMORY_BUDGET_BYTES if device.type == "cuda" else torch_linear.DEFAULT_MEMORY_BUDGET_BYTES)
+        budget = memory_budget_bytes or torch_linear.default_budget(device)
         n = int(budget) // (vocab * (6 if mixed else 4))
     return max(1, min(n, max(num_tokens, 1)))
 
@@ -310,6 +302,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                                             terms.extras))
 
 
-def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool):
+def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool,
+                          memory_budget_bytes: Optional[int] = None):
     """Arbitrary upstream gradients need the two-pass form: :func:`torch_linear.linear_token_logprobs`."""
-    return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy)
+    return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
+                                              memory_budget_bytes)

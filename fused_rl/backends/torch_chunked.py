@@ -144,14 +144,17 @@ class TorchBackend(Backend):
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 
-    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy):
+    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes=None):
         """Tiles of tokens x the whole vocabulary, gradients computed in the forward; see
         :mod:`fused_rl.backends.torch_linear`."""
         from . import torch_linear
 
-        return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy)
+        return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
+                                               memory_budget_bytes)
 
-    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
+                              memory_budget_bytes=None):
         from . import torch_linear
 
-        return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy)
+        return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
+                                                  memory_budget_bytes)

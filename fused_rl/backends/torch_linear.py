@@ -50,6 +50,14 @@ from .custom_ops import autocast_free_op, refuse_double_backward
 MEMORY_BUDGET_BYTES: Optional[int] = None
 #: Default budget: 128 MiB, i.e. 512 tokens per tile at V = 32000 in fp32.
 DEFAULT_MEMORY_BUDGET_BYTES = 128 << 20
+#: Default budget on CUDA (this module's tiles and the tiled route's of :mod:`.tiled_linear`): 1 GiB, 1046
+#: tokens a tile here and 1395 in the tiled route's mixed mode at V = 128256. Thin tiles cost GEMM efficiency
+#: on a GPU and one read + write of the fp32 weight gradient each, and a sequence longer than a tile takes two
+#: passes in the sequence-level configs; issue 4 allows 1.5 GB beyond the weight gradient. Tiled route on an
+#: H200 at N = 8192, H = 4096, V = 128256 bf16: 41-44 ms forward + backward (triton), 1034 MiB beyond the weight
+#: gradient and the returned gradients; 1.35 GiB tiles: triton no faster, cuda 2-3 ms faster, 1388 MiB, too
+#: close to the bound (docs/tiled_linear.md).
+CUDA_DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 #: Force the tile size in tokens (``None``: derive it from the budget).
 CHUNK_TOKENS: Optional[int] = None
 #: Gather only the valid token rows (``None``: on CPU only, where it needs no device sync).
@@ -67,14 +75,23 @@ def grad_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
-def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype,
-                 memory_budget_bytes: Optional[int] = None) -> int:
-    """Tokens per tile: ``CHUNK_TOKENS`` if set, else ``budget // (2 * vocab * itemsize)`` with the
-    budget ``memory_budget_bytes`` / ``MEMORY_BUDGET_BYTES`` / 128 MiB, clamped to ``[1, num_tokens]``."""
+def default_budget(device: Optional[torch.device]) -> int:
+    """``MEMORY_BUDGET_BYTES`` if set, else the device's default (1 GiB on CUDA, 128 MiB elsewhere)."""
+    if MEMORY_BUDGET_BYTES:
+        return int(MEMORY_BUDGET_BYTES)
+    return CUDA_DEFAULT_MEMORY_BUDGET_BYTES if device is not None and device.type == "cuda" \
+        else DEFAULT_MEMORY_BUDGET_BYTES
+
+
+def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, memory_budget_bytes: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> int:
+    """Tokens per tile: ``CHUNK_TOKENS`` if set, else ``budget // (2 * vocab * itemsize)`` (the two ``(V, n)``
+    tile buffers) with the budget ``memory_budget_bytes`` (the public argument), else :func:`default_budget`;
+    clamped to ``[1, num_tokens]``."""
     if CHUNK_TOKENS is not None:
         n = int(CHUNK_TOKENS)
     else:
-        budget = memory_budget_bytes or MEMORY_BUDGET_BYTES or DEFAULT_MEMORY_BUDGET_BYTES
+        budget = memory_budget_bytes or default_budget(device)
         n = int(budget) // (2 * vocab * torch.empty((), dtype=_compute_dtype(dtype)).element_size())
     return max(1, min(n, max(num_tokens, 1)))
 
@@ -500,7 +517,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                                 entropy=None if entropy is None else entropy.detach(), metrics=mets)
     cdtype = _compute_dtype(hidden.dtype)
     weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer, dtype=cdtype)
-    n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes)
+    n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes, hidden.device)
     loss, logp, entropy, _, _, _ = linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
         inputs.rollout, inputs.is_weights, config_literal(config), bool(compute_entropy), _needs_grad(hidden),
@@ -617,7 +634,7 @@ linear_token_stats.register_autograd(_stats_backward, setup_context=_stats_setup
 
 def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool,
                           memory_budget_bytes: Optional[int] = None):
-    n_tile = chunk_tokens(targets.numel(), weight.shape[0], hidden.dtype, memory_budget_bytes)
+    n_tile = chunk_tokens(targets.numel(), weight.shape[0], hidden.dtype, memory_budget_bytes, hidden.device)
     logp, entropy = linear_token_stats(hidden, weight, bias, targets, float(temperature), bool(return_entropy),
                                        n_tile)
     return logp, (entropy if return_entropy else None)

@@ -261,16 +261,19 @@ class TritonBackend(Backend):
         mets = loss_metrics(ratio.view(shape), inputs.advantages, mask, config, kl, entropy, extras)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=mets)
 
-    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy):
+    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes=None):
         """Tiles of ``h W^T`` (cuBLAS) fed to the single-pass kernel: :mod:`fused_rl.backends.tiled_linear`."""
         from . import tiled_linear
 
-        return tiled_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, "triton")
+        return tiled_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, "triton",
+                                               memory_budget_bytes)
 
-    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy):
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
+                              memory_budget_bytes=None):
         from . import tiled_linear
 
-        return tiled_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy)
+        return tiled_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
+                                                  memory_budget_bytes)
 
 
 if _INSTALLED:
