@@ -453,7 +453,7 @@ def test_fp16_gradients_survive_a_loss_scale(backend, normalizer, scale, monkeyp
     fp32 until the backward multiplies them by ``grad_output``, so they neither overflow (an fp16
     ``grad_output`` of 65536 is inf) nor flush to 0 before scaling (``w_t p`` at a token normalizer of
     2^20 is below fp16's subnormals); all three gradients match the fp64 reference of the same fp16
-    inputs to fp16 precision. ``cpu-mixed``: the tiled route's mixed GEMM mode (CUDA's default for fp16,
+    inputs to fp16 precision. ``cpu-mixed``: the tiled route's mixed GEMM mode (opt-in for fp16 on CUDA,
     emulated), whose kernel writes an fp16 ``dz`` in units of the largest aggregation weight (without
     them, ``w_t p`` at 2^20 flushes to 0 in that fp16 tile)."""
     if backend == "cpu-mixed":

@@ -190,9 +190,11 @@ def test_auto_picks_the_tiled_cpu_backend(kernel_calls):
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]], ids=cid)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cpu_mixed_gemm_mode(config, dtype, tiles, monkeypatch):
-    """The mixed GEMM mode (16-bit operands, fp32 logits and gradients; CUDA's default for bf16 and fp16
-    inputs) emulated on CPU: the tile logic around it, with ``dz`` rounded to the input dtype once (for
+    """The mixed GEMM mode (16-bit operands, fp32 logits and gradients; CUDA's default for bf16, opt-in for
+    fp16) emulated on CPU: the tile logic around it, with ``dz`` rounded to the input dtype once (for
     fp16 in units of the largest aggregation weight, see ``test_linear.mixed_mode_slack``)."""
+    assert tiled_linear._mode(torch.device("cuda"), torch.bfloat16) == "mixed"
+    assert tiled_linear._mode(torch.device("cuda"), torch.float16) == "fp32"  # default: see the module doc
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
     assert tiled_linear._mode(torch.device("cuda"), dtype) == "mixed"
     assert tiled_linear._mode(torch.device("cuda"), torch.float32) == "fp32"
@@ -313,10 +315,10 @@ def test_cuda_matches_reference(config, dtype, tiles):
 
 @on_gpu
 @needs_triton
-@pytest.mark.skipif(GPU != "cuda", reason="the default mixed mode of 16-bit inputs is CUDA's")
+@pytest.mark.skipif(GPU != "cuda", reason="the default mixed mode of bf16 inputs is CUDA's")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_triton_gpu_default_mode_frozen_weight(dtype):
-    """On CUDA 16-bit inputs take the mixed mode by default; frozen weight, bias."""
+    """On CUDA the default modes (bf16 mixed, fp16 and fp32 in fp32); frozen weight, bias."""
     case = on_device(make_linear_case(vocab=4099, dtype=dtype, seed=32), "cuda")
     compare_linear(case, CONFIGS[1], backend="triton")
     compare_linear(case, CONFIGS[0], frozen_weight=True, backend="triton")
