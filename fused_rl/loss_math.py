@@ -373,7 +373,8 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     Clip fractions follow TRL (``low``: ``r < 1-clip_low`` and ``A < 0``; ``high``: ``r > 1+clip_high``
     and ``A > 0``; gmpo: the token log-ratio beyond ``-clip_low`` / ``clip_high``); cispo's ``high``
     counts every truncated weight ``r > 1+clip_high``; ``dual``: tokens where the dual-clip cap ``-c A``
-    is the active value. With the options that use them (``extras`` of :class:`TokenTerms`):
+    is the active value. For gspo (one ratio a sequence) they are fractions of the ``B`` sequences, as TRL's
+    ``importance_sampling_level="sequence"`` counts them (a sequence counts if any of its tokens does). With the options that use them (``extras`` of :class:`TokenTerms`):
     ``rollout_is_mean`` (the applied rollout weight), ``rollout_is_clip_frac`` (tokens whose ``rho`` is
     outside ``[rollout_is_min, rollout_is_max]``), ``off_policy_mask_frac`` and ``entropy_mask_frac``
     (tokens dropped by each mask)."""
@@ -400,12 +401,15 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
         high = (log_ratio > config.clip_high) & (a > 0)
     elif config.policy_loss == "cispo":
         high = ratio > 1.0 + config.clip_high
+    clip_mean = mean
+    if config.policy_loss == "gspo":
+        clip_mean = lambda x: (x & mask).any(dim=-1).to(torch.float32).mean()  # noqa: E731
     out = {
         "kl_mean": mean(kl) if kl is not None else m.new_zeros(()),
-        "clip_frac_low": mean(low),
-        "clip_frac_high": mean(high),
-        "clip_frac": mean(low | high),
-        "clip_frac_dual": mean(dual),
+        "clip_frac_low": clip_mean(low),
+        "clip_frac_high": clip_mean(high),
+        "clip_frac": clip_mean(low | high),
+        "clip_frac_dual": clip_mean(dual),
         "ratio_mean": mean(ratio),
     }
     if entropy is not None:

@@ -321,6 +321,22 @@ def test_metrics_hand_computed():
     assert m["entropy_mean"].item() == pytest.approx(1.0)
 
 
+def test_gspo_clip_fractions_count_sequences_as_trl():
+    """gspo's one ratio a sequence: TRL (importance_sampling_level="sequence") reports the fraction of the
+    B sequences clipped, not of the tokens. Rows: 2 tokens clipped high (A > 0), 9 tokens unclipped, 1 token
+    clipped low (A < 0), empty (counted, unclipped, as in TRL): 1/4 high, 1/4 low, not 2/12 and 1/12."""
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    mask[0, :2], mask[1, :], mask[2, :1] = True, True, True
+    logp = torch.zeros(4, 9)
+    old = torch.zeros(4, 9)
+    old[0], old[2] = -0.5, 0.5  # sequence ratios e^0.5 and e^-0.5
+    adv = torch.tensor([[1.0], [1.0], [-1.0], [1.0]]).expand(4, 9)
+    _, m = compute_policy_loss(logp, adv, mask, PolicyLossConfig.preset("gspo"), old_logprobs=old)
+    assert (m["clip_frac_high"].item(), m["clip_frac_low"].item(), m["clip_frac"].item()) == (0.25, 0.25, 0.5)
+    _, m = compute_policy_loss(logp, adv, mask, PolicyLossConfig.preset("gspo_token"), old_logprobs=old)
+    assert m["clip_frac_high"].item() == pytest.approx(2 / 12)  # gspo_token: TRL's "sequence_token", per token
+
+
 def test_on_policy_ratio_is_one_with_nonzero_gradient():
     """old=None: r == 1 exactly, but d loss / d logp = -A / n, as the seed stresses."""
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
