@@ -208,6 +208,10 @@ class PolicyLossConfig:
         if unknown:
             raise ValueError(f"unknown PolicyLossConfig field(s) in overrides: {sorted(unknown)}")
         fields.update(overrides)
+        if name == "dr_grpo" and fields.get("max_len") is None:
+            raise ValueError("preset 'dr_grpo' needs max_len (TRL's max_completion_length): Dr. GRPO divides by a "
+                             "constant, not by the batch's padded length (agg='seq-mean-token-sum-norm' without "
+                             "max_len does that)")
         if fields.get("beta", 0.0) and fields.get("kl") is None and "kl" not in overrides:
             fields["kl"] = "k3"
         return cls(**fields)
@@ -263,7 +267,7 @@ class PolicyLossConfig:
 #:   denominator is the token count of the whole accumulated batch (pass it as ``token_normalizer``,
 #:   TRL's ``num_items_in_batch``).
 #: * ``dr_grpo`` -> TRL ``"dr_grpo"``: ppo_clip, ``sum / (B * max_completion_length)``; pass
-#:   ``max_len=max_completion_length``.
+#:   ``max_len=max_completion_length`` (required: without it the divisor would be each batch's padded length).
 #: * ``gspo``    -> TRL ``importance_sampling_level="sequence"`` with ``loss_type="grpo"`` and the
 #:   GSPO paper's clip range 3e-4 / 4e-4.
 #: * ``cispo``   -> TRL ``"cispo"``: truncated IS weight ``min(r, eps_max)`` with TRL's

@@ -324,16 +324,20 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     def _clip_ratio(self, out: PolicyLossOutput, advantages: torch.Tensor, mask: torch.Tensor,
                     old: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.loss_type != "cispo":
+        cfg = self.config
+        if cfg.policy_loss not in ("cispo", "gspo"):
             return out.metrics["clip_frac"]
-        # Liger counts cispo's truncated weights only where A > 0 (fused_rl's clip_frac_high counts all).
+        # Liger counts tokens: cispo's truncated weights only where A > 0 (fused_rl's clip_frac_high counts all),
+        # gspo's clipped tokens (fused_rl's metrics count sequences, as TRL)
         from .loss_math import importance_ratio
 
         logp = out.logprobs
-        ratio = importance_ratio(logp, logp if old is None else old.to(logp.dtype), mask, self.config)
+        ratio = importance_ratio(logp, logp if old is None else old.to(logp.dtype), mask, cfg)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
-        hit = (ratio > self.config.clip_high + 1.0) & (adv > 0) & mask
-        return hit.sum().to(torch.float32) / mask.sum().clamp(min=1).to(torch.float32)
+        hit = (ratio > cfg.clip_high + 1.0) & (adv > 0)
+        if cfg.policy_loss == "gspo":
+            hit = hit | ((ratio < 1.0 - cfg.clip_low) & (adv < 0))
+        return (hit & mask).sum().to(torch.float32) / mask.sum().clamp(min=1).to(torch.float32)
 
     def extra_repr(self) -> str:
         return f"loss_type={self.loss_type!r}, beta={self.beta}, config={self.config}, backend={self.backend!r}"

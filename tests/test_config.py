@@ -55,6 +55,10 @@ def test_presets():
         PolicyLossConfig.preset("ppo2")
     with pytest.raises(ValueError, match="unknown PolicyLossConfig field"):
         PolicyLossConfig.preset("grpo", epsilon=0.2)
+    # Dr. GRPO's divisor is a constant: without max_len it would be each batch's padded length
+    with pytest.raises(ValueError, match="needs max_len"):
+        PolicyLossConfig.preset("dr_grpo")
+    assert PolicyLossConfig.preset("dr_grpo", max_len=64).max_len == 64
 
 
 def trl_loss(loss_type, logp, old, ref, adv, mask, *, beta, eps_low, eps_high, level="token",
