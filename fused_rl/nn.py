@@ -22,6 +22,7 @@ from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
+from .validation import binary_mask
 
 #: TRL / Liger ``loss_type`` values fused_rl computes exactly.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
@@ -212,7 +213,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     picks its own chunking), the sapo parameters unless ``loss_type="sapo"`` and the vespo parameters.
     ``vllm_is_ratio`` (``(B, T)`` or ``(B, 1)``, the importance weights TRL computes against vLLM) multiplies
     the policy term, as in Liger (``rollout_is_weights`` of :func:`fused_rl.linear_policy_loss`).
-    Not supported (raise): ``loss_type`` vespo/luspo. With ``use_ref_model=False`` the KL term is the
+    Raise where Liger computes something it should not: ``loss_type`` vespo/luspo (not supported); cispo with
+    ``epsilon_high < 1`` (the weight cap itself, as TRL's; Liger's default 0.2 would cap every ratio at 0.2:
+    pass e.g. ``epsilon_high=5.0``); ``delta <= 1 + epsilon_high`` (Liger: ``delta > 0``); ``delta`` with sapo
+    (Liger ignores it there); ``beta < 0``; an ``attention_mask`` with values other than 0 and 1 (Liger
+    would weight the tokens by it). With ``use_ref_model=False`` the KL term is the
     KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
     compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
 
@@ -300,7 +305,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 if ref_input is None or ref_weight is None:
                     raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input and ref_weight")
                 ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids)
-        mask = attention_mask.bool()
+        mask = binary_mask(attention_mask, "attention_mask", self.check_inputs)
         normalizer = None
         if self.loss_type in NUM_ITEMS_LOSS_TYPES:
             world = _world_size()

@@ -82,6 +82,18 @@ def run_value_checks(checks: list[tuple[str, torch.Tensor]]) -> None:
         _fail("; ".join(failed))
 
 
+def binary_mask(mask: torch.Tensor, name: str, check: bool = True) -> torch.Tensor:
+    """``mask`` as bool for the adapters whose peers take a 0/1 float or int mask: values other than 0 and 1
+    (a weighted mask, which Liger and verl would use as weights) raise instead of being rounded to 1
+    (one host sync when ``check`` and not compiling; bool masks pass as they are)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if check and not _is_compiling():
+        run_value_checks([(f"{name} must contain only 0 and 1 (fused_rl does not weight tokens)",
+                           ((mask == 0) | (mask == 1)).all())])
+    return mask != 0
+
+
 def check_temperature(temperature) -> None:
     """A finite real ``> 0`` (Python or numpy scalar; not a bool or a tensor)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < float("inf"):

@@ -263,9 +263,13 @@ def test_liger_signature_compatible():
     (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), {}, ValueError, "delta"),
     (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 5)), ValueError, "rollout_is_weights must have shape"),
     (dict(beta=0.04), {}, ValueError, "ref_per_token_logps"),
+    (dict(loss_type="cispo"), {}, ValueError, "clip_high"),  # Liger's default epsilon_high 0.2 as the cap
+    (dict(beta=0.0), dict(weighted_mask=True), ValueError, "attention_mask must contain only 0 and 1"),
 ])
 def test_liger_unsupported_raise(ctor, forward, exc, needle):
     h, w, b, targets, mask, adv, _, _ = _linear_case()
+    if forward.pop("weighted_mask", False):  # Liger would weight the tokens by it; fused_rl raises
+        mask = mask.float() * 0.5
     with pytest.raises(exc, match=needle):
         FusedLinearGRPOLoss(**ctor)(h, w, targets, mask, adv, **forward)
 

@@ -100,18 +100,19 @@ def test_config_mapping():
                                    max_len=64, kl="low_var_kl", beta=0.001, entropy_coef=0.01)
     assert scale == 8.0
     for verl_name, ours in (("kl", "k1"), ("k1", "k1"), ("mse", "k2"), ("abs", "abs"), ("k3", "low_var_kl")):
-        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1}, response_length=4,
-                                              batch_size=2, kl=True)
+        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
+                                              response_length=4, batch_size=2, kl=True)
         assert cfg.kl == ours
-    cfg, _ = policy_loss_config_from_verl({"use_kl_loss": False}, response_length=4, batch_size=2, kl=True)
-    assert cfg.kl is None
+    for off in ({"use_kl_loss": False}, {"kl_loss_coef": 0.1}):  # absent: verl's ActorConfig default, false
+        cfg, _ = policy_loss_config_from_verl(off, response_length=4, batch_size=2, kl=True)
+        assert cfg.kl is None
 
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(config={"policy_loss": {"loss_mode": "clip_cov"}}), "clip_cov"),
     (dict(loss_agg_mode="token-mean-unbiased"), "token-mean-unbiased"),
-    (dict(config={"kl_loss_type": "full"}, kl=True), "full"),
-    (dict(config={"kl_loss_type": "full+"}, kl=True), "full"),
+    (dict(config={"kl_loss_type": "full", "use_kl_loss": True}, kl=True), "full"),
+    (dict(config={"kl_loss_type": "full+", "use_kl_loss": True}, kl=True), "full"),
 ])
 def test_unsupported_raise(kwargs, needle):
     with pytest.raises(NotImplementedError, match=needle.replace("+", r"\+")):
@@ -121,8 +122,8 @@ def test_unsupported_raise(kwargs, needle):
 def test_new_modes_and_straight_through_kl_mapping():
     for verl_name, ours in (("kl+", "k1+"), ("k1+", "k1+"), ("mse+", "k2"), ("abs+", "abs+"), ("k3+", "low_var_kl+"),
                             ("low_var_kl+", "low_var_kl+")):
-        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1}, response_length=4,
-                                              batch_size=2, kl=True)
+        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
+                                              response_length=4, batch_size=2, kl=True)
         assert cfg.kl == ours
     cfg, _ = policy_loss_config_from_verl({"clip_ratio_low": 0.4, "clip_ratio_high": 0.4,
                                            "policy_loss": {"loss_mode": "geo_mean"}}, "token-mean",
@@ -136,13 +137,17 @@ def test_geo_mean_hand_values():
     """verl's geo_mean: -mean_i A_i exp(mean_t sgn(A) min(sgn(A) x, sgn(A) clip(x, -0.4, 0.4))), x = log r."""
     log_prob = _log_prob()
     config = {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4, "policy_loss": {"loss_mode": "geo_mean"}}
-    pg_loss, clipfrac, _, _ = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)
+    pg_loss, clipfrac, _, clipfrac_lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)
     x = RATIOS.log()
     a0, a1 = 1.0, -2.0
     row0 = [min(v, min(max(v, -0.4), 0.4)) for v in x[0].tolist()]  # A > 0: capped above only
     row1 = [max(v, min(max(v, -0.4), 0.4)) for v in x[1, :2].tolist()]  # A < 0: floored below only
     hand = (-a0 * math.exp(sum(row0) / 3) - a1 * math.exp(sum(row1) / 2)) / 2
     assert pg_loss.item() == pytest.approx(hand, rel=1e-6)
+    # verl's metrics: log-ratios outside [-0.4, 0.4] (clamped or not by the sign-aware min), by the sign of A
+    out = [abs(v) > 0.4 for v in x[0].tolist()], [abs(v) > 0.4 for v in x[1, :2].tolist()]
+    assert (clipfrac.item(), clipfrac_lower.item()) == (pytest.approx(sum(out[0]) / 5), pytest.approx(sum(out[1]) / 5))
+    assert sum(out[0]) + sum(out[1]) > 0
 
 
 def test_rollout_is_weights_hand_values():
@@ -228,3 +233,10 @@ def test_from_hidden_sequence_modes_refuse_a_second_aggregation(loss_mode):
     compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "seq-mean-token-mean", config)
     compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean",
                                     dict(config, entropy_coeff=0.0))
+
+
+def test_weighted_response_mask_raises():
+    """verl multiplies by ``response_mask``; fused_rl does not weight tokens, so a mask other than 0 / 1
+    raises instead of being rounded to 1."""
+    with pytest.raises(ValueError, match="response_mask must contain only 0 and 1"):
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK * 0.5, "token-mean", CONFIG)

@@ -47,6 +47,7 @@ import torch
 from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator
 from ..nn import NUM_ITEMS_LOSS_TYPES, grpo_policy_loss_config
 from ..ops import linear_policy_loss
+from ..validation import binary_mask
 
 try:
     import transformers
@@ -194,7 +195,7 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-    bool_mask = mask.bool()
+    bool_mask = binary_mask(mask, "completion_mask")
 
     advantages = inputs["advantages"]
     old = inputs.get("old_per_token_logps")
@@ -204,6 +205,10 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     rollout = inputs.get("sampling_per_token_logps") if config.uses_rollout_logprobs else None
     if config.rollout_is is not None and rollout is None:
         raise ValueError("vllm_importance_sampling_correction needs inputs['sampling_per_token_logps']")
+    if rollout is not None and old is not None:
+        # TRL maps the tokens vLLM could not score to NaN and gives them no correction (log-ratio 0): the
+        # old log-prob in their place does that here (fused_rl itself raises on NaN rollout log-probs)
+        rollout = torch.where(torch.isnan(rollout), old.to(rollout.dtype), rollout)
     accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
     normalizer = None
     if self.loss_type in NUM_ITEMS_LOSS_TYPES:

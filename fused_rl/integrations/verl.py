@@ -41,9 +41,9 @@ Differences from verl, all documented in ``docs/migration.md``:
 * verl's GSPO ratio ``sg(s_i) * pi / sg(pi)`` is fused_rl's ``gspo_token`` exactly (fused_rl's plain
   ``gspo`` spreads ``s_i / |y_i|`` over the tokens instead: the same gradient for advantages constant
   over each response).
-* GMPO's ``pg_clipfrac`` is fused_rl's ``clip_frac`` (token log-ratios beyond the bounds, sign-aware,
-  both advantage signs together) and its ``pg_clipfrac_lower`` is 0; verl splits the clipped tokens by
-  the sign of the advantage into the two metrics. The loss and its gradient are verl's.
+* GMPO's ``pg_clipfrac`` / ``pg_clipfrac_lower`` are verl's: the tokens whose log-ratio is outside
+  ``[-clip_low, clip_high]`` with ``A > 0`` / ``A < 0`` (whether or not the sign-aware min picks the clipped
+  term; fused_rl's own ``clip_frac`` counts only where it does). The loss and its gradient are verl's.
 * :func:`compute_policy_loss_from_hidden` with gspo / geo_mean raises for a ``loss_agg_mode`` other than
   ``seq-mean-token-mean`` when a KL loss or ``entropy_coeff`` is on (verl aggregates those two terms by
   ``loss_agg_mode`` but the policy term by ``seq-mean-token-mean``; one fused pass has one aggregation).
@@ -62,6 +62,7 @@ from ..config import AGGREGATIONS, PolicyLossConfig
 from ..loss_math import compute_policy_loss as _compute_policy_loss
 from ..ops import linear_policy_loss
 from ..outputs import PolicyLossOutput
+from ..validation import binary_mask
 
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg")
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
@@ -94,7 +95,7 @@ def policy_loss_config_from_verl(
     """``(PolicyLossConfig, scale)`` such that ``scale * loss(config)`` is verl's loss.
 
     ``kl=True`` folds verl's actor KL loss in (``kl_loss_coef``, ``kl_loss_type``, used when
-    ``use_kl_loss`` is not false); ``entropy=True`` folds ``entropy_coeff`` in. ``response_length`` is
+    ``use_kl_loss`` is true; absent it is false, verl's ``ActorConfig`` default); ``entropy=True`` folds ``entropy_coeff`` in. ``response_length`` is
     the padded ``T`` (verl's ``seq-mean-token-sum-norm`` constant), ``batch_size`` the ``B`` of the call.
     """
     loss_mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
@@ -123,7 +124,7 @@ def policy_loss_config_from_verl(
     if loss_agg_mode == "seq-mean-token-sum-norm":
         fields["max_len"] = int(response_length)
         scale = float(batch_size)
-    if kl and _get(config, "use_kl_loss", True):
+    if kl and _get(config, "use_kl_loss", False):  # verl's ActorConfig default
         kl_type = _get(config, "kl_loss_type", "low_var_kl")
         if kl_type not in _KL_TYPES:
             raise NotImplementedError(f"verl kl_loss_type={kl_type!r} is not supported by fused_rl; "
@@ -135,14 +136,20 @@ def policy_loss_config_from_verl(
 
 
 def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig, old: torch.Tensor,
-                  logp: torch.Tensor, mask: torch.Tensor, loss_mode: str):
+                  logp: torch.Tensor, mask: torch.Tensor, loss_mode: str, advantages: torch.Tensor):
     """verl's ``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; ``ppo_kl = masked mean(old - logp)``."""
     m = mask.to(torch.float32)
-    ppo_kl = (torch.where(mask, (old - logp.detach()).to(torch.float32), torch.zeros_like(m))).sum() \
-        / m.sum().clamp(min=1.0)
+    count = m.sum().clamp(min=1.0)
+    masked_mean = lambda x: torch.where(mask, x.to(torch.float32), torch.zeros_like(m)).sum() / count  # noqa: E731
+    ppo_kl = masked_mean(old - logp.detach())
     if loss_mode == "gpg":
         zero = m.new_zeros(())
         return zero, zero.clone(), zero.clone()
+    if loss_mode == "geo_mean":  # verl: token log-ratios outside the bounds, split by the advantage's sign
+        log_ratio = logp.detach() - old
+        clipped = (log_ratio < -config.clip_low) | (log_ratio > config.clip_high)
+        adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+        return masked_mean(clipped & (adv > 0)), ppo_kl, masked_mean(clipped & (adv < 0))
     lower = out_metrics["clip_frac_dual"] if loss_mode == "vanilla" else m.new_zeros(())
     return out_metrics["clip_frac"], ppo_kl, lower
 
@@ -172,12 +179,12 @@ def compute_policy_loss(
     mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
     cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
                                               loss_mode=mode)
-    mask = response_mask.bool() if response_mask.dtype != torch.bool else response_mask
+    mask = binary_mask(response_mask, "response_mask")
     old = old_log_prob.detach().to(log_prob.dtype)
     adv = advantages.to(log_prob.dtype)
     weights = None if rollout_is_weights is None else rollout_is_weights.detach().to(log_prob.dtype)
     loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights)
-    return (loss * scale,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode)
+    return (loss * scale,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
 
 
 def compute_policy_loss_from_hidden(
@@ -204,7 +211,7 @@ def compute_policy_loss_from_hidden(
     verl's rollout temperature (verl divides the logits by it). Returns verl's
     ``(policy_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` plus the :class:`PolicyLossOutput` (detached
     ``logprobs`` / ``entropy`` for logging). ``policy_loss`` includes ``kl_loss_coef * kl_loss`` when
-    ``ref_log_prob`` is given and ``use_kl_loss`` is not false, and ``- entropy_coeff * entropy_loss``,
+    ``ref_log_prob`` is given and ``use_kl_loss`` is true (absent: false, as verl's default), and ``- entropy_coeff * entropy_loss``,
     each aggregated with ``loss_agg_mode`` as verl's actor does. ``rollout_is_weights`` as in
     :func:`compute_policy_loss` (the policy term only).
     """
@@ -221,12 +228,12 @@ def compute_policy_loss_from_hidden(
             "aggregates the policy term by 'seq-mean-token-mean' and the KL / entropy terms by loss_agg_mode, "
             "which one fused pass cannot; use loss_agg_mode='seq-mean-token-mean', or compute_policy_loss on "
             "per-token log-probs with verl's own agg_loss for the KL and entropy terms")
-    mask = response_mask.bool() if response_mask.dtype != torch.bool else response_mask
+    mask = binary_mask(response_mask, "response_mask")
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
                              ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
                              rollout_is_weights=rollout_is_weights, backend=backend, compute_entropy=True)
     old = old_log_prob.detach().to(out.logprobs.dtype)
-    return (out.loss * scale,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode) + (out,)
+    return (out.loss * scale,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode, advantages) + (out,)
 
 
 __all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "policy_loss_config_from_verl", "LOSS_MODES"]
