@@ -16,8 +16,8 @@ from .backends.reference import compute_dtype
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .outputs import PolicyLossOutput
-from .validation import (_is_compiling, check_logits, check_temperature, prepare_policy_inputs, run_value_checks,
-                         target_range_ok, token_logprobs_checks)
+from .validation import (_is_compiling, check_logits, check_rows_disjoint, check_temperature, prepare_policy_inputs,
+                         run_value_checks, target_range_ok, token_logprobs_checks)
 
 
 def token_logprobs(
@@ -75,13 +75,16 @@ def policy_loss(
     ``token_normalizer`` replaces the token count of ``agg="token-mean"`` (TRL's
     ``num_items_in_batch``). ``check_inputs`` runs the value checks (one host sync).
     ``inplace=True`` lets a single-pass backend write the gradient over ``logits`` (which must not be
-    used afterwards); backends without a single-pass kernel ignore it.
+    used afterwards, and whose rows must not share memory: an ``expand`` raises); backends without a
+    single-pass kernel ignore it.
     See :class:`fused_rl.PolicyLossConfig` for the formulas.
     """
     config = PolicyLossConfig() if config is None else config
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
+    if inplace:
+        check_rows_disjoint(logits)
     be = get_backend(backend, logits.device, logits.dtype)
     inputs = prepare_policy_inputs(
         tuple(logits.shape), logits.device, targets, advantages, mask,

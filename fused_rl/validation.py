@@ -52,6 +52,20 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         _fail(f"{name}: vocabulary size {logits.shape[-1]} does not fit int32")
 
 
+def check_rows_disjoint(logits: torch.Tensor) -> None:
+    """For ``inplace=True``: the ``(..., V)`` rows of ``logits`` must not share memory (an ``expand`` of one
+    prompt's logits over a group would get every row's gradient written into the same place). Rows are
+    disjoint when, in increasing stride order, each dimension's stride clears the extent of the ones below
+    (the usual layouts and their slices); other layouts are refused."""
+    extent = logits.shape[-1]
+    for size, stride in sorted(((s, abs(st)) for s, st in zip(logits.shape[:-1], logits.stride()[:-1]) if s > 1),
+                               key=lambda d: d[1]):
+        if stride < extent:
+            _fail(f"inplace=True needs logits whose rows do not share memory, got shape {tuple(logits.shape)} "
+                  f"and strides {logits.stride()} (an expand()?): pass inplace=False")
+        extent += stride * (size - 1)
+
+
 def check_targets(targets: torch.Tensor, logits: torch.Tensor, name: str = "targets") -> None:
     if not isinstance(targets, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(targets).__name__}")

@@ -193,6 +193,31 @@ def test_linear_nan_hidden_at_masked_rows_reaches_no_gradient(backend):
         torch.testing.assert_close(b, a)
 
 
+@pytest.mark.parametrize("backend", fused_backends())
+def test_inplace_refuses_rows_that_share_memory(backend):
+    """``inplace=True`` over logits whose rows alias (one prompt's logits expanded over a group, or over time)
+    would write several rows' gradients into one place (a wrong gradient on cpu / triton): refused; a sliced
+    view (disjoint rows) and ``inplace=False`` are fine."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1, 5, 40, generator=g, requires_grad=True)
+    targets = torch.randint(0, 40, (4, 5), generator=g)
+    adv, mask = torch.randn(4, generator=g), torch.ones(4, 5, dtype=torch.bool)
+    for shared in (lambda x: x.expand(4, 5, 40), lambda x: x[:, :1].expand(4, 5, 40)):
+        with pytest.raises(ValueError, match="rows do not share memory"):
+            fused_rl.policy_loss(shared(base * 1.0), targets, adv, mask, backend=backend, inplace=True)
+    grads = []
+    for be, inplace in ((backend, False), ("reference", False)):
+        x = base.detach().clone().requires_grad_(True)
+        fused_rl.policy_loss((x * 1.0).expand(4, 5, 40), targets, adv, mask, backend=be,
+                             inplace=inplace).loss.backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+    full = torch.randn(4, 7, 40, generator=g, requires_grad=True)
+    fused_rl.policy_loss((full * 1.0)[:, 1:-1], targets, adv, mask, backend=backend,
+                         inplace=True).loss.backward()  # a slice: disjoint rows
+    assert torch.isfinite(full.grad).all()
+
+
 def test_numpy_scalar_arguments():
     np = pytest.importorskip("numpy")
     args = good()
