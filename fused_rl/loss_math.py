@@ -209,7 +209,7 @@ _entropy_gather: Optional[EntropyGather] = None
 def entropy_quantile_across(gather: EntropyGather) -> Iterator[None]:
     """Within the block, ``top_entropy_quantile``'s threshold is the quantile of the unmasked entropies of
     every process, as TRL's ``get_high_entropy_mask`` takes it: ``gather(local)`` receives this process's
-    1-D fp32 tensor of unmasked entropies and returns their concatenation over the processes (the order
+    1-D tensor of unmasked entropies (fp32; fp64 for fp64 inputs) and returns their concatenation over the processes (the order
     does not matter), e.g. :func:`fused_rl.distributed.all_gather_1d` or accelerate's
     ``pad_across_processes`` + ``gather``. Each process keeps its own mask and normalizer. Eager mode (the
     gather's variable length costs a host sync), process-wide while the block runs (not per thread); the
@@ -245,7 +245,7 @@ def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
         values = torch.where(mask, h, torch.full_like(h, float("inf"))).reshape(-1).sort().values
         count = mask.sum()
     else:
-        values = gather(h[mask].to(torch.float32)).reshape(-1).sort().values
+        values = gather(h[mask]).reshape(-1).sort().values
         if values.numel() == 0:  # no unmasked token anywhere: nothing to keep (as TRL)
             return torch.zeros_like(mask)
         count = torch.tensor(values.numel(), device=values.device)

@@ -10,7 +10,7 @@ import torch
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from fused_rl.loss_math import compute_policy_loss, per_token_loss
+from fused_rl.loss_math import compute_policy_loss, entropy_quantile_across, per_token_loss, top_entropy_keep
 
 
 def _kl(kind, d):
@@ -231,8 +231,6 @@ def test_variant_metrics_count_what_they_say():
 
 
 def test_top_entropy_keep_matches_torch_quantile():
-    from fused_rl.loss_math import top_entropy_keep
-
     g = torch.Generator().manual_seed(0)
     for rho in (0.0, 0.2, 0.5, 0.77, 1.0):
         ent = torch.rand(6, 9, generator=g) * 5
@@ -240,6 +238,19 @@ def test_top_entropy_keep_matches_torch_quantile():
         expected = mask & (ent >= torch.quantile(ent[mask], 1 - rho))
         assert torch.equal(top_entropy_keep(ent, mask, rho), expected)
     assert not top_entropy_keep(ent, torch.zeros_like(mask), 0.5).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_entropy_keep_across_one_process_is_the_local_keep(dtype):
+    """An identity gather (one process) gives the local mask exactly, fp64 included (the gathered entropies
+    were rounded to fp32, which moved the threshold across fp64 values that close)."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        h = (torch.rand(6, 9, generator=g, dtype=torch.float64) * 1e-7 + 1.0).to(dtype)
+        mask = torch.rand(6, 9, generator=g) > 0.3
+        local = top_entropy_keep(h, mask, 0.4)
+        with entropy_quantile_across(lambda x: x):
+            assert torch.equal(top_entropy_keep(h, mask, 0.4), local)
 
 
 def test_on_policy_rollout_weight_uses_detached_logp():
