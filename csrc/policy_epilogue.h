@@ -113,7 +113,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     const float c = p.rollout == kRolloutTruncate
                         ? frl_clamp(rho, p.rollout_min, p.rollout_max)
                         : ((rho >= p.rollout_min && rho <= p.rollout_max) ? rho : 0.0f);
-    loss *= c;
+    loss = c == 0.0f ? 0.0f : loss * c;  // a dropped token adds 0, not 0 * inf (loss_math)
     dl_dlogp *= c;
   }
   if (p.kl != kKlNone) {

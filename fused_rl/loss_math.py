@@ -317,8 +317,8 @@ def per_token_loss(
     if rollout_is_weights is not None:
         w = torch.where(mask, rollout_is_weights.detach(), torch.ones_like(logp))
         scale = w if scale is None else scale * w
-    if scale is not None:
-        loss = loss * scale
+    if scale is not None:  # a dropped token (scale 0) adds 0, also where its loss is inf (an overflowed ratio)
+        loss = torch.where(scale == 0, torch.zeros_like(loss), loss * scale)
     kl = None
     if config.kl is not None:
         if ref_logprobs is None:

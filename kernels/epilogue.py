@@ -178,7 +178,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             if HAS_RIS_MAX:
                 keep = keep & (rho <= ris_max)
             w_is = tl.where(keep, rho, zero)
-        loss = loss * w_is
+        loss = tl.where(w_is == 0.0, zero, loss * w_is)  # a dropped token adds 0, not 0 * inf (loss_math)
         dlogp = dlogp * w_is
     kl = zero
     if KL != 0:

@@ -315,6 +315,8 @@ def test_out_of_range_targets_nan_upstream_and_overflowing_ratios(cuda_kernels):
     hardening.test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read("cpu", "cpu", None)
     hardening.test_nan_upstream_gradient_gives_a_nan_row_also_where_p_is_0("cpu", "cpu")
     hardening.test_neg_inf_logits_have_p_zero_even_at_the_target("cpu", "cpu")
+    for drop in ("is_weights", "token_mask"):
+        hardening.test_a_dropped_token_with_an_overflowed_ratio_adds_zero("cpu", "cpu", drop)
     for config, adv in hardening.OVERFLOW_CONFIGS:
         hardening.test_overflowing_ratio_of_a_clipped_token_has_zero_gradient("cpu", "cpu", config, adv)
 

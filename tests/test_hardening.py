@@ -628,6 +628,45 @@ def test_overflowing_ratio_of_a_clipped_token_has_zero_gradient(backend, device,
     torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("drop", ["is_weights", "token_mask"])
+@pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
+def test_a_dropped_token_with_an_overflowed_ratio_adds_zero(backend, device, drop):
+    """A token the caller or a rollout mask drops (weight 0) adds 0 to the loss even where its ratio
+    overflowed with ``A < 0`` (loss inf): not ``0 * inf = NaN``; the same loss and gradient as with a large
+    finite ratio (old = -50)."""
+    g = torch.Generator().manual_seed(6)
+    B, T, V = 2, 3, 37
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    with torch.no_grad():
+        lp = fused_rl.reference.token_logprobs(logits, targets)
+    kw, config = {}, PolicyLossConfig()
+    results = []
+    for far in (-200.0, -50.0):
+        old = lp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(1))
+        old[0, 1] = far
+        if drop == "is_weights":
+            weights = torch.ones(B, T)
+            weights[0, 1] = 0.0
+            kw = dict(rollout_is_weights=weights.to(device))
+        else:  # rho = exp(old - rollout) = e^-5 < rollout_is_min: masked
+            rollout = old + 0.01
+            rollout[0, 1] = old[0, 1] + 5.0
+            config = PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=2.0)
+            kw = dict(rollout_logprobs=rollout.to(device))
+        x = logits.to(device, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets.to(device), torch.tensor([-1.0, 0.5]).to(device), mask.to(device),
+                                   old_logprobs=old.to(device), config=config, backend=backend, **kw)
+        out.loss.backward()
+        results.append((out.loss.detach().cpu(), x.grad.cpu()))
+    (loss, grad), (loss_finite, grad_finite) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[0, 1] == 0).all()
+    torch.testing.assert_close(loss, loss_finite, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
+
+
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
 def test_nan_upstream_gradient_gives_a_nan_row_also_where_p_is_0(backend, device):
     """A NaN upstream gradient of a token's log-prob makes its whole logits-gradient row NaN, entries with

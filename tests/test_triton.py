@@ -511,6 +511,12 @@ def test_block_heuristic(monkeypatch):
     assert K.block_config(1000, torch.float32) == (16, 256, 8)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA device")
+def test_triton_is_not_available_for_cuda_without_a_device():
+    """``fused_rl.info`` and ``auto`` on a CUDA device need one: without it the triton backend says so."""
+    assert "no CUDA device" in fused_rl.available_backends(torch.device("cuda"))["triton"]
+
+
 # --------------------------------------------------------------------------- CUDA-only scale checks
 def _gpu_backend_or_skip(backend):
     reason = fused_rl.available_backends(torch.device("cuda"))[backend]

@@ -214,6 +214,8 @@ class TritonBackend(Backend):
         if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return (f"Triton kernels need a CUDA device, not {kind!r} "
                     "(set TRITON_INTERPRET=1 before the first use to run them in the slow CPU interpreter)")
+        if kind == "cuda" and not torch.cuda.is_available():
+            return "torch sees no CUDA device"
         error = _import_error()
         if error is None and os.environ.get("TRITON_INTERPRET") == "1":
             error = _interpreter_error()
