@@ -217,8 +217,10 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
 
     def head(hidden: torch.Tensor, lm_head: torch.nn.Module):
-        # hidden[:, i] predicts input_ids[:, i + 1]: the completion tokens are predicted by P-1 .. P+C-2.
-        hidden = hidden[:, prompt_len - 1: prompt_len - 1 + completion_len]
+        # hidden[:, i] predicts input_ids[:, i + 1]: the completion tokens are predicted by the C positions
+        # before the last (P-1 .. P+C-2), taken from the end as TRL's logits_to_keep does, so positions a model
+        # prepends (PEFT prompt tuning's virtual tokens) do not shift them
+        hidden = hidden[:, hidden.shape[1] - completion_len - 1: hidden.shape[1] - 1]
         weight, bias = _full_tensor(lm_head.weight), _full_tensor(lm_head.bias)
         hidden = hidden.to(weight.device)
         if self.args.cast_lm_head_to_fp32:
