@@ -40,6 +40,7 @@ from ..validation import PolicyInputs, _is_compiling
 from . import register, register_missing
 from .base import Backend
 from .custom_ops import register_stored_grad, register_token_ops
+from .tiled_linear import TiledLinearMethods
 from .torch_linear import _config_from_literal, config_literal
 
 try:
@@ -315,10 +316,11 @@ def _(loss, logits, dlogits):
 register_stored_grad(attach_grad, scale_grad_, "cpu/cuda")
 
 
-class NativeBackend(Backend):
+class NativeBackend(TiledLinearMethods, Backend):
     """Shared body of the ``cpu`` and ``cuda`` backends (the device decides which kernels run)."""
 
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    linear_kernel = "native"
 
     def token_logprobs(self, logits, targets, temperature, return_entropy):
         logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
@@ -355,19 +357,6 @@ class NativeBackend(Backend):
         loss = attach_grad(value, logits, dlogits)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=metrics)
 
-    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes=None):
-        """Tiles of ``h W^T`` (MKL / cuBLAS) fed to the single-pass kernel: :mod:`fused_rl.backends.tiled_linear`."""
-        from . import tiled_linear
-
-        return tiled_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, "native",
-                                               memory_budget_bytes)
-
-    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
-                              memory_budget_bytes=None):
-        from . import tiled_linear
-
-        return tiled_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
-                                                  memory_budget_bytes)
 
 
 class CpuBackend(NativeBackend):

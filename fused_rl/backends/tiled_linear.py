@@ -311,3 +311,18 @@ def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, ret
     """Arbitrary upstream gradients need the two-pass form: :func:`torch_linear.linear_token_logprobs`."""
     return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
                                               memory_budget_bytes)
+
+
+class TiledLinearMethods:
+    """The fused-linear methods of a :class:`~fused_rl.backends.base.Backend` whose single-pass kernel is
+    ``KERNELS[linear_kernel]``: tiles of ``h W^T`` (MKL / cuBLAS) fed to it (this module)."""
+
+    linear_kernel: str
+
+    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes=None):
+        return linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, self.linear_kernel,
+                                  memory_budget_bytes)
+
+    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
+                              memory_budget_bytes=None):
+        return linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy, memory_budget_bytes)

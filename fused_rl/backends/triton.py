@@ -38,6 +38,7 @@ from ..validation import PolicyInputs
 from . import register, register_missing, torch_linear
 from .base import Backend
 from .custom_ops import register_stored_grad, register_token_ops
+from .tiled_linear import TiledLinearMethods
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
 # functions, so an early import (e.g. at `import fused_rl` during test collection) would break the
@@ -203,11 +204,12 @@ def _(loss_terms, logits, dlogits):
 register_stored_grad(attach_grad, scale_, "triton")
 
 
-class TritonBackend(Backend):
+class TritonBackend(TiledLinearMethods, Backend):
     """Triton kernels on CUDA (or on the CPU interpreter with ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    linear_kernel = "triton"
 
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         kind = torch.device(device).type
@@ -263,19 +265,6 @@ class TritonBackend(Backend):
         mets = loss_metrics(ratio.view(shape), inputs.advantages, mask, config, kl, entropy, extras)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=mets)
 
-    def linear_policy_loss(self, hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes=None):
-        """Tiles of ``h W^T`` (cuBLAS) fed to the single-pass kernel: :mod:`fused_rl.backends.tiled_linear`."""
-        from . import tiled_linear
-
-        return tiled_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, "triton",
-                                               memory_budget_bytes)
-
-    def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
-                              memory_budget_bytes=None):
-        from . import tiled_linear
-
-        return tiled_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
-                                                  memory_budget_bytes)
 
 
 if _INSTALLED:
