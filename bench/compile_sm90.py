@@ -125,4 +125,9 @@ def main(full: bool) -> None:
 
 
 if __name__ == "__main__":
-    main("--all" in sys.argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--all", action="store_true", help="bf16, fp32 and fp16 logits (default: bf16 only)")
+    main(parser.parse_args().all)
