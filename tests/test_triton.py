@@ -438,7 +438,9 @@ def test_unavailable_reason(monkeypatch):
     from fused_rl.backends import _REGISTRY
 
     tb = _REGISTRY["triton"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     assert tb.unavailable_reason(torch.device("cuda")) is None
+    monkeypatch.undo()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tb.unavailable_reason(torch.device("cpu")) is None
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -475,6 +477,7 @@ def test_old_interpreter_with_new_numpy_names_the_reason(monkeypatch):
     monkeypatch.setattr(numpy, "__version__", "2.5.2")
     triton_backend._CHECKS.clear()
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels on a GPU are not affected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert tb.unavailable_reason(torch.device("cuda")) is None
     monkeypatch.undo()
     triton_backend._CHECKS.clear()
