@@ -255,8 +255,8 @@ class Trainer:
             order = torch.randperm(n, generator=perm_gen).to(self.device) if mb < n else torch.arange(n, device=self.device)
             for start in range(0, n, mb):
                 mb_idx = order[start:start + mb]
-                # token-mean's normalizer: the minibatch's loss tokens over all processes (without truncated
-                # rows when the loss drops them); the value loss's: all its response tokens
+                # token-mean's normalizer and the value loss's: the minibatch's loss tokens over all processes
+                # (without truncated rows when the loss drops them)
                 normalizer = value_tokens = None
                 loss_mask = self._trained_mask(batch.mask[mb_idx], batch.truncated[mb_idx])
                 if token_mean:
