@@ -209,7 +209,8 @@ _entropy_gather: Optional[EntropyGather] = None
 def entropy_quantile_across(gather: EntropyGather) -> Iterator[None]:
     """Within the block, ``top_entropy_quantile``'s threshold is the quantile of the unmasked entropies of
     every process, as TRL's ``get_high_entropy_mask`` takes it: ``gather(local)`` receives this process's
-    1-D tensor of unmasked entropies (fp32; fp64 for fp64 inputs) and returns their concatenation over the processes (the order
+    1-D tensor of unmasked entropies (fp32; fp64 for fp64 inputs) and returns their concatenation over the
+    processes (the order
     does not matter), e.g. :func:`fused_rl.distributed.all_gather_1d` or accelerate's
     ``pad_across_processes`` + ``gather``. Each process keeps its own mask and normalizer. Eager mode (the
     gather's variable length costs a host sync), process-wide while the block runs (not per thread); the
@@ -374,7 +375,8 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     and ``A > 0``; gmpo: the token log-ratio beyond ``-clip_low`` / ``clip_high``); cispo's ``high``
     counts every truncated weight ``r > 1+clip_high``; ``dual``: tokens where the dual-clip cap ``-c A``
     is the active value. For gspo (one ratio a sequence) they are fractions of the ``B`` sequences, as TRL's
-    ``importance_sampling_level="sequence"`` counts them (a sequence counts if any of its tokens does). With the options that use them (``extras`` of :class:`TokenTerms`):
+    ``importance_sampling_level="sequence"`` counts them (a sequence counts if any of its tokens does). With the
+    options that use them (``extras`` of :class:`TokenTerms`):
     ``rollout_is_mean`` (the applied rollout weight), ``rollout_is_clip_frac`` (tokens whose ``rho`` is
     outside ``[rollout_is_min, rollout_is_max]``), ``off_policy_mask_frac`` and ``entropy_mask_frac``
     (tokens dropped by each mask)."""

@@ -26,7 +26,8 @@ gradient rows) and zeroed hidden rows (NaN padding cannot reach ``grad_W``).
 
 GEMM precision (``GEMM_MODE``): ``"fp32"`` (16-bit inputs upcast, one fp32 copy of ``W``; the
 default on CPU, which has no fast 16-bit GEMM here, and for fp16) or ``"mixed"`` (the default for bf16
-inputs on CUDA; opt-in for fp16, with the limits below): the GEMMs read the 16-bit ``h`` / ``W`` / ``dz`` with fp32 accumulation and write fp32
+inputs on CUDA; opt-in for fp16, with the limits below): the GEMMs read the 16-bit ``h`` / ``W`` / ``dz`` with fp32
+accumulation and write fp32
 logits and fp32 gradients (``torch.mm(..., out_dtype=torch.float32)``, CUDA only; on CPU the mode is
 emulated by upcasting, for the tests). The kernel reads fp32 logits either way (rounding the logits to
 bf16 would cost up to ``|z| 2^-8`` of log-prob accuracy); in mixed mode it writes ``dz`` in the input dtype

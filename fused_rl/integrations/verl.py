@@ -95,7 +95,8 @@ def policy_loss_config_from_verl(
     """``(PolicyLossConfig, scale)`` such that ``scale * loss(config)`` is verl's loss.
 
     ``kl=True`` folds verl's actor KL loss in (``kl_loss_coef``, ``kl_loss_type``, used when
-    ``use_kl_loss`` is true; absent it is false, verl's ``ActorConfig`` default); ``entropy=True`` folds ``entropy_coeff`` in. ``response_length`` is
+    ``use_kl_loss`` is true; absent it is false, verl's ``ActorConfig`` default); ``entropy=True`` folds
+    ``entropy_coeff`` in. ``response_length`` is
     the padded ``T`` (verl's ``seq-mean-token-sum-norm`` constant), ``batch_size`` the ``B`` of the call.
     """
     loss_mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
@@ -211,7 +212,8 @@ def compute_policy_loss_from_hidden(
     verl's rollout temperature (verl divides the logits by it). Returns verl's
     ``(policy_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` plus the :class:`PolicyLossOutput` (detached
     ``logprobs`` / ``entropy`` for logging). ``policy_loss`` includes ``kl_loss_coef * kl_loss`` when
-    ``ref_log_prob`` is given and ``use_kl_loss`` is true (absent: false, as verl's default), and ``- entropy_coeff * entropy_loss``,
+    ``ref_log_prob`` is given and ``use_kl_loss`` is true (absent: false, as verl's default), and ``- entropy_coeff
+    * entropy_loss``,
     each aggregated with ``loss_agg_mode`` as verl's actor does. ``rollout_is_weights`` as in
     :func:`compute_policy_loss` (the policy term only).
     """
