@@ -555,3 +555,66 @@ def test_smollm2_config_loads_and_steps(tmp_path):
     m = t.train_step()
     assert math.isfinite(m["loss"]) and math.isfinite(m["entropy"])
     assert not torch.equal(head.detach(), before)  # the step reached the (tied) LM head
+
+
+# ---------------------------------------------------------------------------------------------- HF models
+def _hf_model_dir(path, generation_eos=None, **config_extra):
+    """A tiny random Llama with a character tokenizer, saved as a local model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: 3 + i for i, c in enumerate("0123456789=")}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                            bos_token="<bos>").save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=2, initializer_range=0.5, **config_extra)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config)
+    if generation_eos is not None:
+        model.generation_config.eos_token_id = generation_eos
+    model.save_pretrained(path)
+    return str(path), vocab
+
+
+def _hf_cfg(model):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=model, attn_implementation="auto", tokenizer="auto", chat_template=False)
+
+
+def test_a_models_own_stop_tokens_end_its_completions(tmp_path):
+    """A chat model's end-of-turn token (its generation_config's eos ids, beyond the tokenizer's eos) ends a
+    completion: no loss token after it, and it is not part of the decoded text (here '=' plays that role)."""
+    import random
+
+    from fused_rl.train.models import load_policy
+    from fused_rl.train.rollout import rollout
+    from fused_rl.train.tasks import ReverseTask, resolve_reward
+
+    path, vocab = _hf_model_dir(tmp_path / "m", generation_eos=[1, 13])
+    task = ReverseTask(3, 3)
+    lm, tok = load_policy(_hf_cfg(path), task, torch.device("cpu"))
+    assert tok.stop_token_ids == (1, vocab["="])
+    torch.manual_seed(1)
+    batch = rollout(lm, tok, task.sample(random.Random(0), 4), [resolve_reward("partial_match")], [1.0],
+                    group_size=8, max_new_tokens=12, temperature=1.0, top_p=1.0, truncation="none")
+    stops = torch.isin(batch.targets, torch.tensor([1, vocab["="]])) & batch.mask
+    assert stops.any(), "the test needs completions that stop"
+    for row, m, stop, text in zip(batch.targets, batch.mask, stops, batch.completions):
+        if stop.any():
+            first = int(stop.nonzero()[0])
+            assert not m[first + 1:].any() and "=" not in text
+
+
+def test_a_model_with_scaled_logits_is_refused(tmp_path):
+    """The loss computes ``hidden @ lm_head.weight^T``: a model whose logits are scaled (Granite's
+    logits_scaling) or soft-capped would sample from other logits than it trains; loading it raises."""
+    from fused_rl.train.models import load_policy
+    from fused_rl.train.tasks import ReverseTask
+
+    path, _ = _hf_model_dir(tmp_path / "m", logits_scaling=8.0)
+    with pytest.raises(ValueError, match="logits_scaling=8.0"):
+        load_policy(_hf_cfg(path), ReverseTask(3, 3), torch.device("cpu"))

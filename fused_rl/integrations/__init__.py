@@ -6,8 +6,11 @@
   advantages, response_mask, loss_agg_mode, config)`` on fused_rl's loss math, and the mapping of verl
   actor options onto :class:`fused_rl.PolicyLossConfig`.
 
+:mod:`fused_rl.integrations.hf_models`: the check that a transformers model's logits are its plain LM
+head's (shared by the TRL adapter and the bundled trainer).
+
 The Liger-Kernel drop-in (``FusedLinearGRPOLoss``) lives in :mod:`fused_rl.nn`. Submodules import
 their framework lazily: importing this package never needs TRL or verl.
 """
 
-__all__ = ["trl", "verl"]
+__all__ = ["hf_models", "trl", "verl"]

@@ -48,6 +48,7 @@ from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator
 from ..nn import NUM_ITEMS_LOSS_TYPES, grpo_policy_loss_config
 from ..ops import linear_policy_loss
 from ..validation import binary_mask
+from .hf_models import plain_lm_head_problems
 
 try:
     import transformers
@@ -62,7 +63,6 @@ FUSED_HEAD_KWARG = "fused_rl_head"
 
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
                     "num_tiles", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-_LOGIT_SCALE_ATTRS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
 def _is_peft_model(model) -> bool:
@@ -86,14 +86,7 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
         problems.append("router_aux_loss_coef (MoE auxiliary loss)")
     if trainer.loss_type in ("cispo", "sapo") and trainer.importance_sampling_level == "sequence":
         problems.append(f"importance_sampling_level='sequence' with loss_type={trainer.loss_type!r}")
-    base = _base_model(trainer.model)
-    text_config = base.config.get_text_config()
-    if getattr(text_config, "final_logit_softcapping", None) is not None:
-        problems.append(f"final_logit_softcapping={text_config.final_logit_softcapping!r} (model config)")
-    for name in _LOGIT_SCALE_ATTRS:
-        value = getattr(text_config, name, None)
-        if value is not None and value != 1:
-            problems.append(f"{name}={value!r} (model config logit scaling)")
+    problems += plain_lm_head_problems(_base_model(trainer.model).config)
     return problems
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fused_rl
+from fused_rl.integrations.hf_models import plain_lm_head_problems
 
 #: compute dtypes of ``TrainConfig.dtype``; the weights (AdamW's master copy) are fp32 either way
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -25,6 +26,7 @@ class CharTokenizer:
     """Character-level tokenizer: ids 0/1/2 are ``<pad>``, ``<bos>``, ``<eos>``, then one id per character."""
 
     pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    stop_token_ids = (eos_token_id,)
     specials = ("<pad>", "<bos>", "<eos>")
 
     def __init__(self, alphabet: str):
@@ -49,12 +51,15 @@ class CharTokenizer:
 class HFTokenizer:
     """Adapter over a Hugging Face tokenizer with the interface of :class:`CharTokenizer`."""
 
-    def __init__(self, tok, chat_template: bool = False):
+    def __init__(self, tok, chat_template: bool = False, stop_token_ids=()):
         self.tok = tok
         self.chat_template = chat_template and getattr(tok, "chat_template", None) is not None
         if tok.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token; completions could never end")
         self.eos_token_id = tok.eos_token_id
+        #: the tokens that end a completion: the tokenizer's eos and the model's generation_config eos ids (a
+        #: chat model's end-of-turn token, e.g. Llama-3-Instruct's <|eot_id|>, Gemma's <end_of_turn>)
+        self.stop_token_ids = tuple(dict.fromkeys([tok.eos_token_id, *stop_token_ids]))
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def __len__(self) -> int:
@@ -138,10 +143,16 @@ def load_policy(cfg, task, device: torch.device):
         raise ValueError(f"model must be 'tiny', a local model directory or a .gguf file; {cfg.model!r} is none "
                          "(nothing is downloaded at run time)")
     model = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, **kwargs, **extra)
+    problems = plain_lm_head_problems(model.config)
+    if problems:  # the loss reads lm_head.weight: it would train other logits than the model samples from
+        raise ValueError(f"model {cfg.model!r}: its logits are not the plain LM head's ({'; '.join(problems)}); "
+                         "fused_rl's loss computes hidden @ lm_head.weight^T")
     tok_src = src if cfg.tokenizer == "auto" else cfg.tokenizer
     tok_extra = extra if cfg.tokenizer == "auto" else {}
     tok = AutoTokenizer.from_pretrained(tok_src, local_files_only=True, **tok_extra)
-    return model.to(device), HFTokenizer(tok, chat_template=cfg.chat_template)
+    stop = model.generation_config.eos_token_id
+    stop = [] if stop is None else ([stop] if isinstance(stop, int) else list(stop))
+    return model.to(device), HFTokenizer(tok, chat_template=cfg.chat_template, stop_token_ids=stop)
 
 
 def find_gguf_in_package(package: str) -> Optional[str]:

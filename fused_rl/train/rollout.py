@@ -109,8 +109,9 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
     # checkpoint's repetition_penalty, no_repeat_ngram_size, min_p, suppress_tokens, ...), so that is
     # swapped for a default one during the call.
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    stop = list(tokenizer.stop_token_ids)
     config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id, use_cache=True, **sampling)
+                              eos_token_id=stop, use_cache=True, **sampling)
     recorder = SamplerLogprobs(temperature, top_p) if sampler_logprobs and not greedy else None
     was_training, model_config = model.training, model.generation_config
     model.eval()
@@ -127,8 +128,8 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
         pad = torch.full((comp.shape[0], max_new_tokens - comp.shape[1]), tokenizer.pad_token_id,
                          dtype=comp.dtype, device=comp.device)
         comp = torch.cat([comp, pad], 1)
-    is_eos = comp == tokenizer.eos_token_id
-    # mask: positions up to and including the first EOS (everything when there is none)
+    is_eos = torch.isin(comp, torch.tensor(stop, dtype=comp.dtype, device=comp.device))
+    # mask: positions up to and including the first stop token (everything when there is none)
     after_first_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
     mask = ~after_first_eos
     truncated = ~is_eos.any(1)
@@ -143,7 +144,7 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int, max_new_t
 def decode_completions(tokenizer, comp: torch.Tensor, mask: torch.Tensor) -> list[str]:
     texts = []
     for row, m in zip(comp.tolist(), mask.tolist()):
-        ids = [t for t, keep in zip(row, m) if keep and t != tokenizer.eos_token_id]
+        ids = [t for t, keep in zip(row, m) if keep and t not in tokenizer.stop_token_ids]
         texts.append(tokenizer.decode(ids))
     return texts
 
