@@ -108,11 +108,23 @@ def test_builtin_rewards():
     assert extract_number("so the answer is\n#### 1,234") == 1234.0
     assert extract_number("3 apples and then 42.") == 42.0
     assert extract_number("no digits") is None
+    # a leading ".5", a range's dash, an exponent, a list: each number whole (were 5, -2025, 3 and 123)
+    for text, value in ((".5", 0.5), ("-.5", -0.5), ("2024-2025", 2025.0), ("1e3", 1000.0), ("1,2,3", 3.0),
+                        ("x = 1,234,567.5", 1234567.5), ("#### -3.5 then 7", -3.5), ("it is -7.", -7.0)):
+        assert extract_number(text) == value, text
     assert numeric(None, ["x #### 7", "it is 8", "nothing"], ["7", "7", "7"]) == [1.0, 0.0, 0.0]
     assert numeric(None, ["-3"], ["Janet ... #### -3"]) == [1.0]
     assert exact_match(None, [" 12 ", "13"], ["12", "12"]) == [1.0, 0.0]
     assert partial_match(None, ["321", "3", "3219", ""], ["321"] * 4) == [1.0, pytest.approx(1 / 3), 0.75, 0.0]
     assert format_reward(None, ["work\n#### 5", "5"]) == [1.0, 0.0]
+    assert format_reward(None, ["a", "5"], format_regex=[None, r"\d"]) == [0.0, 1.0]  # a row without its own regex
+
+
+def test_batch_fields_take_the_keys_of_every_example():
+    from fused_rl.train.tasks import batch_fields
+
+    fields = batch_fields([{"prompt": "p", "answer": "1"}, {"prompt": "q", "answer": "2", "format_regex": "x"}])
+    assert fields == {"answer": ["1", "2"], "format_regex": [None, "x"]}
 
 
 def test_reward_function_errors_are_reported(tmp_path):
@@ -162,6 +174,18 @@ def test_jsonl_task_gsm8k_style(tmp_path):
         make_task("jsonl", {"path": str(path)})
     with pytest.raises(ValueError, match="unknown task"):
         make_task("gsm9k", {})
+    # no held-out row that is a training one: a fraction outside (0, 1) or a 1-row file raise, a prompt in
+    # both parts of the file stays held out only
+    for frac in (0.0, -0.1, 1.0):
+        with pytest.raises(ValueError, match="heldout_fraction"):
+            make_task("jsonl", {"path": str(path), "prompt_key": "question", "heldout_fraction": frac})
+    (tmp_path / "one.jsonl").write_text(json.dumps(rows[0]))
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        make_task("jsonl", {"path": str(tmp_path / "one.jsonl"), "prompt_key": "question"})
+    path.write_text("\n".join(json.dumps(r) for r in rows + rows[:1]))
+    task = make_task("jsonl", {"path": str(path), "prompt_key": "question", "heldout_fraction": 0.1})
+    assert rows[0]["question"] in {e["prompt"] for e in task.heldout_rows}
+    assert rows[0]["question"] not in {e["prompt"] for e in task.train_rows}
 
 
 # ---------------------------------------------------------------------------------------------- log-probs
@@ -444,6 +468,30 @@ def test_resume_into_another_model_names_the_changed_fields(tmp_path):
     Trainer(small(tmp_path, steps=1, save_every=1), quiet=True).train()
     with pytest.raises(ConfigError, match=r"does not fit this config's model .*'algorithm': \('grpo', 'ppo'\)"):
         Trainer(small(tmp_path, steps=2, resume=True, algorithm="ppo"), quiet=True)
+
+
+def test_torn_checkpoint_and_metrics_line(tmp_path):
+    """A crash between the checkpoint's two renames (state of one step, RNGs of another) is refused at load,
+    not resumed inexactly; a metrics line cut short by a crash is dropped by --resume and by plot."""
+    from fused_rl.train.plot import read_metrics
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=2, save_every=1), quiet=True).train()
+    ckpt = checkpoint.checkpoint_dir(tmp_path / "run")
+    rng = torch.load(ckpt / "rng_rank0.pt", weights_only=False)
+    torch.save({**rng, "step": 1}, ckpt / "rng_rank0.pt")
+    with pytest.raises(FileNotFoundError, match="incomplete: state.pt is step 2, rng_rank0.pt step 1"):
+        Trainer(small(tmp_path, steps=3, resume=True), quiet=True)
+    torch.save(rng, ckpt / "rng_rank0.pt")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 3, "rew')
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    resumed = Trainer(small(tmp_path, steps=3, resume=True), quiet=True)
+    resumed.train()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    metrics.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        read_metrics(tmp_path / "run")
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):

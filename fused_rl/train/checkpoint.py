@@ -2,7 +2,9 @@
 
 Layout in ``RUN_DIR/checkpoint/``: ``state.pt`` (model, optimizer, scheduler, step, config; written by
 rank 0) and ``rng_rank{R}.pt`` (torch / CUDA / Python / NumPy RNGs and the prompt sampler of rank R).
-Writes go to a temporary file first, then are renamed, so a crash never leaves half a checkpoint.
+Writes go to a temporary file first, then are renamed, so a crash never leaves half a file; each RNG file
+records its step, so a crash between the files' renames (the state of step 20, the RNGs of step 10) is
+refused at load instead of resuming inexactly.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def save(run_dir, *, model, optimizer, scheduler, step: int, config: dict, promp
          rank: int = 0, barrier=None) -> Path:
     d = checkpoint_dir(run_dir)
     d.mkdir(parents=True, exist_ok=True)
-    _atomic_save(rng_state(prompt_rng), d / f"rng_rank{rank}.pt")
+    _atomic_save({**rng_state(prompt_rng), "step": step}, d / f"rng_rank{rank}.pt")
     if rank == 0:
         _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                       "scheduler": scheduler.state_dict(), "step": step, "config": config}, d / "state.pt")
@@ -89,5 +91,8 @@ def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, ran
     rng: Optional[dict] = torch.load(rng_path, weights_only=False) if rng_path.is_file() else None
     if rng is None:
         raise FileNotFoundError(f"checkpoint lacks {rng_path.name}: was it written with a different world size?")
+    if rng.get("step", state["step"]) != state["step"]:
+        raise FileNotFoundError(f"checkpoint in {checkpoint_dir(run_dir)} is incomplete: state.pt is step "
+                                f"{state['step']}, {rng_path.name} step {rng['step']} (a crash between their writes?)")
     set_rng_state(rng, prompt_rng)
     return int(state["step"])

@@ -8,10 +8,21 @@ from typing import Optional
 
 
 def read_metrics(run_dir) -> list[dict]:
+    """The records of ``RUN_DIR/metrics.jsonl``; a last line cut short (a run killed while writing it) is
+    dropped, a malformed line elsewhere raises ``ValueError`` naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file {path}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({exc})") from exc
+    return records
 
 
 def plot_run(run_dir, out: Optional[str] = None) -> Path:

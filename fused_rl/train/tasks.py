@@ -34,8 +34,11 @@ class RewardFunctionError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- rewards
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-_GSM8K = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+#: a number: digits with thousands separators ``1,234`` (a comma followed by exactly three digits), a decimal
+#: part, a leading ``.5``, a sign that is not a range's dash (``2024-2025``: 2025), an exponent ``1e3``
+_NUMBER_BODY = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:(?<=\d)[eE][-+]?\d+)?(?<=\d)"
+_NUMBER = re.compile(r"(?<![\d.])" + _NUMBER_BODY)
+_GSM8K = re.compile(r"####\s*(" + _NUMBER_BODY + ")")
 
 
 def extract_number(text: str) -> Optional[float]:
@@ -77,7 +80,8 @@ DEFAULT_FORMAT = r"(?s).*####\s*-?[\d,]*\.?\d+\s*$"
 def format_reward(prompts, completions, format_regex=None, **_) -> list[float]:
     out = []
     for i, c in enumerate(completions):
-        pattern = format_regex[i] if isinstance(format_regex, (list, tuple)) else (format_regex or DEFAULT_FORMAT)
+        pattern = format_regex[i] if isinstance(format_regex, (list, tuple)) else format_regex
+        pattern = pattern or DEFAULT_FORMAT  # a row without its own regex
         out.append(float(re.fullmatch(pattern, c.strip()) is not None))
     return out
 
@@ -255,7 +259,8 @@ class ArithmeticTask(Task):
 
 class JsonlTask(Task):
     """Examples from a JSONL file with ``prompt`` and ``answer`` keys (e.g. GSM8K: answers ``... #### 42``
-    are graded by ``numeric``). The last ``heldout_fraction`` of the file is the held-out set."""
+    are graded by ``numeric``). The last ``heldout_fraction`` of the file (at least one row) is the held-out
+    set; training rows whose prompt is also a held-out one are dropped."""
 
     name = "jsonl"
     default_rewards = ("numeric",)
@@ -264,6 +269,8 @@ class JsonlTask(Task):
                  answer_key: str = "answer"):
         import json
 
+        if not 0.0 < heldout_fraction < 1.0:
+            raise ValueError(f"jsonl task: heldout_fraction must be in (0, 1), got {heldout_fraction!r}")
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"jsonl task: no such file {path!r}")
@@ -272,8 +279,14 @@ class JsonlTask(Task):
             if prompt_key not in r or answer_key not in r:
                 raise ValueError(f"jsonl task: line {i + 1} of {path} lacks {prompt_key!r} or {answer_key!r}")
         rows = [{**r, "prompt": r[prompt_key], "answer": str(r[answer_key])} for r in rows]
-        cut = max(1, int(len(rows) * (1 - heldout_fraction))) if len(rows) > 1 else len(rows)
-        self.train_rows, self.heldout_rows = rows[:cut], rows[cut:] or rows[:1]
+        if len(rows) < 2:
+            raise ValueError(f"jsonl task: {path} needs at least 2 rows (training and held-out), has {len(rows)}")
+        cut = min(len(rows) - 1, max(1, int(len(rows) * (1 - heldout_fraction))))
+        self.heldout_rows = rows[cut:]
+        heldout = {r["prompt"] for r in self.heldout_rows}
+        self.train_rows = [r for r in rows[:cut] if r["prompt"] not in heldout]
+        if not self.train_rows:
+            raise ValueError(f"jsonl task: every training prompt of {path} is also a held-out one")
 
     def make(self, rng: random.Random) -> dict:
         return dict(rng.choice(self.train_rows))
@@ -298,6 +311,7 @@ def make_task(name: str, args: dict) -> Task:
 
 
 def batch_fields(examples: list[dict]) -> dict[str, list[Any]]:
-    """``[{"prompt", "answer", ...}]`` -> ``{"answer": [...], ...}`` (everything but the prompt)."""
-    keys = [k for k in examples[0] if k != "prompt"] if examples else []
+    """``[{"prompt", "answer", ...}]`` -> ``{"answer": [...], ...}`` (everything but the prompt; the keys of
+    every example, ``None`` where one lacks a key)."""
+    keys = list(dict.fromkeys(k for e in examples for k in e if k != "prompt"))
     return {k: [e.get(k) for e in examples] for k in keys}

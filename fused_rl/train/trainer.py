@@ -35,6 +35,7 @@ from fused_rl import advantages as adv_lib
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig, to_dict
+from .plot import read_metrics
 from .models import DTYPES, PolicyModule, load_policy, resolve_linear_backend
 from .rollout import Rollout, rollout
 from .tasks import make_task, resolve_reward
@@ -368,9 +369,8 @@ class Trainer:
         if self.step == 0 or not path.exists():
             path.write_text("")
             return
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= self.step]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = [record for record in read_metrics(self.run_dir) if record.get("step", 0) <= self.step]
+        path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
     def train(self, stop_after: Optional[int] = None) -> list[dict]:
         """Train to ``cfg.steps`` (``stop_after``: return after that many steps of this call, as an
