@@ -666,3 +666,14 @@ def test_a_model_with_scaled_logits_is_refused(tmp_path):
     path, _ = _hf_model_dir(tmp_path / "m", logits_scaling=8.0)
     with pytest.raises(ValueError, match="logits_scaling=8.0"):
         load_policy(_hf_cfg(path), ReverseTask(3, 3), torch.device("cpu"))
+
+
+def test_chat_template_without_a_template_raises(tmp_path):
+    from fused_rl.train.models import load_policy
+    from fused_rl.train.tasks import ReverseTask
+
+    path, _ = _hf_model_dir(tmp_path / "m")
+    cfg = _hf_cfg(path)
+    cfg.chat_template = True
+    with pytest.raises(ValueError, match="no chat template"):
+        load_policy(cfg, ReverseTask(3, 3), torch.device("cpu"))

@@ -53,7 +53,9 @@ class HFTokenizer:
 
     def __init__(self, tok, chat_template: bool = False, stop_token_ids=()):
         self.tok = tok
-        self.chat_template = chat_template and getattr(tok, "chat_template", None) is not None
+        if chat_template and getattr(tok, "chat_template", None) is None:
+            raise ValueError("chat_template: true, but the tokenizer has no chat template")
+        self.chat_template = bool(chat_template)
         if tok.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token; completions could never end")
         self.eos_token_id = tok.eos_token_id
