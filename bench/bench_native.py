@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig  # noqa: E402
+from bench.measure import fix_mmap_threshold  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,17 +34,6 @@ def rss_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(field)
-
-
-def fix_mmap_threshold() -> None:
-    """Make glibc serve every block >= 1 MiB with mmap (and unmap it on free), so RSS follows the
-    live tensors (otherwise the dynamic threshold keeps freed blocks < 32 MiB in the heap)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def reset_peak() -> bool:

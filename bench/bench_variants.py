@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import fused_rl  # noqa: E402
-from bench.bench_native import DTYPES, fix_mmap_threshold, make_inputs, prepare  # noqa: E402
+from bench.bench_native import DTYPES, make_inputs, prepare  # noqa: E402
+from bench.measure import fix_mmap_threshold  # noqa: E402
 from fused_rl import PolicyLossConfig  # noqa: E402
 
 #: The variants the epilogue covers beyond the peers' ppo_clip / cispo (one workload each).

@@ -22,15 +22,18 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
-import torch
-from triton.testing import do_bench
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from anywhere
 
-import fused_rl
-from fused_rl import PolicyLossConfig
-from fused_rl.backends import tiled_linear
-from fused_rl.kernels import logits as K
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import fused_rl  # noqa: E402
+from fused_rl import PolicyLossConfig  # noqa: E402
+from fused_rl.backends import tiled_linear  # noqa: E402
+from fused_rl.kernels import logits as K  # noqa: E402
 
 
 def main():

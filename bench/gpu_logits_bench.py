@@ -2,16 +2,18 @@
 the CUDA C++ kernels (single pass, in place), the chunked torch backend and the eager reference.
 Needs only torch + triton (Liger-Kernel if present).
 
-Usage: python bench/gpu_logits_bench.py OUTDIR [--n 16384] [--vocab 151936] [--quick]
+Usage: python bench/gpu_logits_bench.py OUTDIR [--n 16384] [--vocab 151936] [--quick] [--ragged]
        python bench/gpu_logits_bench.py OUTDIR --cpu-dry-run   (the script's logic, N=64, V=1000, interpreter)
 
 Writes OUTDIR/logits_bench.json and OUTDIR/logits_bench.md. Times are medians of
 ``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions) of forward + backward
-(``loss.backward()``), ``logits.grad`` reset each time. Bytes (bf16, 2 B per element):
+(``loss.backward()``), ``logits.grad`` reset each time. Every token is a loss token (issue 3's case: each
+row is read); ``--ragged`` masks about a quarter (sequence lengths uniform in ``[T/2, T]``), the rows the
+fused kernels do not read. Bytes (bf16, 2 B per element), with ``R`` the loss tokens' rows and ``N`` all:
 
-* single pass: ``read N*V + write N*V`` (the gradient loop re-reads each row; from L2 if it is still
-  resident, else that is one more ``N*V`` read, reported separately as the "3-pass" bound);
-* two pass (stats forward, grad backward): ``read N*V`` + ``read N*V + write N*V``;
+* single pass: ``read R*V + write N*V`` (the gradient loop re-reads each row; from L2 if it is still
+  resident, else that is one more ``R*V`` read; masked rows get zeros written);
+* two pass (stats forward, grad backward): ``read R*V`` + ``read R*V + write N*V``;
 * peak extra memory: ``max_memory_allocated`` during one forward+backward minus the memory before it
   (the logits themselves excluded; the gradient buffer, ``N*V`` elements unless in place, included).
 """
@@ -47,12 +49,14 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def make_inputs(n_tokens, vocab, dtype, seq=1024):
+def make_inputs(n_tokens, vocab, dtype, seq=1024, ragged=False):
     batch = max(1, n_tokens // seq)
     g = torch.Generator(device=DEV).manual_seed(0)
     logits = (torch.randn(batch, seq, vocab, device=DEV, generator=g, dtype=torch.float32) * 2).to(dtype)
     targets = torch.randint(0, vocab, (batch, seq), device=DEV, generator=g)
     lengths = torch.randint(seq // 2, seq + 1, (batch,), device=DEV, generator=g)
+    if not ragged:
+        lengths.fill_(seq)
     mask = torch.arange(seq, device=DEV)[None] < lengths[:, None]
     adv = torch.randn(batch, device=DEV, generator=g)
     with torch.no_grad():
@@ -122,8 +126,9 @@ def dump(out, info, results, final=False):
         json.dump(summary, f, indent=2)
     ref_row = next((r for r in results if r["name"].startswith("reference") and "ms" in r), None)
     lines = [f"# logits-pass benchmark: {info['device']}, torch {info['torch']}, triton {info['triton']}",
-             f"N={info.get('tokens')} tokens, V={vocab}, {dtype}; measured copy bandwidth {copy_gbps:.0f} GB/s; "
-             f"one pass over the logits = {pass_bytes / 1e9:.2f} GB", "",
+             f"N={info.get('tokens')} tokens ({info.get('loss_tokens')} loss tokens, the rows read), V={vocab}, "
+             f"{dtype}; measured copy bandwidth {copy_gbps:.0f} GB/s; one pass over the logits = "
+             f"{pass_bytes / 1e9:.2f} GB", "",
              "| variant | ms | GB/s (formula bytes) | % of copy BW | peak extra GiB | vs reference |",
              "|---|---|---|---|---|---|"]
     for r in results:
@@ -152,6 +157,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=1000 if DRY else 151936)
     ap.add_argument("--quick", action="store_true", help="skip the block / grid sweep")
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on the CPU interpreter (no numbers)")
+    ap.add_argument("--ragged", action="store_true", help="mask about a quarter of the tokens (unread rows)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
@@ -177,11 +183,14 @@ def main():
     del src, dst
     torch.cuda.empty_cache()
 
-    logits, targets, adv, mask, old, ref = make_inputs(args.n, args.vocab, dtype, seq=min(1024, args.n))
+    logits, targets, adv, mask, old, ref = make_inputs(args.n, args.vocab, dtype, seq=min(1024, args.n),
+                                                       ragged=args.ragged)
     batch, seq, vocab = logits.shape
     nv = batch * seq * vocab
-    pass_bytes = nv * logits.element_size()
+    pass_bytes = nv * logits.element_size()  # a write of every row
+    read_bytes = int(mask.sum()) * vocab * logits.element_size()  # a read of the loss tokens' rows
     info["tokens"] = batch * seq
+    info["loss_tokens"] = int(mask.sum())
     info["pass_bytes"] = pass_bytes
     cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
     x = logits.clone().requires_grad_(True)
@@ -202,12 +211,12 @@ def main():
                 torch.autograd.grad(loss, logits_in)  # .backward() would copy it into the leaf's .grad)
         return step
 
-    two = dict(bytes_moved=3 * pass_bytes)
-    one = dict(bytes_moved=2 * pass_bytes)
+    two = dict(bytes_moved=2 * read_bytes + pass_bytes)
+    one = dict(bytes_moved=read_bytes + pass_bytes)
     measure("triton single-pass", step_for("triton"), x, results, **one)
     measure("triton single-pass, no entropy", step_for("triton", compute_entropy=False), x, results, **one)
     measure("triton single-pass, grad_output=2 (+ in-place scale pass)", step_for("triton", scale=2.0), x,
-            results, bytes_moved=4 * pass_bytes)
+            results, bytes_moved=read_bytes + 3 * pass_bytes)
 
     # in place: the gradient is written over the logits storage of a non-leaf (a view of a leaf, as model
     # logits are an op's output) and returned by autograd.grad; the values left there by one step are the
@@ -277,7 +286,7 @@ def main():
             fused_rl.policy_loss(logits, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
                                  backend="triton", check_inputs=False)
 
-    measure("triton forward only (no grad)", fwd_only, x, results, bytes_moved=pass_bytes)
+    measure("triton forward only (no grad)", fwd_only, x, results, bytes_moved=read_bytes)
 
     try:  # Liger-Kernel's triton_grpo_loss at equal work (it takes (B, T+1, V) logits and drops the last)
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss

@@ -7,6 +7,7 @@ floor in ``extra_info``, so ``--benchmark-json`` output holds the whole table.
 import os
 
 import pytest
+import torch
 
 from bench.cases import MODES, OPS, describe, floor_bytes, floor_flops, make_callable, make_inputs, unavailable, IMPLS
 from bench.conftest import measure_memory
@@ -16,6 +17,8 @@ from bench.measure import peak_extra_memory
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("op", OPS)
 def test_bench(benchmark, op, impl, mode, shape, device):
+    if os.environ.get("FUSED_RL_BENCH_SET") == "gpu" and device != "cuda":
+        pytest.skip("FUSED_RL_BENCH_SET=gpu needs a CUDA device (its shapes are ~10 GB of logits)")
     reason = unavailable(IMPLS[impl], op, device)
     if reason:
         pytest.skip(reason)
@@ -26,6 +29,9 @@ def test_bench(benchmark, op, impl, mode, shape, device):
     if op != "linear_policy_loss" and shape.h and os.environ.get("FUSED_RL_BENCH_SET") == "gpu":
         pytest.skip("GPU linear shape is for the linear op only")
     run = make_callable(op, impl, mode, make_inputs(op, shape, device))
+    if device == "cuda":  # time the GPU work, not its launch
+        launch = run
+        run = lambda: (launch(), torch.cuda.synchronize())  # noqa: E731
     benchmark.extra_info.update(describe(op, impl, mode, shape))
     if op == "linear_policy_loss":
         benchmark.extra_info["floor_flops"] = floor_flops(op, mode, shape)
