@@ -68,6 +68,10 @@ FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x 
 // 0 * inf = NaN for a clipped token (where the loss depends on r it is inf anyway).
 FRL_HD float frl_times_ratio(float dl_dr, float r) { return r == INFINITY ? 0.0f : dl_dr * r; }
 
+// coef * x, but 0 where coef == 0 and x is infinite (a token with no weight adds nothing, also where its term
+// overflowed: not 0 * inf = NaN); a NaN x stays NaN (loss_math.weighted).
+FRL_HD float frl_weighted(float coef, float x) { return (coef == 0.0f && fabsf(x) == INFINITY) ? 0.0f : coef * x; }
+
 FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float ent, float a, float old,
                                    float ref, float rollout, float w) {
   const float log_ratio = p.has_old ? (logp - old) : 0.0f;
@@ -75,10 +79,10 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
   float loss = 0.0f, dl_dlogp = 0.0f;
   if (p.policy == kCispo) {
     const float tw = fminf(r, 1.0f + p.clip_high);
-    loss = -tw * a * logp;
+    loss = frl_weighted(-tw * a, logp);
     dl_dlogp = -tw * a;
   } else if (p.policy == kReinforce) {
-    loss = -a * logp;
+    loss = frl_weighted(-a, logp);
     dl_dlogp = -a;
   } else if (p.policy == kSapo) {
     const float tau = a > 0.0f ? p.sapo_pos : p.sapo_neg;
@@ -91,9 +95,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     const float clipped = frl_clamp(r, lo, hi);
     // TRL's delta: u = clamp(r, max=delta) (NaN passes, the gradient passes at r == delta)
     const bool capped_u = p.has_delta && r > p.delta;
-    // -a r is 0 at a = 0 for an r overflowed to inf too (loss_math.policy_gradient_loss), not 0 * inf = NaN
-    const float ru = capped_u ? p.delta : r;
-    const float u = (a == 0.0f && ru == INFINITY) ? 0.0f : na * ru, v = na * clipped;
+    const float u = frl_weighted(na, capped_u ? p.delta : r), v = na * clipped;  // a = 0: 0 also at r = inf
     // torch.maximum(u, v): gradient to u where u > v, half to each on a tie.
     float gu, gv;
     if (u > v) { gu = 1.0f; gv = 0.0f; } else if (u < v) { gu = 0.0f; gv = 1.0f; } else { gu = 0.5f; gv = 0.5f; }
@@ -113,7 +115,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     const float c = p.rollout == kRolloutTruncate
                         ? frl_clamp(rho, p.rollout_min, p.rollout_max)
                         : ((rho >= p.rollout_min && rho <= p.rollout_max) ? rho : 0.0f);
-    loss = c == 0.0f ? 0.0f : loss * c;  // a dropped token adds 0, not 0 * inf (loss_math)
+    loss = frl_weighted(c, loss);
     dl_dlogp *= c;
   }
   if (p.kl != kKlNone) {

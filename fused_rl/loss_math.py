@@ -139,6 +139,13 @@ def bias_corrected_k3(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     return torch.where(mask, ratio * (torch.expm1(d) - d) + slope * (logp - logp.detach()), zeros)
 
 
+def weighted(coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``coef * x``, but 0 where ``coef == 0`` and ``x`` is infinite: a token with no weight (``A = 0``, a
+    dropped token) adds nothing, also where its term overflowed (an overflowed ratio, a ``-inf`` log-prob),
+    not ``0 * inf = NaN``; a NaN ``x`` (a diverged row) stays NaN. The kernels' epilogues apply the same rule."""
+    return torch.where((coef == 0) & torch.isinf(x), torch.zeros_like(x), coef * x)
+
+
 def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
                          config: PolicyLossConfig, log_ratio: Optional[torch.Tensor] = None,
                          mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -148,8 +155,7 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
         clipped = ratio.clamp(min=1.0 - config.clip_low, max=1.0 + config.clip_high)
         unclipped = ratio if config.delta is None else ratio.clamp(max=config.delta)
-        # -A r is 0 at A = 0 for an r that overflowed to inf too (a group of equal rewards), not 0 * inf = NaN
-        loss = torch.maximum(torch.where((a == 0) & torch.isinf(unclipped), 0.0, -a * unclipped), -a * clipped)
+        loss = torch.maximum(weighted(-a, unclipped), -a * clipped)  # A = 0: 0 also for an overflowed r
         if config.dual_clip is not None:
             loss = torch.where(a < 0, torch.minimum(loss, -config.dual_clip * a), loss)
         return loss
@@ -165,8 +171,8 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
                           torch.full_like(ratio, config.sapo_temperature_neg))
         return -a * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     if config.policy_loss == "cispo":
-        return -ratio.clamp(max=1.0 + config.clip_high).detach() * a * logp
-    return -a * logp  # reinforce
+        return weighted(-ratio.clamp(max=1.0 + config.clip_high).detach() * a, logp)
+    return weighted(-a, logp)  # reinforce
 
 
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
@@ -318,8 +324,8 @@ def per_token_loss(
     if rollout_is_weights is not None:
         w = torch.where(mask, rollout_is_weights.detach(), torch.ones_like(logp))
         scale = w if scale is None else scale * w
-    if scale is not None:  # a dropped token (scale 0) adds 0, also where its loss is inf (an overflowed ratio)
-        loss = torch.where(scale == 0, torch.zeros_like(loss), loss * scale)
+    if scale is not None:  # a dropped token (scale 0) adds 0, also where its loss is inf
+        loss = weighted(scale, loss)
     kl = None
     if config.kl is not None:
         if ref_logprobs is None:

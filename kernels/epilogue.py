@@ -99,6 +99,13 @@ def _times_ratio(dl_dr, ratio):
 
 
 @triton.jit
+def _weighted(coef, x):
+    """``coef * x``, 0 where ``coef == 0`` and ``x`` is infinite; NaN ``x`` stays NaN
+    (``loss_math.weighted``)."""
+    return tl.where((coef == 0.0) & (tl.abs(x) == float("inf")), 0.0, coef * x)
+
+
+@triton.jit
 def _max_grad(x, y, dx, dy):
     """``(max(x, y), d max)`` from the derivatives ``dx``, ``dy`` of ``x``, ``y``: torch's rule, half of
     each on ties."""
@@ -137,9 +144,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         else:
             unclipped = ratio
             d_unclipped = -a
-        # -A r is 0 at A = 0 for an overflowed r too (loss_math.policy_gradient_loss), not 0 * inf = NaN
-        pg_u = tl.where((a == 0.0) & (unclipped == float("inf")), zero, -a * unclipped)
-        loss, dl_dr = _max_grad(pg_u, -a * clipped, d_unclipped, d_clipped)
+        loss, dl_dr = _max_grad(_weighted(-a, unclipped), -a * clipped, d_unclipped, d_clipped)
         if HAS_DUAL:
             capped, d_capped = _min_grad(loss, -dual_clip * a, dl_dr, zero)
             neg = a < 0.0
@@ -148,10 +153,10 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         dlogp = _times_ratio(dl_dr, ratio)
     elif POLICY == 1:  # cispo
         weight = tl.minimum(ratio, 1.0 + clip_high)
-        loss = -weight * a * lp
+        loss = _weighted(-weight * a, lp)
         dlogp = -weight * a
     elif POLICY == 2:  # reinforce
-        loss = -a * lp
+        loss = _weighted(-a, lp)
         dlogp = -a
     else:  # sapo
         tau = tl.where(a > 0.0, zero + tau_pos, zero + tau_neg)
@@ -178,7 +183,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             if HAS_RIS_MAX:
                 keep = keep & (rho <= ris_max)
             w_is = tl.where(keep, rho, zero)
-        loss = tl.where(w_is == 0.0, zero, loss * w_is)  # a dropped token adds 0, not 0 * inf (loss_math)
+        loss = _weighted(w_is, loss)
         dlogp = dlogp * w_is
     kl = zero
     if KL != 0:

@@ -317,6 +317,8 @@ def test_out_of_range_targets_nan_upstream_and_overflowing_ratios(cuda_kernels):
     hardening.test_neg_inf_logits_have_p_zero_even_at_the_target("cpu", "cpu")
     for drop in ("is_weights", "token_mask"):
         hardening.test_a_dropped_token_with_an_overflowed_ratio_adds_zero("cpu", "cpu", drop)
+    for case in ("reinforce-dropped", "cispo-dropped", "reinforce-A0", "nan-row-dropped"):
+        hardening.test_weight_zero_rules_agree_on_every_backend("cpu", "cpu", case)
     for config, adv in hardening.OVERFLOW_CONFIGS:
         hardening.test_overflowing_ratio_of_a_clipped_token_has_zero_gradient("cpu", "cpu", config, adv)
 

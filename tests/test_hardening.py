@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import KL_ESTIMATORS
+from fused_rl.loss_math import per_token_loss
 from helpers import (PolicyCase, assert_close, compare_policy_loss, fused_backends, magnitude_scale, on_device,
                      supports)
 from strategies import configs, entropy_choice_is_a_tie, fit_inputs
@@ -541,6 +542,59 @@ def test_epilogue_nan_logp_triton(config, on_policy):
         assert (a[masked] == expected).all(), name
 
 
+WEIGHTED_EDGE_CONFIGS = [
+    PolicyLossConfig(), PolicyLossConfig(delta=1.5), PolicyLossConfig(policy_loss="reinforce"),
+    PolicyLossConfig(policy_loss="cispo", clip_high=0.3),
+    PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=2.0),
+    PolicyLossConfig(policy_loss="reinforce", rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=2.0),
+    PolicyLossConfig(policy_loss="cispo", rollout_is="token_truncate", rollout_is_min=0.0, rollout_is_max=2.0),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("kernel", ["native", "triton"])
+@pytest.mark.parametrize("config", WEIGHTED_EDGE_CONFIGS, ids=lambda c: f"{c.policy_loss}-{c.delta}-{c.rollout_is}")
+def test_epilogue_weighted_edge_values_match_loss_math(kernel, config):
+    """Both epilogues apply ``loss_math.weighted``'s rule: a term with weight 0 (``A = 0``, a rollout mask's 0)
+    adds 0 where it is infinite (an overflowed ratio, a ``-inf`` log-prob), a NaN log-prob stays NaN; the
+    per-token losses equal the fp64 loss math's (NaN where it is NaN), and ``dl/dlogp`` equals its gradient
+    wherever that is finite (the kernels' is NaN at a NaN log-prob, by design: test_epilogue_nan_logp_*)."""
+    lp = torch.tensor([-1.0, float("-inf"), -2.0, float("-inf"), -0.5, float("nan"), -1.5, -3.0] * 2)
+    old = lp.nan_to_num(neginf=-1.0) + torch.tensor([0.3, 0.0, -300.0, 0.0, 0.2, 0.0, -300.0, 0.1] * 2)
+    adv = torch.tensor([0.5] * 8 + [0.0] * 8)
+    rollout = old + torch.tensor([0.1, 5.0, 5.0, 0.0, 5.0, 0.0, 0.0, -0.2] * 2)  # rho e^-5: masked
+    ent = torch.ones(16)
+    use_rollout = config.rollout_is is not None
+    f64 = lambda x: x.double().view(1, -1)  # noqa: E731
+    lp64 = f64(lp).requires_grad_(True)
+    expected = per_token_loss(lp64, f64(adv), torch.ones(1, 16, dtype=torch.bool), config, old_logprobs=f64(old),
+                              entropy=f64(ent), rollout_logprobs=f64(rollout) if use_rollout else None).loss
+    expected.sum().backward()
+    expected, expected_grad = expected.view(-1).float(), lp64.grad.view(-1).float()
+    if kernel == "native":
+        from fused_rl.backends import native
+
+        if native._C is None:
+            pytest.skip(native.LOAD_ERROR)
+        outs, w = [torch.empty(16) for _ in range(3)], torch.ones(16)
+        native._C.epilogue(16, lp.data_ptr(), ent.data_ptr(), adv.data_ptr(), native._ptr(old), native._ptr(None),
+                           native._ptr(rollout if use_rollout else None), w.data_ptr(),
+                           native.epilogue_params(config), *(o.data_ptr() for o in outs))
+        loss, grad = outs[0], outs[1]
+    else:
+        if "triton" not in BACKENDS:
+            pytest.skip("triton is not available here")
+        from fused_rl.kernels.epilogue import apply_epilogue
+
+        loss, grad, *_ = apply_epilogue(lp, ent, old, None, adv, torch.ones(16, dtype=torch.bool), config,
+                                        rollout=rollout if use_rollout else None)
+    assert expected[adv == 0].nan_to_num(nan=0.0).eq(0).all() and expected[5].isnan()  # the rule, in loss_math
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+    finite = torch.isfinite(expected_grad) & ~lp.isnan()
+    assert torch.isfinite(grad[finite]).all()
+    torch.testing.assert_close(grad[finite], expected_grad[finite], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend, device", on([b for b in BACKENDS if b in ("cpu", "triton")],
                                                  [b for b in CUDA_BACKENDS if b in ("triton", "cuda")]))
 def test_out_of_range_target_with_checks_off_is_nan_not_a_stray_read(backend, device, small_triton_blocks):
@@ -665,6 +719,56 @@ def test_a_dropped_token_with_an_overflowed_ratio_adds_zero(backend, device, dro
     assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[0, 1] == 0).all()
     torch.testing.assert_close(loss, loss_finite, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", ["reinforce-dropped", "cispo-dropped", "reinforce-A0", "nan-row-dropped"])
+@pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
+def test_weight_zero_rules_agree_on_every_backend(backend, device, case):
+    """A token with weight 0 (a ``rollout_is_weights`` 0, which the kernels fold into ``A``, or ``A = 0``) and a
+    ``-inf`` target logit (``-A logp`` infinite) adds 0 on every backend, logits-level and fused-linear; a NaN
+    logits row stays a NaN loss even where its token's weight is 0 (a diverged model is loud)."""
+    g = torch.Generator().manual_seed(9)
+    B, T, V, H = 2, 3, 37, 8
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    bias = torch.zeros(V)
+    targets = torch.randint(0, V - 1, (B, T), generator=g)
+    targets[0, 1] = V - 1
+    bias[V - 1] = float("-inf")  # the target of token (0, 1) has p = 0: log p = -inf
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if case == "nan-row-dropped":
+        logits[0, 1, 3] = float("nan")
+    policy = "cispo" if case.startswith("cispo") else "reinforce"
+    config = PolicyLossConfig(policy_loss=policy, clip_high=0.3)
+    adv = torch.tensor([0.0, -0.7]) if case.endswith("A0") else torch.tensor([0.8, -0.7])
+    weights = torch.ones(B, T)
+    weights[0, 1] = 0.0
+    kw = {} if case.endswith("A0") else dict(rollout_is_weights=weights.to(device))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    old = torch.full((B, T), -2.0)
+    losses = []
+    for be, dev in ((backend, device), ("reference", "cpu")):
+        x = logits.to(dev, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets.to(dev), adv.to(dev), mask.to(dev), old_logprobs=old.to(dev),
+                                   config=config, backend=be, **kw)
+        out.loss.backward()
+        losses.append(out.loss.detach().cpu())
+        if case != "nan-row-dropped":
+            assert torch.isfinite(x.grad).all()
+    loss, expected = losses
+    if case == "nan-row-dropped":
+        assert loss.isnan() and expected.isnan()
+        return
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    h = hidden.to(device, copy=True).requires_grad_(True)
+    out = fused_rl.linear_policy_loss(h, weight.to(device), targets.to(device), adv.to(device), mask.to(device),
+                                      bias=bias.to(device), old_logprobs=old.to(device), config=config, backend=backend,
+                                      **kw)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(h.grad).all()
+    torch.testing.assert_close(out.loss.detach().cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend, device", on(BACKENDS))

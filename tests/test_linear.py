@@ -475,7 +475,7 @@ def test_fp16_gradients_survive_a_loss_scale(backend, normalizer, scale, monkeyp
         assert err < 2e-3, (name, float(err))
 
 
-@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")
+@pytest.mark.parametrize("backend", [b for b in ("reference", "torch", "cpu", "triton")
                                      if fused_rl.available_backends(torch.device("cpu"))[b] is None])
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_autocast_does_not_change_the_gradients(backend, amp):
@@ -495,7 +495,8 @@ def test_autocast_does_not_change_the_gradients(backend, amp):
                                                      return_entropy=True, backend=backend)
             (out.loss * 32768.0 + (lp * case.advantages.unsqueeze(1)).sum() + ent.sum()).backward()
         results.append([out.loss, lp, ent, h.grad, w.grad, b.grad])
-    for name, got, expected in zip(("loss", "logp", "entropy", "hidden", "weight", "bias"), *results[::-1]):
+    names = ("loss", "logp", "entropy") + (("hidden", "weight", "bias") if backend != "reference" else ())
+    for name, got, expected in zip(names, *results[::-1]):  # the reference's backward GEMMs are autocast's
         assert got.dtype == expected.dtype == torch.float32, name
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True, msg=name)
 

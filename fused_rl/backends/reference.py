@@ -46,7 +46,10 @@ def full_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     NaN there would reach ``weight.grad`` through the matmul even with a zero logits gradient)."""
     dtype = compute_dtype(hidden.dtype)
     hidden = torch.where(valid.unsqueeze(-1), hidden.to(dtype), torch.zeros((), dtype=dtype, device=hidden.device))
-    return F.linear(hidden, weight.to(dtype), None if bias is None else bias.to(dtype))
+    # full precision under the caller's autocast too (its backward GEMMs, run by autograd within the caller's
+    # autocast region, are autocast's: the fused ops compute their gradients in the forward and have none)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden, weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 class ReferenceBackend(Backend):
