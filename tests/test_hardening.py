@@ -744,14 +744,14 @@ def test_weight_zero_rules_agree_on_every_backend(backend, device, case):
     adv = torch.tensor([0.0, -0.7]) if case.endswith("A0") else torch.tensor([0.8, -0.7])
     weights = torch.ones(B, T)
     weights[0, 1] = 0.0
-    kw = {} if case.endswith("A0") else dict(rollout_is_weights=weights.to(device))
+    kw = lambda dev: {} if case.endswith("A0") else dict(rollout_is_weights=weights.to(dev))  # noqa: E731
     mask = torch.ones(B, T, dtype=torch.bool)
     old = torch.full((B, T), -2.0)
     losses = []
     for be, dev in ((backend, device), ("reference", "cpu")):
         x = logits.to(dev, copy=True).requires_grad_(True)
         out = fused_rl.policy_loss(x, targets.to(dev), adv.to(dev), mask.to(dev), old_logprobs=old.to(dev),
-                                   config=config, backend=be, **kw)
+                                   config=config, backend=be, **kw(dev))
         out.loss.backward()
         losses.append(out.loss.detach().cpu())
         if case != "nan-row-dropped":
@@ -765,7 +765,7 @@ def test_weight_zero_rules_agree_on_every_backend(backend, device, case):
     h = hidden.to(device, copy=True).requires_grad_(True)
     out = fused_rl.linear_policy_loss(h, weight.to(device), targets.to(device), adv.to(device), mask.to(device),
                                       bias=bias.to(device), old_logprobs=old.to(device), config=config, backend=backend,
-                                      **kw)
+                                      **kw(device))
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(h.grad).all()
     torch.testing.assert_close(out.loss.detach().cpu(), expected, rtol=1e-5, atol=1e-6)
