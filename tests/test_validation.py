@@ -286,6 +286,40 @@ def test_second_order_through_the_recomputing_ops_is_refused_by_name(backend):
         g.pow(2).sum().backward()
 
 
+def _functorch_calls(backend):
+    args = good()
+    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    t, a, m = args["targets"], args["advantages"], args["mask"]
+    return args["logits"], h, [
+        ("policy_loss", lambda x: fused_rl.policy_loss(x, t, a, m, backend=backend).loss, "logits"),
+        ("token_logprobs", lambda x: fused_rl.token_logprobs(x, t, backend=backend).sum(), "logits"),
+        ("linear_policy_loss", lambda x: fused_rl.linear_policy_loss(x, w, t, a, m, backend=backend).loss, "hidden"),
+        ("linear_token_logprobs", lambda x: fused_rl.linear_token_logprobs(x, w, t, backend=backend).sum(), "hidden"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["auto"] + fused_backends())
+def test_torch_func_transforms_are_refused_by_name_on_fused_backends(backend):
+    """The fused ops are custom ops with no torch.func rules: ``torch.func.grad`` / ``vmap`` raise naming
+    the reference (not torch's "must override the setup_context staticmethod")."""
+    logits, hidden, calls = _functorch_calls(backend)
+    for name, fn, arg in calls:
+        x = logits if arg == "logits" else hidden
+        with pytest.raises(RuntimeError, match="without torch.func rules.*backend='reference'"):
+            torch.func.grad(fn)(x)
+        with pytest.raises(RuntimeError, match="without torch.func rules.*backend='reference'"):
+            torch.func.vmap(fn)(x.unsqueeze(0))
+
+
+def test_torch_func_grad_runs_on_the_reference():
+    logits, hidden, calls = _functorch_calls("reference")
+    for name, fn, arg in calls:
+        x = logits if arg == "logits" else hidden
+        x_ag = x.clone().requires_grad_(True)
+        (expected,) = torch.autograd.grad(fn(x_ag), x_ag)
+        torch.testing.assert_close(torch.func.grad(fn)(x), expected, msg=name)
+
+
 # --------------------------------------------------------------------------------- bad-input fuzz
 _B, _T, _V, _H = 2, 3, 11, 4  # good()'s shape, and a hidden size
 

@@ -55,12 +55,21 @@ for _name in ("triton", "cpu", "cuda"):
         register_missing(_name, f"backend {_name!r} is not built into this installation")
 
 
+def _in_functorch_transform() -> bool:
+    """Whether this call runs inside a ``torch.func`` transform (``grad``, ``vmap``, ...); never asked while
+    ``torch.compile`` traces (where the custom ops are opaque calls)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = None,
                 linear: bool = False) -> Backend:
     """The backend to use for tensors on ``device`` (and of ``dtype``); ``linear`` asks for one that
     implements the fused-linear operations."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name != "reference" and _in_functorch_transform():
+        raise RuntimeError("the fused backends are torch.library custom ops without torch.func rules: inside "
+                           "torch.func.grad, vmap, jacrev and the other torch.func transforms use backend='reference'")
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("torch",)):
             be = _REGISTRY.get(candidate)
