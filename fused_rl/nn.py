@@ -93,6 +93,9 @@ def grpo_policy_loss_config(
                   rollout_is_max=vllm_importance_sampling_clip_max)
     if delta is not None and loss_type in ("cispo", "sapo"):
         raise ValueError(f"delta (two-sided clipping) applies to the clipped losses, not loss_type={loss_type!r}")
+    if delta is not None and delta <= 1.0 + epsilon_high:
+        raise NotImplementedError(f"delta={delta!r} <= 1 + epsilon_high={1.0 + epsilon_high!r}: fused_rl's two-sided "
+                                  "clip needs delta above the clip range (TRL accepts it)")
     if loss_type == "sapo":
         if importance_sampling_level == "sequence":
             raise NotImplementedError("loss_type='sapo' with importance_sampling_level='sequence' is not supported "
@@ -309,14 +312,16 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         normalizer = None
         if self.loss_type in NUM_ITEMS_LOSS_TYPES:
             world = _world_size()
-            if num_items_in_batch is not None:
-                n = torch.as_tensor(num_items_in_batch, device=_input.device, dtype=torch.float32)
+            if isinstance(num_items_in_batch, torch.Tensor):
+                n = num_items_in_batch.to(device=_input.device, dtype=torch.float32)
+            elif num_items_in_batch is not None:  # a Python number stays one: under torch.compile a tensor made
+                n = float(num_items_in_batch)      # from it would be a constant of the graph, one graph per value
             else:
                 n = mask.sum().to(torch.float32)
                 if world > 1:
                     n = n.clone()
                     torch.distributed.all_reduce(n)
-            normalizer = (n / world).clamp(min=1.0)
+            normalizer = max(n / world, 1.0) if isinstance(n, float) else (n / world).clamp(min=1.0)
         out = linear_policy_loss(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,
                                  old_logprobs=old_per_token_logps, ref_logprobs=ref, config=config,
                                  rollout_is_weights=vllm_is_ratio, token_normalizer=normalizer, backend=self.backend,

@@ -99,6 +99,7 @@ def test_grpo_policy_loss_config_mapping():
     (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), NotImplementedError,
      "sequence"),
     (dict(loss_type="cispo", epsilon_high=0.2), ValueError, "epsilon_high"),
+    (dict(loss_type="grpo", epsilon_high=0.28, delta=1.2), NotImplementedError, r"delta=1.2 <= 1 \+ epsilon_high"),
     (dict(loss_type="dr_grpo"), ValueError, "max_completion_length"),
     (dict(loss_type="grpo", importance_sampling_level="token-ish"), ValueError, "importance_sampling_level"),
 ])
@@ -284,3 +285,21 @@ def test_frozen_weight_without_bias():
     got = FusedLinearPolicyLoss()(leaves, w, targets, adv, mask, old_logprobs=old)
     got.loss.backward()
     assert_close(leaves.grad, expected_h.grad, torch.float32, "dhidden", grad=True)
+
+
+def test_python_number_num_items_equals_the_tensor_and_compiles_one_graph():
+    """TRL and Liger pass ``num_items_in_batch`` as a tensor or a Python number: the same loss either way, and a
+    Python number is not made a constant of the compiled graph (a recompile per value, eager after 8)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=4, length=5, seed=0)
+    module = FusedLinearGRPOLoss(loss_type="dapo", beta=0.0)
+    as_tensor = module(h, w, targets, mask, adv, bias=b, num_items_in_batch=torch.tensor(37.0))[0]
+    assert_close(module(h, w, targets, mask, adv, bias=b, num_items_in_batch=37)[0], as_tensor, torch.float32, "loss")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(module, fullgraph=True, backend=counter)
+    for n in (37, 41, 43, 47, 53):
+        expected = module(h, w, targets, mask, adv, bias=b, num_items_in_batch=n)[0]
+        assert_close(compiled(h, w, targets, mask, adv, bias=b, num_items_in_batch=n)[0], expected, torch.float32,
+                     "loss")
+    assert counter.frame_count <= 2  # the first value, then one graph for every other

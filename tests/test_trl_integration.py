@@ -303,3 +303,47 @@ def test_top_entropy_threshold_over_processes_matches_stock(model_dir, tmp_path,
     assert len(fused_calls) == 6
     assert_same_training(stock, fused)
     assert any(not math.isclose(a["loss"], b["loss"], rel_tol=1e-6) for a, b in zip(stock[0], alone[0]))
+
+
+def test_old_logprobs_are_the_loss_head_s_under_bf16_autocast(model_dir, tmp_path, monkeypatch):
+    """GRPOConfig's default ``bf16=True`` (fp32 weights, bf16 autocast): TRL's own head rounds the logits to bf16,
+    so its old log-probs against fused_rl's fp32-head current ones gave an on-policy step ratios off 1 by ~4e-4
+    (here) and clipped a sequence in four at GSPO's 3e-4 / 4e-4. The adapter computes TRL's log-prob passes with
+    the loss's head: ratio 1 to fp32 rounding, nothing clipped, and the old log-probs within bf16 noise of TRL's."""
+    import fused_rl.integrations.trl as integration
+
+    trainer = FusedGRPOTrainer(**_trainer(model_dir, tmp_path, bf16=True, importance_sampling_level="sequence",
+                                          epsilon=3e-4, epsilon_high=4e-4), fused_backend=LINEAR_BACKEND)
+    trainer.current_gradient_accumulation_steps = 1
+    g = torch.Generator().manual_seed(0)
+    batch, prompt_len, completion_len = 4, 3, 6
+    completion_mask = (torch.arange(completion_len)[None] < torch.tensor([[6], [2], [4], [1]])).long()
+    inputs = dict(prompt_ids=torch.randint(3, 30, (batch, prompt_len), generator=g),
+                  prompt_mask=torch.ones(batch, prompt_len, dtype=torch.long), completion_mask=completion_mask,
+                  completion_ids=torch.randint(3, 30, (batch, completion_len), generator=g) * completion_mask,
+                  advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]), num_items_in_batch=completion_mask.sum().float())
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], completion_mask], 1)
+    model = trainer.model
+    with torch.no_grad():
+        old, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, completion_len)
+        logprob_pass = model._fused_rl_logprob_pass
+        del model._fused_rl_logprob_pass  # TRL's own head, for comparison
+        trl_old, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, completion_len)
+        model._fused_rl_logprob_pass = logprob_pass
+    on = completion_mask.bool()
+    assert (old - trl_old)[on].abs().max() < 1e-2  # the same quantity, TRL's rounded to bf16 logits
+    assert (old - trl_old)[on].abs().max() > 1e-5  # ... which this test needs to be meaningful
+    captured = []
+    original = integration.linear_policy_loss
+
+    def capture(*args, **kwargs):
+        captured.append(original(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(integration, "linear_policy_loss", capture)
+    model.train()
+    trainer._compute_loss(model, dict(inputs, old_per_token_logps=old))
+    assert (captured[0].logprobs - old)[on].abs().max() < 1e-5
+    metrics = trainer._metrics["train"]
+    assert metrics["clip_ratio/region_mean"][-1] == 0.0 and metrics["clip_ratio/high_max"][-1] == 0.0

@@ -10,8 +10,10 @@ predict the completion tokens (``hidden[:, P-1 : P-1+C]`` for a prompt block of 
 completion block of ``C`` columns, TRL's ``logits_to_keep = C`` and shift by one) and calls
 ``linear_policy_loss(hidden, lm_head.weight, completion_ids, advantages, mask, bias=lm_head.bias, ...)``
 at ``temperature = args.temperature``: no ``(B, T, V)`` logits are formed by fused backends.
-Generation, the old-policy and reference log-probs (computed by TRL under ``no_grad`` and passed in
-``inputs``) are TRL's own.
+Generation is TRL's own. TRL's no-grad log-prob passes (old policy, reference model) keep TRL's code but call
+the model's ``fused_lm_head``, which the adapter answers with :func:`fused_rl.linear_token_logprobs` on the
+loss's operands: TRL's own head rounds the logits to bf16 under its default ``bf16=True`` (or for a bf16 model),
+so its old log-probs against the loss's fp32-accumulated ones would put an on-policy ratio ~1e-3 off 1.
 
 Loss semantics are TRL's (see :func:`fused_rl.nn.grpo_policy_loss_config` for the mapping):
 ``grpo``, ``bnpo``, ``dr_grpo`` divide the loss by ``current_gradient_accumulation_steps`` in training;
@@ -46,7 +48,7 @@ import torch
 
 from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator
 from ..nn import NUM_ITEMS_LOSS_TYPES, grpo_policy_loss_config
-from ..ops import linear_policy_loss
+from ..ops import linear_policy_loss, linear_token_logprobs
 from ..validation import binary_mask
 from .hf_models import plain_lm_head_problems
 
@@ -98,13 +100,17 @@ def _base_model(model):
     return model.get_base_model() if _is_peft_model(model) else model
 
 
-def _add_fused_head_forward(model) -> None:
+def _add_fused_head_forward(model, logprob_pass=None) -> None:
     """Wrap ``model.forward``: called with ``fused_rl_head=fn`` it runs only the body (through
-    ``model.base_model``, as TRL's own fused head does) and returns ``fn(last_hidden_state, lm_head)``;
-    otherwise it is the previous forward, so generation and TRL's log-prob passes are unchanged.
+    ``model.base_model``, as TRL's own fused head does) and returns ``fn(last_hidden_state, lm_head)``; called
+    by TRL's log-prob passes (``fused_lm_head=True, labels=...``, the old-policy and reference log-probs) it
+    returns ``logprob_pass(last_hidden_state, lm_head, labels)`` (when given; MoE router logits and pre-shifted
+    labels stay with TRL's head); otherwise it is the previous forward, so generation is unchanged.
 
     The loss is computed inside the model's forward (not after it) so that wrappers which only see
     parameters used in the forward (DDP ``find_unused_parameters``, FSDP unsharding) see the ``lm_head``."""
+    if logprob_pass is not None:
+        model._fused_rl_logprob_pass = logprob_pass
     if getattr(model, "_fused_rl_head_forward", False):
         return
     previous = model.forward
@@ -116,14 +122,59 @@ def _add_fused_head_forward(model) -> None:
     @functools.wraps(type(model).forward)
     def forward(self, *args, **kwargs):
         head = kwargs.pop(FUSED_HEAD_KWARG, None)
-        if head is None:
+        logprobs = getattr(self, "_fused_rl_logprob_pass", None)
+        trl_pass = (head is None and logprobs is not None and kwargs.get("fused_lm_head")
+                    and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None
+                    and not kwargs.get("output_router_logits"))
+        if head is None and not trl_pass:
             return previous(*args, **kwargs)
+        labels = None
+        if trl_pass:
+            kwargs.pop("fused_lm_head")
+            labels = kwargs.pop("labels")
+            kwargs.pop("num_items_in_batch", None)
         kwargs["use_cache"] = False
         hidden = getattr(self, backbone_attr)(*args, **kwargs).last_hidden_state
+        if trl_pass:
+            return logprobs(hidden, self.get_output_embeddings(), labels)
         return head(hidden, self.get_output_embeddings())
 
     model.forward = types.MethodType(forward, model)
     model._fused_rl_head_forward = True
+
+
+def _head_operands(trainer: GRPOTrainer, hidden: torch.Tensor, lm_head: torch.nn.Module):
+    """``(hidden, weight, bias)`` of the LM head as every fused pass of the adapter uses them (the loss and the
+    log-prob passes alike, so an on-policy ratio is 1 to fp32 rounding): FSDP2's sharded head gathered, ``hidden``
+    on its device, in fp32 with ``cast_lm_head_to_fp32``, and in the weight's dtype."""
+    weight, bias = _full_tensor(lm_head.weight), _full_tensor(lm_head.bias)
+    hidden = hidden.to(weight.device)
+    if trainer.args.cast_lm_head_to_fp32:
+        hidden = hidden.float()
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    return hidden, weight, bias
+
+
+def _trl_logprob_pass(trainer: GRPOTrainer, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor):
+    """What TRL's fused head returns for ``fused_lm_head=True`` (``log_probs`` and ``entropy`` of every next-token
+    label, ``(B, L - 1)``, zero where the label is -100), computed by :func:`fused_rl.linear_token_logprobs` at
+    ``trainer.temperature`` with the loss's operands (:func:`_head_operands`), autocast off: TRL's head rounds the
+    logits to the autocast / model dtype (bf16: ~``|z| 2^-9``), so its old log-probs against fused_rl's current ones
+    would give an on-policy ratio off 1 by that noise (spurious clipping at GSPO's 3e-4)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    labels = labels[:, 1:].to(lm_head.weight.device)
+    valid = labels != -100  # only the scored positions, gathered as TRL's head gathers them
+    h, weight, bias = _head_operands(trainer, hidden[:, :-1][valid].unsqueeze(0), lm_head)
+    with torch.autocast(h.device.type, enabled=False):
+        logp, entropy = linear_token_logprobs(h, weight, labels[valid].unsqueeze(0), bias=bias,
+                                              temperature=trainer.temperature, return_entropy=True,
+                                              backend=trainer._fused_rl_backend)
+    log_probs = logp.new_zeros(valid.shape).masked_scatter(valid, logp[0])
+    return FusedCausalLMOutput(loss=-log_probs.sum() / valid.sum().clamp(min=1), log_probs=log_probs,
+                               entropy=entropy.new_zeros(valid.shape).masked_scatter(valid, entropy[0]),
+                               label_mask=valid)
 
 
 def _install(trainer: GRPOTrainer, backend: str) -> None:
@@ -145,7 +196,10 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
         vllm_importance_sampling_mode=trainer.vllm_importance_sampling_mode if _vllm_is(trainer) else None,
         vllm_importance_sampling_clip_min=getattr(trainer, "vllm_importance_sampling_clip_min", None),
         vllm_importance_sampling_clip_max=getattr(trainer, "vllm_importance_sampling_clip_max", 3.0))
-    _add_fused_head_forward(_base_model(trainer.model))
+    logprob_pass = functools.partial(_trl_logprob_pass, trainer)
+    _add_fused_head_forward(_base_model(trainer.model), logprob_pass)
+    if trainer.ref_model is not None:
+        _add_fused_head_forward(trainer.accelerator.unwrap_model(trainer.ref_model), logprob_pass)
 
 
 def patch_grpo_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
@@ -214,12 +268,7 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
         # before the last (P-1 .. P+C-2), taken from the end as TRL's logits_to_keep does, so positions a model
         # prepends (PEFT prompt tuning's virtual tokens) do not shift them
         hidden = hidden[:, hidden.shape[1] - completion_len - 1: hidden.shape[1] - 1]
-        weight, bias = _full_tensor(lm_head.weight), _full_tensor(lm_head.bias)
-        hidden = hidden.to(weight.device)
-        if self.args.cast_lm_head_to_fp32:
-            hidden = hidden.float()
-        if hidden.dtype != weight.dtype:
-            hidden = hidden.to(weight.dtype)
+        hidden, weight, bias = _head_operands(self, hidden, lm_head)
         across = (entropy_quantile_across(functools.partial(_gather_entropies, self))
                   if config.top_entropy_quantile < 1.0 else contextlib.nullcontext())
         with torch.autocast(hidden.device.type, enabled=False), across:
