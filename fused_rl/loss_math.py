@@ -121,23 +121,27 @@ def importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
     return ratio_exp(log_importance_ratio(logp, old, mask, config))
 
 
-def bias_corrected_k3(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                       config: PolicyLossConfig) -> torch.Tensor:
-    """``r_t k3_t`` (DeepSeek-V3.2's bias-corrected KL), ``k3 = exp(d) - d - 1``, ``d = ref - logp``, for a
-    token-level ratio (``d r / d logp = r``: every policy loss but gspo and gmpo), with its exact slope
-    ``d (r k3) / d logp = -r d``.
+    """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for a token-level ratio (``d r / d logp = r``: every
+    policy loss but gspo and gmpo) and ``config.kl`` k3 or a straight-through ``"X+"``, with its exact slope
+    ``d (r kl) / d logp = r (kl + K')``, ``K'`` the slope ``kl`` carries, ``d = ref - logp``: k3
+    (``K' = -expm1(d)``): ``-r d``; ``"X+"`` (``K' = -d``, k2's): ``r (X - d)``.
 
-    Autograd of the product would give ``r k3 - r expm1(d)``, two terms of size ``r exp(d)`` that cancel
-    (in fp32: -32 for the exact -20 at ``d = 20``). So the product is formed with ``logp`` detached (its
-    gradients for ``ref`` and ``old`` have no such cancellation) and the slope enters as
-    ``sg(-r d) (logp - sg(logp))``, which is 0 in value. 0 where masked.
+    Autograd of the product would add ``r kl`` and ``r K'`` as two terms that cancel: k3's ``r expm1(d)``
+    (in fp32: -32 for the exact -20 at ``d = 20``), ``"abs+"``'s ``r |d|`` against ``-r d`` (the exact 0 at
+    ``d > 0`` came out ``ulp(r |d|)``: 3.2 relative error of a gradient at ``r = e^20``). So the product is
+    formed with ``logp`` detached (its gradients for ``ref`` and ``old`` have no such cancellation) and the
+    slope enters as ``sg(slope) (logp - sg(logp))``, which is 0 in value. 0 where masked.
     """
     zeros = torch.zeros_like(logp)
     sg_logp = torch.where(mask, logp, zeros).detach()
-    d = torch.where(mask, ref, zeros) - sg_logp
+    safe_ref = torch.where(mask, ref, zeros)
+    d = safe_ref - sg_logp
     ratio = torch.exp(log_importance_ratio(logp.detach(), old, mask, config))
-    slope = (-ratio * d).detach()
-    return torch.where(mask, ratio * (torch.expm1(d) - d) + slope * (logp - logp.detach()), zeros)
+    kl = kl_estimator(sg_logp, safe_ref, config.kl)
+    slope = (ratio * (kl.detach() - d) if config.kl.endswith("+") else -ratio * d).detach()
+    return torch.where(mask, ratio * kl + slope * (logp - logp.detach()), zeros)
 
 
 def weighted(coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -333,8 +337,9 @@ def per_token_loss(
             raise ValueError(f"config.kl={config.kl!r} needs ref_logprobs")
         safe_ref = torch.where(mask, ref_logprobs, zeros)
         kl = torch.where(mask, kl_estimator(safe_logp, safe_ref, config.kl), zeros)
-        if config.kl_bias_correction and config.kl == "k3" and config.policy_loss not in ("gspo", "gmpo"):
-            kl = bias_corrected_k3(logp, safe_ref, old, mask, config)
+        if config.kl_bias_correction and (config.kl == "k3" or config.kl.endswith("+")) \
+                and config.policy_loss not in ("gspo", "gmpo"):
+            kl = bias_corrected_kl(logp, safe_ref, old, mask, config)
         elif config.kl_bias_correction:
             kl = kl * ratio
         if config.beta != 0.0:
