@@ -16,6 +16,8 @@ import numbers
 
 import torch
 
+from .validation import binary_mask
+
 
 def _groups(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -39,13 +41,16 @@ def _float_groups(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
 
 
 def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages ``(R_i - mean) / (std_pop + eps)`` per group (``scale=False``: ``R_i - mean``).
+    """GRPO advantages ``(R_i - mean) / (std_pop + eps)`` per group (``scale=False``: ``R_i - mean``);
+    needs ``group_size >= 2``.
 
     ``[1, 0, 0, 0] -> [sqrt(3), -1/sqrt(3), -1/sqrt(3), -1/sqrt(3)]``; equal rewards -> zeros.
     """
     if not eps > 0:  # the stabilizer: a group of equal rewards gets 0 / eps = 0, not 0 / 0
         raise ValueError(f"eps must be > 0, got {eps!r}")
     r = _float_groups(rewards, group_size, "rewards")
+    if group_size < 2:  # a one-sample group is its own baseline: every advantage would be 0, silently
+        raise ValueError(f"grpo needs group_size >= 2 (samples of one prompt), got {group_size!r}")
     # In fp64, about the group's first reward: a group of equal rewards is then exactly 0 before the
     # division (in fp32 the mean of eight 1/3 is 1 ulp off, std ~1e-8, and / (std + eps) made that 0.03).
     x = r.double()
@@ -102,7 +107,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
                          f"{tuple(mask.shape)} must have one shape")
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gamma and lam must be in [0, 1], got {gamma!r}, {lam!r}")
-    m = mask.bool()
+    m = binary_mask(mask, "mask")
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
     r = torch.where(m, rewards.to(dtype), 0.0)
     v = torch.where(m, values.detach().to(dtype), 0.0)

@@ -72,8 +72,9 @@ class PolicyLossConfig:
       ``rho = exp(old - rollout)`` (``old = sg(logp)`` on-policy) of the training policy against the
       inference engine, per token (``token_*``) or per sequence (``sequence_*``: ``exp(sum_t m (old -
       rollout))``); ``*_truncate``: ``c *= clamp(rho, rollout_is_min, rollout_is_max)``; ``*_mask``:
-      ``c *= rho 1[rollout_is_min <= rho <= rollout_is_max]`` (a ``None`` bound is no bound). TRL's
-      ``vllm_importance_sampling_*``, verl's ``rollout_correction``.
+      ``c *= rho 1[rollout_is_min <= rho <= rollout_is_max]`` (a ``None`` bound is no bound; defaults ``None``
+      and 2.0, verl's ``rollout_is_threshold``; TRL's ``vllm_importance_sampling_clip_max`` defaults to 3.0).
+      TRL's ``vllm_importance_sampling_*``, verl's ``rollout_correction``.
     * ``off_policy_mask=delta``: DeepSeek-V3.2's off-policy sequence mask: ``c *= 0`` on sequences with
       ``A < 0`` whose mean ``sum_t m (q - sg(logp)) / sum_t m`` exceeds ``delta``, ``q`` the rollout
       log-probs if given, else ``old`` (TRL's ``off_policy_mask_threshold``).

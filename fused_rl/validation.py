@@ -22,6 +22,9 @@ from .loss_math import Normalizer
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: ``old`` / ``ref`` / ``rollout`` log-probs above this raise: no rounding of a ``log_softmax`` (even one
+#: taken in bf16 at logits ~30, ulp 0.125) gets there, a negative log-likelihood passed for a log-prob does.
+LOGPROB_SLACK = 0.5
 
 
 def _fail(msg: str) -> None:
@@ -103,9 +106,13 @@ def binary_mask(mask: torch.Tensor, name: str, check: bool = True) -> torch.Tens
     if mask.dtype == torch.bool:
         return mask
     if check and not _is_compiling():
-        run_value_checks([(f"{name} must contain only 0 and 1 (fused_rl does not weight tokens)",
-                           ((mask == 0) | (mask == 1)).all())])
+        run_value_checks([binary_mask_check(mask, name)])
     return mask != 0
+
+
+def binary_mask_check(mask: torch.Tensor, name: str) -> tuple[str, torch.Tensor]:
+    """:func:`binary_mask`'s value check, for a caller that batches it into its own :func:`run_value_checks`."""
+    return (f"{name} must contain only 0 and 1 (fused_rl does not weight tokens)", ((mask == 0) | (mask == 1)).all())
 
 
 def check_temperature(temperature) -> None:
@@ -155,13 +162,13 @@ class PolicyInputs:
 
 
 def _check_per_token(x: Optional[torch.Tensor], name: str, shape: tuple, device: torch.device,
-                     allow_seq: bool = False) -> None:
+                     allow_seq: bool = False, device_owner: str = "logits are") -> None:
     if x is None:
         return
     if not isinstance(x, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.device != device:
-        _fail(f"{name} is on {x.device} but logits are on {device}")
+        _fail(f"{name} is on {x.device} but {device_owner} on {device}")
     ok_shapes = [shape, shape[:1]] if allow_seq else [shape]
     if tuple(x.shape) not in ok_shapes:
         want = " or ".join(str(s) for s in ok_shapes)
@@ -257,6 +264,9 @@ def prepare_policy_inputs(
         for x, name in per_token:
             if x is not None:
                 checks.append((f"{name} contain NaN or inf where mask is set", (torch.isfinite(x) | ~valid).all()))
+                checks.append((f"{name} must be log-probabilities (<= 0) where mask is set, got values above "
+                               f"{LOGPROB_SLACK} (a negative log-likelihood, -log p?)",
+                               ~((x > LOGPROB_SLACK) & valid).any()))
         if rollout_is_weights is not None:
             w_where = valid if rollout_is_weights.dim() == 2 else valid.any(dim=1)
             checks.append(("rollout_is_weights must be finite and >= 0 where mask is set",

@@ -87,8 +87,9 @@ def make_case(batch: int = 4, length: int = 6, vocab: int = 1000, *, kind: str =
     advantages = torch.randn(adv_shape, generator=g)
     with torch.no_grad():
         lp = fused_rl.reference.token_logprobs(logits, targets, check_inputs=False)
-    old = lp + spread * torch.randn(lp.shape, generator=g) if off_policy else None
-    ref = lp + spread * torch.randn(lp.shape, generator=g) if with_ref else None
+    # noisy log-probs stay log-probs (<= 0: the loss refuses values above validation.LOGPROB_SLACK)
+    old = (lp + spread * torch.randn(lp.shape, generator=g)).clamp(max=0.0) if off_policy else None
+    ref = (lp + spread * torch.randn(lp.shape, generator=g)).clamp(max=0.0) if with_ref else None
     return PolicyCase(logits, targets, advantages, mask, old, ref)
 
 

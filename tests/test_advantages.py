@@ -26,9 +26,10 @@ def test_grpo_equal_rewards_give_zero_not_huge(value):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_grpo_equal_rewards_are_exactly_zero_whatever_the_rounding_of_the_mean(dtype):
     """fp32 means of k/d rewards are often 1 ulp off: std ~1e-8 and / (std + eps) once gave 0.03 to 1."""
-    for group_size, k, d in itertools.product(range(1, 17), range(1, 13), range(1, 13)):
+    for group_size, k, d in itertools.product(range(2, 17), range(1, 13), range(1, 13)):
         r = torch.full((2 * group_size,), k / d, dtype=dtype)
-        assert torch.equal(advantages.grpo(r, group_size), torch.zeros_like(r, dtype=advantages.grpo(r, 1).dtype))
+        a = advantages.grpo(r, group_size)
+        assert torch.equal(a, torch.zeros_like(a))
     assert torch.equal(advantages.grpo(torch.full((3,), 1e6 + 0.1), 3), torch.zeros(3))
 
 
@@ -147,3 +148,15 @@ def test_gae_hand_computed():
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_one_sample_groups_are_refused():
+    """A group of one is its own baseline: every grpo advantage would be 0 (no signal, no error)."""
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        advantages.grpo(torch.tensor([1.0, 0.0]), 1)
+
+
+def test_gae_refuses_a_weighted_mask():
+    rewards = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="mask must contain only 0 and 1"):
+        advantages.gae(rewards, rewards, torch.tensor([[1.0, 0.5, 0.0]]))

@@ -65,13 +65,14 @@ def cases(draw, dtype):
     # not 0: with a zero clip bound, r = 1 +- 1 ulp would put a token on either side of it depending on how
     # a backend rounds its log-probs (the reference's vs the CPU-built old ones; found on the CPU too)
     spread = draw(st.sampled_from([0.01, 0.3, 2.0]))
-    old = (lp + spread * torch.randn(B, T, generator=g)) if draw(st.booleans()) else None
-    ref = lp + spread * torch.randn(B, T, generator=g)
+    noisy = lambda: (lp + spread * torch.randn(B, T, generator=g)).clamp(max=0.0)  # still log-probs
+    old = noisy() if draw(st.booleans()) else None
+    ref = noisy()
     if old is not None:
         old = torch.where(mask, old, torch.zeros_like(old))
     ref = torch.where(mask, ref, torch.zeros_like(ref))
     finite = lambda x: torch.where(torch.isfinite(x), x, 0.0)
-    rollout = torch.where(mask, lp + spread * torch.randn(B, T, generator=g), torch.zeros_like(lp))
+    rollout = torch.where(mask, noisy(), torch.zeros_like(lp))
     return PolicyCase(logits, targets, adv, mask, old, finite(ref), rollout=finite(rollout),
                       truncated=torch.rand(B, generator=g) < 0.3)
 

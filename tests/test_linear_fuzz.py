@@ -70,7 +70,7 @@ def _fits(config: PolicyLossConfig, case: LinearCase) -> LinearCase:
                                                       case.targets, bias=bias, temperature=config.temperature,
                                                       check_inputs=False)
     lp = torch.where(case.mask, lp, torch.zeros_like(lp))
-    shift = lambda noise: None if noise is None else lp + noise
+    shift = lambda noise: None if noise is None else (lp + noise).clamp(max=0.0)  # still log-probs
     return fit_inputs(config, dataclasses.replace(case, old=shift(case.old), ref=shift(case.ref),
                                                   rollout=shift(case.rollout)))
 

@@ -41,6 +41,10 @@ CASES = [
     (dict(mask=torch.full((2, 3), 2.0)), "mask must contain only 0 and 1"),
     (dict(mask=None), "mask is required"),
     (dict(old_logprobs=torch.full((2, 3), float("nan"))), "old_logprobs contain NaN"),
+    # a negative log-likelihood (-log p, e.g. a per-token cross-entropy) passed for the log-probs
+    (dict(old_logprobs=torch.full((2, 3), 0.7)), r"old_logprobs must be log-probabilities \(<= 0\)"),
+    (dict(ref_logprobs=torch.full((2, 3), 2.3), config=PolicyLossConfig(kl="k3", beta=0.1)),
+     r"ref_logprobs must be log-probabilities \(<= 0\).*negative log-likelihood"),
     (dict(ref_logprobs=torch.ones(2, 2), config=PolicyLossConfig(kl="k3", beta=0.1)), "ref_logprobs must have shape"),
     (dict(config=PolicyLossConfig(kl="k3", beta=0.1)), "needs ref_logprobs"),
     (dict(token_normalizer=0), "token_normalizer must be a positive"),
@@ -436,3 +440,20 @@ def test_bad_input_fuzz_raises_value_errors_only(backend):
             pass
 
     check()
+
+
+def test_logprob_sign_check_reads_only_valid_tokens_and_tolerates_rounding():
+    """Padding may hold anything; a log-prob a little above 0 (rounding, up to ``LOGPROB_SLACK``) passes; a NaN
+    is reported once, as NaN."""
+    from fused_rl.validation import LOGPROB_SLACK
+
+    old = torch.full((2, 3), -0.1)
+    old[0, 0] = LOGPROB_SLACK
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    old[1, 2] = 40.0
+    assert torch.isfinite(call("reference", old_logprobs=old, mask=mask).loss)
+    old[0, 1] = float("nan")
+    with pytest.raises(ValueError, match="old_logprobs contain NaN") as info:
+        call("reference", old_logprobs=old, mask=mask)
+    assert "log-probabilities" not in str(info.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -240,3 +241,105 @@ def test_weighted_response_mask_raises():
     raises instead of being rounded to 1."""
     with pytest.raises(ValueError, match="response_mask must contain only 0 and 1"):
         compute_policy_loss(OLD, _log_prob(), ADV, MASK * 0.5, "token-mean", CONFIG)
+
+
+def _bad(name, value):
+    """compute_policy_loss's tensor arguments (the hand-value batch) with ``name`` replaced by ``value``."""
+    args = dict(old_log_prob=OLD, log_prob=_log_prob(), advantages=ADV, response_mask=MASK)
+    args[name] = value
+    return args
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("name, value, needle", [
+    ("log_prob", OLD[0], "log_prob must be a floating (B, T)"),
+    ("log_prob", OLD.long(), "log_prob must be a floating (B, T)"),
+    ("old_log_prob", OLD[:, :2], "old_log_prob must have shape (2, 3)"),
+    ("old_log_prob", OLD.long(), "old_log_prob must be a floating tensor"),
+    ("old_log_prob", None, "old_log_prob is required"),
+    ("old_log_prob", OLD.index_put((torch.tensor(0), torch.tensor(1)), torch.tensor(NAN, dtype=torch.float64)),
+     "old_log_prob contains NaN or inf"),
+    ("old_log_prob", -OLD, "old_log_prob must be log-probabilities"),  # a negative log-likelihood
+    ("advantages", ADV[:, :2], "advantages must have shape (2, 3) or (2,)"),
+    ("advantages", ADV[:, 0].reshape(2, 1), "advantages must have shape (2, 3) or (2,)"),
+    ("advantages", ADV.long(), "advantages must be a floating tensor"),
+    ("advantages", ADV.index_put((torch.tensor(1), torch.tensor(0)), torch.tensor(NAN, dtype=torch.float64)),
+     "advantages contain NaN or inf"),
+    ("advantages", torch.tensor([1.0, math.inf], dtype=torch.float64), "advantages contain NaN or inf"),
+    ("response_mask", MASK[:1], "response_mask must have shape (2, 3)"),
+    ("response_mask", MASK * 2, "response_mask must contain only 0 and 1"),
+    ("rollout_is_weights", torch.ones(3, 2, dtype=torch.float64), "rollout_is_weights must have shape (2, 3)"),
+    ("rollout_is_weights", -torch.ones(2, 3, dtype=torch.float64), "rollout_is_weights must be finite and >= 0"),
+    ("rollout_is_weights", torch.full((2, 3), NAN, dtype=torch.float64), "rollout_is_weights must be finite"),
+])
+def test_bad_inputs_raise_naming_the_argument(name, value, needle):
+    """Every verl argument is checked (shape, dtype, and finite / log-prob / 0-1 / >= 0 values where
+    response_mask is set), the ValueError naming it as verl does; the fused entry point checks the same."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        compute_policy_loss(**_bad(name, value), loss_agg_mode="token-mean", config=CONFIG)
+    if name == "log_prob":
+        return
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 3, 8, dtype=torch.float64, generator=g), torch.randn(50, 8, dtype=torch.float64)
+    args = dict(_bad(name, value), hidden=hidden, weight=weight, responses=torch.randint(0, 50, (2, 3), generator=g))
+    del args["log_prob"]
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        compute_policy_loss_from_hidden(**args, loss_agg_mode="token-mean", config=CONFIG)
+
+
+def test_device_mismatch_names_log_prob():
+    with pytest.raises(ValueError, match="advantages is on meta but log_prob is on cpu"):
+        compute_policy_loss(OLD, _log_prob(), ADV.to("meta"), MASK)
+
+
+@pytest.mark.parametrize("responses, needle", [
+    (torch.zeros(2, 3), "responses must be an int32 or int64 tensor"),
+    (None, "responses must be an int32 or int64 tensor"),
+    (torch.zeros(2, 2, dtype=torch.long), "responses must have shape (2, 3)"),
+    (torch.zeros(2, 3, dtype=torch.long).to("meta"), "responses is on meta but hidden is on cpu"),
+])
+def test_from_hidden_bad_responses(responses, needle):
+    hidden, weight = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        compute_policy_loss_from_hidden(hidden, weight, responses, OLD, ADV, MASK)
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "geo_mean", "gpg"])
+def test_per_sequence_advantages_broadcast_over_tokens(loss_mode):
+    """A (B,) tensor is per sequence (TRL's habit), broadcast over its tokens: with B == T (where numpy-style
+    broadcasting would silently spread it over the tokens' axis instead) and B != T, the result is that of the
+    (B, T) advantages, as compute_policy_loss_from_hidden's."""
+    g = torch.Generator().manual_seed(3)
+    config = {"clip_ratio": 0.2, "policy_loss": {"loss_mode": loss_mode}}
+    for batch, length in ((4, 4), (4, 6)):
+        old = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
+        log_prob = old + 0.5 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+        adv, mask = torch.randn(batch, generator=g, dtype=torch.float64), torch.ones(batch, length)
+        weights = torch.rand(batch, generator=g, dtype=torch.float64)
+        got = compute_policy_loss(old, log_prob, adv, mask, "token-mean", config, weights)
+        want = compute_policy_loss(old, log_prob, adv[:, None].expand(batch, length), mask, "token-mean", config,
+                                   weights[:, None].expand(batch, length))
+        for g_value, w_value in zip(got, want):
+            torch.testing.assert_close(g_value, w_value)
+
+
+def test_padding_may_hold_nan():
+    """Positions where response_mask is 0 are never read: NaN / inf / positive values there are accepted and
+    change nothing (verl pads with whatever the rollout left)."""
+    want = compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", CONFIG, torch.ones_like(OLD))
+    pad = torch.zeros_like(MASK, dtype=torch.bool)
+    pad[1, 2] = True
+    got = compute_policy_loss(OLD.masked_fill(pad, NAN), _log_prob(), ADV.masked_fill(pad, math.inf),
+                              MASK.bool(), "token-mean", CONFIG, torch.ones_like(OLD).masked_fill(pad, -1.0))
+    for g_value, w_value in zip(got, want):
+        torch.testing.assert_close(g_value, w_value)
+    adv = torch.tensor([1.0, NAN], dtype=torch.float64)  # a (B,) advantage of an empty response is not read either
+    compute_policy_loss(OLD, _log_prob(), adv, MASK * torch.tensor([[1.0], [0.0]], dtype=torch.float64))
+
+
+def test_check_inputs_false_skips_the_value_checks():
+    adv = ADV.clone()
+    adv[0, 0] = NAN
+    assert compute_policy_loss(OLD, _log_prob(), adv, MASK, check_inputs=False)[0].isnan()

@@ -90,8 +90,10 @@ def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = 
     return be
 
 
-def available_backends(device: torch.device) -> dict[str, Optional[str]]:
-    """Every known backend name -> ``None`` if usable on ``device``, else the reason it is not."""
+def available_backends(device="cpu") -> dict[str, Optional[str]]:
+    """Every known backend name -> ``None`` if usable on ``device`` (a ``torch.device`` or a string such as
+    ``"cuda"``), else the reason it is not."""
+    device = torch.device(device)
     out: dict[str, Optional[str]] = {}
     for name in BACKEND_NAMES[1:]:
         be = _REGISTRY.get(name)

@@ -60,9 +60,10 @@ import torch
 
 from ..config import AGGREGATIONS, PolicyLossConfig
 from ..loss_math import compute_policy_loss as _compute_policy_loss
-from ..ops import linear_policy_loss
+from ..ops import _check_linear, linear_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import binary_mask
+from ..validation import (INDEX_DTYPES, LOGPROB_SLACK, _check_per_token, _fail, _is_compiling, binary_mask,
+                          binary_mask_check, run_value_checks)
 
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg")
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
@@ -136,6 +137,44 @@ def policy_loss_config_from_verl(
     return PolicyLossConfig(**fields), scale
 
 
+def _check_verl_inputs(shape: tuple, device: torch.device, device_owner: str, old_log_prob: torch.Tensor,
+                       advantages: torch.Tensor, response_mask: torch.Tensor,
+                       rollout_is_weights: Optional[torch.Tensor], check_inputs: bool) -> torch.Tensor:
+    """Checks of verl's per-token arguments, named as verl names them, and the boolean mask: ``old_log_prob`` and
+    ``response_mask`` ``shape = (B, T)``, ``advantages`` and ``rollout_is_weights`` ``(B, T)`` or ``(B,)`` (per
+    sequence), all on ``device``; with ``check_inputs`` (one host sync) a 0/1 mask and, where it is set, finite
+    advantages, finite log-probs ``old_log_prob <= LOGPROB_SLACK`` and finite weights ``>= 0`` (padding is not
+    read)."""
+    per_token = ((old_log_prob, "old_log_prob"), (advantages, "advantages"), (response_mask, "response_mask"),
+                 (rollout_is_weights, "rollout_is_weights"))
+    for x, name in per_token:
+        if x is None and name != "rollout_is_weights":
+            _fail(f"{name} is required")
+        _check_per_token(x, name, shape, device, allow_seq=name in ("advantages", "rollout_is_weights"),
+                         device_owner=device_owner)
+        if x is not None and name != "response_mask" and not x.is_floating_point():
+            _fail(f"{name} must be a floating tensor, got {x.dtype}")
+    if response_mask.is_complex():
+        _fail(f"response_mask must be boolean or 0/1 numbers, got {response_mask.dtype}")
+    mask = binary_mask(response_mask, "response_mask", check=False)
+    if check_inputs and not _is_compiling():
+        seq_mask = mask.any(dim=1)
+        checks = [] if response_mask.dtype == torch.bool else [binary_mask_check(response_mask, "response_mask")]
+        checks += [
+            ("advantages contain NaN or inf where response_mask is set",
+             (torch.isfinite(advantages) | ~(mask if advantages.dim() == 2 else seq_mask)).all()),
+            ("old_log_prob contains NaN or inf where response_mask is set",
+             (torch.isfinite(old_log_prob) | ~mask).all()),
+            (f"old_log_prob must be log-probabilities (<= 0) where response_mask is set, got values above "
+             f"{LOGPROB_SLACK} (a negative log-likelihood, -log p?)", ~((old_log_prob > LOGPROB_SLACK) & mask).any())]
+        if rollout_is_weights is not None:
+            w_where = mask if rollout_is_weights.dim() == 2 else seq_mask
+            checks.append(("rollout_is_weights must be finite and >= 0 where response_mask is set",
+                           ((torch.isfinite(rollout_is_weights) & (rollout_is_weights >= 0)) | ~w_where).all()))
+        run_value_checks(checks)
+    return mask
+
+
 def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig, old: torch.Tensor,
                   logp: torch.Tensor, mask: torch.Tensor, loss_mode: str, advantages: torch.Tensor):
     """verl's ``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; ``ppo_kl = masked mean(old - logp)``."""
@@ -165,6 +204,7 @@ def compute_policy_loss(
     rollout_is_weights: Optional[torch.Tensor] = None,
     *,
     loss_mode: Optional[str] = None,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """verl's policy loss ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` from per-token
     log-probs ``(B, T)``, computed by :func:`fused_rl.loss_math.compute_policy_loss`.
@@ -175,15 +215,31 @@ def compute_policy_loss(
     The loss mode comes from ``config.policy_loss.loss_mode`` (or ``loss_mode``), default ``"vanilla"``.
     ``rollout_is_weights`` (verl's rollout correction, ``(B, T)``, computed by verl) multiplies the policy
     term per token, as verl's ``pg_losses * rollout_is_weights``.
+
+    Inputs are checked as every fused_rl entry point checks them (``ValueError`` naming verl's argument):
+    ``log_prob`` a floating ``(B, T)`` tensor; ``old_log_prob`` and ``response_mask`` ``(B, T)`` on its device;
+    ``advantages`` and ``rollout_is_weights`` ``(B, T)`` as verl's, or ``(B,)``, one value a response, broadcast
+    over its tokens. With ``check_inputs`` (one host sync): a 0/1 ``response_mask`` and, where it is set, finite
+    ``advantages``, finite ``old_log_prob <= 0.5`` (log-probs) and finite ``rollout_is_weights >= 0``; padding
+    positions are never read and may hold anything.
     """
-    batch, length = log_prob.shape
+    if not isinstance(log_prob, torch.Tensor):
+        _fail(f"log_prob must be a torch.Tensor, got {type(log_prob).__name__}")
+    if log_prob.dim() != 2 or not log_prob.is_floating_point():
+        _fail(f"log_prob must be a floating (B, T) tensor, got {log_prob.dtype} of shape {tuple(log_prob.shape)}")
+    shape = batch, length = tuple(log_prob.shape)
+    mask = _check_verl_inputs(shape, log_prob.device, "log_prob is", old_log_prob, advantages, response_mask,
+                              rollout_is_weights, check_inputs)
     mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
     cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
                                               loss_mode=mode)
-    mask = binary_mask(response_mask, "response_mask")
     old = old_log_prob.detach().to(log_prob.dtype)
-    adv = advantages.to(log_prob.dtype)
-    weights = None if rollout_is_weights is None else rollout_is_weights.detach().to(log_prob.dtype)
+
+    def per_token(x: torch.Tensor) -> torch.Tensor:  # a (B,) tensor: one value a response, over its tokens
+        return (x if x.dim() == 2 else x.unsqueeze(1).expand(shape)).detach().to(log_prob.dtype)
+
+    adv = per_token(advantages)
+    weights = None if rollout_is_weights is None else per_token(rollout_is_weights)
     loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights)
     return (loss * scale,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
 
@@ -204,6 +260,7 @@ def compute_policy_loss_from_hidden(
     loss_mode: Optional[str] = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossOutput]:
     """The fused verl actor loss from the hidden states that predict ``responses``.
 
@@ -216,8 +273,20 @@ def compute_policy_loss_from_hidden(
     * entropy_loss``,
     each aggregated with ``loss_agg_mode`` as verl's actor does. ``rollout_is_weights`` as in
     :func:`compute_policy_loss` (the policy term only).
+
+    Checks as :func:`compute_policy_loss`, against ``hidden``'s ``(B, T)`` and device (``responses``: int32 /
+    int64; ``advantages`` / ``rollout_is_weights`` may be ``(B,)`` here too); :func:`fused_rl.linear_policy_loss`
+    then checks the rest under its own names (``responses`` in ``[0, V)`` as ``targets``, ``ref_log_prob`` as
+    ``ref_logprobs``): with ``check_inputs``, two host syncs.
     """
-    batch, length = responses.shape
+    _check_linear(hidden, weight, bias)
+    shape = batch, length = tuple(hidden.shape[:2])
+    if not isinstance(responses, torch.Tensor) or responses.dtype not in INDEX_DTYPES:
+        _fail(f"responses must be an int32 or int64 tensor, got "
+              f"{getattr(responses, 'dtype', type(responses).__name__)}")
+    _check_per_token(responses, "responses", shape, hidden.device, device_owner="hidden is")
+    mask = _check_verl_inputs(shape, hidden.device, "hidden is", old_log_prob, advantages, response_mask,
+                              rollout_is_weights, check_inputs)
     mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
     cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
                                               loss_mode=mode, temperature=temperature,
@@ -230,10 +299,10 @@ def compute_policy_loss_from_hidden(
             "aggregates the policy term by 'seq-mean-token-mean' and the KL / entropy terms by loss_agg_mode, "
             "which one fused pass cannot; use loss_agg_mode='seq-mean-token-mean', or compute_policy_loss on "
             "per-token log-probs with verl's own agg_loss for the KL and entropy terms")
-    mask = binary_mask(response_mask, "response_mask")
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
                              ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
-                             rollout_is_weights=rollout_is_weights, backend=backend, compute_entropy=True)
+                             rollout_is_weights=rollout_is_weights, backend=backend, compute_entropy=True,
+                             check_inputs=check_inputs)
     old = old_log_prob.detach().to(out.logprobs.dtype)
     return (out.loss * scale,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode, advantages) + (out,)
 
