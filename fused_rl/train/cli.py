@@ -43,10 +43,21 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def _eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fused-rl eval", description="greedy held-out reward of a run's checkpoint")
     p.add_argument("run_dir")
-    p.add_argument("--prompts", type=int, default=None)
+    p.add_argument("--prompts", type=_positive_int, default=None,
+                   help="held-out prompts to evaluate (default: the run's eval_prompts)")
     args = p.parse_args(argv)
     from . import checkpoint
     from .config import from_dict
@@ -102,11 +113,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"fused-rl: unknown command {cmd!r}; choose one of {sorted(COMMANDS)}", file=sys.stderr)
             return 2
     from .config import ConfigError
+    from .plot import MetricsError
     from .tasks import RewardFunctionError
 
     try:
         return COMMANDS[cmd](argv[1:])
-    except (ConfigError, RewardFunctionError, FileNotFoundError) as exc:
+    except (ConfigError, RewardFunctionError, MetricsError, FileNotFoundError) as exc:
         print(f"fused-rl {cmd}: error: {exc}", file=sys.stderr)
         return 2
 

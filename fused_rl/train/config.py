@@ -7,7 +7,9 @@ naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -41,6 +43,28 @@ LOSS_OPTIONS_OWNED = {
 
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
+
+
+@functools.lru_cache(maxsize=None)
+def _yaml_loader():
+    """PyYAML's SafeLoader, also reading a float without a dot or without an exponent sign (``1e-3``, ``1e5``,
+    ``2.5e3``) as a number at every depth, as YAML 1.2 does (YAML 1.1's resolver leaves them strings)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+    return Loader
+
+
+def yaml_load(text: str) -> Any:
+    """``text`` parsed as YAML by :func:`_yaml_loader`."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())
 
 
 @dataclass
@@ -218,7 +242,10 @@ class TrainConfig:
         if self.loss_preset is not None:
             check_choice("loss_preset", tuple(PRESETS))
         check_choice("backend", BACKEND_NAMES)
-        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+        for name in ("run_dir", "device", "task", "model", "tokenizer", "attn_implementation"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                fail(name, "must be a non-empty string")
+        if self.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:[0-9]+)?", self.device):
             fail("device", "must be 'auto', 'cpu' or 'cuda[:N]'")
         if not isinstance(self.task_args, dict):
             fail("task_args", "must be a mapping")
@@ -229,6 +256,11 @@ class TrainConfig:
         for name in LOSS_OPTIONS_OWNED:
             if name in self.loss_options:
                 fail("loss_options", f"{name!r} is set by the trainer ({LOSS_OPTIONS_OWNED[name]})")
+        dr_grpo_agg = "seq-mean-token-sum-norm"
+        if self.resolved_loss_preset == "dr_grpo" and self.loss_options.get("agg", dr_grpo_agg) != dr_grpo_agg:
+            fail("loss_options", f"loss preset 'dr_grpo' fixes agg = {dr_grpo_agg!r} (divided by max_new_tokens); "
+                                 "for another aggregation choose another loss_preset (e.g. bnpo: token-mean) with "
+                                 "advantage: dr_grpo")
         if isinstance(self.rewards, str):
             self.rewards = [self.rewards]
         if not isinstance(self.rewards, list) or not all(isinstance(r, str) for r in self.rewards):
@@ -246,6 +278,10 @@ class TrainConfig:
             fail("adam_betas", "must be two numbers in [0, 1)")
         if self.resolved_advantage in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
             fail("group_size", f"advantage {self.resolved_advantage!r} compares samples of one prompt: needs >= 2")
+        if self.kimi_length_coef > 0 and self.group_size < 2:
+            fail("kimi_length_coef", f"the Kimi length reward compares the lengths of one prompt's samples: needs "
+                                     f"group_size >= 2 (group_size = {self.group_size})")
+        self._resolve_paths()
         if self.resolved_minibatch > self.rollout_size or self.rollout_size % self.resolved_minibatch:
             fail("minibatch_size", f"must divide the rollout batch prompts_per_step * group_size = {self.rollout_size}")
         if self.resolved_minibatch % self.resolved_micro:
@@ -255,6 +291,17 @@ class TrainConfig:
         self.loss_config()  # validates the loss fields together
         self._reject_unused()
         return self
+
+    def _resolve_paths(self) -> None:
+        """Relative file paths (a reward's ``file.py``, a jsonl task's ``path``, a model directory or .gguf file)
+        become absolute, resolved against the working directory: the run's saved config then works from
+        anywhere (``fused-rl eval RUN_DIR``, ``--resume``)."""
+        self.rewards = [f"{Path(spec.rsplit(':', 1)[0]).resolve()}:{spec.rsplit(':', 1)[1]}"
+                        if ":" in spec and spec.rsplit(":", 1)[0].endswith(".py") else spec for spec in self.rewards]
+        if self.task == "jsonl" and isinstance(self.task_args.get("path"), str):
+            self.task_args = {**self.task_args, "path": str(Path(self.task_args["path"]).resolve())}
+        if self.model != "tiny" and not self.model.startswith("package:"):
+            self.model = str(Path(self.model).resolve())
 
     def _reject_unused(self) -> None:
         """An option changed from its default where nothing reads it is a mistake, not a no-op."""
@@ -280,15 +327,9 @@ def _coerce(raw: str, current: Any, name: str) -> Any:
     import yaml
 
     try:
-        value = yaml.safe_load(raw)
+        value = yaml_load(raw)
     except yaml.YAMLError as exc:
         raise ConfigError(f"--{name}: cannot parse {raw!r}: {exc}") from exc
-    if isinstance(value, str) and (current is None or isinstance(current, (int, float))) \
-            and not isinstance(current, bool):
-        try:  # YAML 1.1 reads "1e-2" as a string
-            value = float(raw) if any(c in raw for c in ".eE") else int(raw)
-        except ValueError:
-            pass
     if isinstance(current, str) and not isinstance(value, str):
         value = raw  # e.g. --model 123 stays a string
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -302,7 +343,7 @@ def _numeric_field(name: str) -> bool:
 
 
 def _fix_numbers(data: dict) -> dict:
-    """YAML 1.1 reads ``1e-3`` as a string: turn such strings into numbers for numeric fields."""
+    """A number given as a string (``steps: "2"``, quoted in YAML) becomes a number for the numeric fields."""
     out = dict(data)
     for k, v in data.items():
         if isinstance(v, str) and k in field_names() and _numeric_field(k):
@@ -337,31 +378,46 @@ def load_yaml(path: Union[str, Path]) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        data = yaml_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of option: value")
     return data
 
 
+def _bundled_dir() -> Path:
+    return Path(str(resources.files("fused_rl.train") / "configs"))
+
+
 def bundled_config(name: str) -> Path:
-    """Path of a config shipped in fused_rl/train/configs (``name`` with or without ``.yaml``)."""
-    stem = name[:-5] if name.endswith(".yaml") else name
-    path = Path(str(resources.files("fused_rl.train") / "configs" / f"{stem}.yaml"))
+    """Path of the config shipped in fused_rl/train/configs as ``NAME.yaml``."""
+    path = _bundled_dir() / f"{name}.yaml"
     if not path.is_file():
-        available = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ConfigError(f"no bundled config {name!r}; bundled: {available}")
+        raise ConfigError(f"no bundled config {name!r}; bundled: {bundled_names()}")
     return path
+
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in _bundled_dir().glob("*.yaml"))
+
+
+def _looks_like_a_path(name: str) -> bool:
+    return "/" in name or "\\" in name or name.endswith((".yaml", ".yml"))
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                 **kwargs: Any) -> TrainConfig:
-    """``path`` (a YAML file or a bundled config name; None: the embedded default), then
-    ``overrides`` (``["--key", "value", ...]`` or ``["--key=value"]``), then ``kwargs``; validated."""
+    """``path`` (a YAML file, or the name of a bundled config such as ``smollm2``: a name without ``/`` or a
+    ``.yaml`` / ``.yml`` ending that is no file; None: the embedded default), then ``overrides``
+    (``["--key", "value", ...]`` or ``["--key=value"]``), then ``kwargs``; validated."""
     if path is None:
         path = str(bundled_config("default"))
-    elif not Path(path).exists() and "/" not in path:
-        path = str(bundled_config(path))  # a bundled name such as "smollm2"
+    elif not Path(path).exists():
+        if _looks_like_a_path(path):
+            raise ConfigError(f"config file {path!r} does not exist (bundled configs, by name: {bundled_names()})")
+        path = str(bundled_config(path))
     data = load_yaml(path)
     cfg = from_dict(data, source=str(path))
     file_task = cfg.task

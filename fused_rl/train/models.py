@@ -80,22 +80,32 @@ class HFTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
 
-def tiny_model(vocab_size: int, **sizes) -> nn.Module:
-    """A small Llama-architecture causal LM with random weights (``sizes`` override the defaults)."""
+def tiny_model(vocab_size: int, sizes: Optional[dict] = None) -> nn.Module:
+    """A small Llama-architecture causal LM with random weights (``sizes`` override the defaults); a size
+    LlamaConfig refuses, or a field the character tokenizer sets, raises ``ValueError``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
                initializer_range=0.02)
+    sizes = dict(sizes or {})
     unknown = set(sizes) - set(LlamaConfig().to_dict()) - set(cfg)
     if unknown:
         raise ValueError(f"model_config: unknown LlamaConfig field(s) {sorted(unknown)}")
+    owned = sorted(set(sizes) & {"vocab_size", "pad_token_id", "bos_token_id", "eos_token_id"})
+    if owned:
+        raise ValueError(f"config field 'model_config' = {sizes}: {owned} are set by the tiny model's character "
+                         f"tokenizer (vocab_size {vocab_size}, ids 0/1/2 for <pad>/<bos>/<eos>)")
     cfg.update(sizes)
     cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-    config = LlamaConfig(vocab_size=vocab_size, pad_token_id=CharTokenizer.pad_token_id,
-                         bos_token_id=CharTokenizer.bos_token_id, eos_token_id=CharTokenizer.eos_token_id, **cfg)
-    config._attn_implementation = "eager"
-    return LlamaForCausalLM(config)
+    try:
+        config = LlamaConfig(vocab_size=vocab_size, pad_token_id=CharTokenizer.pad_token_id,
+                             bos_token_id=CharTokenizer.bos_token_id, eos_token_id=CharTokenizer.eos_token_id, **cfg)
+        config._attn_implementation = "eager"
+        return LlamaForCausalLM(config)
+    except Exception as exc:  # transformers' checks raise ValueError, TypeError or huggingface_hub's own errors
+        raise ValueError(f"config field 'model_config' = {sizes}: the tiny Llama refuses it: "
+                         f"{' '.join(str(exc).split())}") from exc
 
 
 def _attn_impl(requested: str, device: torch.device) -> str:
@@ -122,7 +132,7 @@ def load_policy(cfg, task, device: torch.device):
             raise ValueError(f"model 'tiny' uses a character tokenizer, but task {task.name!r} has no alphabet; "
                              "use task reverse/add or a pretrained model")
         tok = CharTokenizer(alphabet)
-        model = tiny_model(len(tok), **cfg.model_config)
+        model = tiny_model(len(tok), cfg.model_config)
         return model.to(device=device, dtype=dtype), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Optional
 
 
+class MetricsError(ValueError):
+    """``RUN_DIR/metrics.jsonl`` has a malformed line, or nothing to plot."""
+
+
 def read_metrics(run_dir) -> list[dict]:
     """The records of ``RUN_DIR/metrics.jsonl``; a last line cut short (a run killed while writing it) is
-    dropped, a malformed line elsewhere raises ``ValueError`` naming it."""
+    dropped, a malformed line elsewhere raises :class:`MetricsError` naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file {path}")
@@ -21,7 +25,7 @@ def read_metrics(run_dir) -> list[dict]:
         except json.JSONDecodeError as exc:
             if i == len(lines) - 1:
                 break
-            raise ValueError(f"{path}: line {i + 1} is not JSON ({exc})") from exc
+            raise MetricsError(f"{path}: line {i + 1} is not JSON ({exc})") from exc
     return records
 
 
@@ -35,7 +39,7 @@ def plot_run(run_dir, out: Optional[str] = None) -> Path:
     all_rows = read_metrics(run_dir)
     rows = [r for r in all_rows if "reward" in r]  # training steps (step-0 line: evaluation only)
     if not rows:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no training steps")
+        raise MetricsError(f"{Path(run_dir) / 'metrics.jsonl'} has no training steps")
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(8, 5.5), dpi=80)
     panels = (("reward", "reward (train, sampled)"), ("kl", "KL to reference"), ("entropy", "entropy / token"),
@@ -56,7 +60,7 @@ def plot_run(run_dir, out: Optional[str] = None) -> Path:
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
     last = rows[-1]
-    fig.suptitle(f"{Path(run_dir).name}: {len(rows)} steps, {last.get('elapsed_s', 0):.0f} s", fontsize=10)
+    fig.suptitle(f"{Path(run_dir).name}: {last['step']} steps, {last.get('elapsed_s', 0):.0f} s", fontsize=10)
     fig.tight_layout()
     path = Path(out) if out else Path(run_dir) / "reward_curve.png"
     fig.savefig(path)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .tasks import batch_fields, call_reward
+from .tasks import RewardFunctionError, batch_fields, call_reward
 
 
 class SamplerLogprobs:
@@ -151,12 +151,17 @@ def decode_completions(tokenizer, comp: torch.Tensor, mask: torch.Tensor) -> lis
 
 def score(reward_fns: list, weights: list[float], prompts: list[str], completions: list[str],
           batch: dict) -> tuple[torch.Tensor, dict]:
+    """``(the weighted sum of the rewards (N,) float32, {reward name: its (N,) values})``; a weighted sum that
+    overflows float32 raises :class:`RewardFunctionError` naming the reward that made it."""
     total = torch.zeros(len(completions), dtype=torch.float32)
     parts = {}
     for (name, fn), w in zip(reward_fns, weights):
-        values = torch.tensor(call_reward(name, fn, prompts, completions, batch), dtype=torch.float32)
+        values = call_reward(name, fn, prompts, completions, batch)
         parts[name] = values
         total += w * values
+        if not torch.isfinite(total).all():
+            raise RewardFunctionError(f"reward function {name!r}: its values times its weight {w} make the "
+                                      f"weighted reward sum overflow float32 (max {float(values.abs().max())})")
     return total, parts
 
 

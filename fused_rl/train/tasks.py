@@ -20,11 +20,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import numbers
 import random
 import re
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
+
+import torch
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -120,27 +124,34 @@ def resolve_reward(spec: str) -> tuple[str, RewardFn]:
     return spec, fn
 
 
-def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[str], batch: dict) -> list[float]:
-    """Call ``fn`` and check its result; failures raise :class:`RewardFunctionError` naming ``name``."""
+def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[str], batch: dict) -> torch.Tensor:
+    """Call ``fn`` and check its result: a sequence (list, tuple, array, tensor) of one real number per
+    completion, each finite in float32; returns them as a float32 tensor. Failures raise
+    :class:`RewardFunctionError` naming ``name``."""
     try:
         result = fn(prompts, completions, **batch)
     except Exception as exc:
         raise RewardFunctionError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
-    try:
-        if hasattr(result, "tolist"):
-            result = result.tolist()
-        values = [float(v) for v in result]
-    except Exception as exc:
+    values = result.tolist() if hasattr(result, "tolist") else result
+    # not a dict, set, string or generator: they would be read as their keys, members in any order or characters
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
-                                  f"{type(result).__name__}") from exc
+                                  f"{type(result).__name__}")
+    not_numbers = [i for i, v in enumerate(values) if not isinstance(v, numbers.Real)]
+    if not_numbers:
+        i = not_numbers[0]
+        raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
+                                  f"{type(values[i]).__name__} {values[i]!r} at index {i}")
     if len(values) != len(completions):
         raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for "
                                   f"{len(completions)} completions (it must return one per completion)")
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    rewards = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad:
         raise RewardFunctionError(f"reward function {name!r} returned a non-finite value at index {bad[0]}: "
-                                  f"{values[bad[0]]}")
-    return values
+                                  f"{values[bad[0]]} (rewards are float32: finite up to about 3.4e38)")
+    return rewards
+
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -274,11 +285,25 @@ class JsonlTask(Task):
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"jsonl task: no such file {path!r}")
-        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-        for i, r in enumerate(rows):
+        rows = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):  # n: the file's line number, blank lines too
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"jsonl task: line {n} of {path} is not JSON: {exc.msg} at column "
+                                 f"{exc.colno}") from exc
+            if not isinstance(r, dict):
+                raise ValueError(f"jsonl task: line {n} of {path} is not a JSON object but a {type(r).__name__}")
             if prompt_key not in r or answer_key not in r:
-                raise ValueError(f"jsonl task: line {i + 1} of {path} lacks {prompt_key!r} or {answer_key!r}")
-        rows = [{**r, "prompt": r[prompt_key], "answer": str(r[answer_key])} for r in rows]
+                raise ValueError(f"jsonl task: line {n} of {path} lacks {prompt_key!r} or {answer_key!r}")
+            if not isinstance(r[prompt_key], str) or not r[prompt_key].strip():
+                raise ValueError(f"jsonl task: line {n} of {path}: {prompt_key!r} must be a non-empty string, "
+                                 f"got {r[prompt_key]!r}")
+            if r[answer_key] is None:
+                raise ValueError(f"jsonl task: line {n} of {path}: {answer_key!r} is null")
+            rows.append({**r, "prompt": r[prompt_key], "answer": str(r[answer_key])})
         if len(rows) < 2:
             raise ValueError(f"jsonl task: {path} needs at least 2 rows (training and held-out), has {len(rows)}")
         cut = min(len(rows) - 1, max(1, int(len(rows) * (1 - heldout_fraction))))

@@ -77,12 +77,22 @@ def _config_errors():
 
 
 def resolve_device(name: str) -> torch.device:
+    """``"auto"``: this process's GPU (``LOCAL_RANK``) when CUDA is available, else the CPU; a ``cuda[:N]`` that
+    this machine lacks raises :class:`ConfigError`."""
     if name == "auto":
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", "0"))
             return torch.device("cuda", local)
         return torch.device("cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"config field 'device' = {name!r}: CUDA is not available here (torch "
+                              f"{torch.__version__}, CUDA build: {torch.version.cuda}); use 'cpu' or 'auto'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"config field 'device' = {name!r}: this machine has {torch.cuda.device_count()} "
+                              f"CUDA device(s), numbered from 0")
+    return device
 
 
 def seed_everything(seed: int) -> None:
@@ -155,10 +165,16 @@ class Trainer:
             if not checkpoint.exists(self.run_dir):  # as HF's resume_from_checkpoint=True: never a silent restart
                 raise ConfigError(f"resume: no checkpoint in run_dir {str(self.run_dir)!r} to resume from "
                                  "(check the path, or drop --resume to start a new run there)")
+            # the reference model is the run's start point, rebuilt from these fields (not saved): the tiny model's
+            # random init depends on the seed
+            ref_fields: tuple = ()
+            if self.ref is not None:
+                ref_fields = ("model", "model_config", "seed") if cfg.model == "tiny" else ("model",)
             try:
                 self.step = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
                                             scheduler=self.scheduler, prompt_rng=self.prompt_rng, rank=self.rank,
-                                            map_location=self.device)
+                                            map_location=self.device,
+                                            fixed={name: getattr(cfg, name) for name in ref_fields})
             except checkpoint.CheckpointMismatch as exc:
                 message, saved = exc.args
                 changed = {k: (saved[k], v) for k, v in to_dict(cfg).items() if k in saved and saved[k] != v}
@@ -341,8 +357,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, n: Optional[int] = None) -> dict:
-        """Greedy reward and accuracy on the task's held-out prompts (rank 0's share only)."""
-        examples = self.task.heldout(n or self.cfg.eval_prompts)
+        """Greedy reward and accuracy on ``n`` (None: ``eval_prompts``) of the task's held-out prompts (rank 0's
+        share only)."""
+        n = self.cfg.eval_prompts if n is None else n
+        if n < 1:
+            raise ValueError(f"evaluate: the number of prompts must be >= 1, got {n}")
+        examples = self.task.heldout(n)
         with self.policy.autocast():
             batch = rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
                             group_size=1, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_p=1.0,
@@ -405,13 +425,13 @@ class Trainer:
                 metrics.update(ev)
             metrics["elapsed_s"] = time.perf_counter() - start
             history.append(metrics)
-            if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
+            if self.rank == 0:  # every step; log_every only thins the plain console lines
                 with open(self._metrics_file(), "a") as f:
                     f.write(json.dumps(metrics) + "\n")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(format_postfix(metrics))
-            elif not self.quiet and self.step % max(1, cfg.log_every) == 0:
+            elif not self.quiet and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
                 print(f"step {self.step}: {format_postfix(metrics)}", flush=True)
             if cfg.save_every and self.step % cfg.save_every == 0:
                 self.save()
