@@ -75,8 +75,9 @@ def policy_loss(
     ``token_normalizer`` replaces the token count of ``agg="token-mean"`` (TRL's
     ``num_items_in_batch``). ``check_inputs`` runs the value checks (one host sync).
     ``inplace=True`` lets a single-pass backend write the gradient over ``logits`` (which must not be
-    used afterwards, and whose rows must not share memory: an ``expand`` raises); backends without a
-    single-pass kernel ignore it.
+    used afterwards, and whose rows must not share memory: an ``expand`` raises) when they are a non-leaf
+    buffer such as a model's output or a slice of one (a leaf or a view of a leaf is left intact: out of place);
+    backends without a single-pass kernel ignore it.
     See :class:`fused_rl.PolicyLossConfig` for the formulas.
     """
     config = PolicyLossConfig() if config is None else config

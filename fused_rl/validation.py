@@ -243,6 +243,8 @@ def prepare_policy_inputs(
         if isinstance(token_normalizer, torch.Tensor):
             if token_normalizer.numel() != 1:
                 _fail(f"token_normalizer must be a scalar, got shape {tuple(token_normalizer.shape)}")
+            if token_normalizer.dtype == torch.bool:  # as a Python True is refused: not a count
+                _fail("token_normalizer must be a number, got a bool tensor")
             token_normalizer = token_normalizer.detach().reshape(()).to(device=device, dtype=torch.float32)
         elif isinstance(token_normalizer, bool) or not isinstance(token_normalizer, numbers.Real) \
                 or not 0 < token_normalizer < float("inf"):

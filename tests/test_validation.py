@@ -49,6 +49,7 @@ CASES = [
     (dict(config=PolicyLossConfig(kl="k3", beta=0.1)), "needs ref_logprobs"),
     (dict(token_normalizer=0), "token_normalizer must be a positive"),
     (dict(token_normalizer=torch.tensor(-1.0)), "token_normalizer must be positive"),
+    (dict(token_normalizer=torch.tensor(True)), "token_normalizer must be a number"),
     (dict(token_normalizer=5, config=PolicyLossConfig(agg="seq-mean-token-mean")), "only applies to agg='token-mean'"),
     (dict(config="grpo"), "config must be a PolicyLossConfig"),
     (dict(targets=torch.zeros(2, 3, dtype=torch.long, device="meta")), "targets is on meta"),
@@ -220,6 +221,21 @@ def test_inplace_refuses_rows_that_share_memory(backend):
     fused_rl.policy_loss((full * 1.0)[:, 1:-1], targets, adv, mask, backend=backend,
                          inplace=True).loss.backward()  # a slice: disjoint rows
     assert torch.isfinite(full.grad).all()
+
+
+@pytest.mark.parametrize("backend", [b for b in fused_backends() if b in ("cpu", "triton")])
+def test_inplace_leaves_a_leaf_and_its_views_intact(backend):
+    """``inplace=True`` writes the gradient over the logits only when they are a non-leaf buffer (model output,
+    or a slice of one): over a leaf, or a view of one (``leaf[:, P-1:-1]``), it would overwrite the leaf's
+    values. The gradient is the reference's either way."""
+    args = good(B=2, T=4, V=40)
+    leaf = args["logits"].clone().requires_grad_(True)
+    ref = args["logits"].clone().requires_grad_(True)
+    for x, be in ((leaf, backend), (ref, "reference")):
+        fused_rl.policy_loss(x[:, 1:], args["targets"][:, 1:], args["advantages"], args["mask"][:, 1:], backend=be,
+                             inplace=be != "reference").loss.backward()
+    assert torch.equal(leaf.detach(), args["logits"])
+    torch.testing.assert_close(leaf.grad, ref.grad, atol=1e-6, rtol=1e-5)
 
 
 def test_numpy_scalar_arguments():

@@ -42,6 +42,13 @@ def autocast_free_op(name: str):
     return register
 
 
+def writable_in_place(logits: torch.Tensor) -> bool:
+    """Whether ``inplace=True`` may write the gradient over ``logits``: a non-leaf buffer (model output) that is
+    not a view of a leaf either (over a leaf it would alias the leaf's own ``.grad``; over a view of one, e.g.
+    ``leaf[:, P-1:-1]``, it would overwrite the leaf's values)."""
+    return not logits.is_leaf and (logits._base is None or not logits._base.is_leaf)
+
+
 def register_token_ops(stats_op, grad_op) -> None:
     @grad_op.register_fake
     def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):

@@ -39,7 +39,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs, _is_compiling
 from . import register, register_missing
 from .base import Backend
-from .custom_ops import register_stored_grad, register_token_ops
+from .custom_ops import register_stored_grad, register_token_ops, writable_in_place
 from .tiled_linear import TiledLinearMethods
 from .torch_linear import _config_from_literal, config_literal
 
@@ -341,8 +341,7 @@ class NativeBackend(TiledLinearMethods, Backend):
         rollout = _f32(inputs.rollout) if config.rollout_is is not None else None
         args = (targets, adv, old, ref, rollout, w, config_literal(config))
         x = logits.detach()
-        # In place only over a non-leaf buffer (model output): a leaf would end up aliasing its own .grad.
-        if inplace and not logits.is_leaf and not _is_compiling():
+        if inplace and writable_in_place(logits) and not _is_compiling():
             logp, ent = policy_fwd_inplace(x, *args)
             dlogits = x
         else:

@@ -37,7 +37,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing, torch_linear
 from .base import Backend
-from .custom_ops import register_stored_grad, register_token_ops
+from .custom_ops import register_stored_grad, register_token_ops, writable_in_place
 from .tiled_linear import TiledLinearMethods
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
@@ -247,8 +247,7 @@ class TritonBackend(TiledLinearMethods, Backend):
         args = (targets.contiguous(), adv, weights, old, ref, rollout, torch_linear.config_literal(config),
                 want_entropy)
         x = logits.detach()
-        # In place only over a non-leaf buffer (model output): a leaf would end up aliasing its own .grad.
-        if inplace and write_grad and not logits.is_leaf:
+        if inplace and write_grad and writable_in_place(logits):
             logp, entropy, loss_terms, ratio, kl = policy_fwd_inplace(x, *args)
             dlogits = x
         else:
