@@ -4,13 +4,18 @@
 //
 // Per row (z = x / tau, one thread per row, a fixed reduction order => bit-identical results for
 // any thread count):
-//   online over vocabulary blocks of FRL_BLOCK: M = running max (from -inf), S = sum exp(z - M),
-//   U = sum exp(z - M) (z - M), rescaled by exp(M_old - M_new) when the max grows;
-//   logp = (z_target - M) - log S, H = log S - U / S (= lse - E[z]); M and log S are saved apart
-//   (lse = M + log S rounded to one float loses log S at large |M|, and with it 1 - p of a sure token).
-//   A row whose softmax is undefined (a NaN or +inf z, or every z = -inf) gets M = log S = logp = H = NaN
+//   online over vocabulary blocks of FRL_BLOCK: m = running max of the logits x (from -inf), z - max z =
+//   (x - m) / tau, S = sum exp(z - max z), U = sum exp(z - max z) (z - max z), rescaled by exp(dz), dz =
+//   (m_old - m_new) / tau (0 below the exp floor, as each entry's own term), when the max grows;
+//   logp = (z_target - max z) - log S, H = log S - U / S (= lse - E[z]); m and log S are saved apart
+//   (lse = m / tau + log S rounded to one float loses log S at large |m|, and with it 1 - p of a sure token).
+//   The raw max is subtracted before the scaling so that the max's own z - max z is exactly 0 and its term
+//   exactly 1 (x * (1/tau) - max z, contracted into an FMA by the AVX2 build, left the rounding residual of
+//   the max's product: H ~ 5e-8 and logp ~ -5e-8 on a one-hot row at tau != 1); hence S >= 1, U <= 0,
+//   logp <= 0 and H >= 0 with no clamp.
+//   A row whose softmax is undefined (a NaN or +inf z, or every z = -inf) gets m = log S = logp = H = NaN
 //   and a NaN dlogits row, as log_softmax of the reference gives (a -inf z in a finite row is p = 0).
-// Gradient: dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau with p = exp(d), d = (z - M) - log S.
+// Gradient: dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau with p = exp(d), d = (z - max z) - log S.
 #ifndef FRL_NS
 #error "define FRL_NS before including logits_cpu_impl.h"
 #endif
@@ -75,12 +80,9 @@ inline float sexp(float x) {  // the scalar twin of vexp (same arithmetic in lan
   return vexp(splat(x))[0];
 }
 
-// z - m = x * inv_tau - m for one element, by the vector arithmetic of the row loops (which the compiler
-// may contract into an FMA): the target's logp and 1 - p must see the same z - m as the row sums.
-inline float shifted(float x, float inv_tau, float m) { return (splat(x) * splat(inv_tau) - splat(m))[0]; }
-
-// log p <= 0 despite rounding (NaN, the mark of an out-of-range target, passes through)
-inline float nonpositive(float logp) { return logp > 0.0f ? 0.0f : logp; }
+// z - max z = (x - m) / tau for one element (m: the row's max logit), as the row loops compute it (no
+// contraction can apply: a product of a difference): exactly 0 at the max, <= 0 elsewhere.
+inline float shifted(float x, float inv_tau, float m) { return (x - m) * inv_tau; }
 
 // ---- element types -------------------------------------------------------------------------------
 struct F32 {
@@ -160,17 +162,14 @@ inline float hsum(v8f v) {  // fixed pairwise tree order
 }
 
 struct RowStats {
-  float m;    // max z
-  double s;   // sum exp(z - m)
-  double u;   // sum exp(z - m) (z - m)
+  float m;    // max x (the raw logit: z - max z = shifted(x, inv_tau, m))
+  double s;   // sum exp(z - max z) >= 1
+  double u;   // sum exp(z - max z) (z - max z) <= 0
   bool bad() const { return m != m; }  // the softmax is undefined (see row_stats)
 };
 
-// H = log S - U / S >= 0 despite its cancellation near a one-hot row (-1e-8 there otherwise); NaN passes
-inline float entropy_of(float logs, const RowStats& st) {
-  const float h = float(double(logs) - st.u / st.s);
-  return h < 0.0f ? 0.0f : h;
-}
+// H = log S - U / S, >= 0 as log S >= 0 >= U (exactly 0 on a one-hot row); NaN passes
+inline float entropy_of(float logs, const RowStats& st) { return float(double(logs) - st.u / st.s); }
 
 // The stats of a row whose softmax is undefined: NaN m, hence NaN log s, logp and H (stats_impl) and a NaN
 // dlogits row (row_nan).
@@ -185,13 +184,13 @@ inline bool any_lane(v8i v) {
 // (M, S, U) of one row, or kBadRow when its softmax is undefined: a NaN anywhere (the max drops NaN, so
 // the max loop also ORs "x is NaN" into a flag, no second pass: per pair of vectors one add, one compare,
 // one OR, as a + b is NaN iff a or b is NaN or they are +inf and -inf, and a +inf is undefined anyway),
-// a +inf z (the block max; z - M would be NaN) or no finite z at all (M = -inf at the end). The row is
-// left at its first bad block.
+// a +inf z (the block max, scaled; z - max z would be NaN) or no finite z at all (M = -inf at the end). The
+// row is left at its first bad block.
 template <class D>
 inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
   const v8f vt = splat(inv_tau);
   const float NEG_INF = -INFINITY;
-  float M = NEG_INF;
+  float M = NEG_INF;  // max x so far
   double S = 0.0, U = 0.0;
   for (int64_t b0 = 0; b0 < V; b0 += FRL_BLOCK) {
     const int64_t n = (V - b0) < FRL_BLOCK ? (V - b0) : FRL_BLOCK;
@@ -216,12 +215,13 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
       mx1 = vmax(mx1, a);
       seen_nan |= a != a;
     }
-    const float bm = hmax(vmax(mx0, mx1)) * inv_tau;
-    if (any_lane(seen_nan) || bm == INFINITY) return kBadRow;
+    const float bm = hmax(vmax(mx0, mx1));
+    if (any_lane(seen_nan) || bm * inv_tau == INFINITY) return kBadRow;
     if (bm > M) {
       if (M != NEG_INF) {
-        const double sc = std::exp(double(M) - double(bm));
-        U = sc * (U + S * (double(M) - double(bm)));
+        const double dz = (double(M) - double(bm)) * inv_tau;
+        const double sc = dz <= kExpLo ? 0.0 : std::exp(dz);
+        U = sc * (U + S * dz);
         S = sc * S;
       }
       M = bm;
@@ -231,19 +231,19 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
     v8f s0 = splat(0.0f), s1 = splat(0.0f), u0 = splat(0.0f), u1 = splat(0.0f);
     j = 0;
     for (; j + 2 * W <= nv; j += 2 * W) {
-      const v8f d0 = vmax(D::load8(xb + j) * vt - vm, splat(kExpLo));
-      const v8f d1 = vmax(D::load8(xb + j + W) * vt - vm, splat(kExpLo));
+      const v8f d0 = vmax((D::load8(xb + j) - vm) * vt, splat(kExpLo));
+      const v8f d1 = vmax((D::load8(xb + j + W) - vm) * vt, splat(kExpLo));
       const v8f e0 = vexp(d0), e1 = vexp(d1);
       s0 += e0; s1 += e1;
       u0 += e0 * d0; u1 += e1 * d1;
     }
     for (; j < nv; j += W) {
-      const v8f d0 = vmax(D::load8(xb + j) * vt - vm, splat(kExpLo));
+      const v8f d0 = vmax((D::load8(xb + j) - vm) * vt, splat(kExpLo));
       const v8f e0 = vexp(d0);
       s0 += e0; u0 += e0 * d0;
     }
     if (nv < n) {
-      const v8f d1 = vmax(load_tail<D>(xb + nv, n - nv, NEG_INF) * vt - vm, splat(kExpLo));
+      const v8f d1 = vmax((load_tail<D>(xb + nv, n - nv, NEG_INF) - vm) * vt, splat(kExpLo));
       const v8f e1 = vexp(d1);  // padding lanes: d = kExpLo -> e = 0
       s1 += e1; u1 += e1 * d1;
     }
@@ -254,7 +254,8 @@ inline RowStats row_stats(const typename D::T* x, int64_t V, float inv_tau) {
   return RowStats{M, S, U};
 }
 
-// dlogits row: (g_logp (onehot - p) + g_ent p (E[z] - z)) / tau, p = exp(d), d = (z - m) - logs; E[z] - z = -H - d.
+// dlogits row: (g_logp (onehot - p) + g_ent p (E[z] - z)) / tau, p = exp(d), d = (z - max z) - logs (m: max x);
+// E[z] - z = -H - d.
 // Read as D, written as DO (D itself, or a 16-bit type for fp32 logits: one rounding on store).
 template <class D, class DO = D>
 inline void row_grad(const typename D::T* x, typename DO::T* out, int64_t V, float inv_tau, float m, float logs,
@@ -264,19 +265,19 @@ inline void row_grad(const typename D::T* x, typename DO::T* out, int64_t V, flo
             vge = splat(g_ent * inv_tau), vnh = splat(-H);
   const int64_t nv = V & ~int64_t(W - 1);
   for (int64_t j = 0; j < nv; j += W) {
-    const v8f d = vmax((D::load8(x + j) * vt - vm) - vls, splat(kExpLo));
+    const v8f d = vmax((D::load8(x + j) - vm) * vt - vls, splat(kExpLo));
     const v8f p = vexp(d);
     DO::store8(out + j, p * (vgl + vge * (vnh - d)));
   }
   if (nv < V) {
-    const v8f d = vmax((load_tail<D>(x + nv, V - nv, -INFINITY) * vt - vm) - vls, splat(kExpLo));
+    const v8f d = vmax((load_tail<D>(x + nv, V - nv, -INFINITY) - vm) * vt - vls, splat(kExpLo));
     const v8f p = vexp(d);
     const v8f g = p * (vgl + vge * (vnh - d));
     for (int64_t l = 0; l < V - nv; ++l) DO::store1(out + nv + l, g[l]);
   }
   if (target >= 0 && target < V) {
     // 1 - p by expm1: a near-certain token's 1 - p is below the error of the vector exp
-    const float d = nonpositive(fmaxf(shifted(xt, inv_tau, m) - logs, kExpLo));
+    const float d = fmaxf(shifted(xt, inv_tau, m) - logs, kExpLo);
     DO::store1(out + target, (g_logp * -std::expm1(d) + g_ent * sexp(d) * (-H - d)) * inv_tau);
   }
 }
@@ -315,7 +316,7 @@ void stats_impl(const StatsArgs& a) {
     const RowStats st = row_stats<D>(row, V, a.inv_tau);
     const float logs = float(std::log(st.s));
     const float xt = (t >= 0 && t < V) ? D::load1(row + t) : NAN;
-    a.logp[i] = nonpositive(shifted(xt, a.inv_tau, st.m) - logs);
+    a.logp[i] = shifted(xt, a.inv_tau, st.m) - logs;
     a.lse[i] = st.m;
     a.lse[N + i] = logs;
     if (a.ent) a.ent[i] = entropy_of(logs, st);
@@ -364,7 +365,7 @@ void policy_impl(const PolicyArgs& a) {
     const RowStats st = row_stats<D>(row, V, a.inv_tau);
     const float logs = float(std::log(st.s));
     const float xt = (t >= 0 && t < V) ? D::load1(row + t) : NAN;
-    const float logp = nonpositive(shifted(xt, a.inv_tau, st.m) - logs);
+    const float logp = shifted(xt, a.inv_tau, st.m) - logs;
     const float H = entropy_of(logs, st);
     a.logp[i] = logp;
     a.ent[i] = H;

@@ -2,11 +2,15 @@
 // limit), 128-bit vectorized loads when a row is 16-byte aligned, warp-shuffle reductions, exp2 with
 // log2(e) folded into the 1/tau scale, fp32 accumulation, the shared epilogue of policy_epilogue.h.
 //
-// In the base-2 domain y = x * (log2(e) / tau), per thread and then per block:
-//   m = max y, s = sum 2^(y - m), u = sum 2^(y - m) (y - m)
-//   logp = ln2 ((y_t - m) - log2 s), H = ln2 (log2 s - u / s); m and log2 s are saved apart (lse buffer 2N)
-//   dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau, p = 2^d2, d2 = (y - m) - log2 s,
+// In the base-2 domain y = x * scale2, scale2 = log2(e) / tau, per thread and then per block, with m = max x
+// (the raw logits) and y - max y = (x - m) scale2:
+//   s = sum 2^(y - max y), u = sum 2^(y - max y) (y - max y)
+//   logp = ln2 ((y_t - max y) - log2 s), H = ln2 (log2 s - u / s); m and log2 s are saved apart (lse buffer 2N)
+//   dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau, p = 2^d2, d2 = (y - max y) - log2 s,
 //   E[z] - z = -H - ln2 d2.
+// The raw max is subtracted before the scaling so that the max's own y - max y is exactly 0 and its term
+// 2^0 = 1 (x scale2 - max y, which nvcc contracts into an FMA, leaves the residual of the product: H ~ 5e-8
+// and logp ~ -5e-8 on a one-hot row at tau != 1).
 // A row whose softmax is undefined (a NaN or +inf y, or every y = -inf) gets m = log2 s = logp = H = NaN and
 // a NaN dlogits row, as log_softmax of the reference gives (a -inf y in a finite row is p = 0).
 #include <cuda_bf16.h>
@@ -79,18 +83,18 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 #endif
 }
 
-// The smallest base-2 exponent a sweep passes to exp2_ftz: 2^-256 is 0, and (y - m) - log2 s clamped
-// here keeps p * (y - m) finite (0) where y = -inf, without a branch.
+// The smallest base-2 exponent a sweep passes to exp2_ftz: 2^-256 is 0, and (y - max y) - log2 s clamped
+// here keeps p * (y - max y) finite (0) where y = -inf, without a branch.
 constexpr float kMinExp2 = -256.0f;
 
-// log p = ln2 ((y_t - m) - log2 s), clamped to <= 0 (FMA contraction of y_t can round it to +1e-8 for
-// a near-certain token); NaN passes.
-__device__ __forceinline__ float target_logp(float yt, float m, float l2s) {
-  const float lp = ((yt - m) - l2s) * kLn2;
+// log p = ln2 ((x_t - m) scale2 - log2 s), clamped to <= 0 (s >= 1 holds if ex2.approx gives 2^0 = 1, which
+// PTX does not document); NaN passes.
+__device__ __forceinline__ float target_logp(float xt, float m, float scale2, float l2s) {
+  const float lp = ((xt - m) * scale2 - l2s) * kLn2;
   return lp > 0.0f ? 0.0f : lp;
 }
 
-// H = ln2 (log2 s - u / s), clamped to >= 0 (its cancellation near a one-hot row gives -1e-8); NaN passes.
+// H = ln2 (log2 s - u / s), clamped to >= 0 (as target_logp: u <= 0, and s >= 1 if 2^0 = 1); NaN passes.
 __device__ __forceinline__ float row_entropy(float l2s, float u, float s) {
   const float h = kLn2 * (l2s - u / s);
   return h < 0.0f ? 0.0f : h;
@@ -192,20 +196,20 @@ template <> struct Elem<__nv_bfloat16> : Elem16<__nv_bfloat16, __nv_bfloat162, B
 template <> struct Elem<__half> : Elem16<__half, __half2, HalfConv> {};
 
 struct Acc {
-  float m, s, u;  // base-2 running max, sum 2^(y-m), sum 2^(y-m) (y-m)
+  float m, s, u;  // running max of x, sum 2^d, sum 2^d d with d = y - max y = (x - m) scale2
 };
 
 __device__ __forceinline__ Acc acc_empty() { return Acc{-INFINITY, 0.0f, 0.0f}; }
 
-// Add a group of values y[0..n) (base-2 domain) to the accumulator: one rescale per group.
+// Add a group of logits x[0..n) to the accumulator: one rescale per group.
 template <int N>
-__device__ __forceinline__ void acc_add(Acc& a, const float* y) {
-  float gm = y[0];
+__device__ __forceinline__ void acc_add(Acc& a, const float* x, float scale2) {
+  float gm = x[0];
 #pragma unroll
-  for (int i = 1; i < N; ++i) gm = fmaxf(gm, y[i]);
+  for (int i = 1; i < N; ++i) gm = fmaxf(gm, x[i]);
   if (gm > a.m) {
     if (a.m != -INFINITY) {
-      const float d = a.m - gm;
+      const float d = (a.m - gm) * scale2;
       const float sc = exp2f(d);
       a.u = sc * (a.u + a.s * d);
       a.s *= sc;
@@ -215,30 +219,30 @@ __device__ __forceinline__ void acc_add(Acc& a, const float* y) {
   if (a.m == -INFINITY) return;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const float d = fmaxf(y[i] - a.m, kMinExp2);  // y = -inf: 2^d = 0 and e * d = 0, not 0 * -inf
+    const float d = fmaxf((x[i] - a.m) * scale2, kMinExp2);  // x = -inf: 2^d = 0 and e * d = 0, not 0 * -inf
     const float e = exp2_ftz(d);
     a.s += e;
     a.u = fmaf(e, d, a.u);
   }
 }
 
-__device__ __forceinline__ Acc acc_merge(Acc a, Acc b) {
+__device__ __forceinline__ Acc acc_merge(Acc a, Acc b, float scale2) {
   if (b.m == -INFINITY) return a;
   if (a.m == -INFINITY) return b;
   const float m = fmaxf(a.m, b.m);
-  const float da = a.m - m, db = b.m - m;
+  const float da = (a.m - m) * scale2, db = (b.m - m) * scale2;
   const float ea = exp2f(da), eb = exp2f(db);
   return Acc{m, a.s * ea + b.s * eb, ea * (a.u + a.s * da) + eb * (b.u + b.s * db)};
 }
 
-__device__ __forceinline__ Acc warp_merge(Acc a) {
+__device__ __forceinline__ Acc warp_merge(Acc a, float scale2) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     Acc b;
     b.m = __shfl_xor_sync(0xffffffffu, a.m, off);
     b.s = __shfl_xor_sync(0xffffffffu, a.s, off);
     b.u = __shfl_xor_sync(0xffffffffu, a.u, off);
-    a = acc_merge(a, b);
+    a = acc_merge(a, b, scale2);
   }
   return a;
 }
@@ -272,8 +276,8 @@ __device__ __forceinline__ int64_t for_each_vector(const T* row, int64_t V, F&& 
 
 // Block-wide (m, s, u) of one row; every thread gets the result. A row whose softmax is undefined gives
 // m = s = u = NaN: a NaN anywhere (fmaxf drops NaN and a thread whose other values are all -inf never
-// sums, so each thread ORs x != x into a flag, voted on by the block's first barrier), a +inf y (m = +inf)
-// or no finite y at all (m = -inf).
+// sums, so each thread ORs x != x into a flag, voted on by the block's first barrier), a +inf y (m scale2 =
+// +inf) or no finite y at all (m = -inf).
 template <class T, int U>
 __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   using E = Elem<T>;
@@ -284,45 +288,45 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
     start = for_each_vector<T, U>(row, V, [&](float* v, int64_t) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) { seen_nan |= v[i] != v[i]; v[i] *= scale2; }
-      acc_add<VEC>(a, v);
+      for (int i = 0; i < VEC; ++i) seen_nan |= v[i] != v[i];
+      acc_add<VEC>(a, v, scale2);
     });
   }
   for (int64_t j = start + threadIdx.x; j < V; j += blockDim.x) {
-    float v[1] = {E::load(row + j) * scale2};
+    float v[1] = {E::load(row + j)};
     seen_nan |= v[0] != v[0];
-    acc_add<1>(a, v);
+    acc_add<1>(a, v, scale2);
   }
-  a = warp_merge(a);
+  a = warp_merge(a, scale2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) smem[warp] = a;
   const int any_nan = __syncthreads_or(seen_nan);
   if (warp == 0) {
     const int nw = blockDim.x >> 5;
     Acc b = lane < nw ? smem[lane] : acc_empty();
-    b = warp_merge(b);
+    b = warp_merge(b, scale2);
     if (lane == 0) smem[32] = b;
   }
   __syncthreads();
   const Acc r = smem[32];
   __syncthreads();  // smem is reused by the next row
-  if (any_nan || r.m == INFINITY || r.m == -INFINITY) return Acc{NAN, NAN, NAN};
+  if (any_nan || r.m * scale2 == INFINITY || r.m == -INFINITY) return Acc{NAN, NAN, NAN};
   return r;
 }
 
-// The gradient of an entry from its logit x, with d2 = log2 p = (x scale2 - m2) - l2s and E[z] - z = -H - ln2 d2:
+// The gradient of an entry from its logit x, with d2 = log2 p = (x - m) scale2 - l2s and E[z] - z = -H - ln2 d2:
 // (g_H p (E[z] - z) - g_logp p) / tau = p (c0 + c1 d2), c0 = -(cge H + cgl), c1 = -cge ln2 (cgl, cge: g / tau);
 // d2 is clamped at kMinExp2, where p = 0 already, so that x = -inf gives 0 without a branch. The target
 // entry adds cgl = g_logp / tau; target() computes it with 1 - p = -expm1(ln2 d2), exact for a
 // near-certain token.
 struct GradCoef {
-  float scale2, m2, l2s, H, cgl, cge, c0, c1;
+  float scale2, m, l2s, H, cgl, cge, c0, c1;
   __device__ __forceinline__ float operator()(float x) const {
-    const float d2 = fmaxf((x * scale2 - m2) - l2s, kMinExp2);
+    const float d2 = fmaxf((x - m) * scale2 - l2s, kMinExp2);
     return exp2_ftz(d2) * fmaf(c1, d2, c0);
   }
   __device__ __forceinline__ float target(float x) const {
-    const float d2 = fmaxf((x * scale2 - m2) - l2s, kMinExp2);  // a -inf target: p = 0, not 0 * inf = NaN
+    const float d2 = fmaxf((x - m) * scale2 - l2s, kMinExp2);  // a -inf target: p = 0, not 0 * inf = NaN
     const float dz = d2 * kLn2;
     return cgl * -expm1f(dz) + exp2f(d2) * cge * (-H - dz);
   }
@@ -330,18 +334,18 @@ struct GradCoef {
 
 // dlogits of one row, read as T and written as TO (T itself, or bf16 / fp16 for fp32 logits: one rounding on
 // store); out may alias row when TO is T (each element is read before it is written by the same thread).
-// In base 2: d2 = (y - m2) - l2s = log2 p, with m2 and l2s = log2 s kept apart (their sum rounded to one
-// float would lose l2s at large |m2|, and with it 1 - p of a near-certain token). The sweep is the same
-// for every entry; the thread whose sweep covers the target (0 <= target < V) reads it first and writes
-// its value last (no other thread touches it).
+// In base 2: d2 = (x - m) scale2 - l2s = log2 p, with m = max x and l2s = log2 s kept apart (m scale2 + l2s
+// rounded to one float would lose l2s at large |m|, and with it 1 - p of a near-certain token). The sweep is
+// the same for every entry; the thread whose sweep covers the target (0 <= target < V) reads it first and
+// writes its value last (no other thread touches it).
 template <class T, class TO, int U>
-__device__ void row_grad(const T* row, TO* out, int64_t V, float scale2, float inv_tau, float m2, float l2s,
+__device__ void row_grad(const T* row, TO* out, int64_t V, float scale2, float inv_tau, float m, float l2s,
                          float H, float g_logp, float g_ent, int64_t target, Tuning tune) {
   using E = Elem<T>;
   using EO = Elem<TO>;
   constexpr int VEC = E::kVec;
   const float cgl = g_logp * inv_tau, cge = g_ent * inv_tau;
-  const GradCoef gc{scale2, m2, l2s, H, cgl, cge, -(cge * H + cgl), -cge * kLn2};
+  const GradCoef gc{scale2, m, l2s, H, cgl, cge, -(cge * H + cgl), -cge * kLn2};
   const bool vectorized = ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0;
   const int64_t nvec = vectorized ? V / VEC : 0, start = nvec * VEC;  // for_each_vector's part
   const int64_t tvec = tune.reverse ? nvec - 1 - target / VEC : target / VEC;  // its k: on thread k % blockDim
@@ -390,9 +394,8 @@ __global__ void __launch_bounds__(kMaxThreads) stats_kernel(Launch<StatsArgs> l)
     const Acc r = row_reduce<T, U>(row, V, scale2, smem);
     if (threadIdx.x == 0) {
       const float l2s = log2f(r.s);
-      const float yt = xt * scale2;
-      a.logp[i] = target_logp(yt, r.m, l2s);
-      a.lse[i] = r.m;  // base 2, as row_grad reads them
+      a.logp[i] = target_logp(xt, r.m, scale2, l2s);
+      a.lse[i] = r.m;  // max x and log2 s, as row_grad reads them
       a.lse[N + i] = l2s;
       if (a.ent) a.ent[i] = row_entropy(l2s, r.u, r.s);
     }
@@ -413,13 +416,13 @@ __global__ void __launch_bounds__(kMaxThreads) grad_kernel(Launch<GradArgs> l) {
     const int64_t t = target_at(a.targets, a.tdtype, i);
     const float gl = a.g_logp[i], ge = with_ent ? a.g_ent[i] : 0.0f;
     if (t == kIgnoreIndex) { row_fill<T>(orow, V, 0.0f); continue; }
-    const float m2 = a.lse[i];
+    const float m = a.lse[i];
     // an undefined row (row_reduce), a target outside [0, V) (only with check_inputs=False: NaN logp), or a
     // NaN upstream gradient (autograd of log_softmax: NaN everywhere, also where p = 0)
-    if (m2 != m2 || t < 0 || t >= V || gl != gl || ge != ge) { row_fill<T>(orow, V, NAN); continue; }
+    if (m != m || t < 0 || t >= V || gl != gl || ge != ge) { row_fill<T>(orow, V, NAN); continue; }
     if (gl == 0.0f && ge == 0.0f) { row_fill<T>(orow, V, 0.0f); continue; }
     const T* row = x + b * a.in.sb + tt * a.in.st;
-    row_grad<T, T, U>(row, orow, V, scale2, a.inv_tau, m2, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t,
+    row_grad<T, T, U>(row, orow, V, scale2, a.inv_tau, m, a.lse[N + i], with_ent ? a.ent[i] : 0.0f, gl, ge, t,
                       l.tune);
   }
 }
@@ -452,7 +455,7 @@ __global__ void __launch_bounds__(kMaxThreads) policy_kernel(Launch<PolicyArgs> 
     const Acc r = row_reduce<T, U>(row, V, scale2, smem);
     if (lead) {
       const float l2s = log2f(r.s);  // NaN m, s: NaN logp, H and a NaN dlogits row
-      const float logp = target_logp(xt * scale2, r.m, l2s);
+      const float logp = target_logp(xt, r.m, scale2, l2s);
       const float H = row_entropy(l2s, r.u, r.s);
       a.logp[i] = logp;
       a.ent[i] = H;
@@ -460,13 +463,13 @@ __global__ void __launch_bounds__(kMaxThreads) policy_kernel(Launch<PolicyArgs> 
       coef[0] = r.m; coef[1] = l2s; coef[2] = H; coef[3] = e.g_logp; coef[4] = e.g_ent;
     }
     __syncthreads();
-    const float m2 = coef[0], l2s = coef[1], H = coef[2], gl = coef[3], ge = coef[4];
+    const float m = coef[0], l2s = coef[1], H = coef[2], gl = coef[3], ge = coef[4];
     __syncthreads();
     // an undefined row (row_reduce), or NaN coefficients (e.g. a NaN logp of a target outside [0, V)):
     // NaN everywhere, also where p = 0, as on the CPU and in autograd
-    if (m2 != m2 || gl != gl || ge != ge) row_fill<TO>(orow, V, NAN);
+    if (m != m || gl != gl || ge != ge) row_fill<TO>(orow, V, NAN);
     else if (gl == 0.0f && ge == 0.0f) row_fill<TO>(orow, V, 0.0f);
-    else row_grad<T, TO, U>(row, orow, V, scale2, a.inv_tau, m2, l2s, H, gl, ge, t, l.tune);
+    else row_grad<T, TO, U>(row, orow, V, scale2, a.inv_tau, m, l2s, H, gl, ge, t, l.tune);
   }
 }
 

@@ -50,6 +50,12 @@ CU_FLAGS = ["-x", "c++", "-I", str(SIM / "include"), "-Wno-unknown-pragmas", "-f
 ASAN = os.environ.get("FUSED_RL_SIM_ASAN") == "1"
 if ASAN:
     CU_FLAGS += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+#: nvcc contracts ``a * b + c`` into an FMA by default (``-fmad=true``); so does g++ here where the CPU has FMA,
+#: so that a formula whose result hangs on it (``x * scale - max y``: the max's own term off 2^0) shows as on a GPU
+FMA = platform.machine().lower() in ("x86_64", "amd64") and Path("/proc/cpuinfo").exists() \
+    and "fma" in Path("/proc/cpuinfo").read_text().split()
+if FMA:
+    CU_FLAGS += ["-mfma", "-ffp-contract=fast"]
 
 
 def _build_plan(out: Path) -> dict[Path, list[tuple[list[str], Path]]]:
@@ -77,7 +83,7 @@ def _source_key() -> str:
     for path in sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cpp"), *CSRC.glob("*.cu"), *SIM.rglob("*.h"),
                         *SIM.glob("*.cu")]):
         h.update(path.name.encode() + path.read_bytes())
-    h.update(Path(__file__).read_bytes() + bytes([ASAN]))
+    h.update(Path(__file__).read_bytes() + bytes([ASAN, FMA]))
     return h.hexdigest()[:16]
 
 
@@ -263,6 +269,21 @@ def test_variants_match_reference(cuda_kernels, name, dtype):
 def test_token_logprobs_grad_of_both_outputs(cuda_kernels, temperature, dtype, shape):
     native_tests.test_token_logprobs_grad_of_both_outputs(temperature, dtype, shape)
     assert cuda_kernels.calls["cuda_token_stats"] == 1 and cuda_kernels.calls["cuda_token_grad"] == 1
+
+
+# ------------------------------------------------------------------------------ exact zeros of one-hot rows
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.7])
+@pytest.mark.parametrize("kind", ["gap", "gap-blocks", "single", "vocab1"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_hot_rows_give_exact_zeros(cuda_kernels, kind, temperature, dtype):
+    """logp = H = dlogits = 0 exactly where p(target) = 1 in fp32 (y - max y = (x - max x) scale2)."""
+    native_tests.check_one_hot_rows("cpu", kind, temperature, dtype)
+    assert cuda_kernels.calls["cuda_token_stats"] == 1 and cuda_kernels.calls["cuda_policy_fused"] == 1
+
+
+def test_top_entropy_quantile_ties_of_one_hot_rows(cuda_kernels):
+    native_tests.check_top_entropy_ties("cpu")
+    assert cuda_kernels.calls["cuda_token_stats"] == 1
 
 
 # ------------------------------------------------------------------------------ fused linear: tiles in place

@@ -213,6 +213,75 @@ def test_token_logprobs_grad_of_both_outputs(temperature, dtype, shape):
     assert results["cpu"][0].view(-1)[0] == 0 and results["cpu"][2].reshape(-1, shape[-1])[0].abs().max() == 0
 
 
+# ------------------------------------------------------------------------------ exact zeros of one-hot rows
+def one_hot_rows(kind: str, temperature: float, dtype: torch.dtype = torch.float32):
+    """``(logits, targets)`` of (2, 3, V) rows whose target has p = 1 in fp32, so that the reference's logp and
+    H are exactly 0: "gap" (V = 300) and "gap-blocks" (V = 4099, the target in the CPU kernel's last block of
+    2048, the earlier blocks' sums rescaled by exp(-gap)): every other z = x / tau at least 104 below the
+    target's (exp(-104) is 0 in fp32); "single": one finite logit, the rest -inf; "vocab1": V = 1."""
+    g = torch.Generator().manual_seed(5)
+    V = {"gap": 300, "gap-blocks": 4099, "single": 300, "vocab1": 1}[kind]
+    logits = torch.randn(2, 3, V, generator=g) * 3
+    low = 2 * 2048 if kind == "gap-blocks" else 0
+    targets = torch.randint(low, V, (2, 3), generator=g)
+    top = logits.amax(-1) + (106 + 10 * torch.rand(2, 3, generator=g)) * temperature
+    if kind == "single":
+        logits.fill_(-torch.inf)
+    logits.scatter_(-1, targets[..., None], top[..., None])
+    return logits.to(dtype), targets
+
+
+def check_one_hot_rows(backend: str, kind: str, temperature: float, dtype: torch.dtype) -> None:
+    """logp = H = 0 and dlogits = 0 exactly, as the reference's log_softmax gives: the row max's own term is
+    exp(0) = 1 and its z - max z exactly 0 ((x - max x) / tau; x / tau - max z contracted into an FMA keeps the
+    residual of the max's product: H ~ 5e-8 at tau != 1, which broke the H = 0 ties of top_entropy_quantile)."""
+    logits, targets = one_hot_rows(kind, temperature, dtype)
+    for be in ("reference", backend):
+        x = (logits.float() if be == "reference" else logits).requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(x, targets, temperature=temperature, return_entropy=True, backend=be)
+        (lp.sum() + ent.sum()).backward()
+        assert (lp == 0).all() and (ent == 0).all() and (x.grad == 0).all(), (be, lp, ent)
+    mask = torch.ones(targets.shape, dtype=torch.bool)
+    out = fused_rl.policy_loss(logits, targets, torch.randn(2), mask, config=PolicyLossConfig(temperature=temperature),
+                               backend=backend)
+    assert (out.logprobs == 0).all() and (out.entropy == 0).all()
+
+
+@pytest.mark.parametrize("backend, isa, dtype", [
+    *(pytest.param("cpu", isa, dtype, id=f"cpu-{isa}-{dtype}") for isa in ("auto", "baseline") for dtype in DTYPES),
+    pytest.param("triton", "auto", torch.float32, id="triton")], indirect=["isa"])
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.7])
+@pytest.mark.parametrize("kind", ["gap", "gap-blocks", "single", "vocab1"])
+def test_one_hot_rows_give_exact_zeros(backend, isa, dtype, kind, temperature):
+    reason = fused_rl.available_backends()[backend]
+    if reason is not None:
+        pytest.skip(reason)
+    check_one_hot_rows(backend, kind, temperature, dtype)
+
+
+def check_top_entropy_ties(backend: str) -> None:
+    """top_entropy_quantile over tokens whose H is 0 in the reference (one-hot rows at tau = 0.7): a noisy H
+    there breaks the ties and keeps other tokens (the loss was 0.063 against the reference's 0.367)."""
+    g = torch.Generator().manual_seed(0)
+    tau = 0.7
+    logits = torch.randn(3, 4, 300, generator=g)
+    logits[:, :, 0] += 110 * tau + 10 * torch.rand(3, 4, generator=g)
+    logits[0, :2] = torch.randn(2, 300, generator=g)
+    targets = torch.zeros(3, 4, dtype=torch.long)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    adv = torch.randn(3, generator=g)
+    config = PolicyLossConfig(top_entropy_quantile=0.5, temperature=tau)
+    out, ref = (fused_rl.policy_loss(logits, targets, adv, mask, config=config, backend=be)
+                for be in (backend, "reference"))
+    assert (out.entropy[1:] == 0).all()
+    assert_close(out.loss, ref.loss, torch.float32, "loss")
+    assert out.metrics["entropy_mask_frac"] == ref.metrics["entropy_mask_frac"]
+
+
+def test_top_entropy_quantile_ties_of_one_hot_rows(isa):
+    check_top_entropy_ties("cpu")
+
+
 def test_token_logprobs_without_entropy_sliced():
     g = torch.Generator().manual_seed(3)
     full = make_logits((3, 9, 1000), "negative", generator=g)

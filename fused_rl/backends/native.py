@@ -6,10 +6,11 @@ version. The kernels are wrapped as ``torch.library`` custom ops with fake imple
 autograd formulas (the pattern of :mod:`fused_rl.backends.torch_chunked`), so ``torch.compile``
 sees opaque calls.
 
-Per row (``z = logits / tau``, ``m = max z``, ``s = sum exp(z - m)``): ``logp = (z_target - m) - log s``,
-``H = log s - E[z - m]``; ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with
-``p = exp((z - m) - log s)``. The saved ``lse`` is ``(2, N)``, ``m`` and ``log s`` apart (the CUDA
-kernels keep both in base 2), so ``1 - p`` of a near-certain token survives a large ``|m|``.
+Per row (``z = logits / tau``, ``m = max logits``, ``z - max z = (logits - m) / tau``: the raw max subtracted
+before the scaling, so the max's own term is exactly 0, ``s = sum exp(z - max z)``): ``logp = (z_target - max z) -
+log s``, ``H = log s - E[z - max z]``; ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with
+``p = exp((z - max z) - log s)``. The saved ``lse`` is ``(2, N)``, ``m`` and ``log s`` apart (``log2 s`` on CUDA),
+so ``1 - p`` of a near-certain token survives a large ``|m|``.
 
 ``policy_loss`` (token-level configs) is a single pass: the kernel evaluates the closed-form
 epilogue of ``csrc/policy_epilogue.h`` per token (``g_logp = w dl/dlogp``, ``g_H = w dl/dH`` with the
