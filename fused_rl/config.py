@@ -71,13 +71,14 @@ class PolicyLossConfig:
     * ``rollout_is`` (needs ``rollout_logprobs``, the sampler's log-probs): importance weight
       ``rho = exp(old - rollout)`` (``old = sg(logp)`` on-policy) of the training policy against the
       inference engine, per token (``token_*``) or per sequence (``sequence_*``: ``exp(sum_t m (old -
-      rollout))``); ``*_truncate``: ``c *= clamp(rho, rollout_is_min, rollout_is_max)``; ``*_mask``:
-      ``c *= rho 1[rollout_is_min <= rho <= rollout_is_max]`` (a ``None`` bound is no bound; defaults ``None``
-      and 2.0, verl's ``rollout_is_threshold``; TRL's ``vllm_importance_sampling_clip_max`` defaults to 3.0).
+      rollout))``; a NaN rollout log-prob, a token the engine did not score, has log-ratio 0); ``*_truncate``:
+      ``c *= clamp(rho, rollout_is_min, rollout_is_max)``; ``*_mask``: ``c *= rho 1[rollout_is_min <= rho <=
+      rollout_is_max]`` (a ``None`` bound is no bound; defaults ``None`` and 2.0, verl's ``rollout_is_threshold``;
+      TRL's ``vllm_importance_sampling_clip_max`` defaults to 3.0).
       TRL's ``vllm_importance_sampling_*``, verl's ``rollout_correction``.
     * ``off_policy_mask=delta``: DeepSeek-V3.2's off-policy sequence mask: ``c *= 0`` on sequences with
       ``A < 0`` whose mean ``sum_t m (q - sg(logp)) / sum_t m`` exceeds ``delta``, ``q`` the rollout
-      log-probs if given, else ``old`` (TRL's ``off_policy_mask_threshold``).
+      log-probs if given (a NaN one adds 0), else ``old`` (TRL's ``off_policy_mask_threshold``).
     * ``top_entropy_quantile=rho < 1``: ``c *= 1[H_t >= quantile_{1-rho}(H)]``, the quantile (linear
       interpolation) over the batch's unmasked tokens (every process's inside
       :func:`fused_rl.loss_math.entropy_quantile_across`): train only the highest-entropy fraction

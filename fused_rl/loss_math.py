@@ -185,8 +185,10 @@ def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
     """``(rho, w)``, detached: the importance weight ``rho = exp(old - rollout)`` of the training policy
     against the sampler (per sequence: ``exp(sum_t m (old - rollout))``, broadcast) and the factor ``w``
     applied to the policy term: ``clamp(rho, min, max)`` (``*_truncate``) or ``rho 1[min <= rho <= max]``
-    (``*_mask``). Masked positions get ``rho = w = 1``."""
-    diff = torch.where(mask, old.detach() - rollout, torch.zeros_like(old))
+    (``*_mask``). Masked positions get ``rho = w = 1``; a NaN ``rollout`` log-prob (a token the inference
+    engine did not score, vLLM's ``None``) has log-ratio 0, as TRL's ``nan_to_num``: no correction of its own,
+    nothing added to its sequence's sum."""
+    diff = torch.where(mask & ~torch.isnan(rollout), old.detach() - rollout, torch.zeros_like(old))
     if config.rollout_is.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True).expand_as(old)
     rho = torch.exp(diff)
@@ -205,8 +207,10 @@ def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
 def off_policy_keep(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                     config: PolicyLossConfig) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence mask (bool, detached): keep a token unless its ``A < 0`` and
-    its sequence's mean ``sum_t m (behaviour - sg(logp)) / sum_t m`` exceeds ``config.off_policy_mask``."""
-    kl = torch.where(mask, behaviour.detach() - logp.detach(), torch.zeros_like(logp))
+    its sequence's mean ``sum_t m (behaviour - sg(logp)) / sum_t m`` exceeds ``config.off_policy_mask``; a NaN
+    ``behaviour`` (rollout) log-prob, a token the engine did not score, adds 0 to the sum (TRL's ``nan_to_num``)
+    and still counts in ``sum_t m``."""
+    kl = torch.where(mask & ~torch.isnan(behaviour), behaviour.detach() - logp.detach(), torch.zeros_like(logp))
     return (advantages >= 0) | (_sequence_mean(kl, mask) <= config.off_policy_mask)
 
 

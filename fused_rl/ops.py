@@ -67,7 +67,8 @@ def policy_loss(
     gradient reaches them). ``old_logprobs=None`` means on-policy (ratio 1, gradient of ``logp``).
     ``ref_logprobs`` are read only with ``config.kl`` set (and ignored otherwise, as Liger and TRL ignore
     them at ``beta = 0``).
-    ``rollout_logprobs (B, T)``: the inference engine's log-probs of the sampled tokens, for
+    ``rollout_logprobs (B, T)``: the inference engine's log-probs of the sampled tokens (NaN: a token it did not
+    score, vLLM's ``None``: log-ratio 0 there, no correction and no off-policy evidence, as TRL), for
     ``config.rollout_is`` / ``config.off_policy_mask``; ``truncated (B,)`` bool: completions cut at the
     length limit, masked out with ``config.mask_truncated_completions``. ``rollout_is_weights (B, T)``
     or ``(B,)``, ``>= 0``: importance weights you computed (verl's ``rollout_is_weights``, TRL / Liger's

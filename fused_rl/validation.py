@@ -264,11 +264,15 @@ def prepare_policy_inputs(
         adv_where = valid if advantages.dim() == 2 else valid.any(dim=1)
         checks.append(("advantages contain NaN or inf", (torch.isfinite(advantages) | ~adv_where).all()))
         for x, name in per_token:
-            if x is not None:
+            if x is None:
+                continue
+            if name == "rollout_logprobs":  # NaN: a token the engine did not score (no correction, as TRL)
+                checks.append((f"{name} contain inf where mask is set", (~torch.isinf(x) | ~valid).all()))
+            else:
                 checks.append((f"{name} contain NaN or inf where mask is set", (torch.isfinite(x) | ~valid).all()))
-                checks.append((f"{name} must be log-probabilities (<= 0) where mask is set, got values above "
-                               f"{LOGPROB_SLACK} (a negative log-likelihood, -log p?)",
-                               ~((x > LOGPROB_SLACK) & valid).any()))
+            checks.append((f"{name} must be log-probabilities (<= 0) where mask is set, got values above "
+                           f"{LOGPROB_SLACK} (a negative log-likelihood, -log p?)",
+                           ~((x > LOGPROB_SLACK) & valid).any()))
         if rollout_is_weights is not None:
             w_where = valid if rollout_is_weights.dim() == 2 else valid.any(dim=1)
             checks.append(("rollout_is_weights must be finite and >= 0 where mask is set",

@@ -169,7 +169,8 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             behind = lp
         else:
             behind = old
-        rho = tl.exp(tl.where(valid, behind - rollout, zero))
+        # a NaN rollout log-prob: a token the engine did not score, no correction (log-ratio 0), as TRL
+        rho = tl.exp(tl.where(valid & (rollout == rollout), behind - rollout, zero))
         if ROLLOUT == 1:  # token_truncate
             w_is = rho
             if HAS_RIS_MIN:

@@ -214,6 +214,36 @@ def test_rollout_is_weights_match_scalar_derivation(name):
     _check_against_scalar(VARIANTS[name], seed=len(name) * 5 + 1, is_weights=w)
 
 
+@pytest.mark.parametrize("name, on_policy", [("tis_token", False), ("mis_seq", False), ("tis_seq", True),
+                                              ("off_policy_mask", False), ("off_policy_mask_rollout", True),
+                                              ("all", True)])
+def test_an_unscored_rollout_token_has_log_ratio_zero(name, on_policy):
+    """A NaN rollout log-prob (a token the engine did not score: vLLM's ``None``) has log-ratio 0 in the rollout
+    correction (``old - q``: no weight of its own, nothing added to its sequence's sum) and in the off-policy
+    mask's KL (``q - sg(logp)``: adds 0, still counted), TRL's ``nan_to_num``: the loss, gradient and metrics of
+    the ``q`` that gives it log-ratio 0 there, ``old`` (correction only) or ``sg(logp)`` (on-policy: both)."""
+    cfg = VARIANTS[name]
+    logp, old, ref, ent, adv, mask = _inputs(17, B=4, T=6)
+    old = None if on_policy else old
+    rollout = (old if old is not None else logp) + 0.5 * torch.randn(logp.shape, dtype=torch.float64,
+                                                                      generator=torch.Generator().manual_seed(5))
+    unscored = mask & (torch.arange(6) % 3 == 1)
+    assert unscored.any() and (mask & ~unscored).any()
+    same = logp if old is None or cfg.rollout_is is None else old
+    results = []
+    for q in (torch.where(unscored, float("nan"), rollout), torch.where(unscored, same, rollout)):
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = compute_policy_loss(x, adv, mask, cfg, old_logprobs=old, ref_logprobs=ref, entropy=ent,
+                                            rollout_logprobs=q)
+        loss.backward()
+        results.append((loss.detach(), x.grad, metrics))
+    (loss, grad, metrics), (exp_loss, exp_grad, exp_metrics) = results
+    torch.testing.assert_close(loss, exp_loss, rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(grad, exp_grad, rtol=1e-12, atol=0.0)
+    for key in exp_metrics:
+        torch.testing.assert_close(metrics[key], exp_metrics[key], rtol=1e-12, atol=0.0, msg=key)
+
+
 def test_variant_metrics_count_what_they_say():
     logp, old, ref, ent, adv, mask = _inputs(3)
     rollout = old + 0.7 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)

@@ -347,3 +347,61 @@ def test_old_logprobs_are_the_loss_head_s_under_bf16_autocast(model_dir, tmp_pat
     assert (captured[0].logprobs - old)[on].abs().max() < 1e-5
     metrics = trainer._metrics["train"]
     assert metrics["clip_ratio/region_mean"][-1] == 0.0 and metrics["clip_ratio/high_max"][-1] == 0.0
+
+
+def _trl_is_ratio(trainer, old, sampling, mask):
+    """TRL's ``importance_sampling_ratio`` (``_generate_and_score_completions``; NaN sampling log-probs give a
+    log-ratio 0)."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if trainer.vllm_importance_sampling_mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    lo, hi = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+    if trainer.vllm_importance_sampling_mode.endswith("truncate"):
+        return torch.clamp(ratio, min=lo, max=hi)
+    return ratio.masked_fill((ratio < (lo if lo is not None else -math.inf)) | (ratio > hi), 0.0)
+
+
+@pytest.mark.parametrize("correction", [True, False], ids=["is-correction", "no-correction"])
+def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction):
+    """vLLM marks tokens it could not score with NaN sampling log-probs; TRL gives them log-ratio 0 in its
+    importance ratio and in the off-policy mask's KL (``nan_to_num``). Stock ``_compute_loss`` and the adapter's on
+    the same inputs, the NaN at a token where the old policy moved away from the current (so a substitute old
+    log-prob would add its gap to the KL and drop the sequence); without the correction TRL passes no old
+    log-probs (on-policy), where the adapter raised."""
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="dapo", beta=0.0))
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, correction
+    trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_max = "token_truncate", 3.0
+    trainer.off_policy_mask_threshold = 0.1
+    patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
+    g = torch.Generator().manual_seed(0)
+    completion_mask = (torch.arange(6)[None] < torch.tensor([[6], [2], [4], [1]])).long()
+    inputs = dict(prompt_ids=torch.randint(3, 30, (4, 3), generator=g), prompt_mask=torch.ones(4, 3, dtype=torch.long),
+                  completion_ids=torch.randint(3, 30, (4, 6), generator=g) * completion_mask,
+                  completion_mask=completion_mask, advantages=torch.tensor([-1.0, 0.5, -0.3, 0.8]),
+                  num_items_in_batch=completion_mask.sum().float())
+    model = trainer.model
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], completion_mask], 1), 6)
+    sampling = (logp + 0.05 * torch.randn(logp.shape, generator=g)).clamp(max=0.0) * completion_mask
+    sampling[0, 1] = float("nan")  # unscored, in the A < 0 sequence 0
+    if correction:
+        old = logp.clone()
+        old[0, 1] += 2.0  # the policy moved on this token since generation (num_iterations > 1)
+        inputs.update(old_per_token_logps=old, importance_sampling_ratio=_trl_is_ratio(trainer, old, sampling,
+                                                                                       completion_mask))
+    inputs["sampling_per_token_logps"] = sampling
+    model.train()
+    results = []
+    for compute in (functools.partial(trl.GRPOTrainer._compute_loss, trainer), trainer._compute_loss):
+        model.zero_grad()
+        loss = compute(model, inputs)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (stock, stock_grads), (fused, fused_grads) = results
+    torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-7)
+    assert len(fused_grads) == len(stock_grads)
+    assert max(_rel_err(a, b) for a, b in zip(fused_grads, stock_grads)) < 1e-4

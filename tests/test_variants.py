@@ -81,7 +81,7 @@ def is_weights(shape, seed: int = 0, per_sequence: bool = False) -> torch.Tensor
 
 def with_extras(case, config, seed: int = 0, weights: str = ""):
     """``case`` whose ``kwargs()`` also carry ``rollout_logprobs`` (the old / current log-probs moved by
-    0.3 randn, so the weights fall on both sides of the bounds) and ``truncated`` when ``config`` uses them,
+    0.3 randn, so the weights fall on both sides of the bounds; NaN, unscored, at ~15% of the valid tokens) and ``truncated`` when ``config`` uses them,
     and ``rollout_is_weights`` of :func:`is_weights` with ``weights="token"`` / ``"sequence"``."""
     extra = {}
     if weights:
@@ -91,7 +91,10 @@ def with_extras(case, config, seed: int = 0, weights: str = ""):
     if config.uses_rollout_logprobs:
         base = case.old if case.old is not None else fused_rl.reference.token_logprobs(
             case.logits.float(), torch.where(case.mask, case.targets, fused_rl.IGNORE_INDEX), check_inputs=False)
-        extra["rollout_logprobs"] = base + 0.3 * torch.randn(base.shape, generator=g).to(base.device)
+        rollout = (base + 0.3 * torch.randn(base.shape, generator=g).to(base.device)).clamp(max=0.0)
+        # tokens the engine did not score (vLLM's None -> NaN): log-ratio 0 on every backend
+        unscored = case.mask & (torch.rand(base.shape, generator=g).to(base.device) < 0.15)
+        extra["rollout_logprobs"] = torch.where(unscored, float("nan"), rollout)
     if config.mask_truncated_completions:
         extra["truncated"] = torch.arange(case.targets.shape[0], device=case.targets.device) % 3 == 2
     base_kwargs = case.kwargs()
@@ -254,8 +257,8 @@ def test_truncated_rows_contribute_nothing():
      "truncated must have shape"),
     (dict(config=PolicyLossConfig(rollout_is="token_mask"), rollout_logprobs=torch.zeros(4, 4)),
      "rollout_logprobs must have shape"),
-    (dict(config=PolicyLossConfig(rollout_is="token_mask"), rollout_logprobs=torch.full((4, 5), float("nan"))),
-     "rollout_logprobs contain NaN"),
+    (dict(config=PolicyLossConfig(rollout_is="token_mask"), rollout_logprobs=torch.full((4, 5), float("-inf"))),
+     "rollout_logprobs contain inf"),
     (dict(rollout_is_weights=torch.ones(4, 4)), "rollout_is_weights must have shape"),
     (dict(rollout_is_weights=torch.ones(4, 5, dtype=torch.long)), "rollout_is_weights must be a floating"),
     (dict(rollout_is_weights=-torch.ones(4)), "rollout_is_weights must be finite and >= 0"),

@@ -29,8 +29,9 @@ Also honoured: ``loss_type="sapo"``, ``delta``, ``top_entropy_quantile`` (its th
 process's entropies, gathered as TRL's ``get_high_entropy_mask`` gathers them), ``off_policy_mask_threshold``
 (against ``inputs["sampling_per_token_logps"]`` when vLLM provides them, else the old log-probs) and
 ``vllm_importance_sampling_correction`` (every mode, ``clip_min`` / ``clip_max``; fused_rl recomputes
-TRL's ratio from the old and sampling log-probs, and raises on NaN sampling log-probs where TRL
-substitutes ratio 1).
+TRL's ratio from the old and sampling log-probs; a NaN sampling log-prob, a token vLLM could not score, has
+log-ratio 0 in the correction and in the off-policy mask's KL, as TRL's ``nan_to_num``). ``delta`` must exceed
+``1 + epsilon_high`` (``NotImplementedError`` otherwise).
 
 Not supported (``NotImplementedError`` at construction, naming the option): ``loss_type``
 vespo / luspo, the entropy bonus (``entropy_coef != 0`` / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
@@ -252,10 +253,6 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     rollout = inputs.get("sampling_per_token_logps") if config.uses_rollout_logprobs else None
     if config.rollout_is is not None and rollout is None:
         raise ValueError("vllm_importance_sampling_correction needs inputs['sampling_per_token_logps']")
-    if rollout is not None and old is not None:
-        # TRL maps the tokens vLLM could not score to NaN and gives them no correction (log-ratio 0): the
-        # old log-prob in their place does that here (fused_rl itself raises on NaN rollout log-probs)
-        rollout = torch.where(torch.isnan(rollout), old.to(rollout.dtype), rollout)
     accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
     normalizer = None
     if self.loss_type in NUM_ITEMS_LOSS_TYPES:
