@@ -231,19 +231,19 @@ def one_hot_rows(kind: str, temperature: float, dtype: torch.dtype = torch.float
     return logits.to(dtype), targets
 
 
-def check_one_hot_rows(backend: str, kind: str, temperature: float, dtype: torch.dtype) -> None:
+def check_one_hot_rows(backend: str, kind: str, temperature: float, dtype: torch.dtype, device: str = "cpu") -> None:
     """logp = H = 0 and dlogits = 0 exactly, as the reference's log_softmax gives: the row max's own term is
     exp(0) = 1 and its z - max z exactly 0 ((x - max x) / tau; x / tau - max z contracted into an FMA keeps the
     residual of the max's product: H ~ 5e-8 at tau != 1, which broke the H = 0 ties of top_entropy_quantile)."""
-    logits, targets = one_hot_rows(kind, temperature, dtype)
+    logits, targets = (t.to(device) for t in one_hot_rows(kind, temperature, dtype))
     for be in ("reference", backend):
         x = (logits.float() if be == "reference" else logits).requires_grad_(True)
         lp, ent = fused_rl.token_logprobs(x, targets, temperature=temperature, return_entropy=True, backend=be)
         (lp.sum() + ent.sum()).backward()
         assert (lp == 0).all() and (ent == 0).all() and (x.grad == 0).all(), (be, lp, ent)
-    mask = torch.ones(targets.shape, dtype=torch.bool)
-    out = fused_rl.policy_loss(logits, targets, torch.randn(2), mask, config=PolicyLossConfig(temperature=temperature),
-                               backend=backend)
+    mask = torch.ones(targets.shape, dtype=torch.bool, device=device)
+    out = fused_rl.policy_loss(logits, targets, torch.randn(2, device=device), mask,
+                               config=PolicyLossConfig(temperature=temperature), backend=backend)
     assert (out.logprobs == 0).all() and (out.entropy == 0).all()
 
 
@@ -259,7 +259,7 @@ def test_one_hot_rows_give_exact_zeros(backend, isa, dtype, kind, temperature):
     check_one_hot_rows(backend, kind, temperature, dtype)
 
 
-def check_top_entropy_ties(backend: str) -> None:
+def check_top_entropy_ties(backend: str, device: str = "cpu") -> None:
     """top_entropy_quantile over tokens whose H is 0 in the reference (one-hot rows at tau = 0.7): a noisy H
     there breaks the ties and keeps other tokens (the loss was 0.063 against the reference's 0.367)."""
     g = torch.Generator().manual_seed(0)
@@ -271,6 +271,7 @@ def check_top_entropy_ties(backend: str) -> None:
     mask = torch.ones(3, 4, dtype=torch.bool)
     adv = torch.randn(3, generator=g)
     config = PolicyLossConfig(top_entropy_quantile=0.5, temperature=tau)
+    logits, targets, adv, mask = (t.to(device) for t in (logits, targets, adv, mask))
     out, ref = (fused_rl.policy_loss(logits, targets, adv, mask, config=config, backend=be)
                 for be in (backend, "reference"))
     assert (out.entropy[1:] == 0).all()
@@ -485,6 +486,21 @@ def _cuda_or_skip():
     reason = fused_rl.available_backends(torch.device("cuda"))["cuda"]
     if reason is not None:
         pytest.skip(reason)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+@pytest.mark.parametrize("kind", ["gap", "gap-blocks", "single", "vocab1"])
+def test_cuda_one_hot_rows_give_exact_zeros(backend, kind, temperature):
+    """The GPU kernels on the rows of :func:`check_one_hot_rows` (the CUDA kernel's max subtracted before its
+    scaling, as on CPU; the emulator checks it with FMA contraction, this on the hardware's ``ex2.approx``)."""
+    reason = fused_rl.available_backends("cuda")[backend]
+    if reason is not None:
+        pytest.skip(reason)
+    check_one_hot_rows(backend, kind, temperature, torch.float32, device="cuda")
+    if kind == "gap":
+        check_top_entropy_ties(backend, device="cuda")
 
 
 @pytest.mark.cuda
