@@ -718,8 +718,8 @@ def test_relative_paths_are_stored_absolute(tmp_path, monkeypatch, capsys):
                                         "    return [float(c == a) for c, a in zip(completions, answer)]\n")
     cfg = small(tmp_path, rewards=["my_rewards.py:good"], steps=1)
     assert cfg.rewards == [f"{work}/my_rewards.py:good"]
-    jsonl = load_config(None, ["--task", "jsonl", "--task_args.path", "d.jsonl", "--model", "m"])
-    assert (jsonl.task_args, jsonl.model) == ({"path": f"{work}/d.jsonl"}, f"{work}/m")
+    jsonl = load_config(None, ["--task", "jsonl", "--task_args.path", "d.jsonl", "--model", "m", "--tokenizer", "t"])
+    assert (jsonl.task_args, jsonl.model, jsonl.tokenizer) == ({"path": f"{work}/d.jsonl"}, f"{work}/m", f"{work}/t")
     Trainer(cfg, quiet=True).train()
     monkeypatch.chdir(tmp_path)
     assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0

@@ -293,8 +293,8 @@ class TrainConfig:
         return self
 
     def _resolve_paths(self) -> None:
-        """Relative file paths (a reward's ``file.py``, a jsonl task's ``path``, a model directory or .gguf file)
-        become absolute, resolved against the working directory: the run's saved config then works from
+        """Relative file paths (a reward's ``file.py``, a jsonl task's ``path``, a model directory or .gguf file, a
+        tokenizer directory) become absolute, resolved against the working directory: the run's saved config then works from
         anywhere (``fused-rl eval RUN_DIR``, ``--resume``)."""
         self.rewards = [f"{Path(spec.rsplit(':', 1)[0]).resolve()}:{spec.rsplit(':', 1)[1]}"
                         if ":" in spec and spec.rsplit(":", 1)[0].endswith(".py") else spec for spec in self.rewards]
@@ -302,6 +302,8 @@ class TrainConfig:
             self.task_args = {**self.task_args, "path": str(Path(self.task_args["path"]).resolve())}
         if self.model != "tiny" and not self.model.startswith("package:"):
             self.model = str(Path(self.model).resolve())
+        if self.tokenizer != "auto":
+            self.tokenizer = str(Path(self.tokenizer).resolve())
 
     def _reject_unused(self) -> None:
         """An option changed from its default where nothing reads it is a mistake, not a no-op."""
