@@ -405,3 +405,30 @@ def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction):
     torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-7)
     assert len(fused_grads) == len(stock_grads)
     assert max(_rel_err(a, b) for a, b in zip(fused_grads, stock_grads)) < 1e-4
+
+
+def test_log_prob_pass_of_an_all_masked_chunk(model_dir, tmp_path):
+    """TRL scores log-probs in chunks of the per-device batch; with ``mask_truncated_completions`` a chunk of only
+    truncated completions has no scored token: zeros, as TRL's own head gives (the adapter's pass raised on the
+    empty gather), and a partly masked chunk equals TRL's head to bf16-free rounding."""
+    trainer = FusedGRPOTrainer(**_trainer(model_dir, tmp_path), fused_backend=LINEAR_BACKEND)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 30, (2, 9), generator=g)
+    model = trainer.model
+    for completion_mask in (torch.zeros(2, 6, dtype=torch.long), torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0]])):
+        attention = torch.cat([torch.ones(2, 3, dtype=torch.long), completion_mask], 1)
+        outputs = []
+        with torch.no_grad():
+            for fused in (True, False):
+                logprob_pass = model._fused_rl_logprob_pass
+                if not fused:
+                    del model._fused_rl_logprob_pass  # TRL's own head
+                try:
+                    outputs.append(trainer._get_per_token_logps_and_entropies(model, ids, attention, 6,
+                                                                              compute_entropy=True)[:2])
+                finally:
+                    model._fused_rl_logprob_pass = logprob_pass
+        (logp, entropy), (trl_logp, trl_entropy) = outputs
+        torch.testing.assert_close(logp, trl_logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy, trl_entropy, atol=1e-5, rtol=1e-5)
+        assert (logp[completion_mask == 0] == 0).all()

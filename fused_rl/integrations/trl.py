@@ -167,7 +167,10 @@ def _trl_logprob_pass(trainer: GRPOTrainer, hidden: torch.Tensor, lm_head: torch
 
     labels = labels[:, 1:].to(lm_head.weight.device)
     valid = labels != -100  # only the scored positions, gathered as TRL's head gathers them
-    h, weight, bias = _head_operands(trainer, hidden[:, :-1][valid].unsqueeze(0), lm_head)
+    h, weight, bias = _head_operands(trainer, hidden[:, :-1].to(labels.device)[valid].unsqueeze(0), lm_head)
+    if h.shape[1] == 0:  # nothing scored (a chunk of truncated completions): zeros, connected to the graph as TRL's
+        zeros = torch.zeros(valid.shape, device=h.device) + h.float().sum()
+        return FusedCausalLMOutput(loss=zeros.sum(), log_probs=zeros, entropy=zeros.clone(), label_mask=valid)
     with torch.autocast(h.device.type, enabled=False):
         logp, entropy = linear_token_logprobs(h, weight, labels[valid].unsqueeze(0), bias=bias,
                                               temperature=trainer.temperature, return_entropy=True,
