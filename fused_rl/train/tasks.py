@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import numbers
 import random
 import re
 import zlib
@@ -124,6 +123,14 @@ def resolve_reward(spec: str) -> tuple[str, RewardFn]:
     return spec, fn
 
 
+def _real_number(v) -> float:
+    """``float(v)`` of a real scalar: a Python / numpy number, a bool, a ``Decimal``, a 0-d tensor or array; a
+    string (``"1"``), a sequence or a complex number raises ``TypeError`` / ``ValueError``."""
+    if isinstance(v, (str, bytes, complex)) or getattr(v, "ndim", 0) != 0 or getattr(v, "is_complex", lambda: False)():
+        raise TypeError(f"not a real number: {v!r}")
+    return float(v)
+
+
 def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[str], batch: dict) -> torch.Tensor:
     """Call ``fn`` and check its result: a sequence (list, tuple, array, tensor) of one real number per
     completion, each finite in float32; returns them as a float32 tensor. Failures raise
@@ -137,15 +144,17 @@ def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[s
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
                                   f"{type(result).__name__}")
-    not_numbers = [i for i, v in enumerate(values) if not isinstance(v, numbers.Real)]
-    if not_numbers:
-        i = not_numbers[0]
-        raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
-                                  f"{type(values[i]).__name__} {values[i]!r} at index {i}")
+    floats = []
+    for i, v in enumerate(values):
+        try:
+            floats.append(_real_number(v))
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
+                                      f"{type(v).__name__} {v!r} at index {i}") from None
     if len(values) != len(completions):
         raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for "
                                   f"{len(completions)} completions (it must return one per completion)")
-    rewards = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    rewards = torch.tensor(floats, dtype=torch.float32)
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad:
         raise RewardFunctionError(f"reward function {name!r} returned a non-finite value at index {bad[0]}: "

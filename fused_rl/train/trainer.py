@@ -34,7 +34,7 @@ import fused_rl
 from fused_rl import advantages as adv_lib
 
 from . import checkpoint
-from .config import ConfigError, TrainConfig, to_dict
+from .config import ConfigError, TrainConfig, to_dict, yaml_dump
 from .plot import read_metrics
 from .models import DTYPES, PolicyModule, load_policy, resolve_linear_backend
 from .rollout import Rollout, rollout
@@ -398,7 +398,7 @@ class Trainer:
         cfg = self.cfg
         self._prepare_metrics_file()
         if self.rank == 0:
-            (self.run_dir / "config.yaml").write_text(_yaml_dump(to_dict(cfg)))
+            (self.run_dir / "config.yaml").write_text(yaml_dump(to_dict(cfg)))
         history: list[dict] = []
         bar = None
         if cfg.progress and not self.quiet and sys.stderr.isatty():  # logs get the plain lines below
@@ -459,7 +459,3 @@ def format_postfix(m: dict) -> str:
     return " ".join(parts)
 
 
-def _yaml_dump(d: dict) -> str:
-    import yaml
-
-    return yaml.safe_dump(d, sort_keys=False)
