@@ -366,9 +366,9 @@ def _trl_is_ratio(trainer, old, sampling, mask):
 def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction):
     """vLLM marks tokens it could not score with NaN sampling log-probs; TRL gives them log-ratio 0 in its
     importance ratio and in the off-policy mask's KL (``nan_to_num``). Stock ``_compute_loss`` (TRL's loss math, on
-    the patched model's log-probs) and the adapter's on the same inputs, the NaN at a token where the old policy moved away from the current (so a substitute old
-    log-prob would add its gap to the KL and drop the sequence); without the correction TRL passes no old
-    log-probs (on-policy), where the adapter raised."""
+    the patched model's log-probs) and the adapter's on the same inputs, the NaN at a token where the old policy
+    moved away from the current (so a substitute old log-prob would add its gap to the KL and drop the sequence);
+    without the correction TRL passes no old log-probs (on-policy), where the adapter raised."""
     trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="dapo", beta=0.0))
     trainer.current_gradient_accumulation_steps = 1
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, correction

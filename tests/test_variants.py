@@ -81,8 +81,9 @@ def is_weights(shape, seed: int = 0, per_sequence: bool = False) -> torch.Tensor
 
 def with_extras(case, config, seed: int = 0, weights: str = ""):
     """``case`` whose ``kwargs()`` also carry ``rollout_logprobs`` (the old / current log-probs moved by
-    0.3 randn, so the weights fall on both sides of the bounds; NaN, unscored, at ~15% of the valid tokens) and ``truncated`` when ``config`` uses them,
-    and ``rollout_is_weights`` of :func:`is_weights` with ``weights="token"`` / ``"sequence"``."""
+    0.3 randn, so the weights fall on both sides of the bounds; NaN, unscored, at ~15% of the valid tokens) and
+    ``truncated`` when ``config`` uses them, and ``rollout_is_weights`` of :func:`is_weights` with
+    ``weights="token"`` / ``"sequence"``."""
     extra = {}
     if weights:
         extra["rollout_is_weights"] = is_weights(tuple(case.targets.shape), seed, weights == "sequence").to(

@@ -358,7 +358,6 @@ class NativeBackend(TiledLinearMethods, Backend):
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=metrics)
 
 
-
 class CpuBackend(NativeBackend):
     """C++ kernels on CPU tensors (OpenMP over rows, AVX2 when the CPU has it)."""
 

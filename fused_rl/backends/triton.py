@@ -265,7 +265,6 @@ class TritonBackend(TiledLinearMethods, Backend):
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=mets)
 
 
-
 if _INSTALLED:
     register(TritonBackend())
 else:

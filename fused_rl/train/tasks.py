@@ -162,7 +162,6 @@ def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[s
     return rewards
 
 
-
 # ---------------------------------------------------------------------------------------------- tasks
 class Task:
     """A source of examples; ``sample(rng, n)`` draws ``n`` training examples, ``heldout(n)`` a fixed
