@@ -112,7 +112,36 @@ def binary_mask(mask: torch.Tensor, name: str, check: bool = True) -> torch.Tens
 
 def binary_mask_check(mask: torch.Tensor, name: str) -> tuple[str, torch.Tensor]:
     """:func:`binary_mask`'s value check, for a caller that batches it into its own :func:`run_value_checks`."""
-    return (f"{name} must contain only 0 and 1 (fused_rl does not weight tokens)", ((mask == 0) | (mask == 1)).all())
+    return (f"{name} must contain only 0 and 1 (fused_rl does not weight tokens)",
+            ((mask == 0) | (mask == 1)).all())
+
+
+# The value checks of the per-token arguments, as ``(message, 0-dim bool)`` for :func:`run_value_checks`, read only
+# where ``valid`` (a (B, T) bool) is set: padding may hold anything. ``mask_name`` names the mask in the messages.
+def advantages_check(advantages: torch.Tensor, valid: torch.Tensor, name: str = "advantages",
+                     mask_name: str = "mask") -> tuple[str, torch.Tensor]:
+    """Finite ``(B, T)`` or per-sequence ``(B,)`` advantages (the latter where the row has a valid token)."""
+    where = valid if advantages.dim() == 2 else valid.any(dim=1)
+    return (f"{name} contain NaN or inf where {mask_name} is set", (torch.isfinite(advantages) | ~where).all())
+
+
+def logprob_checks(x: torch.Tensor, valid: torch.Tensor, name: str, mask_name: str = "mask",
+                   unscored_nan: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Finite log-probs ``<= LOGPROB_SLACK``; with ``unscored_nan`` (rollout log-probs) NaN passes: a token the
+    inference engine did not score."""
+    finite = ~torch.isinf(x) if unscored_nan else torch.isfinite(x)
+    return [(f"{name} contain {'inf' if unscored_nan else 'NaN or inf'} where {mask_name} is set",
+             (finite | ~valid).all()),
+            (f"{name} must be log-probabilities (<= 0) where {mask_name} is set, got values above {LOGPROB_SLACK} "
+             "(a negative log-likelihood, -log p?)", ~((x > LOGPROB_SLACK) & valid).any())]
+
+
+def weights_check(weights: torch.Tensor, valid: torch.Tensor, name: str = "rollout_is_weights",
+                  mask_name: str = "mask") -> tuple[str, torch.Tensor]:
+    """Finite importance weights ``>= 0``, ``(B, T)`` or per-sequence ``(B,)``."""
+    where = valid if weights.dim() == 2 else valid.any(dim=1)
+    return (f"{name} must be finite and >= 0 where {mask_name} is set",
+            ((torch.isfinite(weights) & (weights >= 0)) | ~where).all())
 
 
 def check_temperature(temperature) -> None:
@@ -261,22 +290,12 @@ def prepare_policy_inputs(
                    target_range_ok(targets, vocab, bool_mask))]
         if mask.dtype != torch.bool:
             checks.append(("mask must contain only 0 and 1", ((mask == 0) | (mask == 1)).all()))
-        adv_where = valid if advantages.dim() == 2 else valid.any(dim=1)
-        checks.append(("advantages contain NaN or inf", (torch.isfinite(advantages) | ~adv_where).all()))
+        checks.append(advantages_check(advantages, valid))
         for x, name in per_token:
-            if x is None:
-                continue
-            if name == "rollout_logprobs":  # NaN: a token the engine did not score (no correction, as TRL)
-                checks.append((f"{name} contain inf where mask is set", (~torch.isinf(x) | ~valid).all()))
-            else:
-                checks.append((f"{name} contain NaN or inf where mask is set", (torch.isfinite(x) | ~valid).all()))
-            checks.append((f"{name} must be log-probabilities (<= 0) where mask is set, got values above "
-                           f"{LOGPROB_SLACK} (a negative log-likelihood, -log p?)",
-                           ~((x > LOGPROB_SLACK) & valid).any()))
+            if x is not None:
+                checks += logprob_checks(x, valid, name, unscored_nan=name == "rollout_logprobs")
         if rollout_is_weights is not None:
-            w_where = valid if rollout_is_weights.dim() == 2 else valid.any(dim=1)
-            checks.append(("rollout_is_weights must be finite and >= 0 where mask is set",
-                           ((torch.isfinite(rollout_is_weights) & (rollout_is_weights >= 0)) | ~w_where).all()))
+            checks.append(weights_check(rollout_is_weights, valid))
         if isinstance(token_normalizer, torch.Tensor):
             checks.append(("token_normalizer must be positive and finite",
                            torch.isfinite(token_normalizer) & (token_normalizer > 0)))

@@ -260,7 +260,7 @@ NAN = float("nan")
     ("old_log_prob", OLD.long(), "old_log_prob must be a floating tensor"),
     ("old_log_prob", None, "old_log_prob is required"),
     ("old_log_prob", OLD.index_put((torch.tensor(0), torch.tensor(1)), torch.tensor(NAN, dtype=torch.float64)),
-     "old_log_prob contains NaN or inf"),
+     "old_log_prob contain NaN or inf"),
     ("old_log_prob", -OLD, "old_log_prob must be log-probabilities"),  # a negative log-likelihood
     ("advantages", ADV[:, :2], "advantages must have shape (2, 3) or (2,)"),
     ("advantages", ADV[:, 0].reshape(2, 1), "advantages must have shape (2, 3) or (2,)"),

@@ -62,8 +62,8 @@ from ..config import AGGREGATIONS, PolicyLossConfig
 from ..loss_math import compute_policy_loss as _compute_policy_loss
 from ..ops import _check_linear, linear_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import (INDEX_DTYPES, LOGPROB_SLACK, _check_per_token, _fail, _is_compiling, binary_mask,
-                          binary_mask_check, run_value_checks)
+from ..validation import (INDEX_DTYPES, _check_per_token, _fail, _is_compiling, advantages_check, binary_mask,
+                          binary_mask_check, logprob_checks, run_value_checks, weights_check)
 
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg")
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
@@ -158,19 +158,11 @@ def _check_verl_inputs(shape: tuple, device: torch.device, device_owner: str, ol
         _fail(f"response_mask must be boolean or 0/1 numbers, got {response_mask.dtype}")
     mask = binary_mask(response_mask, "response_mask", check=False)
     if check_inputs and not _is_compiling():
-        seq_mask = mask.any(dim=1)
         checks = [] if response_mask.dtype == torch.bool else [binary_mask_check(response_mask, "response_mask")]
-        checks += [
-            ("advantages contain NaN or inf where response_mask is set",
-             (torch.isfinite(advantages) | ~(mask if advantages.dim() == 2 else seq_mask)).all()),
-            ("old_log_prob contains NaN or inf where response_mask is set",
-             (torch.isfinite(old_log_prob) | ~mask).all()),
-            (f"old_log_prob must be log-probabilities (<= 0) where response_mask is set, got values above "
-             f"{LOGPROB_SLACK} (a negative log-likelihood, -log p?)", ~((old_log_prob > LOGPROB_SLACK) & mask).any())]
+        checks.append(advantages_check(advantages, mask, mask_name="response_mask"))
+        checks += logprob_checks(old_log_prob, mask, "old_log_prob", mask_name="response_mask")
         if rollout_is_weights is not None:
-            w_where = mask if rollout_is_weights.dim() == 2 else seq_mask
-            checks.append(("rollout_is_weights must be finite and >= 0 where response_mask is set",
-                           ((torch.isfinite(rollout_is_weights) & (rollout_is_weights >= 0)) | ~w_where).all()))
+            checks.append(weights_check(rollout_is_weights, mask, mask_name="response_mask"))
         run_value_checks(checks)
     return mask
 
