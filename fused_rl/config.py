@@ -27,6 +27,9 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-
 
 #: Target id meaning "no token here": log-prob 0, entropy 0, zero gradient, and masked in the loss.
 IGNORE_INDEX = -100
+#: The smallest sampling temperature: below it vLLM's sampler (``_SAMPLING_EPS``) decodes greedily, so there is no
+#: sampling distribution to take log-probs of, and ``logits / temperature`` overflows fp32 for logits ~1e-38 / tau.
+MIN_TEMPERATURE = 1e-5
 
 
 def _finite_number(name: str, value: Any) -> float:
@@ -91,7 +94,7 @@ class PolicyLossConfig:
         - ``"seq-mean-token-sum"``: ``mean_i(sum_t l m)``;
         - ``"seq-mean-token-sum-norm"``: ``sum(l m) / (B * max_len)``, ``max_len`` defaulting to
           the padded length ``T``.
-    * ``temperature``: log-probs are those of ``softmax(logits / temperature)``.
+    * ``temperature`` (``>= MIN_TEMPERATURE = 1e-5``): log-probs are those of ``softmax(logits / temperature)``.
     """
 
     policy_loss: PolicyLossName = "ppo_clip"
@@ -173,8 +176,9 @@ class PolicyLossConfig:
                 raise ValueError(f"PolicyLossConfig.rollout_is_min ({lo}) must be <= rollout_is_max ({hi})")
         if not 0.0 <= floats["top_entropy_quantile"] <= 1.0:
             raise ValueError(f"PolicyLossConfig.top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
-        if floats["temperature"] <= 0.0:
-            raise ValueError(f"PolicyLossConfig.temperature must be > 0, got {self.temperature!r}")
+        if floats["temperature"] < MIN_TEMPERATURE:
+            raise ValueError(f"PolicyLossConfig.temperature must be >= {MIN_TEMPERATURE} (below it samplers decode "
+                             f"greedily), got {self.temperature!r}")
         if self.max_len is not None:
             if isinstance(self.max_len, bool) or not isinstance(self.max_len, numbers.Integral) or self.max_len <= 0:
                 raise ValueError(f"PolicyLossConfig.max_len must be a positive int (or None), got {self.max_len!r}")

@@ -11,13 +11,14 @@ Two kinds of checks:
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .config import IGNORE_INDEX, PolicyLossConfig
+from .config import IGNORE_INDEX, MIN_TEMPERATURE, PolicyLossConfig
 from .loss_math import Normalizer
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -145,9 +146,12 @@ def weights_check(weights: torch.Tensor, valid: torch.Tensor, name: str = "rollo
 
 
 def check_temperature(temperature) -> None:
-    """A finite real ``> 0`` (Python or numpy scalar; not a bool or a tensor)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < float("inf"):
-        _fail(f"temperature must be a finite number > 0, got {temperature!r}")
+    """A finite real ``>= MIN_TEMPERATURE`` (Python or numpy scalar; not a bool or a tensor)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
+        _fail(f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
+    if temperature < MIN_TEMPERATURE:
+        _fail(f"temperature must be a finite number >= {MIN_TEMPERATURE} (below it samplers decode greedily: no "
+              f"distribution to take log-probs of), got {temperature!r}")
 
 
 def token_logprobs_checks(logits: torch.Tensor, targets: torch.Tensor, temperature: float,

@@ -22,6 +22,7 @@ from fused_rl.loss_math import compute_policy_loss
     (dict(beta=-1.0), "beta"),
     (dict(beta=0.1), "needs a KL estimator"),
     (dict(temperature=0.0), "temperature"),
+    (dict(temperature=1e-38), r"temperature must be >= 1e-05 \(below it samplers decode greedily"),
     (dict(temperature="1"), "real number"),
     (dict(entropy_coef=float("inf")), "finite"),
     (dict(max_len=0, agg="seq-mean-token-sum-norm"), "max_len"),

@@ -247,9 +247,38 @@ def test_numpy_scalar_arguments():
     torch.testing.assert_close(got.loss, expected.loss)
     torch.testing.assert_close(fused_rl.token_logprobs(args["logits"], args["targets"], temperature=np.float64(0.5)),
                                fused_rl.token_logprobs(args["logits"], args["targets"], temperature=0.5))
-    for bad in (np.bool_(True), "0.5", float("nan"), np.float32("inf")):
+    for bad in (np.bool_(True), "0.5", float("nan"), np.float32("inf"), 0.0, np.float64(1e-38)):
         with pytest.raises(ValueError, match="temperature must be a finite number"):
             fused_rl.token_logprobs(args["logits"], args["targets"], temperature=bad)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_temperature_bound(backend):
+    """At ``MIN_TEMPERATURE`` (vLLM's greedy threshold) log-probs of logits ~+-100 (z ~ 1e7) are finite, within
+    fp32 rounding of ``x / tau`` of an fp64 log_softmax, with finite gradients; below it every entry point
+    raises (at 1e-38 ``logits / tau`` overflowed to a NaN log-prob on every backend)."""
+    from fused_rl.config import MIN_TEMPERATURE
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 300, generator=g) * 30
+    x[0, 0] -= 1e4
+    targets = torch.randint(0, 300, (2, 3), generator=g)
+    expected = torch.log_softmax(x.double() / MIN_TEMPERATURE, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logits = x.clone().requires_grad_(True)
+    logp, entropy = fused_rl.token_logprobs(logits, targets, temperature=MIN_TEMPERATURE, return_entropy=True,
+                                            backend=backend)
+    logp.sum().backward()
+    torch.testing.assert_close(logp.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(entropy).all() and torch.isfinite(logits.grad).all()
+    below = MIN_TEMPERATURE * 0.99
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 1e-05"):
+        fused_rl.token_logprobs(x, targets, temperature=below, backend=backend)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 1e-05"):
+        fused_rl.linear_token_logprobs(torch.randn(2, 3, 4), torch.randn(300, 4), targets, temperature=below,
+                                       backend=backend)
+    with pytest.raises(ValueError, match="PolicyLossConfig.temperature must be >= 1e-05"):
+        PolicyLossConfig(temperature=1e-38)
 
 
 @pytest.mark.parametrize("backend", [b for b in fused_backends() if b in ("cpu", "triton", "torch")])
