@@ -12,12 +12,12 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce"]
+PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo"]
 KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"]]
 RolloutISName = Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]]
 AggName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
-POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce")
+POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo")
 #: ``"X+"``: the value of estimator ``X`` with the gradient of ``k2`` (straight-through).
 KL_ESTIMATORS = (None, "k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+")
 ROLLOUT_IS_MODES = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -65,6 +65,12 @@ class PolicyLossConfig:
           where ``A > 0``, else ``sapo_temperature_neg``.
         - ``"cispo"``: ``-sg(min(r, 1+clip_high)) * A * logp``.
         - ``"reinforce"``: ``-A * logp``.
+        - ``"vespo"``: VESPO (TRL / Liger ``loss_type="vespo"``), ``-sg(phi_i) * A * logp`` with the sequence
+          weight ``phi_i = exp(lam + k log w_i - lam w_i)`` (a Gamma density in ``w_i``, 1 at ``w_i = 1``), ``k, lam
+          = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else ``vespo_k_neg, vespo_lambda_neg``, and
+          ``log w_i = clamp(sum_t m clamp(log r_t, -20, 20) + sum_t m log_is_t, log 1e-8, 20)`` (a sum, not a mean),
+          ``log_is_t = clamp(log c_t, log 1e-8, 20)`` of the token-level rollout correction ``c_t`` below, which
+          enters ``w_i`` instead of multiplying the loss (TRL's ``get_gamma_weights``).
     * ``kl`` (estimator of KL(pi || ref), added as ``beta * kl``): ``k1 = -d``, ``k2 = d^2/2``,
       ``k3 = exp(d) - d - 1``, ``abs = |d|``, ``low_var_kl = clamp(k3, -10, 10)``; ``"X+"`` is
       straight-through: the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
@@ -104,6 +110,10 @@ class PolicyLossConfig:
     delta: Optional[float] = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     kl: KLName = None
     beta: float = 0.0
     kl_bias_correction: bool = False
@@ -128,8 +138,9 @@ class PolicyLossConfig:
         if self.rollout_is not in ROLLOUT_IS_MODES:
             raise ValueError(f"PolicyLossConfig.rollout_is must be one of {ROLLOUT_IS_MODES}, got {self.rollout_is!r}")
         floats = {name: _finite_number(name, getattr(self, name))
-                  for name in ("clip_low", "clip_high", "sapo_temperature_pos", "sapo_temperature_neg", "beta",
-                               "top_entropy_quantile", "temperature", "entropy_coef")}
+                  for name in ("clip_low", "clip_high", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                               "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "beta", "top_entropy_quantile",
+                               "temperature", "entropy_coef")}
         if self.policy_loss == "gmpo":
             if floats["clip_low"] < 0.0:
                 raise ValueError(f"PolicyLossConfig.clip_low (gmpo: a log-ratio bound) must be >= 0, got {self.clip_low!r}")
@@ -149,7 +160,7 @@ class PolicyLossConfig:
         if self.delta is not None and floats["delta"] <= 1.0 + floats["clip_high"]:
             raise ValueError(f"PolicyLossConfig.delta must be > 1 + clip_high = {1.0 + floats['clip_high']!r} "
                              f"(or None), got {self.delta!r}")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if floats[name] <= 0.0:
                 raise ValueError(f"PolicyLossConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if floats["beta"] < 0.0:
@@ -174,6 +185,9 @@ class PolicyLossConfig:
                 raise ValueError("PolicyLossConfig.rollout_is needs rollout_is_max and/or rollout_is_min")
             if lo is not None and hi is not None and lo > hi:
                 raise ValueError(f"PolicyLossConfig.rollout_is_min ({lo}) must be <= rollout_is_max ({hi})")
+            if self.policy_loss == "vespo" and self.rollout_is.startswith("sequence"):
+                raise ValueError("PolicyLossConfig.policy_loss='vespo' takes a token-level rollout correction "
+                                 f"(token_truncate / token_mask, as TRL), got rollout_is={self.rollout_is!r}")
         if not 0.0 <= floats["top_entropy_quantile"] <= 1.0:
             raise ValueError(f"PolicyLossConfig.top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
         if floats["temperature"] < MIN_TEMPERATURE:
@@ -244,7 +258,7 @@ class PolicyLossConfig:
     def is_sequence_level(self) -> bool:
         """True when a token's loss depends on other tokens of its sequence (sequence ratios, sequence
         masks); the loss stays row-local: each sequence depends only on its own tokens."""
-        return (self.policy_loss in ("gspo", "gspo_token", "gmpo") or self.off_policy_mask is not None
+        return (self.policy_loss in ("gspo", "gspo_token", "gmpo", "vespo") or self.off_policy_mask is not None
                 or (self.rollout_is is not None and self.rollout_is.startswith("sequence")))
 
     @property
@@ -284,6 +298,10 @@ class PolicyLossConfig:
 #: * ``gmpo``    -> verl ``policy_loss.loss_mode="geo_mean"`` (GMPO paper: log-space clip 0.4 / 0.4), mean over
 #:   sequences.
 #: * ``sapo``    -> TRL ``loss_type="sapo"`` (temperatures 1.0 / 1.05; TRL aggregates as ``"grpo"``).
+#: * ``luspo``   -> TRL ``loss_type="luspo"`` with ``importance_sampling_level="sequence"`` (LUSPO: GSPO whose
+#:   sequence losses are summed over their tokens, weighting a sequence by its length), gspo's clip range.
+#: * ``vespo``   -> TRL ``loss_type="vespo"`` (k / lambda 2, 3 for ``A >= 0`` and 3, 2 below), token mean over the
+#:   accumulated batch (TRL's ``num_items_in_batch``) as dapo.
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"),
     "bnpo": dict(policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, agg="token-mean"),
@@ -295,4 +313,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gspo_token": dict(policy_loss="gspo_token", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
     "gmpo": dict(policy_loss="gmpo", clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean"),
     "sapo": dict(policy_loss="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, agg="seq-mean-token-mean"),
+    "luspo": dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-sum"),
+    "vespo": dict(policy_loss="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+                  agg="token-mean"),
 }

@@ -16,6 +16,7 @@ Conventions (``m`` the boolean mask, ``r = exp(logp - old)``, ``d = ref - logp``
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
@@ -151,11 +152,37 @@ def weighted(coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where((coef == 0) & torch.isinf(x), torch.zeros_like(x), coef * x)
 
 
+#: VESPO's bounds of ``log w`` (TRL's ``get_gamma_weights``: ``log 1e-8`` below, 20 above).
+VESPO_LOG_W_MIN, VESPO_LOG_W_MAX = math.log(1e-8), 20.0
+
+
+def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig,
+                  rollout_is: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """VESPO's sequence weight ``phi`` (detached, ``(B, T)``: ``k`` and ``lam`` follow each token's ``A``):
+    ``phi = exp(lam + k log w - lam w)``, ``log w = clamp(sum_t m clamp(log r_t, -20, 20) + sum_t m clamp(log c_t,
+    log 1e-8, 20), log 1e-8, 20)`` with ``log_ratio`` the token log-ratios and ``rollout_is`` the token-level
+    rollout correction ``c_t`` (or ``None``); ``k, lam = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else
+    the ``_neg`` pair; a non-finite ``phi`` is 0 (TRL's ``nan_to_num``)."""
+    zeros = torch.zeros_like(log_ratio)
+    log_w = torch.where(mask, log_ratio.detach().clamp(min=-20.0, max=20.0), zeros).sum(dim=1, keepdim=True)
+    if rollout_is is not None:
+        log_is = rollout_is.detach().log().clamp(min=VESPO_LOG_W_MIN, max=VESPO_LOG_W_MAX)
+        log_w = log_w + torch.where(mask, log_is, zeros).sum(dim=1, keepdim=True)
+    log_w = log_w.clamp(min=VESPO_LOG_W_MIN, max=VESPO_LOG_W_MAX)
+    pos = advantages >= 0
+    k = torch.where(pos, torch.full_like(zeros, config.vespo_k_pos), torch.full_like(zeros, config.vespo_k_neg))
+    lam = torch.where(pos, torch.full_like(zeros, config.vespo_lambda_pos),
+                      torch.full_like(zeros, config.vespo_lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.where(torch.isfinite(phi), phi, zeros)
+
+
 def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
                          config: PolicyLossConfig, log_ratio: Optional[torch.Tensor] = None,
-                         mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         mask: Optional[torch.Tensor] = None, phi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token surrogate (to minimize) of ``config.policy_loss``; see :class:`PolicyLossConfig`.
-    gmpo also needs the masked token log-ratios ``log_ratio`` and the ``mask``."""
+    gmpo also needs the masked token log-ratios ``log_ratio`` and the ``mask``; vespo its weights ``phi``
+    (:func:`vespo_weights`)."""
     a = advantages
     if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
         clipped = ratio.clamp(min=1.0 - config.clip_low, max=1.0 + config.clip_high)
@@ -177,6 +204,10 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
         return -a * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     if config.policy_loss == "cispo":
         return weighted(-ratio.clamp(max=1.0 + config.clip_high).detach() * a, logp)
+    if config.policy_loss == "vespo":
+        if phi is None:
+            raise ValueError("vespo needs its weights phi")
+        return weighted(-phi.detach() * a, logp)
     return weighted(-a, logp)  # reinforce
 
 
@@ -272,7 +303,8 @@ def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
 class TokenTerms(NamedTuple):
     """Per-token pieces of the loss, all ``(B, T)``: ``loss`` (0 where masked), the importance ``ratio``,
     the KL estimate (``None`` without ``config.kl``) and ``extras``, detached tensors for the metrics:
-    ``log_ratio`` (gmpo's token log-ratios), ``rollout_rho`` / ``rollout_is`` (:func:`rollout_weights`),
+    ``log_ratio`` (gmpo's and vespo's token log-ratios), ``vespo_phi`` (:func:`vespo_weights`), ``rollout_rho`` /
+    ``rollout_is`` (:func:`rollout_weights`),
     ``off_policy_keep`` and ``entropy_keep`` (the masks), only those the config uses."""
 
     loss: torch.Tensor
@@ -295,9 +327,9 @@ def per_token_loss(
 ) -> TokenTerms:
     """Per-token loss ``l_t = c_t pg_t + beta * kl_t - entropy_coef * H_t`` (0 where masked; ``kl_t``
     times the ratio ``r_t`` with ``config.kl_bias_correction``; ``c_t`` the detached product of the
-    rollout weight, the off-policy / top-entropy masks and the given ``rollout_is_weights`` (importance
-    weights ``>= 0`` computed by the caller, e.g. verl's ``rollout_is_weights`` or TRL / Liger's
-    ``vllm_is_ratio``), 1 when none is configured).
+    rollout weight (vespo: inside its ``phi`` instead), the off-policy / top-entropy masks and the given
+    ``rollout_is_weights`` (importance weights ``>= 0`` computed by the caller, e.g. verl's ``rollout_is_weights``
+    or TRL / Liger's ``vllm_is_ratio``; refused by vespo), 1 when none is configured).
 
     Each row ``b`` depends only on row ``b`` of the inputs (sequence ratios and masks included),
     except with ``config.is_batch_level`` (the top-entropy quantile is over all given rows). Shapes
@@ -309,14 +341,22 @@ def per_token_loss(
     ratio = importance_ratio(logp, old, mask, config)
     safe_logp = torch.where(mask, logp, zeros)
     extras: dict = {}
-    log_ratio = None
-    if config.policy_loss == "gmpo":
+    scale = rollout_w = None
+    if config.rollout_is is not None:
+        if rollout_logprobs is None:
+            raise ValueError(f"config.rollout_is={config.rollout_is!r} needs rollout_logprobs")
+        rho, rollout_w = rollout_weights(old, torch.where(mask, rollout_logprobs, zeros), mask, config)
+        extras["rollout_rho"], extras["rollout_is"] = rho, rollout_w
+    log_ratio = phi = None
+    if config.policy_loss in ("gmpo", "vespo"):
         log_ratio = torch.where(mask, logp - old, zeros)
         extras["log_ratio"] = log_ratio.detach()
-    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask)
-    scale = None
-    if config.rollout_is is not None and rollout_logprobs is None:
-        raise ValueError(f"config.rollout_is={config.rollout_is!r} needs rollout_logprobs")
+    if config.policy_loss == "vespo":
+        if rollout_is_weights is not None:
+            raise ValueError("policy_loss='vespo' folds importance weights into its sequence weight: pass the "
+                             "sampler's log-probs with config.rollout_is instead of rollout_is_weights")
+        extras["vespo_phi"] = phi = vespo_weights(log_ratio, a, mask, config, rollout_w)
+    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi)
     if config.off_policy_mask is not None:
         behaviour = old if rollout_logprobs is None else torch.where(mask, rollout_logprobs, zeros)
         extras["off_policy_keep"] = keep = off_policy_keep(logp, behaviour, a, mask, config)
@@ -326,10 +366,8 @@ def per_token_loss(
             raise ValueError("config.top_entropy_quantile < 1 needs the entropy")
         extras["entropy_keep"] = keep = top_entropy_keep(entropy, mask, config.top_entropy_quantile)
         scale = keep.to(logp.dtype) if scale is None else scale * keep
-    if config.rollout_is is not None:
-        rho, w = rollout_weights(old, torch.where(mask, rollout_logprobs, zeros), mask, config)
-        extras["rollout_rho"], extras["rollout_is"] = rho, w
-        scale = w if scale is None else scale * w
+    if rollout_w is not None and config.policy_loss != "vespo":  # vespo's is inside phi
+        scale = rollout_w if scale is None else scale * rollout_w
     if rollout_is_weights is not None:
         w = torch.where(mask, rollout_is_weights.detach(), torch.ones_like(logp))
         scale = w if scale is None else scale * w
@@ -394,7 +432,8 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     ``importance_sampling_level="sequence"`` counts them (a sequence counts if any of its tokens does). With the
     options that use them (``extras`` of :class:`TokenTerms`):
     ``rollout_is_mean`` (the applied rollout weight), ``rollout_is_clip_frac`` (tokens whose ``rho`` is
-    outside ``[rollout_is_min, rollout_is_max]``), ``off_policy_mask_frac`` and ``entropy_mask_frac``
+    outside ``[rollout_is_min, rollout_is_max]``), ``vespo_phi_mean`` (vespo's weight), ``off_policy_mask_frac`` and
+    ``entropy_mask_frac``
     (tokens dropped by each mask)."""
     extras = {} if extras is None else extras
     m = mask.to(torch.float32)
@@ -441,6 +480,8 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
             outside = outside | (rho > config.rollout_is_max)
         out["rollout_is_mean"] = mean(extras["rollout_is"])
         out["rollout_is_clip_frac"] = mean(outside)
+    if config.policy_loss == "vespo":
+        out["vespo_phi_mean"] = mean(extras["vespo_phi"])
     if config.off_policy_mask is not None:
         out["off_policy_mask_frac"] = mean(~extras["off_policy_keep"])
     if config.top_entropy_quantile < 1.0:

@@ -25,11 +25,9 @@ from .outputs import PolicyLossOutput
 from .validation import binary_mask
 
 #: TRL / Liger ``loss_type`` values fused_rl computes exactly.
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-#: TRL / Liger ``loss_type`` values it cannot express (yet).
-UNSUPPORTED_LOSS_TYPES = ("vespo", "luspo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 #: ``loss_type`` values whose token-mean denominator is TRL's ``num_items_in_batch``.
-NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo")
+NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo", "vespo")
 
 
 def grpo_policy_loss_config(
@@ -45,6 +43,10 @@ def grpo_policy_loss_config(
     use_bias_correction_kl: bool = False,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     top_entropy_quantile: float = 1.0,
     off_policy_mask_threshold: Optional[float] = None,
     vllm_importance_sampling_mode: Optional[str] = None,
@@ -63,6 +65,10 @@ def grpo_policy_loss_config(
     * ``cispo``: ``-sg(min(r, epsilon_high)) A logp`` (TRL's ``epsilon_high`` is the cap itself, so
       ``clip_high = epsilon_high - 1``), ``agg="token-mean"``;
     * ``sapo``: ``-A 4/tau sigmoid(tau (r - 1))`` with TRL's ``sapo_temperature_pos/neg``, aggregated as grpo;
+    * ``luspo``: the grpo surrogate (gspo with ``importance_sampling_level="sequence"``, as the LUSPO paper),
+      ``agg="seq-mean-token-sum"`` (TRL 1.16's ``(l m).sum(-1).mean()``: a sequence weighted by its length);
+    * ``vespo``: fused_rl's ``policy_loss="vespo"`` with ``vespo_k_pos`` ... ``vespo_lambda_neg``, ``agg="token-mean"``
+      (TRL's ``num_items_in_batch`` normalizer, as dapo); the vLLM correction (token modes only) enters its weight;
     * ``beta > 0``: ``+ beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` (TRL's estimator), times
       ``r`` with ``use_bias_correction_kl`` (False by default, as Liger's; TRL 1.16's GRPOConfig defaults it
       to True: pass it);
@@ -72,15 +78,12 @@ def grpo_policy_loss_config(
       ``None`` otherwise) and its ``clip_min`` / ``clip_max``: ``rollout_is`` / ``rollout_is_min`` /
       ``rollout_is_max`` (pass the sampler's log-probs as ``rollout_logprobs``).
 
-    Raises ``NotImplementedError`` for ``vespo``/``luspo``, sequence-level cispo and sapo;
-    ``ValueError`` for options out of range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without
-    ``max_completion_length``).
+    Raises ``NotImplementedError`` for sequence-level cispo, sapo and vespo; ``ValueError`` for options out of
+    range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without ``max_completion_length``, vespo with a
+    sequence-level vLLM correction).
     """
     if epsilon_high is None:
         epsilon_high = epsilon_low
-    if loss_type in UNSUPPORTED_LOSS_TYPES:
-        raise NotImplementedError(f"loss_type={loss_type!r} is not supported by fused_rl yet; "
-                                  f"supported: {SUPPORTED_LOSS_TYPES}")
     if loss_type not in SUPPORTED_LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; fused_rl supports {SUPPORTED_LOSS_TYPES}")
     if importance_sampling_level not in ("token", "sequence"):
@@ -91,7 +94,7 @@ def grpo_policy_loss_config(
     if vllm_importance_sampling_mode is not None:
         kl.update(rollout_is=vllm_importance_sampling_mode, rollout_is_min=vllm_importance_sampling_clip_min,
                   rollout_is_max=vllm_importance_sampling_clip_max)
-    if delta is not None and loss_type in ("cispo", "sapo"):
+    if delta is not None and loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"delta (two-sided clipping) applies to the clipped losses, not loss_type={loss_type!r}")
     if delta is not None and delta <= 1.0 + epsilon_high:
         raise NotImplementedError(f"delta={delta!r} <= 1 + epsilon_high={1.0 + epsilon_high!r}: fused_rl's two-sided "
@@ -102,6 +105,14 @@ def grpo_policy_loss_config(
                                       "by fused_rl; use importance_sampling_level='token'")
         return PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=float(sapo_temperature_pos),
                                 sapo_temperature_neg=float(sapo_temperature_neg), agg="seq-mean-token-mean", **kl)
+    if loss_type == "vespo":
+        if importance_sampling_level == "sequence":
+            raise NotImplementedError("loss_type='vespo' with importance_sampling_level='sequence' is not supported "
+                                      "by fused_rl (VESPO forms its sequence weight itself; TRL warns, Liger raises); "
+                                      "use importance_sampling_level='token'")
+        return PolicyLossConfig(policy_loss="vespo", vespo_k_pos=float(vespo_k_pos),
+                                vespo_lambda_pos=float(vespo_lambda_pos), vespo_k_neg=float(vespo_k_neg),
+                                vespo_lambda_neg=float(vespo_lambda_neg), agg="token-mean", **kl)
     if loss_type == "cispo":
         if importance_sampling_level == "sequence":
             raise NotImplementedError("loss_type='cispo' with importance_sampling_level='sequence' is not supported "
@@ -112,7 +123,7 @@ def grpo_policy_loss_config(
         return PolicyLossConfig(policy_loss="cispo", clip_low=0.0, clip_high=float(epsilon_high) - 1.0,
                                 agg="token-mean", **kl)
     agg = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
-           "dapo": "token-mean"}[loss_type]
+           "dapo": "token-mean", "luspo": "seq-mean-token-sum"}[loss_type]
     extra = {}
     if loss_type == "dr_grpo":
         if max_completion_length is None:
@@ -210,13 +221,19 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ``dapo``/``cispo`` divide by ``num_items_in_batch / world_size`` (clamped at 1) or, without it, by the
     token count of all ranks divided by the world size, as Liger does.
 
-    ``loss_type="sapo"`` (with ``sapo_temperature_pos/neg``; its ``clip_ratio`` is 0, as in Liger) and
-    ``delta`` (two-sided clip of grpo / bnpo / dr_grpo / dapo) are tested equal to Liger.
+    ``loss_type="sapo"`` (with ``sapo_temperature_pos/neg``; its ``clip_ratio`` is 0, as in Liger), ``"vespo"``
+    (with ``vespo_k_pos`` ... ``vespo_lambda_neg``; ``clip_ratio`` 0, as in Liger), ``"luspo"`` at
+    ``importance_sampling_level="sequence"`` with ``beta=0`` and ``delta`` (two-sided clip of grpo / bnpo /
+    dr_grpo / dapo / luspo) are tested equal to Liger. luspo otherwise follows TRL 1.16 (the sum of each
+    sequence's masked token losses, mean over sequences): Liger 0.8.5 also sums the padding positions' token
+    losses (weighted by the sequence length) where they differ from the sequence's (token level, the KL term).
     Arguments that are accepted and have no effect on the result: ``compiled``, ``chunk_size`` (fused_rl
-    picks its own chunking), the sapo parameters unless ``loss_type="sapo"`` and the vespo parameters.
+    picks its own chunking), the sapo parameters unless ``loss_type="sapo"``, the vespo ones unless ``"vespo"``.
     ``vllm_is_ratio`` (``(B, T)`` or ``(B, 1)``, the importance weights TRL computes against vLLM) multiplies
     the policy term, as in Liger (``rollout_is_weights`` of :func:`fused_rl.linear_policy_loss`).
-    Raise where Liger computes something it should not: ``loss_type`` vespo/luspo (not supported); cispo with
+    Raise where Liger computes something it should not, or fused_rl cannot: ``vllm_is_ratio`` with vespo (Liger
+    folds it into VESPO's weight; fused_rl forms that from the sampler's log-probs: ``policy_loss="vespo"`` with
+    ``rollout_is``, as the TRL adapter does); cispo with
     ``epsilon_high < 1`` (the weight cap itself, as TRL's; Liger's default 0.2 would cap every ratio at 0.2:
     pass e.g. ``epsilon_high=5.0``); ``delta <= 1 + epsilon_high`` (Liger: ``delta > 0``); ``delta`` with sapo
     (Liger ignores it there); ``beta < 0``; an ``attention_mask`` with values other than 0 and 1 (Liger
@@ -272,7 +289,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=kl_beta,
             importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
             temperature=temperature, delta=delta, use_bias_correction_kl=use_bias_correction_kl and self.beta != 0.0,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg)
 
     @torch.no_grad()
     def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],
@@ -298,6 +317,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         vllm_is_ratio: Optional[torch.Tensor] = None,
         num_items_in_batch=None,
     ):
+        if vllm_is_ratio is not None and self.config.policy_loss == "vespo":
+            raise NotImplementedError("loss_type='vespo' with vllm_is_ratio: Liger folds the ratio into VESPO's "
+                                      "weight; fused_rl forms that weight from the sampler's log-probs: call "
+                                      "fused_rl.linear_policy_loss with rollout_logprobs and a config with "
+                                      "policy_loss='vespo' and rollout_is='token_truncate' / 'token_mask'")
         if vllm_is_ratio is not None and vllm_is_ratio.dim() == 2 and vllm_is_ratio.shape[1] == 1:
             vllm_is_ratio = vllm_is_ratio.squeeze(1)  # Liger's per-sequence (B, 1) form
         config = self.config

@@ -254,6 +254,9 @@ def prepare_policy_inputs(
         if x is not None and not x.is_floating_point():
             _fail(f"{name} must be a floating tensor, got {x.dtype}")
     _check_per_token(rollout_is_weights, "rollout_is_weights", shape, device, allow_seq=True)
+    if rollout_is_weights is not None and config.policy_loss == "vespo":
+        _fail("policy_loss='vespo' folds importance weights into its sequence weight (log-space, as TRL): pass the "
+              "sampler's log-probs as rollout_logprobs with config.rollout_is instead of rollout_is_weights")
     if rollout_is_weights is not None and not rollout_is_weights.is_floating_point():
         _fail(f"rollout_is_weights must be a floating tensor, got {rollout_is_weights.dtype}")
     if config.kl is not None and ref_logprobs is None:

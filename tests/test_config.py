@@ -1,6 +1,7 @@
 """PolicyLossConfig validation and the presets against an independent re-derivation of TRL's loss."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def test_frozen_hashable_and_normalized():
 
 
 def test_presets():
-    assert set(PRESETS) == {"grpo", "bnpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo", "gspo_token", "gmpo", "sapo"}
+    assert set(PRESETS) == {"grpo", "bnpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo", "gspo_token", "gmpo", "sapo",
+                            "luspo", "vespo"}
     assert PolicyLossConfig.preset("dapo").clip_high == 0.28
     assert PolicyLossConfig.preset("grpo", beta=0.04).kl == "k3"  # TRL's estimator
     assert PolicyLossConfig.preset("grpo", beta=0.04, kl="k1").kl == "k1"
@@ -76,6 +78,13 @@ def trl_loss(loss_type, logp, old, ref, adv, mask, *, beta, eps_low, eps_high, l
     a = adv.unsqueeze(1)
     if loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=eps_high).detach() * a * logp
+    elif loss_type == "vespo":  # get_gamma_weights with TRL's default k / lambda, no vLLM ratio
+        with torch.no_grad():
+            log_w = (torch.clamp(log_ratio, -20.0, 20.0) * maskf).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+            k = torch.where(a >= 0, 2.0, 3.0)
+            lam = torch.where(a >= 0, 3.0, 2.0)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token = -phi * a * logp
     else:
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
         per_token = -torch.min(coef_1 * a, coef_2 * a)
@@ -88,7 +97,9 @@ def trl_loss(loss_type, logp, old, ref, adv, mask, *, beta, eps_low, eps_high, l
         return (per_token * maskf).sum() / maskf.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * maskf).sum() / (per_token.size(0) * max_completion_length)
-    return (per_token * maskf).sum() / num_items_in_batch.clamp(min=1.0)  # dapo, cispo
+    if loss_type == "luspo":
+        return (per_token * maskf).sum(-1).mean()
+    return (per_token * maskf).sum() / num_items_in_batch.clamp(min=1.0)  # dapo, cispo, vespo
 
 
 @pytest.mark.parametrize("preset, trl_args", [
@@ -98,13 +109,15 @@ def trl_loss(loss_type, logp, old, ref, adv, mask, *, beta, eps_low, eps_high, l
     ("dr_grpo", dict(loss_type="dr_grpo", eps_low=0.2, eps_high=0.2)),
     ("gspo", dict(loss_type="grpo", eps_low=3e-4, eps_high=4e-4, level="sequence")),
     ("cispo", dict(loss_type="cispo", eps_low=0.2, eps_high=5.0)),
+    ("luspo", dict(loss_type="luspo", eps_low=3e-4, eps_high=4e-4, level="sequence")),
+    ("vespo", dict(loss_type="vespo", eps_low=0.2, eps_high=0.2)),
 ])
 @pytest.mark.parametrize("beta, bias_correction", [(0.0, False), (0.04, False), (0.04, True)])
 def test_presets_match_trl(preset, trl_args, beta, bias_correction):
     g = torch.Generator().manual_seed(11)
     B, T = 4, 7
     logp = (-torch.rand(B, T, generator=g) * 3).double()
-    spread = 3e-4 if preset == "gspo" else (2.0 if preset == "cispo" else 0.3)
+    spread = 3e-4 if preset in ("gspo", "luspo") else (2.0 if preset == "cispo" else 0.3)
     old = logp + spread * torch.randn(B, T, generator=g, dtype=torch.float64)
     ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
@@ -114,7 +127,7 @@ def test_presets_match_trl(preset, trl_args, beta, bias_correction):
     kwargs = {}
     if preset == "dr_grpo":
         overrides["max_len"] = 10
-    if preset in ("dapo", "cispo"):
+    if preset in ("dapo", "cispo", "vespo"):
         kwargs["token_normalizer"] = num_items
     cfg = PolicyLossConfig.preset(preset, **overrides)
 

@@ -23,6 +23,14 @@ def _sign(x):
     return (x > 0) - (x < 0)
 
 
+def _rollout_weight(cfg, rho):
+    """The rollout correction's factor of an importance weight ``rho``: truncated or masked to the bounds."""
+    lo, hi = cfg.rollout_is_min, cfg.rollout_is_max
+    if cfg.rollout_is.endswith("truncate"):
+        return min(max(rho, -math.inf if lo is None else lo), math.inf if hi is None else hi)
+    return rho if (lo is None or rho >= lo) and (hi is None or rho <= hi) else 0.0
+
+
 def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_logp=None, rollout=None,
                 is_weights=None):
     """Plain-Python evaluation of the documented formulas (lists of lists, math module only).
@@ -51,6 +59,12 @@ def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_log
             geo = math.exp(sum(xs) / n_b)
         if cfg.rollout_is is not None:
             seq_rho = math.exp(sum(old[b][t] - rollout[b][t] for t in toks))
+        if cfg.policy_loss == "vespo":  # the sequence weight's log w, held at the base point
+            log_w = sum(min(max(frozen[b][t] - old[b][t], -20.0), 20.0) for t in toks)
+            if cfg.rollout_is is not None:
+                log_w += sum(min(max(math.log(_rollout_weight(cfg, math.exp(old[b][t] - rollout[b][t])) or 1e-300),
+                                     math.log(1e-8)), 20.0) for t in toks)
+            log_w = min(max(log_w, math.log(1e-8)), 20.0)
         if cfg.off_policy_mask is not None:
             behaviour = rollout if rollout is not None else old
             seq_kl = sum(behaviour[b][t] - frozen[b][t] for t in toks) / n_b
@@ -76,20 +90,18 @@ def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_log
             elif cfg.policy_loss == "cispo":
                 rf = math.exp(frozen[b][t] - old[b][t])
                 l = -min(rf, 1 + cfg.clip_high) * A * logp[b][t]
+            elif cfg.policy_loss == "vespo":
+                k, lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos) if A >= 0 else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+                l = -math.exp(lam + k * log_w - lam * math.exp(log_w)) * A * logp[b][t]
             else:
                 l = -A * logp[b][t]
             if cfg.off_policy_mask is not None and A < 0 and seq_kl > cfg.off_policy_mask:
                 l = 0.0
             if cfg.top_entropy_quantile < 1.0 and ent[b][t] < ent_threshold:
                 l = 0.0
-            if cfg.rollout_is is not None:
+            if cfg.rollout_is is not None and cfg.policy_loss != "vespo":  # vespo's is in log_w
                 rho = seq_rho if cfg.rollout_is.startswith("sequence") else math.exp(old[b][t] - rollout[b][t])
-                lo, hi = cfg.rollout_is_min, cfg.rollout_is_max
-                if cfg.rollout_is.endswith("truncate"):
-                    w = min(max(rho, -math.inf if lo is None else lo), math.inf if hi is None else hi)
-                else:
-                    w = rho if (lo is None or rho >= lo) and (hi is None or rho <= hi) else 0.0
-                l *= w
+                l *= _rollout_weight(cfg, rho)
             if is_weights is not None:
                 l *= is_weights[b][t]
             if cfg.kl is not None and cfg.beta:
@@ -197,6 +209,14 @@ VARIANTS = {
     "all": PolicyLossConfig(policy_loss="sapo", kl="k3+", beta=0.1, rollout_is="sequence_mask",
                             rollout_is_max=2.5, off_policy_mask=0.1, top_entropy_quantile=0.6, entropy_coef=0.02,
                             agg="seq-mean-token-sum-norm", max_len=8),
+    "luspo": PolicyLossConfig.preset("luspo", clip_low=0.1, clip_high=0.1, kl="k3", beta=0.1),
+    "vespo": PolicyLossConfig.preset("vespo", kl="k3", beta=0.1, kl_bias_correction=True),
+    "vespo_tis": PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+                                  vespo_lambda_neg=1.0, rollout_is="token_truncate", rollout_is_min=0.8,
+                                  rollout_is_max=1.2, off_policy_mask=0.05, agg="seq-mean-token-mean"),
+    # masked tokens have weight 0, log 0 = -inf clamped to log 1e-8: phi ~ 0 on their sequences
+    "vespo_mis": PolicyLossConfig(policy_loss="vespo", rollout_is="token_mask", rollout_is_max=1.4,
+                                  top_entropy_quantile=0.6, entropy_coef=0.01),
 }
 
 
@@ -216,7 +236,7 @@ def test_rollout_is_weights_match_scalar_derivation(name):
 
 @pytest.mark.parametrize("name, on_policy", [("tis_token", False), ("mis_seq", False), ("tis_seq", True),
                                               ("off_policy_mask", False), ("off_policy_mask_rollout", True),
-                                              ("all", True)])
+                                              ("all", True), ("vespo_tis", False)])
 def test_an_unscored_rollout_token_has_log_ratio_zero(name, on_policy):
     """A NaN rollout log-prob (a token the engine did not score: vLLM's ``None``) has log-ratio 0 in the rollout
     correction (``old - q``: no weight of its own, nothing added to its sequence's sum) and in the off-policy
@@ -242,6 +262,45 @@ def test_an_unscored_rollout_token_has_log_ratio_zero(name, on_policy):
     torch.testing.assert_close(grad, exp_grad, rtol=1e-12, atol=0.0)
     for key in exp_metrics:
         torch.testing.assert_close(metrics[key], exp_metrics[key], rtol=1e-12, atol=0.0, msg=key)
+
+
+@pytest.mark.parametrize("advantages", ["sequence", "token"])
+@pytest.mark.parametrize("mode", [None, "token_truncate", "token_mask"])
+def test_vespo_weights_match_trl(advantages, mode):
+    """``loss_math.vespo_weights`` against TRL's own ``GRPOTrainer.get_gamma_weights`` (its static method), with
+    TRL's vLLM ratio (``exp((old - sampling) m)`` truncated or masked) where a correction is configured, log-ratios
+    large enough to reach both clamps of ``log w``, and k / lambda other than TRL's defaults."""
+    trl = pytest.importorskip("trl")
+    from fused_rl.loss_math import rollout_weights, vespo_weights
+
+    logp, old, ref, ent, adv, mask = _inputs(23, B=6, T=7)
+    old = old.clone()
+    old[2] -= 9.0  # sum of log r ~ 60: log w clamped at 20
+    old[3] += 6.0  # ~ -40: clamped at log 1e-8
+    adv = adv[:, :1].expand_as(adv) if advantages == "sequence" else adv
+    adv = adv.clone()
+    adv[4] = 0.0  # A = 0 takes the A >= 0 parameters
+    cfg = PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5,
+                           vespo_lambda_neg=0.5, rollout_is=mode, rollout_is_min=0.8 if mode else None,
+                           rollout_is_max=1.25)
+    sampling = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    m = mask.to(torch.float64)
+    trl_ratio = rollout_w = None
+    if mode is not None:
+        trl_ratio = torch.exp((old - sampling) * m)
+        if mode == "token_truncate":
+            trl_ratio = trl_ratio.clamp(min=0.8, max=1.25)
+        else:
+            trl_ratio = trl_ratio.masked_fill((trl_ratio < 0.8) | (trl_ratio > 1.25), 0.0)
+        rollout_w = rollout_weights(old, sampling, mask, cfg)[1]
+    expected = trl.GRPOTrainer.get_gamma_weights(
+        advantages=adv[:, :1] if advantages == "sequence" else adv, log_ratio_per_token=logp - old, mask=m,
+        importance_sampling_ratio=trl_ratio, k_pos=1.5, lambda_pos=2.5, k_neg=2.5, lambda_neg=0.5)
+    got = vespo_weights(torch.where(mask, logp - old, 0.0), adv, mask, cfg, rollout_w)
+    torch.testing.assert_close(got, expected.expand_as(got), rtol=1e-12, atol=1e-300)
+    seq_log_w = torch.where(mask, logp - old, 0.0).sum(1)
+    assert seq_log_w[2] > 20 and seq_log_w[3] < math.log(1e-8)  # both clamps reached
+    assert ((got > 0.05) & mask).any() and got[mask].std() > 0.1  # and the weights non-trivial
 
 
 def test_variant_metrics_count_what_they_say():

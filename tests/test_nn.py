@@ -88,12 +88,21 @@ def test_grpo_policy_loss_config_mapping():
         policy_loss="cispo", clip_low=0.0, clip_high=4.0)
     assert grpo_policy_loss_config("grpo", importance_sampling_level="sequence", epsilon_low=3e-4,
                                    epsilon_high=4e-4) == PolicyLossConfig.preset("gspo")
+    assert grpo_policy_loss_config("luspo", importance_sampling_level="sequence", epsilon_low=3e-4,
+                                   epsilon_high=4e-4) == PolicyLossConfig.preset("luspo")
+    assert grpo_policy_loss_config("luspo", delta=1.5) == PolicyLossConfig(agg="seq-mean-token-sum", delta=1.5)
+    assert grpo_policy_loss_config("vespo") == PolicyLossConfig.preset("vespo")
+    assert grpo_policy_loss_config("vespo", vespo_k_neg=1.5, beta=0.1, vllm_importance_sampling_mode="token_mask") == \
+        PolicyLossConfig.preset("vespo", vespo_k_neg=1.5, kl="k3", beta=0.1, rollout_is="token_mask",
+                                rollout_is_max=3.0)
 
 
 @pytest.mark.parametrize("kwargs, exc, needle", [
     (dict(loss_type="sapo", importance_sampling_level="sequence"), NotImplementedError, "sapo"),
-    (dict(loss_type="vespo"), NotImplementedError, "vespo"),
-    (dict(loss_type="luspo"), NotImplementedError, "luspo"),
+    (dict(loss_type="vespo", importance_sampling_level="sequence"), NotImplementedError, "vespo"),
+    (dict(loss_type="vespo", delta=1.5), ValueError, "delta"),
+    (dict(loss_type="vespo", vllm_importance_sampling_mode="sequence_mask"), ValueError, "token-level rollout"),
+    (dict(loss_type="vespo", vespo_lambda_neg=0.0), ValueError, "vespo_lambda_neg must be > 0"),
     (dict(loss_type="nope"), ValueError, "unknown loss_type"),
     (dict(loss_type="cispo", epsilon_high=5.0, delta=1.5), ValueError, "delta"),
     (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), NotImplementedError,
@@ -154,6 +163,10 @@ LIGER_CASES = [
     dict(loss_type="sapo", beta=0.04, use_bias_correction_kl=True),
     dict(loss_type="grpo", beta=0.0, delta=1.3),
     dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, delta=1.5, use_bias_correction_kl=True),
+    dict(loss_type="vespo", beta=0.0),
+    dict(loss_type="vespo", beta=0.04, vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.0,
+         use_bias_correction_kl=True),
+    dict(loss_type="luspo", beta=0.0, importance_sampling_level="sequence", epsilon_low=0.01, epsilon_high=0.01),
 ]
 
 
@@ -173,7 +186,7 @@ def _run_grpo_loss(module, h, w, b, targets, mask, adv, forward_kwargs):
     pytest.param(case, off_policy, num_items, id=f"{_ids(case)}-{'off' if off_policy else 'on'}-n{num_items}")
     for case in LIGER_CASES for off_policy in (False, True)
     # num_items_in_batch only changes dapo / cispo
-    for num_items in ((None, 37) if case["loss_type"] in ("dapo", "cispo") else (None,))
+    for num_items in ((None, 37) if case["loss_type"] in ("dapo", "cispo", "vespo") else (None,))
 ])
 def test_matches_liger(case, off_policy, num_items):
     h, w, b, targets, mask, adv, old, ref = _linear_case(batch=8, length=8, seed=LIGER_CASES.index(case))
@@ -189,7 +202,7 @@ def test_matches_liger(case, off_policy, num_items):
         assert_close(a, e, torch.float32, f"metric {i}")
     for name, a, e in zip(("hidden", "weight", "bias"), got[2], expected[2]):
         assert_close(a, e, torch.float32, f"d{name}", grad=True)
-    if off_policy and case["loss_type"] not in ("cispo", "sapo"):  # sapo has no clip (Liger reports 0)
+    if off_policy and case["loss_type"] not in ("cispo", "sapo", "vespo"):  # no clip there (Liger reports 0)
         assert got[1][-1] > 0, "clip range never reached: the off-policy comparison is vacuous"
     if off_policy and case.get("delta"):
         logp = torch.log_softmax(torch.nn.functional.linear(h, w, b) / 0.8, -1).gather(
@@ -260,7 +273,8 @@ def test_liger_signature_compatible():
 
 
 @pytest.mark.parametrize("ctor, forward, exc, needle", [
-    (dict(loss_type="vespo"), {}, NotImplementedError, "vespo"),
+    (dict(loss_type="vespo", beta=0.0), dict(vllm_is_ratio=torch.ones(2, 5)), NotImplementedError,
+     "vespo.*vllm_is_ratio"),
     (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), {}, ValueError, "delta"),
     (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 5)), ValueError, "rollout_is_weights must have shape"),
     (dict(beta=0.04), {}, ValueError, "ref_per_token_logps"),

@@ -97,7 +97,8 @@ def run(model_dir, trainer_cls, tmp_path, *, max_steps=3, patch=False, **overrid
 
 #: Metrics both trainers must log identically (when present in the stock log).
 METRIC_KEYS = ("loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-               "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "completions/mean_length", "reward")
+               "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean",
+               "completions/mean_length", "reward")
 
 CASES = {
     "grpo-beta0": dict(loss_type="grpo", beta=0.0),
@@ -121,6 +122,16 @@ CASES = {
     "off-policy-mask-iter2": dict(loss_type="dapo", beta=0.0, num_iterations=2, off_policy_mask_threshold=0.005),
     "gspo-seq-iter2": dict(loss_type="grpo", beta=0.02, num_iterations=2, importance_sampling_level="sequence",
                            epsilon=0.01, epsilon_high=0.01),
+    "luspo-seq-iter2": dict(loss_type="luspo", beta=0.02, num_iterations=2, importance_sampling_level="sequence",
+                            epsilon=0.01, epsilon_high=0.01),
+    "luspo-token-iter2": dict(loss_type="luspo", beta=0.0, num_iterations=2, epsilon=0.05),
+    "vespo-iter2": dict(loss_type="vespo", beta=0.04, num_iterations=2),
+    # k - lam w ~ 3 at w = 1 (k_neg 4): the loss moves 3x the log-ratio rounding; these parameters with
+    # steps_per_generation 4 put the second step's loss (-0.128, a sum of O(1) terms) 1.7e-6 and 3.2e-6 from stock
+    # TRL's in two runs, while each trainer moved 0.4e-6 / 1.1e-6 between its own runs (gradients within 3.4e-6)
+    "vespo-params-iter2": dict(loss_type="vespo", beta=0.02, num_iterations=2, vespo_k_pos=1.5, vespo_lambda_pos=0.5,
+                               vespo_k_neg=4.0, vespo_lambda_neg=1.0),
+    "vespo-spg4": dict(loss_type="vespo", beta=0.0, steps_per_generation=4),
 }
 
 
@@ -231,7 +242,7 @@ def _trainer(model_dir, tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (dict(loss_type="luspo", importance_sampling_level="sequence"), "loss_type='luspo'"),
+    (dict(loss_type="vespo", importance_sampling_level="sequence"), "loss_type='vespo'"),
     (dict(loss_type="sapo", importance_sampling_level="sequence"), "loss_type='sapo'"),
     (dict(entropy_coef=0.01), "entropy bonus"),
     (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), "cispo"),
@@ -362,14 +373,16 @@ def _trl_is_ratio(trainer, old, sampling, mask):
     return ratio.masked_fill((ratio < (lo if lo is not None else -math.inf)) | (ratio > hi), 0.0)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "vespo"])
 @pytest.mark.parametrize("correction", [True, False], ids=["is-correction", "no-correction"])
-def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction):
+def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction, loss_type):
     """vLLM marks tokens it could not score with NaN sampling log-probs; TRL gives them log-ratio 0 in its
     importance ratio and in the off-policy mask's KL (``nan_to_num``). Stock ``_compute_loss`` (TRL's loss math, on
     the patched model's log-probs) and the adapter's on the same inputs, the NaN at a token where the old policy
     moved away from the current (so a substitute old log-prob would add its gap to the KL and drop the sequence);
-    without the correction TRL passes no old log-probs (on-policy), where the adapter raised."""
-    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="dapo", beta=0.0))
+    without the correction TRL passes no old log-probs (on-policy), where the adapter raised. vespo takes the
+    correction inside its sequence weight (log-space), as TRL does."""
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type=loss_type, beta=0.0))
     trainer.current_gradient_accumulation_steps = 1
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, correction
     trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_max = "token_truncate", 3.0

@@ -1,5 +1,5 @@
-"""The #10 variants (rollout correction, token masks, gspo_token / gmpo / sapo, TRL's delta clip, the "+"
-straight-through KL estimators, truncated-completion masking) on every backend against the reference,
+"""The #10 variants (rollout correction, token masks, gspo_token / gmpo / sapo / vespo / luspo, TRL's delta clip,
+the "+" straight-through KL estimators, truncated-completion masking) on every backend against the reference,
 fp32 and bf16, on the ragged batches of ``helpers.make_case`` (all-masked row, length-1 row,
 IGNORE_INDEX target, vocabularies that are no multiple of a block, peaked and all-negative logits).
 
@@ -36,6 +36,12 @@ VARIANTS = {
     "all": PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.1, rollout_is="sequence_truncate",
                             rollout_is_max=2.5, off_policy_mask=0.1, top_entropy_quantile=0.6, entropy_coef=0.02,
                             mask_truncated_completions=True, agg="seq-mean-token-sum-norm", max_len=8),
+    "luspo": PolicyLossConfig.preset("luspo", clip_low=0.05, clip_high=0.1, kl="k2", beta=0.1),
+    "vespo": PolicyLossConfig.preset("vespo", kl="k3", beta=0.05, kl_bias_correction=True),
+    "vespo_mis": PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+                                  vespo_lambda_neg=1.0, rollout_is="token_mask", rollout_is_min=0.5,
+                                  rollout_is_max=1.5, off_policy_mask=0.05, entropy_coef=0.01,
+                                  agg="seq-mean-token-mean"),
 }
 BACKENDS = fused_backends()
 #: The Triton interpreter runs every program in Python: a smaller vocabulary there.
@@ -264,6 +270,8 @@ def test_truncated_rows_contribute_nothing():
     (dict(rollout_is_weights=torch.ones(4, 5, dtype=torch.long)), "rollout_is_weights must be a floating"),
     (dict(rollout_is_weights=-torch.ones(4)), "rollout_is_weights must be finite and >= 0"),
     (dict(rollout_is_weights=torch.full((4, 5), float("nan"))), "rollout_is_weights must be finite and >= 0"),
+    (dict(config=PolicyLossConfig.preset("vespo"), rollout_is_weights=torch.ones(4)),
+     "vespo' folds importance weights into its sequence weight"),
 ])
 def test_bad_inputs_raise(kwargs, message):
     case = make_case(batch=4, length=5, vocab=100, seed=1)

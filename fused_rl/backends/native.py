@@ -21,7 +21,7 @@ only scales the stored ``dlogits`` by the incoming gradient (in place: a second 
 same graph is not supported). The epilogue covers every token-local option
 (``config.has_token_epilogue``: ppo_clip with dual clip / delta, sapo, cispo, reinforce, every KL
 estimator with the straight-through and bias-corrected forms, token-level rollout correction, read
-from the rollout log-probs in the same pass); sequence- and batch-level configs (gspo, gmpo, sequence
+from the rollout log-probs in the same pass); sequence- and batch-level configs (gspo, gmpo, vespo, sequence
 rollout correction, the off-policy mask, the top-entropy quantile) use the two-pass base composition.
 """
 

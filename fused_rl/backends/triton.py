@@ -8,7 +8,7 @@
   token-level rollout correction): one kernel runs the stats loop, the loss epilogue
   (:mod:`fused_rl.kernels.epilogue`) and writes ``dlogits = d loss / d logits`` in the forward (over
   the logits with ``inplace=True``); the backward only scales it by ``grad_output`` in place, on the
-  device (a no-op when it is 1, with no host sync). The other configs (gspo / gspo_token / gmpo,
+  device (a no-op when it is 1, with no host sync). The other configs (gspo / gspo_token / gmpo / vespo,
   sequence rollout correction, the off-policy mask, the top-entropy quantile) use the base-class
   composition on top of :meth:`token_logprobs`.
 

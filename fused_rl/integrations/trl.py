@@ -17,15 +17,17 @@ so its old log-probs against the loss's fp32-accumulated ones would put an on-po
 
 Loss semantics are TRL's (see :func:`fused_rl.nn.grpo_policy_loss_config` for the mapping):
 ``grpo``, ``bnpo``, ``dr_grpo`` divide the loss by ``current_gradient_accumulation_steps`` in training;
-``dapo``/``cispo`` use the token-mean denominator
+``luspo`` divides by it too (a mean over sequences of their token sums); ``dapo``/``cispo``/``vespo`` use the
+token-mean denominator
 ``max(num_items_in_batch, 1) / num_processes * current_gradient_accumulation_steps / steps_per_generation``
 (training) or ``max(num_items_in_batch, 1) / num_processes`` (eval). ``beta > 0`` adds TRL's ``k3``
 penalty against ``inputs["ref_per_token_logps"]``, times the importance ratio with TRL's default
 ``use_bias_correction_kl=True`` (fused_rl's ``kl_bias_correction``). Logged metrics are TRL's: ``kl`` (when
 ``beta != 0``), ``entropy``, ``clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max}``
-(cispo: ``cispo_clip_ratio``), with TRL's cross-process reductions.
+(cispo: ``cispo_clip_ratio``; vespo: ``vespo/phi_seq_mean``), with TRL's cross-process reductions.
 
-Also honoured: ``loss_type="sapo"``, ``delta``, ``top_entropy_quantile`` (its threshold over every
+Also honoured: ``loss_type`` ``"sapo"``, ``"luspo"`` and ``"vespo"`` (the vLLM correction inside VESPO's weight,
+as TRL), ``delta``, ``top_entropy_quantile`` (its threshold over every
 process's entropies, gathered as TRL's ``get_high_entropy_mask`` gathers them), ``off_policy_mask_threshold``
 (against ``inputs["sampling_per_token_logps"]`` when vLLM provides them, else the old log-probs) and
 ``vllm_importance_sampling_correction`` (every mode, ``clip_min`` / ``clip_max``; fused_rl recomputes
@@ -33,9 +35,9 @@ TRL's ratio from the old and sampling log-probs; a NaN sampling log-prob, a toke
 log-ratio 0 in the correction and in the off-policy mask's KL, as TRL's ``nan_to_num``). ``delta`` must exceed
 ``1 + epsilon_high`` (``NotImplementedError`` otherwise).
 
-Not supported (``NotImplementedError`` at construction, naming the option): ``loss_type``
-vespo / luspo, the entropy bonus (``entropy_coef != 0`` / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
-soft-capping or logit scaling, sequence-level cispo; multimodal inputs raise at the first step.
+Not supported (``NotImplementedError`` at construction, naming the option): the entropy bonus (``entropy_coef != 0``
+/ ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
+soft-capping or logit scaling, sequence-level cispo, sapo and vespo; multimodal inputs raise at the first step.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator
-from ..nn import NUM_ITEMS_LOSS_TYPES, grpo_policy_loss_config
+from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator, rollout_weights, vespo_weights
+from ..nn import NUM_ITEMS_LOSS_TYPES, SUPPORTED_LOSS_TYPES, grpo_policy_loss_config
 from ..ops import linear_policy_loss, linear_token_logprobs
 from ..validation import binary_mask
 from .hf_models import plain_lm_head_problems
@@ -80,17 +82,20 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
     """Every TRL option of ``trainer`` that fused_rl cannot compute exactly (empty when all are fine)."""
     args = trainer.args
     problems = []
-    if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"):
+    if trainer.loss_type not in SUPPORTED_LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r}")
     if getattr(trainer, "_entropy_bonus_enabled", False):
         problems.append(f"entropy_coef={getattr(args, 'entropy_coef', None)!r} / use_adaptive_entropy "
                         f"(entropy bonus)")
     if getattr(trainer, "aux_loss_enabled", False):
         problems.append("router_aux_loss_coef (MoE auxiliary loss)")
-    if trainer.loss_type in ("cispo", "sapo") and trainer.importance_sampling_level == "sequence":
+    if trainer.loss_type in ("cispo", "sapo", "vespo") and trainer.importance_sampling_level == "sequence":
         problems.append(f"importance_sampling_level='sequence' with loss_type={trainer.loss_type!r}")
     problems += plain_lm_head_problems(_base_model(trainer.model).config)
     return problems
+
+
+_VESPO_ARGS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 
 
 def _vllm_is(trainer: GRPOTrainer) -> bool:
@@ -195,6 +200,7 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
         delta=getattr(trainer.args, "delta", None),
         sapo_temperature_pos=getattr(trainer.args, "sapo_temperature_pos", 1.0),
         sapo_temperature_neg=getattr(trainer.args, "sapo_temperature_neg", 1.05),
+        **{name: getattr(trainer.args, name) for name in _VESPO_ARGS if hasattr(trainer.args, name)},
         top_entropy_quantile=getattr(trainer, "top_entropy_quantile", 1.0),
         off_policy_mask_threshold=getattr(trainer, "off_policy_mask_threshold", None),
         vllm_importance_sampling_mode=trainer.vllm_importance_sampling_mode if _vllm_is(trainer) else None,
@@ -280,13 +286,14 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, **{FUSED_HEAD_KWARG: head})
     loss = out.loss if normalizer is not None else out.loss / accumulation
-    _log_trl_metrics(self, mode, out, advantages, mask, bool_mask, old, ref)
+    _log_trl_metrics(self, mode, out, advantages, mask, bool_mask, old, ref, rollout)
     return loss
 
 
 @torch.no_grad()
 def _log_trl_metrics(self: GRPOTrainer, mode: str, out, advantages: torch.Tensor, mask: torch.Tensor,
-                     bool_mask: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> None:
+                     bool_mask: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+                     rollout: Optional[torch.Tensor]) -> None:
     """TRL's ``_compute_loss`` metrics, from the detached log-probs and entropies fused_rl returns."""
     config = self._fused_rl_config
     logp = out.logprobs
@@ -320,6 +327,16 @@ def _log_trl_metrics(self: GRPOTrainer, mode: str, out, advantages: torch.Tensor
         metrics["kl"].append(global_masked_mean(per_token_kl))
     metrics["entropy"].append(global_masked_mean(out.entropy))
     if self.loss_type == "sapo":  # TRL logs no clip ratios for the soft gate
+        return
+    if self.loss_type == "vespo":  # TRL's phi is (B, 1) for (B,) advantages: then a mean over sequences
+        behaviour = logp if old is None else old.to(logp.dtype)
+        rollout_w = None
+        if config.rollout_is is not None:
+            rollout_w = rollout_weights(behaviour, torch.where(bool_mask, rollout.to(logp.dtype), 0.0), bool_mask,
+                                        config)[1]
+        phi = vespo_weights(torch.where(bool_mask, logp - behaviour, 0.0), advantages.expand_as(logp), bool_mask,
+                            config, rollout_w)
+        metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi[:, :1] if advantages.shape[1] == 1 else phi))
         return
     if self.loss_type == "cispo":
         clipped = (coef_1 > self.epsilon_high) & (advantages > 0)
