@@ -72,8 +72,24 @@ def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_size: int) -> torch.Tensor:
     """Kimi k1.5 (Sec. 2.3.3) length reward, unweighted: for lengths 100 / 300 / 500 in a group spanning
-    100..500 it is +0.5 / 0 / -0.5 when correct and 0 / 0 / -0.5 when not."""
-    t = _float_groups(lengths, group_size, "lengths")
+    100..500 it is +0.5 / 0 / -0.5 when correct and 0 / 0 / -0.5 when not.
+
+    ``lengths`` are token counts (>= 0) of any integer or floating dtype; float32 (float64 for float64
+    lengths) out. ``T_i - T_min`` and ``T_max - T_min`` are taken exactly (integers as int64, floats in
+    float64), then divided in float64: no span overflows (``0 <= T_max - T_min <= T_max``) and integer
+    lengths past float32's last exact integer (``2**24``) keep their differences.
+    """
+    t = _groups(lengths, group_size, "lengths")
+    if t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"lengths must be token counts (an integer or floating dtype), got {t.dtype}")
+    if t.is_floating_point():
+        t = t.double()  # exact for every floating dtype
+        if not torch.isfinite(t).all():
+            raise ValueError("lengths contain NaN or inf")
+    else:
+        t = t.long()
+    if (t < 0).any():
+        raise ValueError(f"lengths must be >= 0 (token counts), got {t.min().item()}")
     c = _groups(correct, group_size, "correct")
     if c.shape != t.shape:
         raise ValueError("correct must have the shape of lengths")
@@ -82,11 +98,12 @@ def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_size:
             raise ValueError("correct must be boolean or 0/1")
         c = c != 0
     t_min = t.min(dim=1, keepdim=True).values
-    t_max = t.max(dim=1, keepdim=True).values
-    span = t_max - t_min
-    lam = 0.5 - (t - t_min) / torch.where(span > 0, span, torch.ones_like(span))
+    span = t.max(dim=1, keepdim=True).values - t_min
+    ratio = (t - t_min).double() / torch.where(span > 0, span, torch.ones_like(span)).double()  # in [0, 1]
+    lam = 0.5 - ratio
     reward = torch.where(c.to(t.device), lam, lam.clamp(max=0.0))
-    return torch.where(span > 0, reward, torch.zeros_like(reward)).reshape(-1)
+    reward = torch.where(span > 0, reward, torch.zeros_like(reward)).reshape(-1)
+    return reward.to(torch.float64 if lengths.dtype == torch.float64 else torch.float32)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

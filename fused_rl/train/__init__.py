@@ -19,8 +19,15 @@ def __getattr__(name):
 
 
 def train(config=None, overrides=None, **kwargs):
-    """Load a config (path / bundled name / None for the default), apply overrides, train; returns history."""
+    """Load a config (path / bundled name / None for the default), apply overrides, train; returns history.
+    A :class:`TrainConfig` is validated and trained as it is (overrides or keywords with it raise)."""
     from .trainer import Trainer
 
-    cfg = config if isinstance(config, TrainConfig) else load_config(config, overrides, **kwargs)
+    if isinstance(config, TrainConfig):
+        if overrides or kwargs:
+            raise ConfigError("train(): overrides or keyword options with a TrainConfig would be ignored; set its "
+                              "fields instead (or pass a config file / bundled name)")
+        cfg = config
+    else:
+        cfg = load_config(config, overrides, **kwargs)
     return Trainer(cfg).train()

@@ -64,7 +64,10 @@ def _eval(argv: list[str]) -> int:
     from .trainer import Trainer
 
     state = checkpoint.load_state(args.run_dir)
-    cfg = from_dict({**state["config"], "resume": False, "run_dir": args.run_dir}).validate()
+    saved = {**state["config"], "resume": False, "run_dir": args.run_dir}
+    if saved.get("model", "tiny") != "tiny":  # an older run's model_config (a default file's tiny sizes) went unused
+        saved["model_config"] = {}
+    cfg = from_dict(saved).validate()
     trainer = Trainer(cfg, quiet=True)
     trainer.policy.load_state_dict(state["model"])
     result = trainer.evaluate(args.prompts)

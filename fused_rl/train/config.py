@@ -21,6 +21,10 @@ TRUNCATION = ("mask", "penalize", "none")
 SCHEDULES = ("cosine", "constant")
 DTYPES = ("float32", "bfloat16")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
+#: the largest finite float32: rewards are kept in float32
+FLOAT32_MAX = 3.4028234663852886e38
+#: torch.manual_seed's range (seeds derived from ``seed`` wrap around it)
+SEED_LIMIT = 2 ** 64
 
 #: algorithm -> (PolicyLossConfig preset, advantage estimator)
 ALGORITHM_DEFAULTS = {
@@ -218,7 +222,11 @@ class TrainConfig:
                      "eval_prompts"):
             check_int(name, 1)
         check_int("group_size", 1)
-        check_float("temperature", 0.0, low_open=True)
+        if self.seed >= SEED_LIMIT:
+            fail("seed", "must be in [0, 2**64 - 1] (torch's seeds)")
+        from fused_rl.config import MIN_TEMPERATURE
+
+        check_float("temperature", MIN_TEMPERATURE)  # below it samplers decode greedily
         check_float("top_p", 0.0, 1.0, low_open=True)
         check_float("lr", 0.0, low_open=True)
         check_float("weight_decay", 0.0)
@@ -226,7 +234,7 @@ class TrainConfig:
         check_float("max_grad_norm", 0.0)
         check_float("beta", 0.0)
         check_float("entropy_coef")
-        check_float("kimi_length_coef", 0.0)
+        check_float("kimi_length_coef", 0.0, FLOAT32_MAX)  # rewards are float32
         check_float("truncation_penalty")
         check_float("correct_threshold")
         check_float("vf_coef", 0.0)
@@ -265,6 +273,10 @@ class TrainConfig:
             fail("task_args", "must be a mapping")
         if not isinstance(self.model_config, dict):
             fail("model_config", "must be a mapping")
+        if self.model_config and self.model != "tiny":
+            fail("model_config", f"sizes the randomly initialised model 'tiny' only; config field 'model' = "
+                                 f"{self.model!r} is loaded with its own config (drop model_config, or use "
+                                 "model: tiny)")
         if not isinstance(self.loss_options, dict):
             fail("loss_options", "must be a mapping of PolicyLossConfig fields")
         for name in LOSS_OPTIONS_OWNED:
@@ -383,12 +395,15 @@ def from_dict(data: dict, source: str = "config") -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of option: value, got {type(data).__name__}")
     known = set(field_names())
-    unknown = sorted(set(data) - known)
+    unknown = sorted((k for k in data if k not in known), key=repr)  # YAML keys may be numbers, null, booleans
     if unknown:
         import difflib
 
-        hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
-                 if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
+        def hint(u: Any) -> str:
+            close = difflib.get_close_matches(u, known, 1) if isinstance(u, str) else []
+            return f"{u!r} (did you mean {close[0]!r}?)" if close else repr(u)
+
+        hints = [hint(u) for u in unknown]
         raise ConfigError(f"{source}: unknown option(s) {', '.join(hints)}")
     return TrainConfig(**_fix_numbers(data))
 
@@ -400,7 +415,9 @@ def load_yaml(path: Union[str, Path]) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml_load(path.read_text()) or {}
+        data = yaml_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -443,9 +460,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         path = str(bundled_config(path))
     data = load_yaml(path)
     cfg = from_dict(data, source=str(path))
-    file_task = cfg.task
+    file_task, file_model = cfg.task, cfg.model
     task_args_set = "task_args" in kwargs
+    model_config_set = "model_config" in kwargs
     dotted_task_args: dict[str, str] = {}  # applied once the task is known (its parameters' types)
+    dotted_model_config: dict[str, Any] = {}  # applied once the model is known (a file's sizes dropped or not)
     items = list(overrides or [])
     i = 0
     while i < len(items):
@@ -468,6 +487,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
                 raise ConfigError(f"--{key}: only task_args.X, model_config.X and loss_options.X take a dotted key")
             if top == "task_args":
                 dotted_task_args[sub] = raw
+            elif top == "model_config":
+                dotted_model_config[sub] = _coerce(raw, None, key)
             else:
                 getattr(cfg, top)[sub] = _coerce(raw, None, key)
             continue
@@ -479,12 +500,17 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         value = _coerce(raw, getattr(cfg, key), key)
         setattr(cfg, key, _fix_numbers({key: value})[key])
         task_args_set |= key == "task_args"
+        model_config_set |= key == "model_config"
     for key, value in kwargs.items():
         if key not in field_names():
             raise ConfigError(f"unknown option {key!r}")
         setattr(cfg, key, value)
     if cfg.task != file_task and not task_args_set:
         cfg.task_args = {}  # the file's task_args were its own task's
+    if cfg.model != file_model and not model_config_set:
+        cfg.model_config = {}  # the file's model_config sized its own (tiny) model
+    if dotted_model_config:
+        cfg.model_config = {**cfg.model_config, **dotted_model_config}
     for sub, raw in dotted_task_args.items():
         cfg.task_args[sub] = _coerce_task_arg(cfg.task, sub, raw)
     return cfg.validate()

@@ -131,6 +131,15 @@ def _real_number(v) -> float:
     return float(v)
 
 
+def _short(v) -> str:
+    """``str(v)``, its middle cut out past 40 characters (a reward value for an error message)."""
+    try:
+        text = str(v)
+    except ValueError:  # an int past Python's 4300-digit limit on str()
+        return f"{type(v).__name__} too large to print"
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]}"
+
+
 def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[str], batch: dict) -> torch.Tensor:
     """Call ``fn`` and check its result: a sequence (list, tuple, array, tensor) of one real number per
     completion, each finite in float32; returns them as a float32 tensor. Failures raise
@@ -148,6 +157,8 @@ def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[s
     for i, v in enumerate(values):
         try:
             floats.append(_real_number(v))
+        except OverflowError:  # an int or Fraction beyond any float: refused as non-finite below
+            floats.append(math.inf)
         except (TypeError, ValueError):
             raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
                                       f"{type(v).__name__} {v!r} at index {i}") from None
@@ -158,11 +169,15 @@ def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[s
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad:
         raise RewardFunctionError(f"reward function {name!r} returned a non-finite value at index {bad[0]}: "
-                                  f"{values[bad[0]]} (rewards are float32: finite up to about 3.4e38)")
+                                  f"{_short(values[bad[0]])} (rewards are float32: finite up to about 3.4e38)")
     return rewards
 
 
 # ---------------------------------------------------------------------------------------------- tasks
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class Task:
     """A source of examples; ``sample(rng, n)`` draws ``n`` training examples, ``heldout(n)`` a fixed
     evaluation set. Generated tasks hold out one prompt in ``HELDOUT_ONE_IN`` by a stable hash of its
@@ -217,8 +232,9 @@ class ReverseTask(Task):
     alphabet = "0123456789="
 
     def __init__(self, min_digits: int = 3, max_digits: int = 3, digits: str = "0123456789", mode: str = "reverse"):
-        if not 1 <= min_digits <= max_digits:
-            raise ValueError(f"reverse task: need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        if not (_is_int(min_digits) and _is_int(max_digits) and 1 <= min_digits <= max_digits):
+            raise ValueError(f"reverse task: need integers 1 <= min_digits <= max_digits, got {min_digits!r}, "
+                             f"{max_digits!r}")
         if mode not in ("reverse", "copy"):
             raise ValueError(f"reverse task: mode must be 'reverse' or 'copy', got {mode!r}")
         if not digits or set(digits) - set("0123456789"):
@@ -249,8 +265,8 @@ class AddTask(Task):
     alphabet = "0123456789+="
 
     def __init__(self, max_digits: int = 2):
-        if max_digits < 1:
-            raise ValueError(f"add task: max_digits must be >= 1, got {max_digits}")
+        if not _is_int(max_digits) or max_digits < 1:
+            raise ValueError(f"add task: max_digits must be an integer >= 1, got {max_digits!r}")
         self.max_digits = max_digits
 
     def make(self, rng: random.Random) -> dict:
@@ -266,7 +282,15 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     default_rewards = ("numeric",)
 
+    OPS = "+-*"
+
     def __init__(self, max_value: int = 20, ops: str = "+-", suffix: str = " Answer with just the number."):
+        if not _is_int(max_value) or max_value < 0:
+            raise ValueError(f"arithmetic task: max_value must be an integer >= 0, got {max_value!r}")
+        if not isinstance(ops, str) or not ops or set(ops) - set(self.OPS):
+            raise ValueError(f"arithmetic task: ops must be a non-empty string of '+', '-', '*', got {ops!r}")
+        if not isinstance(suffix, str):
+            raise ValueError(f"arithmetic task: suffix must be a string, got {suffix!r}")
         self.max_value, self.ops, self.suffix = max_value, ops, suffix
 
     def make(self, rng: random.Random) -> dict:

@@ -34,14 +34,15 @@ import fused_rl
 from fused_rl import advantages as adv_lib
 
 from . import checkpoint
-from .config import ConfigError, TrainConfig, to_dict, yaml_dump
+from .config import SEED_LIMIT, ConfigError, TrainConfig, to_dict, yaml_dump
 from .plot import read_metrics
 from .models import DTYPES, PolicyModule, load_policy, resolve_linear_backend
 from .rollout import Rollout, rollout
-from .tasks import make_task, resolve_reward
+from .tasks import RewardFunctionError, make_task, resolve_reward
 
 #: Loss metrics logged (token-weighted means) when the loss options that produce them are set.
-OPTION_METRICS = ("rollout_is_mean", "rollout_is_clip_frac", "off_policy_mask_frac", "entropy_mask_frac")
+OPTION_METRICS = ("rollout_is_mean", "rollout_is_clip_frac", "off_policy_mask_frac", "entropy_mask_frac",
+                  "vespo_phi_mean")
 
 
 def _world() -> tuple[int, int]:
@@ -98,7 +99,7 @@ def resolve_device(name: str) -> torch.device:
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
-    torch.manual_seed(seed)
+    torch.manual_seed(seed % SEED_LIMIT)  # seed + 1000 * rank may pass torch's 2**64 - 1
 
 
 def make_scheduler(optimizer, cfg: TrainConfig):
@@ -121,7 +122,7 @@ class Trainer:
     """Builds everything from a validated :class:`TrainConfig`; :meth:`train` runs the loop."""
 
     def __init__(self, cfg: TrainConfig, *, quiet: bool = False):
-        self.cfg = cfg
+        self.cfg = cfg.validate()  # as load_config validates it: a TrainConfig built in code is not
         self.device = resolve_device(cfg.device)
         self.rank, self.world = init_distributed(self.device.type)
         if cfg.threads:
@@ -234,8 +235,12 @@ class Trainer:
         rewards = batch.rewards.float()
         if cfg.kimi_length_coef > 0:
             correct = batch.rewards >= cfg.correct_threshold
-            rewards = rewards + cfg.kimi_length_coef * adv_lib.kimi_length_reward(
-                batch.lengths.float(), correct, G).to(rewards.device)
+            length = adv_lib.kimi_length_reward(batch.lengths, correct, G).to(rewards.device)
+            rewards = rewards + cfg.kimi_length_coef * length
+            if not torch.isfinite(rewards).all():  # as score() checks the weighted reward sum
+                raise RewardFunctionError(
+                    f"the rewards (max |reward| {float(batch.rewards.abs().max()):.4g}) plus kimi_length_coef = "
+                    f"{cfg.kimi_length_coef:g} times the Kimi length reward (in [-0.5, 0.5]) overflow float32")
         if self.advantage == "grpo":
             return adv_lib.grpo(rewards, G), None
         if self.advantage == "dr_grpo":
@@ -267,7 +272,7 @@ class Trainer:
         token_mean = self.loss_config.agg == "token-mean"
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
-        perm_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step * 101 + self.rank)
+        perm_gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + self.step * 101 + self.rank) % SEED_LIMIT)
         for _ in range(cfg.num_iterations):
             order = torch.randperm(n, generator=perm_gen).to(self.device) if mb < n else torch.arange(n, device=self.device)
             for start in range(0, n, mb):
@@ -409,12 +414,21 @@ class Trainer:
             n_params = sum(p.numel() for p in self.policy.parameters())
             print(f"fused-rl train: {n_params / 1e6:.2f} M parameters on {self.device}, loss backend "
                   f"{self.backend!r}, world size {self.world}, run dir {self.run_dir}", flush=True)
+
+        def show(line: str) -> None:
+            if bar is not None:
+                bar.write(line)  # above the bar
+            else:
+                print(line, flush=True)
+
         start = time.perf_counter()
         if cfg.eval_every and self.step == 0 and self.rank == 0:  # the starting point of the curve
             ev = self.evaluate()
             ev.pop("samples")
             with open(self._metrics_file(), "a") as f:
                 f.write(json.dumps({"step": 0, **ev}) + "\n")
+            if not self.quiet:
+                show(f"step 0: {format_eval(ev)}")
         done = 0
         while self.step < cfg.steps and (stop_after is None or done < stop_after):
             done += 1
@@ -431,8 +445,11 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(format_postfix(metrics))
-            elif not self.quiet and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
-                print(f"step {self.step}: {format_postfix(metrics)}", flush=True)
+            # log_every thins the plain lines; the last step and every evaluation are printed (on a terminal the
+            # bar shows each step, an evaluation is also written above it)
+            plain_line = bar is None and (self.step % cfg.log_every == 0 or self.step == cfg.steps)
+            if not self.quiet and (plain_line or "eval_reward" in metrics):
+                show(f"step {self.step}: {format_postfix(metrics)}")
             if cfg.save_every and self.step % cfg.save_every == 0:
                 self.save()
         if bar is not None:
@@ -448,10 +465,14 @@ class Trainer:
         return history
 
 
+def format_eval(m: dict) -> str:
+    return f"eval={m['eval_reward']:.3f} eval_acc={m['eval_accuracy']:.2f}"
+
+
 def format_postfix(m: dict) -> str:
     parts = [f"reward={m['reward']:.3f}", f"acc={m['accuracy']:.2f}"]
     if "eval_reward" in m:
-        parts.append(f"eval={m['eval_reward']:.3f}")
+        parts.append(format_eval(m))
     if "kl" in m:
         parts.append(f"kl={m['kl']:.4f}")
     parts += [f"clip={m.get('clip_frac', 0.0):.3f}",
