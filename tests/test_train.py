@@ -821,6 +821,29 @@ def test_evaluations_are_printed_above_the_progress_bar(tmp_path, capsys, monkey
     assert printed == ["step 0", "step 3", "step 4"]  # the evaluations, not every step (the bar has those)
 
 
+def test_cli_eval_on_another_device(tmp_path, capsys):
+    """A run trained on a GPU is evaluated on a machine without one with ``--device cpu`` (its saved ``device:
+    cuda`` alone stops ``fused-rl eval`` with the absent-CUDA error)."""
+    import torch
+
+    from fused_rl.train import checkpoint
+    from fused_rl.train.cli import main
+    from fused_rl.train.trainer import Trainer
+
+    trainer = Trainer(small(tmp_path, steps=1))
+    trainer.train()
+    trainer.save()
+    path = checkpoint.checkpoint_dir(tmp_path / "run") / "state.pt"
+    state = torch.load(path, weights_only=False)
+    state["config"]["device"] = "cuda"
+    torch.save(state, path)
+    if not torch.cuda.is_available():
+        assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 2
+        assert "device" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "run"), "--prompts", "2", "--device", "cpu"]) == 0
+    assert "eval_reward=" in capsys.readouterr().out
+
+
 def test_cli_eval_refuses_fewer_than_one_prompt(tmp_path, capsys):
     from fused_rl.train.cli import main
 

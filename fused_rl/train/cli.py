@@ -58,6 +58,8 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("run_dir")
     p.add_argument("--prompts", type=_positive_int, default=None,
                    help="held-out prompts to evaluate (default: the run's eval_prompts)")
+    p.add_argument("--device", default=None, help="device to evaluate on (default: the run's, e.g. cpu for a run "
+                                                  "trained on cuda)")
     args = p.parse_args(argv)
     from . import checkpoint
     from .config import from_dict
@@ -65,6 +67,8 @@ def _eval(argv: list[str]) -> int:
 
     state = checkpoint.load_state(args.run_dir)
     saved = {**state["config"], "resume": False, "run_dir": args.run_dir}
+    if args.device is not None:
+        saved["device"] = args.device
     if saved.get("model", "tiny") != "tiny":  # an older run's model_config (a default file's tiny sizes) went unused
         saved["model_config"] = {}
     cfg = from_dict(saved).validate()
