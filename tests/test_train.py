@@ -724,6 +724,21 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
         Trainer(small(tmp_path, resume=True), quiet=True)
 
 
+def test_restart_over_a_checkpoint_and_resume_of_a_finished_run_say_so(tmp_path, capsys):
+    """A new run in a run dir holding a checkpoint says it starts over (it silently overwrote it); resuming a run
+    already at ``steps`` says there is nothing to train (it silently did nothing)."""
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=1, save_every=1)).train()
+    assert "earlier run's checkpoint" not in capsys.readouterr().out
+    Trainer(small(tmp_path, steps=1, save_every=1)).train()
+    assert "holds an earlier run's checkpoint: starting over" in capsys.readouterr().out
+    assert Trainer(small(tmp_path, steps=1, resume=True)).train() == []
+    printed = capsys.readouterr().out
+    assert "the checkpoint is at step 1 >= steps = 1: nothing to train" in printed
+    assert "earlier run's checkpoint" not in printed
+
+
 def test_dropout_is_off_and_eval_prompts_are_held_out(tmp_path):
     """With dropout in the model config the first update is still on-policy (ratio 1: no clipping); the
     evaluation prompts are never drawn for training."""

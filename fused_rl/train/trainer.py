@@ -414,6 +414,12 @@ class Trainer:
             n_params = sum(p.numel() for p in self.policy.parameters())
             print(f"fused-rl train: {n_params / 1e6:.2f} M parameters on {self.device}, loss backend "
                   f"{self.backend!r}, world size {self.world}, run dir {self.run_dir}", flush=True)
+            if not cfg.resume and self.rank == 0 and checkpoint.exists(self.run_dir):
+                print(f"fused-rl train: run dir {self.run_dir} holds an earlier run's checkpoint: starting over, it "
+                      "is overwritten at the first save (--resume true continues it instead)", flush=True)
+            if self.step >= cfg.steps:
+                print(f"fused-rl train: the checkpoint is at step {self.step} >= steps = {cfg.steps}: nothing to "
+                      "train (raise --steps to go on)", flush=True)
 
         def show(line: str) -> None:
             if bar is not None:
