@@ -92,7 +92,7 @@ def policy_loss(
         tuple(logits.shape), logits.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
         token_normalizer=token_normalizer, compute_dtype=compute_dtype(logits.dtype), check_inputs=check_inputs,
-        rollout_logprobs=rollout_logprobs, truncated=truncated, rollout_is_weights=rollout_is_weights)
+        rollout_logprobs=rollout_logprobs, truncated=truncated, rollout_is_weights=rollout_is_weights, logits=logits)
     return be.policy_loss(logits, inputs, config, compute_entropy, inplace)
 
 

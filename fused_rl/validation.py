@@ -145,6 +145,20 @@ def weights_check(weights: torch.Tensor, valid: torch.Tensor, name: str = "rollo
             ((torch.isfinite(weights) & (weights >= 0)) | ~where).all())
 
 
+def target_logit_check(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """On-policy, no valid target whose logit is ``-inf``: the sampled token would have probability 0 under
+    ``logits``, its log-prob ``-inf`` and the ratio ``exp(logp - sg(logp)) = exp(-inf + inf)`` undefined (the
+    backends disagreed there: NaN or 1), also in a row of only ``-inf``. Off-policy such a token is ``r = 0``, a
+    defined loss. Reads the ``B T`` target logits only (a NaN or ``+inf`` logit is an undefined row, NaN on every
+    backend, and an all ``-inf`` row off-policy too)."""
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).clamp(0, logits.shape[-1] - 1)
+    picked = logits.gather(-1, safe.unsqueeze(-1).long()).squeeze(-1)
+    return ("targets have logit -inf where mask is set (on-policy: old_logprobs=None): the sampled token has "
+            "probability 0 under these logits (a vocabulary mask the sampler did not apply?), its log-prob is -inf "
+            "and the on-policy ratio exp(logp - sg(logp)) undefined",
+            ~(torch.isneginf(picked) & valid).any())
+
+
 def check_temperature(temperature) -> None:
     """A finite real ``>= MIN_TEMPERATURE`` (Python or numpy scalar; not a bool or a tensor)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
@@ -224,10 +238,12 @@ def prepare_policy_inputs(
     rollout_logprobs: Optional[torch.Tensor] = None,
     truncated: Optional[torch.Tensor] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
+    logits: Optional[torch.Tensor] = None,
 ) -> PolicyInputs:
     """Validate the per-token arguments of ``policy_loss`` and bring them to one form.
 
-    ``logits_shape`` is ``(B, T, V)`` (for the linear loss: ``(B, T, vocab)`` of the virtual logits).
+    ``logits_shape`` is ``(B, T, V)`` (for the linear loss: ``(B, T, vocab)`` of the virtual logits); ``logits``,
+    when given, are read at the targets for the value checks (on-policy, a sampled token whose logit is ``-inf``).
     """
     if len(logits_shape) != 3:
         _fail(f"logits must have shape (B, T, V), got {tuple(logits_shape)}")
@@ -303,6 +319,8 @@ def prepare_policy_inputs(
                 checks += logprob_checks(x, valid, name, unscored_nan=name == "rollout_logprobs")
         if rollout_is_weights is not None:
             checks.append(weights_check(rollout_is_weights, valid))
+        if logits is not None and old_logprobs is None:
+            checks.append(target_logit_check(logits, targets, valid))
         if isinstance(token_normalizer, torch.Tensor):
             checks.append(("token_normalizer must be positive and finite",
                            torch.isfinite(token_normalizer) & (token_normalizer > 0)))

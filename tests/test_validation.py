@@ -252,6 +252,34 @@ def test_numpy_scalar_arguments():
             fused_rl.token_logprobs(args["logits"], args["targets"], temperature=bad)
 
 
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_on_policy_target_with_logit_minus_inf_raises(backend):
+    """On-policy, a sampled token whose logit is -inf (probability 0) at a valid position has the undefined ratio
+    ``exp(-inf + inf)``, and the backends disagreed (the reference's NaN loss and gradient, the C++ kernel's NaN loss
+    with a finite gradient, the Triton kernel's finite loss): it raises on every one. -inf elsewhere in the row
+    (p = 0 entries), at a masked position or behind an IGNORE_INDEX target is fine, so is an off-policy -inf
+    target (r = 0: ``test_hardening.test_neg_inf_logits_have_p_zero_even_at_the_target``), and
+    ``check_inputs=False`` skips the check."""
+    args = good()
+    logits, targets = args["logits"].clone(), args["targets"].clone()
+    rows = torch.arange(3)
+    logits[0, rows, (targets[0] + 1) % 11] = float("-inf")  # legitimate p = 0 entries
+    logits[1, 2, targets[1, 2]] = float("-inf")
+    mask = args["mask"].clone()
+    mask[1, 2] = False
+    targets[0, 1] = fused_rl.IGNORE_INDEX
+    logits[0, 1, 0] = float("-inf")  # the clamped index of an IGNORE_INDEX target
+    out = fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend)
+    assert torch.isfinite(out.loss)
+    mask[1, 2] = True
+    with pytest.raises(ValueError, match=r"targets have logit -inf where mask is set \(on-policy"):
+        fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend)
+    fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend, check_inputs=False)
+    old = torch.full(targets.shape, -2.0)
+    out = fused_rl.policy_loss(logits, targets, args["advantages"], mask, old_logprobs=old, backend=backend)
+    assert torch.isfinite(out.loss)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("backend", ["reference"] + fused_backends())
 def test_temperature_bound(backend):
