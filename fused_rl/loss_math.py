@@ -124,16 +124,24 @@ def importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
 
 def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                       config: PolicyLossConfig) -> torch.Tensor:
-    """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for a token-level ratio (``d r / d logp = r``: every
-    policy loss but gspo and gmpo) and ``config.kl`` k3 or a straight-through ``"X+"``, with its exact slope
-    ``d (r kl) / d logp = r (kl + K')``, ``K'`` the slope ``kl`` carries, ``d = ref - logp``: k3
-    (``K' = -expm1(d)``): ``-r d``; ``"X+"`` (``K' = -d``, k2's): ``r (X - d)``.
+    """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for ``config.kl`` k3 or a straight-through ``"X+"``, with
+    its exact slope. ``K'`` is the slope ``kl`` carries, ``d = ref - logp``: k3 ``K' = -expm1(d)``, ``"X+"``
+    ``K' = -d`` (k2's).
+
+    * token-level ratio (``d r_t / d logp_t = r_t``: every policy loss but gspo and gmpo):
+      ``d (r kl) / d logp = r (kl + K')``: k3 ``-r d``; ``"X+"`` ``r (X - d)``.
+    * sequence ratio ``s`` of gspo and gmpo (``d s / d logp_u = s / n``, ``n`` the row's valid tokens): the
+      row's ``sum_t s kl_t`` has ``d / d logp_u = s (K'_u + mean_t kl_t)``: k3 ``s ((mean_t e_t - e_u) -
+      mean_t d_t)`` with ``e = expm1(d)``; ``"X+"`` ``s (mean_t X_t - d_u)``; both in fp64 from the inputs'
+      values. This slope is the loss's gradient because every aggregation weighs a row's tokens alike
+      (:func:`aggregation_weights`).
 
     Autograd of the product would add ``r kl`` and ``r K'`` as two terms that cancel: k3's ``r expm1(d)``
-    (in fp32: -32 for the exact -20 at ``d = 20``), ``"abs+"``'s ``r |d|`` against ``-r d`` (the exact 0 at
-    ``d > 0`` came out ``ulp(r |d|)``: 3.2 relative error of a gradient at ``r = e^20``). So the product is
-    formed with ``logp`` detached (its gradients for ``ref`` and ``old`` have no such cancellation) and the
-    slope enters as ``sg(slope) (logp - sg(logp))``, which is 0 in value. 0 where masked.
+    (in fp32: -32 for the exact -20 at ``d = 20``; for gspo's one-token row 1.78 for the exact 1.8 at
+    ``d = 16``), ``"abs+"``'s ``r |d|`` against ``-r d`` (the exact 0 at ``d > 0`` came out ``ulp(r |d|)``: 3.2
+    relative error of a gradient at ``r = e^20``). So the product is formed with ``logp`` detached (its
+    gradients for ``ref`` and ``old`` have no such cancellation) and the slope enters as
+    ``sg(slope) (logp - sg(logp))``, which is 0 in value. 0 where masked.
     """
     zeros = torch.zeros_like(logp)
     sg_logp = torch.where(mask, logp, zeros).detach()
@@ -141,7 +149,21 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     d = safe_ref - sg_logp
     ratio = torch.exp(log_importance_ratio(logp.detach(), old, mask, config))
     kl = kl_estimator(sg_logp, safe_ref, config.kl)
-    slope = (ratio * (kl.detach() - d) if config.kl.endswith("+") else -ratio * d).detach()
+    straight_through = config.kl.endswith("+")
+    if config.policy_loss not in ("gspo", "gmpo"):
+        bracket = kl.detach() - d if straight_through else -d
+    else:  # in fp64: the spread of near-equal large terms is lost to fp32's rounding of d, of exp(d) and of the mean
+        zeros64 = torch.zeros_like(d, dtype=torch.float64)
+        logp64, ref64 = sg_logp.double(), safe_ref.detach().double()
+        d64 = torch.where(mask, ref64 - logp64, zeros64)
+        if straight_through:
+            x64 = torch.where(mask, kl_estimator(logp64, ref64, config.kl[:-1]), zeros64)
+            bracket64 = _sequence_mean(x64, mask) - d64
+        else:
+            e = torch.expm1(d64)
+            bracket64 = (_sequence_mean(e, mask) - e) - _sequence_mean(d64, mask)
+        bracket = bracket64.to(d.dtype)
+    slope = (ratio * bracket).detach()
     return torch.where(mask, ratio * kl + slope * (logp - logp.detach()), zeros)
 
 
@@ -379,8 +401,7 @@ def per_token_loss(
             raise ValueError(f"config.kl={config.kl!r} needs ref_logprobs")
         safe_ref = torch.where(mask, ref_logprobs, zeros)
         kl = torch.where(mask, kl_estimator(safe_logp, safe_ref, config.kl), zeros)
-        if config.kl_bias_correction and (config.kl == "k3" or config.kl.endswith("+")) \
-                and config.policy_loss not in ("gspo", "gmpo"):
+        if config.kl_bias_correction and (config.kl == "k3" or config.kl.endswith("+")):
             kl = bias_corrected_kl(logp, safe_ref, old, mask, config)
         elif config.kl_bias_correction:
             kl = kl * ratio

@@ -10,8 +10,8 @@ import torch
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from fused_rl.loss_math import (compute_policy_loss, entropy_quantile_across, kl_estimator, per_token_loss,
-                                top_entropy_keep)
+from fused_rl.loss_math import (aggregation_weights, compute_policy_loss, entropy_quantile_across, kl_estimator,
+                                per_token_loss, top_entropy_keep)
 
 
 def _kl(kind, d):
@@ -417,6 +417,39 @@ def test_kl_bias_correction_gradient_is_exact_in_fp32(policy):
         assert got_old is None and exp_old is None
     else:
         torch.testing.assert_close(got_old, exp_old.float(), rtol=2e-6, atol=1e-10)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("kl", ["k3", "k3+", "abs+"])
+@pytest.mark.parametrize("policy", ["gspo", "gmpo"])
+def test_sequence_ratio_kl_bias_correction_gradient_matches_fp64(policy, kl, agg):
+    """gspo / gmpo: ``beta s kl_t`` with the sequence ratio ``s``, against fp64 autograd of that plain product
+    (written here, independent of :func:`bias_corrected_kl`). fp32 autograd of the product cancelled two terms
+    of size ``s exp(d)``: a one-token row at ``d = 16`` gave a logit gradient 1.78 for the exact 1.8 (19.3:
+    1.0 for 1.965). Rows: one token; three with equal large ``d``; spread ``d`` in both signs; one all masked."""
+    d = torch.tensor([[16.0, 0.0, 0.0, 0.0], [17.3, 17.3, 17.3, 0.0], [19.3, -4.0, 0.5, 12.0],
+                      [3.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    logp64 = -torch.linspace(20.0, 0.3, d.numel(), dtype=torch.float64).view(d.shape)
+    old64 = logp64 + torch.linspace(-0.4, 0.3, d.numel(), dtype=torch.float64).view(d.shape)
+    logp64, ref64, old64 = (t.float().double() for t in (logp64, logp64 + d, old64))  # the fp32 inputs, exactly
+    cfg = PolicyLossConfig(policy_loss=policy, kl=kl, beta=0.05, kl_bias_correction=True, agg=agg)
+    x, ref, old = (t.float().requires_grad_(True) for t in (logp64, ref64, old64))
+    terms = per_token_loss(x, torch.zeros_like(x), mask, cfg, old_logprobs=old, ref_logprobs=ref)
+    (terms.loss * aggregation_weights(mask, cfg)).sum().backward()
+
+    x64, ref_64, old_64 = (t.clone().requires_grad_(True) for t in (logp64, ref64, old64))
+    n = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    s = torch.exp(torch.where(mask, x64 - old_64, 0.0).sum(dim=1, keepdim=True) / n)
+    dd = torch.where(mask, ref_64 - x64, 0.0)
+    k2 = 0.5 * dd * dd
+    value = {"k3": torch.expm1(dd) - dd, "k3+": (torch.expm1(dd) - dd).detach() + k2 - k2.detach(),
+             "abs+": dd.abs().detach() + k2 - k2.detach()}[kl]
+    expected = torch.where(mask, 0.05 * s * value, 0.0)
+    (expected * aggregation_weights(mask, cfg, dtype=torch.float64)).sum().backward()
+    torch.testing.assert_close(terms.loss.detach().double(), expected.detach(), rtol=2e-6, atol=1e-12)
+    for got, want in ((x.grad, x64.grad), (ref.grad, ref_64.grad), (old.grad, old_64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-9)
 
 
 def test_token_normalizer_replaces_count():
