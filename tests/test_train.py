@@ -70,6 +70,7 @@ def small(tmp_path, **kw):
     (["--dtype", "float16"], ["dtype", "master weights"]),
     (["--resume", "flase"], ["resume", "true or false"]),
     (["--plot", "nein"], ["plot", "true or false"]),
+    (["--adam_betas", "[false, 0.99]"], ["adam_betas", "two numbers"]),
     (["--reward_weights", "2"], ["reward_weights", "list of finite numbers"]),
     (["--reward_weights", "[2]"], ["reward_weights", "rewards listed"]),
     (["--gamma", "0.9"], ["gamma", "only used by advantage 'gae'"]),
@@ -124,6 +125,58 @@ def test_scientific_notation_is_a_number_at_every_depth(tmp_path):
     # and a string that looks like one round-trips through the run's config.yaml as a string (run_dir "3e-3")
     data = {"run_dir": "3e-3", "beta": 1e-3, "task_args": {"digits": "1e5", "n": 2.5e3}}
     assert yaml_load(yaml_dump(data)) == data
+
+
+def test_a_whole_float_for_an_integer_field_names_the_integer(tmp_path):
+    """``steps: 1e3`` (a float to YAML) and ``--steps 1e3`` are refused, as are non-whole floats, but the message
+    says why and what to write; a whole float beyond 2**53 is not offered as an integer."""
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 1e3\n")
+    for source, flags in ((str(path), []), (None, ["--steps", "1e3"]), (None, ["--steps", "1000.0"])):
+        with pytest.raises(ConfigError, match=r"'steps' = 1000.0: must be an integer: write 1000 \(YAML and the "
+                                              r"command line read .* such as 1e3, as a float\)"):
+            load_config(source, flags)
+    for flags in (["--steps", "2.5"], ["--seed", "1e30"]):
+        with pytest.raises(ConfigError, match=r": must be an integer$"):
+            load_config(None, flags)
+
+
+def test_a_key_given_twice_in_a_yaml_config_is_an_error(tmp_path):
+    """PyYAML keeps the last of two equal keys silently; the config loader names the key and both lines, at any
+    depth and in a flag's YAML value. A key over a ``<<`` merge is an override, not a duplicate."""
+    path = tmp_path / "c.yaml"
+    for text, words in (("steps: 3\nlr: 1e-3\nbeta: 0.0\nlr: 2e-3\n", "duplicate key 'lr' (line 2, again on line 4)"),
+                        ("loss_options:\n  delta: 2\n  delta: 3\n", "duplicate key 'delta' (line 2, again on line 3)")):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            load_config(str(path))
+        assert str(info.value).startswith(f"{path}: not valid YAML: {words}"), str(info.value)
+    with pytest.raises(ConfigError, match=r"--loss_options: cannot parse .*duplicate key 'delta'"):
+        load_config(None, ["--loss_options", "{delta: 2, delta: 3}"])
+    path.write_text("model_config: &sizes {hidden_size: 32, num_attention_heads: 2}\n"
+                    "task_args: {<<: {min_digits: 2, max_digits: 2}, max_digits: 4}\n")
+    assert load_config(str(path)).task_args == {"min_digits": 2, "max_digits": 4}
+
+
+def test_a_bare_boolean_flag_means_true(tmp_path, capsys):
+    """``--resume`` (or ``--plot``, ``--progress``, ``--chat_template``) without a value is true, at the end or
+    before another option; any other option without a value, or followed by another option, is an error saying
+    so (``--lr --steps 3`` read ``--steps`` as the lr, then failed on ``3``)."""
+    from fused_rl.train.cli import main
+
+    cfg = load_config(None, ["--plot", "false", "--resume", "--steps", "20"])
+    assert (cfg.resume, cfg.plot, cfg.steps) == (True, False, 20)
+    assert load_config(None, ["--plot=false", "--plot"]).plot is True
+    assert load_config(None, ["--resume", "false"]).resume is False
+    with pytest.raises(ConfigError, match=r"^--lr needs a value \(the next argument, '--steps', is an option; a "
+                                          r"value that starts with -- is given as --lr=VALUE\)$"):
+        load_config(None, ["--lr", "--steps", "3"])
+    assert load_config(None, ["--run_dir=--odd"]).run_dir == "--odd"
+    with pytest.raises(SystemExit, match="--config needs a file"):
+        main(["train", "--config", "--steps", "3"])
+    # through the CLI: a bare --resume resumes (here: no checkpoint, the resume error)
+    assert main(["train", "--run_dir", str(tmp_path / "none"), "--resume"]) == 2
+    assert "resume: no checkpoint in run_dir" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("field, value", [("model", 123), ("run_dir", 5), ("task", ["copy"]), ("device", 0)])
@@ -283,7 +336,8 @@ def test_reward_function_errors_are_reported(tmp_path):
 
     (tmp_path / "my_rewards.py").write_text(
         "def wrong_len(prompts, completions, answer, **kw):\n    return [0.0] * 3\n"
-        "def good(prompts, completions, answer, **kw):\n    return [float(c == a) for c, a in zip(completions, answer)]\n")
+        "def good(prompts, completions, answer, **kw):\n"
+        "    return [float(c == a) for c, a in zip(completions, answer)]\n")
     cfg = small(tmp_path, rewards=[f"{tmp_path}/my_rewards.py:wrong_len"])
     with pytest.raises(RewardFunctionError, match=r"my_rewards.py:wrong_len' returned 3 values for 16 completions"):
         Trainer(cfg, quiet=True).train_step()
@@ -292,6 +346,52 @@ def test_reward_function_errors_are_reported(tmp_path):
     assert 0.0 <= m["reward"] <= 1.5
     with pytest.raises(RewardFunctionError, match="has no callable 'nope'"):
         Trainer(small(tmp_path, rewards=[f"{tmp_path}/my_rewards.py:nope"]), quiet=True)
+
+
+def test_reward_functions_get_copies_of_their_inputs():
+    """A reward function that changes its arguments in place (the completions, an example field, a nested row)
+    changed what the next reward function and the rollout saw; each call now gets copies. Its result is copied
+    too: a list object it returns again and changes later, a tensor, an array or ints are read at the call."""
+    import numpy as np
+
+    from fused_rl.train.rollout import score
+
+    def vandal(prompts, completions, answer, meta, **_):
+        out = [float(c == a) for c, a in zip(completions, answer)]
+        completions[:] = ["x"] * len(completions)
+        answer.reverse()
+        prompts.clear()
+        meta[0]["k"] = "changed"
+        return out
+
+    def check(prompts, completions, answer, meta, **_):
+        assert len(prompts) == 2 and meta[0]["k"] == "v"
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    prompts, completions, row = ["p", "q"], ["1", "2"], {"k": "v"}
+    batch = {"answer": ["1", "2"], "meta": [row, row]}
+    total, parts = score([("vandal", vandal), ("check", check)], [1.0, 1.0], prompts, completions, batch)
+    assert parts["check"].tolist() == [1.0, 1.0] and total.tolist() == [2.0, 2.0]
+    assert (prompts, completions, batch["answer"], row) == (["p", "q"], ["1", "2"], ["1", "2"], {"k": "v"})
+
+    shared = [0.0, 0.0]
+
+    def reused(prompts, completions, **_):
+        shared[:] = [float(len(c)) for c in completions]
+        return shared
+
+    first = call_reward("reused", reused, ["p", "q"], ["a", "bb"], {})
+    call_reward("reused", reused, ["p", "q"], ["ccc", "dddd"], {})
+    assert first.tolist() == [1.0, 2.0]
+    for result in (torch.tensor([1, 0]), np.array([1, 0]), [1, 0], (True, False)):
+        got = call_reward("kinds", lambda p, c, **b: result, ["p", "q"], ["c", "d"], {})
+        assert got.dtype == torch.float32 and got.tolist() == [1.0, 0.0]
+        if isinstance(result, torch.Tensor):
+            result.fill_(5)
+            assert got.tolist() == [1.0, 0.0]
+    with pytest.raises(RewardFunctionError, match=r"'maybe' returned None at index 1: every completion needs a "
+                                                  r"number \(TRL's None .* is not supported; return 0.0"):
+        call_reward("maybe", lambda p, c, **b: [1.0, None], ["p", "q"], ["c", "d"], {})
 
 
 def test_rewards_must_be_finite_in_float32():
@@ -755,6 +855,69 @@ def test_dropout_is_off_and_eval_prompts_are_held_out(tmp_path):
     assert t.update(batch)["clip_frac"] == 0.0
     held = {e["prompt"] for e in t.task.heldout(64)}
     assert len(held) > 20 and not held & {e["prompt"] for e in t.task.sample(random.Random(0), 5000)}
+
+
+_DDP_EVAL_REWARD = """
+import json, os
+
+
+def record(prompts, completions, answer, **_):
+    values = [sum(x == y for x, y in zip(c, a)) / 3 for c, a in zip(completions, answer)]
+    with open(os.path.join(os.path.dirname(__file__), "calls_rank" + os.environ["RANK"] + ".jsonl"), "a") as f:
+        f.write(json.dumps({"prompts": prompts, "values": values}) + "\\n")
+    return values
+"""
+
+_DDP_EVAL_WORKER = """
+import sys
+
+from fused_rl.train.config import load_config
+from fused_rl.train.trainer import Trainer
+
+out = sys.argv[1]
+cfg = load_config(None, [], run_dir=out + "/run", steps=2, warmup_steps=0, prompts_per_step=2, group_size=2,
+                  max_new_tokens=4, threads=1, progress=False, plot=False, eval_every=2, eval_prompts=5,
+                  backend="auto", rewards=[out + "/rec.py:record"],
+                  model_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 2})
+Trainer(cfg, quiet=True).train()
+"""
+
+
+def test_ddp_evaluation_is_shared_by_every_process(tmp_path):
+    """Under torchrun every process evaluates its share of the held-out prompts (rank 0 alone did, while the
+    others waited in the next step's all-reduce: with a long evaluation NCCL's timeout ends the run); the logged
+    eval reward is the mean over all the prompts, each evaluated once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fused_rl.train.tasks import make_task
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "rec.py").write_text(_DDP_EVAL_REWARD)
+    (tmp_path / "worker.py").write_text(_DDP_EVAL_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{root}{os.pathsep}" + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "worker.py"), str(tmp_path)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    heldout = [e["prompt"] for e in make_task("copy", load_config(None).task_args).heldout(5)]
+    evals = {}  # rank -> its evaluation calls (all prompts held out: training never draws one), in order
+    for rank in (0, 1):
+        calls = [json.loads(line) for line in (tmp_path / f"calls_rank{rank}.jsonl").read_text().splitlines()]
+        evals[rank] = [c for c in calls if set(c["prompts"]) <= set(heldout)]
+        assert len(evals[rank]) == 2, (rank, evals[rank])  # step 0 and step 2
+    logged = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "eval_reward" in r]
+    assert [r["step"] for r in logged] == [0, 2]
+    for k, record in enumerate(logged):
+        prompts = evals[0][k]["prompts"] + evals[1][k]["prompts"]
+        values = evals[0][k]["values"] + evals[1][k]["values"]
+        assert sorted(prompts) == sorted(heldout)
+        assert record["eval_reward"] == pytest.approx(sum(values) / len(values), abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

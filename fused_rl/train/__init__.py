@@ -1,7 +1,7 @@
 """A thin GRPO / PPO trainer on Hugging Face transformers whose loss is :func:`fused_rl.linear_policy_loss`.
 
 ``fused-rl train`` (the console script, :mod:`fused_rl.train.cli`) runs the embedded default: a tiny
-transformer learning to reverse digit strings from scratch on a CPU. See docs/train.md.
+transformer learning to repeat digit strings from scratch on a CPU. See docs/train.md.
 """
 
 from .config import ConfigError, TrainConfig, load_config

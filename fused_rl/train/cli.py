@@ -22,7 +22,7 @@ def _train(argv: list[str]) -> int:
     i = 0
     while i < len(argv):
         if argv[i] in ("-c", "--config"):
-            if i + 1 >= len(argv):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 raise SystemExit("fused-rl train: --config needs a file")
             config = argv[i + 1]
             i += 2

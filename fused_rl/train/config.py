@@ -57,11 +57,25 @@ _YAML_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 @functools.lru_cache(maxsize=None)
 def _yaml_classes():
     """PyYAML's SafeLoader and SafeDumper with :data:`_YAML_FLOAT` resolved as a float at every depth: the loader
-    reads ``1e-3`` as a number, the dumper quotes a string such as ``"3e-3"`` so that it reads back a string."""
+    reads ``1e-3`` as a number, the dumper quotes a string such as ``"3e-3"`` so that it reads back a string. The
+    loader refuses a key given twice in one mapping."""
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            """A mapping whose node lists a scalar key twice raises: PyYAML would keep the last value silently.
+            ``<<`` merge keys are left out, so a key set here over a merged one is an override, not a duplicate."""
+            first_line: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (line {first_line[key]}, again on line {line}): a key "
+                                    "may be given once per mapping")
+                first_line[key] = line
+            return super().construct_mapping(node, deep=deep)
 
     class Dumper(yaml.SafeDumper):
         pass
@@ -198,6 +212,9 @@ class TrainConfig:
 
         def check_int(name: str, low: int) -> None:
             v = getattr(self, name)
+            if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 53:
+                fail(name, f"must be an integer: write {int(v)} (YAML and the command line read a number with a "
+                           "dot or an exponent, such as 1e3, as a float)")
             if isinstance(v, bool) or not isinstance(v, int):
                 fail(name, "must be an integer")
             if v < low:
@@ -292,7 +309,8 @@ class TrainConfig:
         if not isinstance(self.rewards, list) or not all(isinstance(r, str) for r in self.rewards):
             fail("rewards", "must be a list of reward names or 'module:function' strings")
         if not isinstance(self.reward_weights, list) or not all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights):
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                for w in self.reward_weights):
             fail("reward_weights", "must be a list of finite numbers, one per reward")
         if self.reward_weights:
             if not self.rewards:
@@ -300,7 +318,8 @@ class TrainConfig:
             if len(self.reward_weights) != len(self.rewards):
                 fail("reward_weights", f"needs one weight per reward ({len(self.rewards)} rewards)")
         if (not isinstance(self.adam_betas, (list, tuple)) or len(self.adam_betas) != 2
-                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas)):
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                           for b in self.adam_betas)):
             fail("adam_betas", "must be two numbers in [0, 1)")
         if self.resolved_advantage in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
             fail("group_size", f"advantage {self.resolved_advantage!r} compares samples of one prompt: needs >= 2")
@@ -373,6 +392,11 @@ def _coerce(raw: str, current: Any, name: str) -> Any:
 def _numeric_field(name: str) -> bool:
     f = {f.name: f for f in dataclasses.fields(TrainConfig)}[name]
     return f.type in ("int", "float", "Optional[float]", int, float)
+
+
+def _bool_field(name: str) -> bool:
+    """Whether ``name`` is a true/false field of :class:`TrainConfig` (a bare ``--resume`` flag means true)."""
+    return any(f.name == name and f.type in ("bool", bool) for f in dataclasses.fields(TrainConfig))
 
 
 def _fix_numbers(data: dict) -> dict:
@@ -450,7 +474,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
                 **kwargs: Any) -> TrainConfig:
     """``path`` (a YAML file, or the name of a bundled config such as ``smollm2`` or ``smollm2.yaml`` where no
     such file exists; None: the embedded default), then ``overrides``
-    (``["--key", "value", ...]`` or ``["--key=value"]``), then ``kwargs``; validated."""
+    (``["--key", "value", ...]`` or ``["--key=value"]``; a true/false option given bare, ``["--resume"]``, is true),
+    then ``kwargs``; validated."""
     if path is None:
         path = str(bundled_config("default"))
     elif not Path(path).exists():
@@ -475,11 +500,16 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         if "=" in key:
             key, raw = key.split("=", 1)
             i += 1
-        else:
-            if i + 1 >= len(items):
-                raise ConfigError(f"--{key} needs a value")
+        elif i + 1 < len(items) and not items[i + 1].startswith("--"):
             raw = items[i + 1]
             i += 2
+        elif _bool_field(key.replace("-", "_")):  # a bare --resume: true
+            raw = "true"
+            i += 1
+        else:
+            nxt = f" (the next argument, {items[i + 1]!r}, is an option; a value that starts with -- is given " \
+                  f"as --{key}=VALUE)" if i + 1 < len(items) else ""
+            raise ConfigError(f"--{key} needs a value{nxt}")
         key = key.replace("-", "_")
         if "." in key:  # --model_config.hidden_size 96
             top, sub = key.split(".", 1)

@@ -17,6 +17,7 @@ A user reward is given as ``"package.module:function"`` or ``"path/to/file.py:fu
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import math
@@ -141,11 +142,12 @@ def _short(v) -> str:
 
 
 def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[str], batch: dict) -> torch.Tensor:
-    """Call ``fn`` and check its result: a sequence (list, tuple, array, tensor) of one real number per
-    completion, each finite in float32; returns them as a float32 tensor. Failures raise
-    :class:`RewardFunctionError` naming ``name``."""
+    """Call ``fn`` on copies of its inputs (the lists, and ``batch``'s values deeply: a reward that changes them in
+    place cannot change what the next reward function, the task's rows or the rollout see) and check its result:
+    a sequence (list, tuple, array, tensor) of one real number per completion, each finite in float32; returns
+    them as a new float32 tensor. Failures raise :class:`RewardFunctionError` naming ``name``."""
     try:
-        result = fn(prompts, completions, **batch)
+        result = fn(list(prompts), list(completions), **copy.deepcopy(batch))
     except Exception as exc:
         raise RewardFunctionError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
     values = result.tolist() if hasattr(result, "tolist") else result
@@ -160,6 +162,11 @@ def call_reward(name: str, fn: RewardFn, prompts: list[str], completions: list[s
         except OverflowError:  # an int or Fraction beyond any float: refused as non-finite below
             floats.append(math.inf)
         except (TypeError, ValueError):
+            if v is None:
+                raise RewardFunctionError(
+                    f"reward function {name!r} returned None at index {i}: every completion needs a number (TRL's "
+                    "None for 'does not apply' is not supported; return 0.0, what TRL's weighted sum counts a None "
+                    "as)") from None
             raise RewardFunctionError(f"reward function {name!r} must return a list of numbers, got "
                                       f"{type(v).__name__} {v!r} at index {i}") from None
     if len(values) != len(completions):

@@ -274,7 +274,8 @@ class Trainer:
         grad_norms = []
         perm_gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + self.step * 101 + self.rank) % SEED_LIMIT)
         for _ in range(cfg.num_iterations):
-            order = torch.randperm(n, generator=perm_gen).to(self.device) if mb < n else torch.arange(n, device=self.device)
+            order = (torch.randperm(n, generator=perm_gen).to(self.device) if mb < n
+                     else torch.arange(n, device=self.device))
             for start in range(0, n, mb):
                 mb_idx = order[start:start + mb]
                 # token-mean's normalizer and the value loss's: the minibatch's loss tokens over all processes
@@ -362,20 +363,29 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, n: Optional[int] = None) -> dict:
-        """Greedy reward and accuracy on ``n`` (None: ``eval_prompts``) of the task's held-out prompts (rank 0's
-        share only)."""
+        """Greedy reward and accuracy on ``n`` (None: ``eval_prompts``) of the task's held-out prompts. Under DDP
+        every process generates its share (prompts ``rank::world``) and the sums of reward, correct answers and
+        prompts are all-reduced, so all processes must call it together and none waits in a collective while another
+        evaluates; ``samples`` are this process's first four."""
         n = self.cfg.eval_prompts if n is None else n
         if n < 1:
             raise ValueError(f"evaluate: the number of prompts must be >= 1, got {n}")
-        examples = self.task.heldout(n)
-        with self.policy.autocast():
-            batch = rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
-                            group_size=1, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_p=1.0,
-                            truncation=self.cfg.truncation, truncation_penalty=self.cfg.truncation_penalty,
-                            greedy=True, device=self.device)
-        return {"eval_reward": float(batch.rewards.mean()),
-                "eval_accuracy": float((batch.rewards >= self.cfg.correct_threshold).float().mean()),
-                "samples": list(zip(batch.prompts[:4], batch.completions[:4]))}
+        examples = self.task.heldout(n)[self.rank::self.world]
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # reward, correct, prompts
+        samples: list = []
+        if examples:  # fewer held-out prompts than processes leave some without any
+            with self.policy.autocast():
+                batch = rollout(self.policy.lm, self.tokenizer, examples, self.reward_fns, self.reward_weights,
+                                group_size=1, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_p=1.0,
+                                truncation=self.cfg.truncation, truncation_penalty=self.cfg.truncation_penalty,
+                                greedy=True, device=self.device)
+            rewards = batch.rewards.to(self.device, torch.float64)
+            sums = torch.stack([rewards.sum(), (rewards >= self.cfg.correct_threshold).double().sum(),
+                                rewards.new_tensor(float(len(examples)))])
+            samples = list(zip(batch.prompts[:4], batch.completions[:4]))
+        total = _all_sum(sums)
+        return {"eval_reward": float(total[0] / total[2]), "eval_accuracy": float(total[1] / total[2]),
+                "samples": samples}
 
     def save(self) -> None:
         checkpoint.save(self.run_dir, model=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -428,18 +438,19 @@ class Trainer:
                 print(line, flush=True)
 
         start = time.perf_counter()
-        if cfg.eval_every and self.step == 0 and self.rank == 0:  # the starting point of the curve
+        if cfg.eval_every and self.step == 0:  # the starting point of the curve (every process evaluates its share)
             ev = self.evaluate()
             ev.pop("samples")
-            with open(self._metrics_file(), "a") as f:
-                f.write(json.dumps({"step": 0, **ev}) + "\n")
+            if self.rank == 0:
+                with open(self._metrics_file(), "a") as f:
+                    f.write(json.dumps({"step": 0, **ev}) + "\n")
             if not self.quiet:
                 show(f"step 0: {format_eval(ev)}")
         done = 0
         while self.step < cfg.steps and (stop_after is None or done < stop_after):
             done += 1
             metrics = self.train_step()
-            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps) and self.rank == 0:
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                 ev = self.evaluate()
                 ev.pop("samples")
                 metrics.update(ev)
