@@ -53,7 +53,7 @@ class PolicyLossConfig:
     * ``policy_loss`` (``pg_t``):
         - ``"ppo_clip"``: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``; with ``dual_clip=c``
           the result is further capped at ``-c A`` where ``A < 0``; with ``delta`` (TRL's two-sided
-          clip) the unclipped term uses ``min(r, delta)``.
+          clip, ``> 1 + clip_high``) the unclipped term uses ``min(r, delta)``.
         - ``"gspo"``: as ppo_clip, with ``r`` replaced by the sequence ratio
           ``s_i = exp(sum_t m (logp - old) / sum_t m)`` on every token of sequence ``i``.
         - ``"gspo_token"``: GSPO-token, as gspo with ``s_it = exp(sg(log s_i) + logp_t - sg(logp_t))``:
@@ -70,13 +70,15 @@ class PolicyLossConfig:
           = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else ``vespo_k_neg, vespo_lambda_neg``, and
           ``log w_i = clamp(sum_t m clamp(log r_t, -20, 20) + sum_t m log_is_t, log 1e-8, 20)`` (a sum, not a mean),
           ``log_is_t = clamp(log c_t, log 1e-8, 20)`` of the token-level rollout correction ``c_t`` below, which
-          enters ``w_i`` instead of multiplying the loss (TRL's ``get_gamma_weights``).
+          enters ``w_i`` instead of multiplying the loss (TRL's ``get_gamma_weights``); a non-finite ``phi`` is 0.
+          Only a token-level ``rollout_is`` (a sequence-level one raises), and no ``rollout_is_weights`` argument.
     * ``kl`` (estimator of KL(pi || ref), added as ``beta * kl``): ``k1 = -d``, ``k2 = d^2/2``,
       ``k3 = exp(d) - d - 1``, ``abs = |d|``, ``low_var_kl = clamp(k3, -10, 10)``; ``"X+"`` is
       straight-through: the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
     * ``kl_bias_correction``: the KL term is ``beta * r * kl`` with the (differentiable) importance
       ratio ``r`` (sequence ratio for gspo / gspo_token / gmpo), DeepSeek-V3.2's unbiased KL gradient
-      off-policy; TRL's ``use_bias_correction_kl``.
+      off-policy; TRL's ``use_bias_correction_kl``. For k3 and the ``"X+"`` estimators its gradient is the
+      exact slope, not autograd's cancelling product (:func:`fused_rl.loss_math.bias_corrected_kl`).
     * ``rollout_is`` (needs ``rollout_logprobs``, the sampler's log-probs): importance weight
       ``rho = exp(old - rollout)`` (``old = sg(logp)`` on-policy) of the training policy against the
       inference engine, per token (``token_*``) or per sequence (``sequence_*``: ``exp(sum_t m (old -

@@ -128,7 +128,8 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     its exact slope. ``K'`` is the slope ``kl`` carries, ``d = ref - logp``: k3 ``K' = -expm1(d)``, ``"X+"``
     ``K' = -d`` (k2's).
 
-    * token-level ratio (``d r_t / d logp_t = r_t``: every policy loss but gspo and gmpo):
+    * a ratio whose gradient is token-level (``d r_t / d logp_t = r_t``: every policy loss but gspo and gmpo;
+      gspo_token's value is the sequence ratio):
       ``d (r kl) / d logp = r (kl + K')``: k3 ``-r d``; ``"X+"`` ``r (X - d)``.
     * sequence ratio ``s`` of gspo and gmpo (``d s / d logp_u = s / n``, ``n`` the row's valid tokens): the
       row's ``sum_t s kl_t`` has ``d / d logp_u = s (K'_u + mean_t kl_t)``: k3 ``s ((mean_t e_t - e_u) -
@@ -137,9 +138,9 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
       (:func:`aggregation_weights`).
 
     Autograd of the product would add ``r kl`` and ``r K'`` as two terms that cancel: k3's ``r expm1(d)``
-    (in fp32: -32 for the exact -20 at ``d = 20``; for gspo's one-token row 1.78 for the exact 1.8 at
-    ``d = 16``), ``"abs+"``'s ``r |d|`` against ``-r d`` (the exact 0 at ``d > 0`` came out ``ulp(r |d|)``: 3.2
-    relative error of a gradient at ``r = e^20``). So the product is formed with ``logp`` detached (its
+    (in fp32: -32 for the exact -20 at ``d = 20``; for gspo's one-token row, a logit gradient 1.78 for the
+    exact 1.8 at ``d = 16``), ``"abs+"``'s ``r |d|`` against ``-r d`` (the exact 0 at ``d > 0`` came out
+    ``ulp(r |d|)``: 3.2 relative error of a gradient at ``r = e^20``). So the product is formed with ``logp`` detached (its
     gradients for ``ref`` and ``old`` have no such cancellation) and the slope enters as
     ``sg(slope) (logp - sg(logp))``, which is 0 in value. 0 where masked.
     """

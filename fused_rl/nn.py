@@ -78,9 +78,9 @@ def grpo_policy_loss_config(
       ``None`` otherwise) and its ``clip_min`` / ``clip_max``: ``rollout_is`` / ``rollout_is_min`` /
       ``rollout_is_max`` (pass the sampler's log-probs as ``rollout_logprobs``).
 
-    Raises ``NotImplementedError`` for sequence-level cispo, sapo and vespo; ``ValueError`` for options out of
-    range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without ``max_completion_length``, vespo with a
-    sequence-level vLLM correction).
+    Raises ``NotImplementedError`` for sequence-level cispo, sapo and vespo and for ``delta <= 1 + epsilon_high``;
+    ``ValueError`` for options out of range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without
+    ``max_completion_length``, vespo with a sequence-level vLLM correction, ``delta`` with cispo / sapo / vespo).
     """
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -218,8 +218,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ``kl_mean = sum(k3 m) / max(sum m, 1)`` and ``clip_ratio`` is the masked fraction of tokens with
     ``r < 1-eps_low, A < 0`` or ``r > 1+eps_high, A > 0`` (cispo: ``r > eps_high, A > 0``; sequence level:
     the sequence ratio, counted on every token). See :func:`grpo_policy_loss_config` for the losses.
-    ``dapo``/``cispo`` divide by ``num_items_in_batch / world_size`` (clamped at 1) or, without it, by the
-    token count of all ranks divided by the world size, as Liger does.
+    ``dapo``/``cispo``/``vespo`` divide by ``num_items_in_batch / world_size`` (clamped at 1) or, without it, by
+    the token count of all ranks divided by the world size, as Liger does.
 
     ``loss_type="sapo"`` (with ``sapo_temperature_pos/neg``; its ``clip_ratio`` is 0, as in Liger), ``"vespo"``
     (with ``vespo_k_pos`` ... ``vespo_lambda_neg``; ``clip_ratio`` 0, as in Liger), ``"luspo"`` at
@@ -235,9 +235,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     folds it into VESPO's weight; fused_rl forms that from the sampler's log-probs: ``policy_loss="vespo"`` with
     ``rollout_is``, as the TRL adapter does); cispo with
     ``epsilon_high < 1`` (the weight cap itself, as TRL's; Liger's default 0.2 would cap every ratio at 0.2:
-    pass e.g. ``epsilon_high=5.0``); ``delta <= 1 + epsilon_high`` (Liger: ``delta > 0``); ``delta`` with sapo
-    (Liger ignores it there); ``beta < 0``; an ``attention_mask`` with values other than 0 and 1 (Liger
-    would weight the tokens by it). With ``use_ref_model=False`` the KL term is the
+    pass e.g. ``epsilon_high=5.0``); ``delta <= 1 + epsilon_high`` (Liger: ``delta > 0``); ``delta`` with cispo,
+    sapo or vespo (``ValueError``; Liger ignores it with sapo); ``beta < 0``; an ``attention_mask`` with values
+    other than 0 and 1 (Liger would weight the tokens by it). With ``use_ref_model=False`` the KL term is the
     KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
     compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
 

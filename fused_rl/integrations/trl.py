@@ -13,7 +13,8 @@ at ``temperature = args.temperature``: no ``(B, T, V)`` logits are formed by fus
 Generation is TRL's own. TRL's no-grad log-prob passes (old policy, reference model) keep TRL's code but call
 the model's ``fused_lm_head``, which the adapter answers with :func:`fused_rl.linear_token_logprobs` on the
 loss's operands: TRL's own head rounds the logits to bf16 under its default ``bf16=True`` (or for a bf16 model),
-so its old log-probs against the loss's fp32-accumulated ones would put an on-policy ratio ~1e-3 off 1.
+so its old log-probs against the loss's fp32-accumulated ones would put an on-policy ratio off 1 (by ~4e-4 on the
+tests' tiny model, ``test_old_logprobs_are_the_loss_head_s_under_bf16_autocast``; more at real vocabularies).
 
 Loss semantics are TRL's (see :func:`fused_rl.nn.grpo_policy_loss_config` for the mapping):
 ``grpo``, ``bnpo``, ``dr_grpo`` divide the loss by ``current_gradient_accumulation_steps`` in training;
