@@ -140,8 +140,8 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     Autograd of the product would add ``r kl`` and ``r K'`` as two terms that cancel: k3's ``r expm1(d)``
     (in fp32: -32 for the exact -20 at ``d = 20``; for gspo's one-token row, a logit gradient 1.78 for the
     exact 1.8 at ``d = 16``), ``"abs+"``'s ``r |d|`` against ``-r d`` (the exact 0 at ``d > 0`` came out
-    ``ulp(r |d|)``: 3.2 relative error of a gradient at ``r = e^20``). So the product is formed with ``logp`` detached (its
-    gradients for ``ref`` and ``old`` have no such cancellation) and the slope enters as
+    ``ulp(r |d|)``: 3.2 relative error of a gradient at ``r = e^20``). So the product is formed with ``logp``
+    detached (its gradients for ``ref`` and ``old`` have no such cancellation) and the slope enters as
     ``sg(slope) (logp - sg(logp))``, which is 0 in value. 0 where masked.
     """
     zeros = torch.zeros_like(logp)
