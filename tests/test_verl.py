@@ -111,6 +111,12 @@ def test_config_mapping():
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(config={"policy_loss": {"loss_mode": "clip_cov"}}), "clip_cov"),
+    (dict(config={"policy_loss": {"loss_mode": "dppo_tv"}}), "probability difference"),
+    (dict(config={"policy_loss": {"loss_mode": "cispo"}}), "two-sided"),  # clip_ratio_low defaults to 0.2
+    (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 0.999}), "clip_ratio_low=0.999"),
+    (dict(config={"policy_loss": {"loss_mode": "sapo"}, "global_batch_info": {"dp_size": 2}}), "global_batch_info"),
+    (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 1.0,
+                  "global_batch_info": {"dp_size": 1, "batch_num_tokens": 100}}), "batch_num_tokens"),
     (dict(loss_agg_mode="token-mean-unbiased"), "token-mean-unbiased"),
     (dict(config={"kl_loss_type": "full", "use_kl_loss": True}, kl=True), "full"),
     (dict(config={"kl_loss_type": "full+", "use_kl_loss": True}, kl=True), "full"),
@@ -219,7 +225,7 @@ def test_from_hidden_matches_verl_actor_composition(agg):
     assert clipfrac > 0
 
 
-@pytest.mark.parametrize("loss_mode", ["gspo", "geo_mean"])
+@pytest.mark.parametrize("loss_mode", ["gspo", "geo_mean", "sapo"])
 def test_from_hidden_sequence_modes_refuse_a_second_aggregation(loss_mode):
     """verl aggregates gspo / geo_mean's policy term by seq-mean-token-mean and the actor's KL / entropy
     terms by loss_agg_mode: one fused pass cannot, so that combination raises; with seq-mean-token-mean
@@ -306,13 +312,15 @@ def test_from_hidden_bad_responses(responses, needle):
         compute_policy_loss_from_hidden(hidden, weight, responses, OLD, ADV, MASK)
 
 
-@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "geo_mean", "gpg"])
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo"])
 def test_per_sequence_advantages_broadcast_over_tokens(loss_mode):
     """A (B,) tensor is per sequence (TRL's habit), broadcast over its tokens: with B == T (where numpy-style
     broadcasting would silently spread it over the tokens' axis instead) and B != T, the result is that of the
     (B, T) advantages, as compute_policy_loss_from_hidden's."""
     g = torch.Generator().manual_seed(3)
     config = {"clip_ratio": 0.2, "policy_loss": {"loss_mode": loss_mode}}
+    if loss_mode == "cispo":
+        config["clip_ratio_low"] = 1.0
     for batch, length in ((4, 4), (4, 6)):
         old = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
         log_prob = old + 0.5 * torch.randn(batch, length, generator=g, dtype=torch.float64)
@@ -343,3 +351,134 @@ def test_check_inputs_false_skips_the_value_checks():
     adv = ADV.clone()
     adv[0, 0] = NAN
     assert compute_policy_loss(OLD, _log_prob(), adv, MASK, check_inputs=False)[0].isnan()
+
+
+# --- sapo / cispo against transcriptions of the newer verl (compute_policy_loss_sapo / _cispo, agg_loss with an
+# empty global_batch_info), which return (loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower}).
+def _verl_agg(loss_mat, mask, mode):
+    """newer verl's agg_loss (dp_size 1): seq-mean-* average over the responses with a token."""
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / mask.sum()
+    seq = (loss_mat * mask).sum(-1)
+    if mode == "seq-mean-token-sum-norm":
+        return seq.sum() / mask.shape[-1]
+    if mode == "seq-mean-token-mean":
+        seq = seq / (mask.sum(-1) + 1e-8)
+    nonempty = (mask.sum(-1) > 0).to(seq.dtype)
+    return (seq * nonempty).sum() / nonempty.sum()
+
+
+def _verl_sapo_cispo(mode, old, log_prob, adv, mask, agg, config, weights=None):
+    log_ratio = (log_prob - old).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    masked_mean = lambda x: (x * mask).sum() / mask.sum()  # noqa: E731
+    zero = torch.zeros((), dtype=old.dtype)
+    if mode == "sapo":
+        tau = torch.where(adv > 0, torch.tensor(config["tau_pos"], dtype=adv.dtype),
+                          torch.tensor(config["tau_neg"], dtype=adv.dtype))
+        pg_losses, agg, clipfrac = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, "seq-mean-token-mean", zero
+    else:
+        clipped = ratio.clamp(1 - config["clip_ratio_low"], 1 + config["clip_ratio_high"])
+        pg_losses = -clipped.detach() * adv * log_prob
+        clipfrac = masked_mean((ratio != clipped).to(old.dtype))
+    if weights is not None:
+        pg_losses = pg_losses * weights
+    return _verl_agg(pg_losses, mask, agg), clipfrac, masked_mean(-log_ratio), zero
+
+
+NEW_CONFIGS = {
+    "sapo": {"tau_pos": 0.9, "tau_neg": 1.3, "clip_ratio": 0.2, "policy_loss": {"loss_mode": "sapo"}},
+    "cispo": {"clip_ratio": 0.2, "clip_ratio_low": 1.0, "clip_ratio_high": 0.28, "policy_loss": {"loss_mode": "cispo"}},
+}
+
+
+def _ragged_batch(seed, lengths=(7, 3, 0, 5, 1)):
+    """Ragged responses (one empty), advantages of both signs (and 0), ratios well beyond the clip bounds."""
+    g = torch.Generator().manual_seed(seed)
+    batch, length = len(lengths), max(lengths)
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float64)
+    old = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3 - 0.05
+    log_prob = old + 0.8 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    adv = torch.randn(batch, length, generator=g, dtype=torch.float64)
+    adv[0, :2] = 0.0
+    weights = torch.rand(batch, length, generator=g, dtype=torch.float64) * 2
+    return old, log_prob, adv, mask, weights
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("agg", sorted(HAND))
+@pytest.mark.parametrize("mode", ["sapo", "cispo"])
+def test_sapo_cispo_parity_with_verl(mode, agg, with_weights):
+    """Loss, d loss / d log_prob and the three metrics equal the transcription of the newer verl, for every
+    loss_agg_mode (sapo ignores it, as verl), ragged responses with an empty one, A > 0, A < 0 and A = 0."""
+    old, lp, adv, mask, weights = _ragged_batch(4)
+    weights = weights if with_weights else None
+    ratio = (lp - old).exp()[mask.bool()]
+    assert (ratio > 1.28).any() and (ratio < 0.8).any() and (adv[mask.bool()] > 0).any() and (adv < 0).any()
+    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    got = compute_policy_loss(old, log_prob, adv, mask, agg, NEW_CONFIGS[mode], weights)
+    want = _verl_sapo_cispo(mode, old, ref_lp, adv, mask, agg, NEW_CONFIGS[mode], weights)
+    for g_value, w_value in zip(got, want):
+        torch.testing.assert_close(g_value.to(torch.float64), w_value, rtol=1e-6, atol=1e-9)
+    got[0].backward()
+    want[0].backward()
+    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    if mode == "cispo":
+        assert got[1] > 0
+
+
+def test_sapo_cispo_config_mapping():
+    config = SimpleNamespace(tau_pos=0.5, tau_neg=2.0, clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
+                             global_batch_info={"dp_size": 1, "batch_num_tokens": None},
+                             policy_loss=SimpleNamespace(loss_mode="sapo"))
+    cfg, scale = policy_loss_config_from_verl(config, "token-mean", response_length=4, batch_size=2)
+    assert cfg == PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0,
+                                   agg="seq-mean-token-mean") and scale == 1.0
+    cfg, _ = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "sapo"}}, response_length=4, batch_size=2)
+    assert (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg) == (1.0, 1.05)  # verl's ActorConfig defaults
+    cfg, scale = policy_loss_config_from_verl({"clip_ratio": 0.2, "clip_ratio_low": 5.0, "clip_ratio_high": 4.0,
+                                               "policy_loss": {"loss_mode": "cispo"}}, "seq-mean-token-sum-norm",
+                                              response_length=8, batch_size=3)
+    assert cfg == PolicyLossConfig(policy_loss="cispo", clip_low=0.0, clip_high=4.0, agg="seq-mean-token-sum-norm",
+                                   max_len=8) and scale == 3.0
+
+
+@pytest.mark.parametrize("mode, agg", [("sapo", "seq-mean-token-mean"), ("cispo", "seq-mean-token-sum"),
+                                       ("cispo", "token-mean")])
+def test_from_hidden_sapo_cispo_matches_verl_actor(mode, agg):
+    """The fused pass equals verl's actor composition on its log-softmax: the policy term of the transcription,
+    - entropy_coeff * agg(H) + kl_loss_coef * agg(low_var_kl), each by the newer agg_loss (empty response skipped)."""
+    g = torch.Generator().manual_seed(5)
+    lengths, hidden_size, vocab, tau = (5, 2, 0, 4), 8, 300, 0.8
+    batch, length = len(lengths), max(lengths)
+    hidden = torch.randn(batch, length, hidden_size, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64) * 0.5
+    responses = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float64)
+    adv = torch.randn(batch, length, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden @ weight.T / tau, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    old = lp0 + 0.6 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)
+    ref = lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)
+    config = dict(NEW_CONFIGS[mode], use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl",
+                  entropy_coeff=0.01)
+
+    h_ref, w_ref = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
+    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pg_loss, *metrics = _verl_sapo_cispo(mode, old, log_prob, adv, mask, agg, config)
+    d = (ref - log_prob).clamp(-20, 20)
+    kl = (d.exp() - d - 1).clamp(-10, 10)
+    expected = pg_loss - 0.01 * _verl_agg(entropy, mask, agg) + 0.05 * _verl_agg(kl, mask, agg)
+    expected.backward()
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, *got_metrics, _ = compute_policy_loss_from_hidden(h, w, responses, old, adv, mask, agg, config,
+                                                           ref_log_prob=ref, temperature=tau, backend="torch")
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-6, atol=1e-9)
+    for g_value, w_value in zip(got_metrics, metrics):
+        torch.testing.assert_close(g_value.to(torch.float64), w_value.detach(), rtol=1e-6, atol=1e-9)

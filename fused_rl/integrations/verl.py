@@ -4,6 +4,10 @@
   (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co., read at verl commit ``012be9d``):
   ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)`` ->
   ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, on per-token log-probs you computed.
+  ``vanilla``, ``gspo``, ``geo_mean`` and ``gpg`` follow verl ``012be9d``; ``sapo`` and ``cispo`` follow the newer
+  verl that registers them (``compute_policy_loss_sapo`` / ``_cispo``, verl v0.7-era ``core_algos.py``, which
+  returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})``: the same three values,
+  returned here in the 4-tuple order; the stored verl ``26b5d6b`` predates both modes).
 * :func:`compute_policy_loss_from_hidden` is the fused version: it takes the actor's last hidden states
   and ``lm_head`` weight instead of ``log_prob`` and goes through :func:`fused_rl.linear_policy_loss`
   (no ``(B, T, V)`` logits), folding verl's separate KL loss (``use_kl_loss`` / ``kl_loss_coef`` /
@@ -20,6 +24,11 @@ verl                                       fused_rl
 ``policy_loss.loss_mode="geo_mean"``       ``policy_loss="gmpo"`` (clip_ratio_low/high are log bounds),
                                            ``agg="seq-mean-token-mean"``
 ``policy_loss.loss_mode="gpg"``            ``policy_loss="reinforce"``
+``policy_loss.loss_mode="sapo"``           ``policy_loss="sapo"``, ``agg="seq-mean-token-mean"``
+``tau_pos``, ``tau_neg`` (1.0, 1.05)       ``sapo_temperature_pos``, ``sapo_temperature_neg``
+``policy_loss.loss_mode="cispo"``          ``policy_loss="cispo"``, ``clip_high=clip_ratio_high``; only with
+                                           ``clip_ratio_low >= 1`` (verl's lower bound ``1 - clip_ratio_low``
+                                           then never binds; else ``NotImplementedError``)
 ``clip_ratio``, ``clip_ratio_low/high``    ``clip_low``, ``clip_high`` (low/high default to clip_ratio)
 ``clip_ratio_c`` (default 3.0)             ``dual_clip`` (vanilla only)
 ``loss_agg_mode``                          ``agg`` (same names; ``seq-mean-token-sum-norm`` see below)
@@ -34,7 +43,7 @@ Differences from verl, all documented in ``docs/migration.md``:
 * verl's ``seq-mean-token-sum-norm`` is ``sum(l m) / T`` (no division by the batch size); fused_rl's is
   ``sum(l m) / (B * max_len)``. The entry points here reproduce verl's value (``max_len = T``, then
   ``* B``); :func:`policy_loss_config_from_verl` returns that factor as ``scale``.
-* verl clamps ``log_prob - old_log_prob`` to ``[-20, 20]`` before ``exp`` (vanilla) and GSPO's log ratio
+* verl clamps ``log_prob - old_log_prob`` to ``[-20, 20]`` before ``exp`` (vanilla, sapo, cispo) and GSPO's log ratio
   at 10; fused_rl does not: identical whenever the log ratio stays inside those bounds.
 * verl's ``token-mean`` / ``seq-mean-token-mean`` divide by ``sum(mask)`` unclamped (NaN for an empty
   batch / empty response); fused_rl clamps the count at 1 (0 loss, 0 gradient for empty rows).
@@ -44,11 +53,21 @@ Differences from verl, all documented in ``docs/migration.md``:
 * GMPO's ``pg_clipfrac`` / ``pg_clipfrac_lower`` are verl's: the tokens whose log-ratio is outside
   ``[-clip_low, clip_high]`` with ``A > 0`` / ``A < 0`` (whether or not the sign-aware min picks the clipped
   term; fused_rl's own ``clip_frac`` counts only where it does). The loss and its gradient are verl's.
-* :func:`compute_policy_loss_from_hidden` with gspo / geo_mean raises for a ``loss_agg_mode`` other than
+* :func:`compute_policy_loss_from_hidden` with gspo / geo_mean / sapo raises for a ``loss_agg_mode`` other than
   ``seq-mean-token-mean`` when a KL loss or ``entropy_coeff`` is on (verl aggregates those two terms by
   ``loss_agg_mode`` but the policy term by ``seq-mean-token-mean``; one fused pass has one aggregation).
-* Other loss modes (``clip_cov``, ``kl_cov``, ...) and ``kl_loss_type="full"`` raise
-  ``NotImplementedError``.
+* sapo / cispo follow the newer verl's ``agg_loss``: ``seq-mean-token-mean`` / ``seq-mean-token-sum`` average over
+  the responses with at least one token (the entry points multiply fused_rl's mean over all ``B`` rows by ``B /
+  #non-empty``; identical without empty responses), and a response's token mean divides by ``count + 1e-8``
+  (fused_rl: ``count``). A ``global_batch_info`` with a value set (``dp_size > 1``, ``batch_num_tokens``,
+  ``global_batch_size``, ``loss_scale_factor``: verl's engine-path normalization across data-parallel ranks) raises
+  ``NotImplementedError`` for them: the entry points compute the local micro-batch's loss, verl's with an empty
+  ``global_batch_info`` (its FSDP ``dp_actor`` path). The 012be9d modes do not read ``global_batch_info``.
+* verl's cispo weight is ``sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, two-sided; fused_rl's cispo
+  truncates above only, so ``clip_ratio_low < 1`` raises ``NotImplementedError``. ``pg_clipfrac`` is verl's
+  (tokens whose weight is truncated, ``r > 1 + clip_ratio_high``, whatever the sign of ``A``), sapo's is 0.
+* Other loss modes raise ``NotImplementedError`` (see :data:`UNSUPPORTED_LOSS_MODES`), as does
+  ``kl_loss_type="full"``.
 """
 
 from __future__ import annotations
@@ -65,7 +84,17 @@ from ..outputs import PolicyLossOutput
 from ..validation import (INDEX_DTYPES, _check_per_token, _fail, _is_compiling, advantages_check, binary_mask,
                           binary_mask_check, logprob_checks, run_value_checks, weights_check)
 
-LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg")
+LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo")
+#: verl loss modes fused_rl's loss math cannot express, and why (each raises ``NotImplementedError``).
+UNSUPPORTED_LOSS_MODES = {
+    "clip_cov": "drops a random sample of tokens selected by the covariance of A and log-prob",
+    "kl_cov": "adds |log r| to the top covariance tokens",
+    "dppo_tv": "masks tokens by the probability difference pi - pi_old (DPPO binary-TV)",
+    "dppo_kl": "masks tokens by the binary KL of pi_old and pi (DPPO binary-KL)",
+    "bypass_mode": "dispatches on the rollout-correction config (rollout log-probs as old log-probs)",
+}
+#: Modes transcribed from the newer verl (global_batch_info-aware agg_loss that skips empty responses).
+_NEWER_MODES = ("sapo", "cispo")
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
              "k3": "low_var_kl"}
 # "X+": the value of X with the gradient of k2 (k2+ is k2 itself)
@@ -99,11 +128,15 @@ def policy_loss_config_from_verl(
     ``use_kl_loss`` is true; absent it is false, verl's ``ActorConfig`` default); ``entropy=True`` folds
     ``entropy_coeff`` in. ``response_length`` is
     the padded ``T`` (verl's ``seq-mean-token-sum-norm`` constant), ``batch_size`` the ``B`` of the call.
+    sapo reads ``tau_pos`` / ``tau_neg`` (verl's ``ActorConfig`` defaults 1.0 / 1.05), cispo ``clip_ratio_high``
+    (``clip_ratio_low`` must be >= 1). For sapo / cispo with ``seq-mean-token-mean`` / ``seq-mean-token-sum`` and
+    empty responses, verl's loss is further ``B / #non-empty`` times ``scale * loss`` (the entry points apply it).
     """
     loss_mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
     if loss_mode not in LOSS_MODES:
-        raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fused_rl; "
-                                  f"supported: {LOSS_MODES}")
+        why = UNSUPPORTED_LOSS_MODES.get(loss_mode, "not one of fused_rl's losses")
+        raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fused_rl ({why}); "
+                                  f"supported: {LOSS_MODES}; known unsupported: {sorted(UNSUPPORTED_LOSS_MODES)}")
     if loss_agg_mode not in AGGREGATIONS:
         raise NotImplementedError(f"verl loss_agg_mode={loss_agg_mode!r} is not supported by fused_rl; "
                                   f"supported: {AGGREGATIONS}")
@@ -119,8 +152,23 @@ def policy_loss_config_from_verl(
     elif loss_mode in ("gspo", "geo_mean"):
         fields.update(policy_loss="gspo_token" if loss_mode == "gspo" else "gmpo")
         loss_agg_mode = "seq-mean-token-mean"  # verl's gspo and geo_mean ignore loss_agg_mode
+    elif loss_mode == "sapo":
+        del fields["clip_low"], fields["clip_high"]  # unused by sapo
+        fields.update(policy_loss="sapo", sapo_temperature_pos=float(_get(config, "tau_pos", 1.0)),
+                      sapo_temperature_neg=float(_get(config, "tau_neg", 1.05)))
+        loss_agg_mode = "seq-mean-token-mean"  # verl's sapo ignores loss_agg_mode
+    elif loss_mode == "cispo":
+        if not fields["clip_low"] >= 1.0:
+            raise NotImplementedError(
+                f"verl's cispo weight is clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high), two-sided; fused_rl's "
+                f"cispo truncates above only (min(r, 1 + clip_high)), so clip_ratio_low={fields['clip_low']!r} (a "
+                "lower bound 1 - clip_ratio_low > 0) cannot be expressed: set clip_ratio_low >= 1 (no lower bound, "
+                "as in the CISPO paper) to map it")
+        fields.update(policy_loss="cispo", clip_low=0.0)  # clip_low: unused by cispo
     else:
         fields.update(policy_loss="reinforce")
+    if loss_mode in _NEWER_MODES:
+        _check_global_batch_info(config, loss_mode)
     fields["agg"] = loss_agg_mode
     scale = 1.0
     if loss_agg_mode == "seq-mean-token-sum-norm":
@@ -135,6 +183,29 @@ def policy_loss_config_from_verl(
     if entropy:
         fields["entropy_coef"] = float(_get(config, "entropy_coeff", 0.0))
     return PolicyLossConfig(**fields), scale
+
+
+def _check_global_batch_info(config: Any, loss_mode: str) -> None:
+    """The newer verl's ``agg_loss(..., **config.global_batch_info)`` normalizes by the global batch when a value is
+    set; the entry points compute the local micro-batch's loss (``global_batch_info`` empty), so a set value raises."""
+    info = _get(config, "global_batch_info", None) or {}
+    items = info.items() if isinstance(info, Mapping) else vars(info).items()
+    set_values = {k: v for k, v in items if v is not None and not (k == "dp_size" and v == 1)}
+    if set_values:
+        raise NotImplementedError(
+            f"verl loss_mode={loss_mode!r} with global_batch_info {set_values}: fused_rl's verl entry points compute "
+            "the local micro-batch's loss (verl's with an empty global_batch_info, its FSDP dp_actor path); rescale "
+            "it yourself (token-mean: * sum(mask) * dp_size / batch_num_tokens; seq-mean-*: * n_rows * dp_size / "
+            "global_batch_size) or pass a config without global_batch_info")
+
+
+def _nonempty_rows_scale(loss: torch.Tensor, config: PolicyLossConfig, mode: str, mask: torch.Tensor) -> torch.Tensor:
+    """The newer verl's ``seq-mean-*`` average over the responses with a token (``B / #non-empty`` times fused_rl's
+    mean over all ``B`` rows); the 012be9d modes average over all rows as fused_rl does."""
+    if mode not in _NEWER_MODES or config.agg not in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return loss
+    rows = mask.any(dim=1).sum().clamp(min=1).to(loss.dtype)
+    return loss * (mask.shape[0] / rows)
 
 
 def _check_verl_inputs(shape: tuple, device: torch.device, device_owner: str, old_log_prob: torch.Tensor,
@@ -174,14 +245,17 @@ def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig
     count = m.sum().clamp(min=1.0)
     masked_mean = lambda x: torch.where(mask, x.to(torch.float32), torch.zeros_like(m)).sum() / count  # noqa: E731
     ppo_kl = masked_mean(old - logp.detach())
-    if loss_mode == "gpg":
+    if loss_mode == "gpg":  # verl's gpg returns no metrics
         zero = m.new_zeros(())
         return zero, zero.clone(), zero.clone()
+    if loss_mode == "sapo":  # verl's sapo: 0 clip fractions, the masked mean log-ratio
+        return m.new_zeros(()), ppo_kl, m.new_zeros(())
     if loss_mode == "geo_mean":  # verl: token log-ratios outside the bounds, split by the advantage's sign
         log_ratio = logp.detach() - old
         clipped = (log_ratio < -config.clip_low) | (log_ratio > config.clip_high)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
         return masked_mean(clipped & (adv > 0)), ppo_kl, masked_mean(clipped & (adv < 0))
+    # cispo: fused_rl's clip_frac is verl's, the tokens with r > 1 + clip_ratio_high (clip_ratio_low >= 1)
     lower = out_metrics["clip_frac_dual"] if loss_mode == "vanilla" else m.new_zeros(())
     return out_metrics["clip_frac"], ppo_kl, lower
 
@@ -202,8 +276,9 @@ def compute_policy_loss(
     log-probs ``(B, T)``, computed by :func:`fused_rl.loss_math.compute_policy_loss`.
 
     ``pg_clipfrac``: masked fraction of tokens where the clipped term is active (``r > 1+clip_high, A > 0``
-    or ``r < 1-clip_low, A < 0``); ``pg_clipfrac_lower``: where the dual-clip cap ``-c A`` binds
-    (``A < 0, r > c``; vanilla only, else 0); ``ppo_kl``: masked mean of ``old_log_prob - log_prob``.
+    or ``r < 1-clip_low, A < 0``; cispo: ``r > 1+clip_high``, any ``A``; gpg, sapo: 0); ``pg_clipfrac_lower``:
+    where the dual-clip cap ``-c A`` binds (``A < 0, r > c``; vanilla only, else 0); ``ppo_kl``: masked mean of
+    ``old_log_prob - log_prob``.
     The loss mode comes from ``config.policy_loss.loss_mode`` (or ``loss_mode``), default ``"vanilla"``.
     ``rollout_is_weights`` (verl's rollout correction, ``(B, T)``, computed by verl) multiplies the policy
     term per token, as verl's ``pg_losses * rollout_is_weights``.
@@ -233,7 +308,8 @@ def compute_policy_loss(
     adv = per_token(advantages)
     weights = None if rollout_is_weights is None else per_token(rollout_is_weights)
     loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights)
-    return (loss * scale,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
+    loss = _nonempty_rows_scale(loss * scale, cfg, mode, mask)
+    return (loss,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
 
 
 def compute_policy_loss_from_hidden(
@@ -284,7 +360,7 @@ def compute_policy_loss_from_hidden(
                                               loss_mode=mode, temperature=temperature,
                                               kl=ref_log_prob is not None, entropy=True)
     if cfg.agg != loss_agg_mode and (cfg.kl is not None or cfg.entropy_coef != 0.0):
-        # verl aggregates gspo / geo_mean's policy term by seq-mean-token-mean but its actor's KL and entropy
+        # verl aggregates gspo / geo_mean / sapo's policy term by seq-mean-token-mean but its actor's KL and entropy
         # terms by loss_agg_mode; the one fused pass has one aggregation
         raise NotImplementedError(
             f"verl loss_mode={mode!r} with loss_agg_mode={loss_agg_mode!r} and a KL loss or entropy_coeff: verl "
@@ -296,7 +372,9 @@ def compute_policy_loss_from_hidden(
                              rollout_is_weights=rollout_is_weights, backend=backend, compute_entropy=True,
                              check_inputs=check_inputs)
     old = old_log_prob.detach().to(out.logprobs.dtype)
-    return (out.loss * scale,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode, advantages) + (out,)
+    loss = _nonempty_rows_scale(out.loss * scale, cfg, mode, mask)
+    return (loss,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode, advantages) + (out,)
 
 
-__all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "policy_loss_config_from_verl", "LOSS_MODES"]
+__all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "policy_loss_config_from_verl", "LOSS_MODES",
+           "UNSUPPORTED_LOSS_MODES"]
