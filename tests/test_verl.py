@@ -115,6 +115,8 @@ def test_config_mapping():
     (dict(config={"policy_loss": {"loss_mode": "cispo"}}), "two-sided"),  # clip_ratio_low defaults to 0.2
     (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 0.999}), "clip_ratio_low=0.999"),
     (dict(config={"policy_loss": {"loss_mode": "sapo"}, "global_batch_info": {"dp_size": 2}}), "global_batch_info"),
+    (dict(config={"policy_loss": {"loss_mode": "vanilla"}, "global_batch_info": {"global_batch_size": 64}}),
+     "global_batch_info"),
     (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 1.0,
                   "global_batch_info": {"dp_size": 1, "batch_num_tokens": 100}}), "batch_num_tokens"),
     (dict(loss_agg_mode="token-mean-unbiased"), "token-mean-unbiased"),

@@ -62,7 +62,8 @@ Differences from verl, all documented in ``docs/migration.md``:
   (fused_rl: ``count``). A ``global_batch_info`` with a value set (``dp_size > 1``, ``batch_num_tokens``,
   ``global_batch_size``, ``loss_scale_factor``: verl's engine-path normalization across data-parallel ranks) raises
   ``NotImplementedError`` for them: the entry points compute the local micro-batch's loss, verl's with an empty
-  ``global_batch_info`` (its FSDP ``dp_actor`` path). The 012be9d modes do not read ``global_batch_info``.
+  ``global_batch_info`` (its FSDP ``dp_actor`` path). The same ``global_batch_info`` raises for the 012be9d modes
+  too (newer verl would normalize them by it; 012be9d has no such field).
 * verl's cispo weight is ``sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, two-sided; fused_rl's cispo
   truncates above only, so ``clip_ratio_low < 1`` raises ``NotImplementedError``. ``pg_clipfrac`` is verl's
   (tokens whose weight is truncated, ``r > 1 + clip_ratio_high``, whatever the sign of ``A``), sapo's is 0.
@@ -167,8 +168,7 @@ def policy_loss_config_from_verl(
         fields.update(policy_loss="cispo", clip_low=0.0)  # clip_low: unused by cispo
     else:
         fields.update(policy_loss="reinforce")
-    if loss_mode in _NEWER_MODES:
-        _check_global_batch_info(config, loss_mode)
+    _check_global_batch_info(config, loss_mode)  # every mode: newer verl's agg_loss reads it for all of them
     fields["agg"] = loss_agg_mode
     scale = 1.0
     if loss_agg_mode == "seq-mean-token-sum-norm":
