@@ -122,50 +122,121 @@ def importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
     return ratio_exp(log_importance_ratio(logp, old, mask, config))
 
 
+def _ratio_kind(config: PolicyLossConfig) -> str:
+    """How the importance ratio ``r`` of ``config.policy_loss`` depends on the log-probs: ``"sequence"`` (gspo,
+    gmpo: ``s = exp(mean_t m (logp - old))`` on every token of the row), ``"gspo_token"`` (``s``'s value, ``d r_t /
+    d logp_t = r_t``, ``old`` only under the stop-gradient) or ``"token"`` (``r_t = exp(logp_t - old_t)``)."""
+    if config.policy_loss in ("gspo", "gmpo"):
+        return "sequence"
+    return "gspo_token" if config.policy_loss == "gspo_token" else "token"
+
+
+class _RatioTimesKL(torch.autograd.Function):
+    """``r kl`` (see :func:`bias_corrected_kl`) on masked inputs (0 at masked positions), with a backward of its own:
+    the exact gradients, formed from the incoming per-token gradient ``g`` with differentiable ops (so a double
+    backward is exact too), forward mode (:meth:`jvp`) and ``vmap`` by torch's generated rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(logp, ref, old, mask, kind: str, ratio_kind: str):
+        log_r = logp - old
+        if ratio_kind != "token":
+            log_r = _sequence_mean(log_r, mask).expand_as(logp)
+        return torch.where(mask, torch.exp(log_r) * kl_estimator(logp, ref, kind), torch.zeros_like(logp))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logp, ref, old, mask, kind, ratio_kind = inputs
+        ctx.save_for_backward(logp, ref, old, mask)
+        ctx.save_for_forward(logp, ref, old, mask)
+        ctx.kind, ctx.ratio_kind = kind, ratio_kind
+
+    @staticmethod
+    def jvp(ctx, t_logp, t_ref, t_old, *_):
+        """Forward mode, term by term: ``r (kl + K') t_logp - r K' t_ref - r kl t_old`` for a token-level gradient
+        (no ``t_old`` term for gspo_token: its ``old`` is under the stop-gradient); ``s (K'_t (t_logp,t - t_ref,t) +
+        kl_t mean_u (t_logp,u - t_old,u))`` for the sequence ratio."""
+        logp, ref, old, mask = ctx.saved_tensors
+        zeros = torch.zeros_like(logp)
+        tangent = lambda t: zeros if t is None else torch.where(mask, t, zeros)
+        t_logp, t_ref, t_old = tangent(t_logp), tangent(t_ref), tangent(t_old)
+        d = ref - logp
+        kl = kl_estimator(logp, ref, ctx.kind)
+        kl_slope = -d if ctx.kind.endswith("+") else -torch.expm1(d)
+        if ctx.ratio_kind == "sequence":
+            s = torch.exp(_sequence_mean(logp - old, mask))
+            out = s * (kl_slope * (t_logp - t_ref) + kl * _sequence_mean(t_logp - t_old, mask))
+        else:
+            own = -d if ctx.kind == "k3" else kl - d
+            log_r = _sequence_mean(logp - old, mask).expand_as(logp) if ctx.ratio_kind == "gspo_token" else logp - old
+            r = torch.exp(log_r)
+            out = r * (own * t_logp - kl_slope * t_ref)
+            if ctx.ratio_kind == "token":
+                out = out - r * kl * t_old
+        return torch.where(mask, out, zeros)
+
+    @staticmethod
+    def backward(ctx, g):
+        logp, ref, old, mask = ctx.saved_tensors
+        kind, ratio_kind = ctx.kind, ctx.ratio_kind
+        zeros = torch.zeros_like(logp)
+        g = torch.where(mask, g, zeros)  # the masked outputs are the constant 0
+        d = ref - logp
+        kl = kl_estimator(logp, ref, kind)  # "X+": X's value with k2's derivatives
+        kl_slope = -d if kind.endswith("+") else -torch.expm1(d)  # K' = d kl / d logp = -d kl / d ref
+        grad_ref = g * -kl_slope
+        if ratio_kind == "sequence":
+            s = torch.exp(_sequence_mean(logp - old, mask))
+            # s (g_u K'_u + mean_t g_t kl_t) in fp64: k3 (mean_t g_t e_t - g_u e_u) - mean_t g_t d_t, e = expm1(d);
+            # "X+" mean_t g_t X_t - g_u d_u (terms of size exp(d) and the spread of near-equal d cancel in fp32)
+            g64, d64 = g.double(), ref.double() - logp.double()
+            if kind.endswith("+"):
+                inner = _sequence_mean(g64 * kl_estimator(logp.double(), ref.double(), kind), mask) - g64 * d64
+            else:
+                ge = g64 * torch.expm1(d64)
+                inner = (_sequence_mean(ge, mask) - ge) - _sequence_mean(g64 * d64, mask)
+            grad_logp, grad_ref = s * inner.to(logp.dtype), s * grad_ref
+            grad_old = (-s * _sequence_mean(g * kl, mask)).expand_as(logp)
+        else:
+            # d (r kl) / d logp = r (kl + K'): k3 -r d, "X+" r (X - d); gspo_token: r is s in value, old under sg
+            own = -d if kind == "k3" else kl - d
+            if ratio_kind == "gspo_token":
+                r = torch.exp(_sequence_mean(logp - old, mask)).detach() * torch.exp(logp - logp.detach())
+                grad_old = None
+            else:
+                r = torch.exp(logp - old)
+                grad_old = -g * r * kl
+            grad_logp, grad_ref = g * r * own, r * grad_ref
+        masked = lambda x: None if x is None else torch.where(mask, x, zeros)
+        return masked(grad_logp), masked(grad_ref), masked(grad_old), None, None, None
+
+
 def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                       config: PolicyLossConfig) -> torch.Tensor:
-    """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for ``config.kl`` k3 or a straight-through ``"X+"``, with
-    its exact slope. ``K'`` is the slope ``kl`` carries, ``d = ref - logp``: k3 ``K' = -expm1(d)``, ``"X+"``
-    ``K' = -d`` (k2's).
+    """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for ``config.kl`` k3 or a straight-through ``"X+"``, ``r``
+    the ratio of :func:`importance_ratio`, with exact gradients: ``K'`` is the slope ``kl`` carries,
+    ``d = ref - logp``: k3 ``K' = -expm1(d)``, ``"X+"`` ``K' = -d`` (k2's); ``g`` the per-token gradient of the
+    output.
 
     * a ratio whose gradient is token-level (``d r_t / d logp_t = r_t``: every policy loss but gspo and gmpo;
-      gspo_token's value is the sequence ratio):
-      ``d (r kl) / d logp = r (kl + K')``: k3 ``-r d``; ``"X+"`` ``r (X - d)``.
-    * sequence ratio ``s`` of gspo and gmpo (``d s / d logp_u = s / n``, ``n`` the row's valid tokens): the
-      row's ``sum_t s kl_t`` has ``d / d logp_u = s (K'_u + mean_t kl_t)``: k3 ``s ((mean_t e_t - e_u) -
-      mean_t d_t)`` with ``e = expm1(d)``; ``"X+"`` ``s (mean_t X_t - d_u)``; both in fp64 from the inputs'
-      values. This slope is the loss's gradient because every aggregation weighs a row's tokens alike
-      (:func:`aggregation_weights`).
+      gspo_token's value is the sequence ratio): ``d (r kl) / d logp = r (kl + K')``: k3 ``-r d``; ``"X+"``
+      ``r (X - d)``;
+    * the sequence ratio ``s`` of gspo and gmpo (``d s / d logp_u = s / n``, ``n`` the row's valid tokens):
+      ``d (sum_t g_t s kl_t) / d logp_u = s (g_u K'_u + mean_t g_t kl_t)``: k3 ``s ((mean_t g_t e_t - g_u e_u) -
+      mean_t g_t d_t)`` with ``e = expm1(d)``; ``"X+"`` ``s (mean_t g_t X_t - g_u d_u)``; both in fp64.
 
     Autograd of the product would add ``r kl`` and ``r K'`` as two terms that cancel: k3's ``r expm1(d)``
     (in fp32: -32 for the exact -20 at ``d = 20``; for gspo's one-token row, a logit gradient 1.78 for the
     exact 1.8 at ``d = 16``), ``"abs+"``'s ``r |d|`` against ``-r d`` (the exact 0 at ``d > 0`` came out
-    ``ulp(r |d|)``: 3.2 relative error of a gradient at ``r = e^20``). So the product is formed with ``logp``
-    detached (its gradients for ``ref`` and ``old`` have no such cancellation) and the slope enters as
-    ``sg(slope) (logp - sg(logp))``, which is 0 in value. 0 where masked.
+    ``ulp(r |d|)``: 3.2 relative error of a gradient at ``r = e^20``). So the product has a backward of its own
+    (:class:`_RatioTimesKL`), written with differentiable ops: a double backward differentiates the exact slope
+    (an earlier ``sg(slope) (logp - sg(logp))`` form had the right first derivative but no second one); the
+    ``ref`` and ``old`` gradients (no such cancellation) are the product rule's. 0 where masked.
     """
     zeros = torch.zeros_like(logp)
-    sg_logp = torch.where(mask, logp, zeros).detach()
-    safe_ref = torch.where(mask, ref, zeros)
-    d = safe_ref - sg_logp
-    ratio = torch.exp(log_importance_ratio(logp.detach(), old, mask, config))
-    kl = kl_estimator(sg_logp, safe_ref, config.kl)
-    straight_through = config.kl.endswith("+")
-    if config.policy_loss not in ("gspo", "gmpo"):
-        bracket = kl.detach() - d if straight_through else -d
-    else:  # in fp64: the spread of near-equal large terms is lost to fp32's rounding of d, of exp(d) and of the mean
-        zeros64 = torch.zeros_like(d, dtype=torch.float64)
-        logp64, ref64 = sg_logp.double(), safe_ref.detach().double()
-        d64 = torch.where(mask, ref64 - logp64, zeros64)
-        if straight_through:
-            x64 = torch.where(mask, kl_estimator(logp64, ref64, config.kl[:-1]), zeros64)
-            bracket64 = _sequence_mean(x64, mask) - d64
-        else:
-            e = torch.expm1(d64)
-            bracket64 = (_sequence_mean(e, mask) - e) - _sequence_mean(d64, mask)
-        bracket = bracket64.to(d.dtype)
-    slope = (ratio * bracket).detach()
-    return torch.where(mask, ratio * kl + slope * (logp - logp.detach()), zeros)
+    masked = lambda x: torch.where(mask, x, zeros)
+    return _RatioTimesKL.apply(masked(logp), masked(ref), masked(old), mask, config.kl, _ratio_kind(config))
 
 
 def weighted(coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -80,12 +80,16 @@ def test_bf16_logits_are_upcast_before_softmax():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func's own
-def test_reference_works_with_torch_func_vmap_and_jvp():
-    """The reference is plain torch: per-sample gradients by ``vmap(grad(...))`` equal a loop of ``grad``,
-    and a forward-mode ``jvp`` equals a central difference (the overflow-safe ratio is plain ops too)."""
+@pytest.mark.parametrize("cfg", [PolicyLossConfig(policy_loss="sapo", kl="k3", beta=0.1),
+                                 PolicyLossConfig(policy_loss="gspo", kl="k3", beta=0.1, kl_bias_correction=True),
+                                 PolicyLossConfig(kl="k3", beta=0.1, kl_bias_correction=True)],
+                         ids=["sapo", "gspo-bias-corrected", "ppo-bias-corrected"])
+def test_reference_works_with_torch_func_vmap_and_jvp(cfg):
+    """The reference is plain torch (and one autograd Function with a generated vmap rule and a ``jvp``: the
+    bias-corrected KL): per-sample gradients by ``vmap(grad(...))`` equal a loop of ``grad``, and a forward-mode
+    ``jvp`` equals a central difference (the overflow-safe ratio is plain ops too)."""
     from torch.func import grad, jvp, vmap
 
-    cfg = fused_rl.PolicyLossConfig(policy_loss="sapo", kl="k3", beta=0.1)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 1, 3, 20, generator=g, dtype=torch.float64)
     t = torch.randint(0, 20, (4, 1, 3), generator=g)
