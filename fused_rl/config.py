@@ -67,7 +67,8 @@ class PolicyLossConfig:
         - ``"reinforce"``: ``-A * logp``.
         - ``"vespo"``: VESPO (TRL / Liger ``loss_type="vespo"``), ``-sg(phi_i) * A * logp`` with the sequence
           weight ``phi_i = exp(lam + k log w_i - lam w_i)`` (a Gamma density in ``w_i``, 1 at ``w_i = 1``), ``k, lam
-          = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else ``vespo_k_neg, vespo_lambda_neg``, and
+          = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else ``vespo_k_neg, vespo_lambda_neg`` (``lam >= 0``,
+          used as ``max(lam, 1e-4)``, as TRL and Liger), and
           ``log w_i = clamp(sum_t m clamp(log r_t, -20, 20) + sum_t m log_is_t, log 1e-8, 20)`` (a sum, not a mean),
           ``log_is_t = clamp(log c_t, log 1e-8, 20)`` of the token-level rollout correction ``c_t`` below, which
           enters ``w_i`` instead of multiplying the loss (TRL's ``get_gamma_weights``); a non-finite ``phi`` is 0.
@@ -162,9 +163,12 @@ class PolicyLossConfig:
         if self.delta is not None and floats["delta"] <= 1.0 + floats["clip_high"]:
             raise ValueError(f"PolicyLossConfig.delta must be > 1 + clip_high = {1.0 + floats['clip_high']!r} "
                              f"(or None), got {self.delta!r}")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if floats[name] <= 0.0:
                 raise ValueError(f"PolicyLossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):  # the loss uses max(lam, 1e-4), as TRL and Liger
+            if floats[name] < 0.0:
+                raise ValueError(f"PolicyLossConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if floats["beta"] < 0.0:
             raise ValueError(f"PolicyLossConfig.beta must be >= 0, got {self.beta!r}")
         if floats["beta"] > 0.0 and self.kl is None:

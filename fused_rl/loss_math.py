@@ -248,6 +248,8 @@ def weighted(coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 #: VESPO's bounds of ``log w`` (TRL's ``get_gamma_weights``: ``log 1e-8`` below, 20 above).
 VESPO_LOG_W_MIN, VESPO_LOG_W_MAX = math.log(1e-8), 20.0
+#: VESPO's least rate ``lam`` (TRL's ``get_gamma_weights`` and Liger clamp it there: 0 is allowed and means this).
+VESPO_LAMBDA_MIN = 1e-4
 
 
 def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig,
@@ -256,7 +258,8 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     ``phi = exp(lam + k log w - lam w)``, ``log w = clamp(sum_t m clamp(log r_t, -20, 20) + sum_t m clamp(log c_t,
     log 1e-8, 20), log 1e-8, 20)`` with ``log_ratio`` the token log-ratios and ``rollout_is`` the token-level
     rollout correction ``c_t`` (or ``None``); ``k, lam = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else
-    the ``_neg`` pair; a non-finite ``phi`` is 0 (TRL's ``nan_to_num``)."""
+    the ``_neg`` pair, ``lam`` at least :data:`VESPO_LAMBDA_MIN` (as TRL and Liger); a non-finite ``phi`` is 0
+    (TRL's ``nan_to_num``)."""
     zeros = torch.zeros_like(log_ratio)
     log_w = torch.where(mask, log_ratio.detach().clamp(min=-20.0, max=20.0), zeros).sum(dim=1, keepdim=True)
     if rollout_is is not None:
@@ -265,8 +268,8 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     log_w = log_w.clamp(min=VESPO_LOG_W_MIN, max=VESPO_LOG_W_MAX)
     pos = advantages >= 0
     k = torch.where(pos, torch.full_like(zeros, config.vespo_k_pos), torch.full_like(zeros, config.vespo_k_neg))
-    lam = torch.where(pos, torch.full_like(zeros, config.vespo_lambda_pos),
-                      torch.full_like(zeros, config.vespo_lambda_neg))
+    lam = torch.where(pos, torch.full_like(zeros, max(config.vespo_lambda_pos, VESPO_LAMBDA_MIN)),
+                      torch.full_like(zeros, max(config.vespo_lambda_neg, VESPO_LAMBDA_MIN)))
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.where(torch.isfinite(phi), phi, zeros)
 

@@ -151,6 +151,7 @@ def test_presets_match_trl(preset, trl_args, beta, bias_correction):
     (dict(policy_loss="cispo", delta=2.0), "delta applies to"),
     (dict(policy_loss="sapo", dual_clip=3.0), "dual_clip applies to"),
     (dict(policy_loss="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
+    (dict(policy_loss="vespo", vespo_lambda_pos=-0.5), "vespo_lambda_pos must be >= 0"),
     (dict(policy_loss="gmpo", clip_low=-0.1), "gmpo: a log-ratio bound"),
     (dict(kl="k2+", beta=0.1), "kl must be one of"),
     (dict(rollout_is="token_clip"), "rollout_is must be one of"),

@@ -264,12 +264,14 @@ def test_an_unscored_rollout_token_has_log_ratio_zero(name, on_policy):
         torch.testing.assert_close(metrics[key], exp_metrics[key], rtol=1e-12, atol=0.0, msg=key)
 
 
+@pytest.mark.parametrize("lambda_neg", [0.5, 0.0, 3e-5])
 @pytest.mark.parametrize("advantages", ["sequence", "token"])
 @pytest.mark.parametrize("mode", [None, "token_truncate", "token_mask"])
-def test_vespo_weights_match_trl(advantages, mode):
+def test_vespo_weights_match_trl(advantages, mode, lambda_neg):
     """``loss_math.vespo_weights`` against TRL's own ``GRPOTrainer.get_gamma_weights`` (its static method), with
     TRL's vLLM ratio (``exp((old - sampling) m)`` truncated or masked) where a correction is configured, log-ratios
-    large enough to reach both clamps of ``log w``, and k / lambda other than TRL's defaults."""
+    large enough to reach both clamps of ``log w``, and k / lambda other than TRL's defaults (lambda below TRL's
+    least rate 1e-4, which TRL and Liger use instead: 0 and 3e-5)."""
     trl = pytest.importorskip("trl")
     from fused_rl.loss_math import rollout_weights, vespo_weights
 
@@ -281,7 +283,7 @@ def test_vespo_weights_match_trl(advantages, mode):
     adv = adv.clone()
     adv[4] = 0.0  # A = 0 takes the A >= 0 parameters
     cfg = PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5,
-                           vespo_lambda_neg=0.5, rollout_is=mode, rollout_is_min=0.8 if mode else None,
+                           vespo_lambda_neg=lambda_neg, rollout_is=mode, rollout_is_min=0.8 if mode else None,
                            rollout_is_max=1.25)
     sampling = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     m = mask.to(torch.float64)
@@ -295,9 +297,11 @@ def test_vespo_weights_match_trl(advantages, mode):
         rollout_w = rollout_weights(old, sampling, mask, cfg)[1]
     expected = trl.GRPOTrainer.get_gamma_weights(
         advantages=adv[:, :1] if advantages == "sequence" else adv, log_ratio_per_token=logp - old, mask=m,
-        importance_sampling_ratio=trl_ratio, k_pos=1.5, lambda_pos=2.5, k_neg=2.5, lambda_neg=0.5)
+        importance_sampling_ratio=trl_ratio, k_pos=1.5, lambda_pos=2.5, k_neg=2.5, lambda_neg=lambda_neg)
     got = vespo_weights(torch.where(mask, logp - old, 0.0), adv, mask, cfg, rollout_w)
-    torch.testing.assert_close(got, expected.expand_as(got), rtol=1e-12, atol=1e-300)
+    # TRL forms lambda with torch.where of Python floats: in fp32, where 1e-4 is 1e-4 (1 - 2.5e-8)
+    rtol = 1e-12 if lambda_neg == 0.5 else 1e-10
+    torch.testing.assert_close(got, expected.expand_as(got), rtol=rtol, atol=1e-300)
     seq_log_w = torch.where(mask, logp - old, 0.0).sum(1)
     assert seq_log_w[2] > 20 and seq_log_w[3] < math.log(1e-8)  # both clamps reached
     assert ((got > 0.05) & mask).any() and got[mask].std() > 0.1  # and the weights non-trivial

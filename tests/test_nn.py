@@ -102,7 +102,7 @@ def test_grpo_policy_loss_config_mapping():
     (dict(loss_type="vespo", importance_sampling_level="sequence"), NotImplementedError, "vespo"),
     (dict(loss_type="vespo", delta=1.5), ValueError, "delta"),
     (dict(loss_type="vespo", vllm_importance_sampling_mode="sequence_mask"), ValueError, "token-level rollout"),
-    (dict(loss_type="vespo", vespo_lambda_neg=0.0), ValueError, "vespo_lambda_neg must be > 0"),
+    (dict(loss_type="vespo", vespo_lambda_neg=-1.0), ValueError, "vespo_lambda_neg must be >= 0"),
     (dict(loss_type="nope"), ValueError, "unknown loss_type"),
     (dict(loss_type="cispo", epsilon_high=5.0, delta=1.5), ValueError, "delta"),
     (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), NotImplementedError,
