@@ -134,7 +134,7 @@ def _ratio_kind(config: PolicyLossConfig) -> str:
 class _RatioTimesKL(torch.autograd.Function):
     """``r kl`` (see :func:`bias_corrected_kl`) on masked inputs (0 at masked positions), with a backward of its own:
     the exact gradients, formed from the incoming per-token gradient ``g`` with differentiable ops (so a double
-    backward is exact too), forward mode (:meth:`jvp`) and ``vmap`` by torch's generated rule."""
+    backward is exact too) and ``vmap`` by torch's generated rule; forward mode: :class:`_RatioTimesKLWithJvp`."""
 
     generate_vmap_rule = True
 
@@ -151,30 +151,6 @@ class _RatioTimesKL(torch.autograd.Function):
         ctx.save_for_backward(logp, ref, old, mask)
         ctx.save_for_forward(logp, ref, old, mask)
         ctx.kind, ctx.ratio_kind = kind, ratio_kind
-
-    @staticmethod
-    def jvp(ctx, t_logp, t_ref, t_old, *_):
-        """Forward mode, term by term: ``r (kl + K') t_logp - r K' t_ref - r kl t_old`` for a token-level gradient
-        (no ``t_old`` term for gspo_token: its ``old`` is under the stop-gradient); ``s (K'_t (t_logp,t - t_ref,t) +
-        kl_t mean_u (t_logp,u - t_old,u))`` for the sequence ratio."""
-        logp, ref, old, mask = ctx.saved_tensors
-        zeros = torch.zeros_like(logp)
-        tangent = lambda t: zeros if t is None else torch.where(mask, t, zeros)
-        t_logp, t_ref, t_old = tangent(t_logp), tangent(t_ref), tangent(t_old)
-        d = ref - logp
-        kl = kl_estimator(logp, ref, ctx.kind)
-        kl_slope = -d if ctx.kind.endswith("+") else -torch.expm1(d)
-        if ctx.ratio_kind == "sequence":
-            s = torch.exp(_sequence_mean(logp - old, mask))
-            out = s * (kl_slope * (t_logp - t_ref) + kl * _sequence_mean(t_logp - t_old, mask))
-        else:
-            own = -d if ctx.kind == "k3" else kl - d
-            log_r = _sequence_mean(logp - old, mask).expand_as(logp) if ctx.ratio_kind == "gspo_token" else logp - old
-            r = torch.exp(log_r)
-            out = r * (own * t_logp - kl_slope * t_ref)
-            if ctx.ratio_kind == "token":
-                out = out - r * kl * t_old
-        return torch.where(mask, out, zeros)
 
     @staticmethod
     def backward(ctx, g):
@@ -212,6 +188,35 @@ class _RatioTimesKL(torch.autograd.Function):
         return masked(grad_logp), masked(grad_ref), masked(grad_old), None, None, None
 
 
+class _RatioTimesKLWithJvp(_RatioTimesKL):
+    """:class:`_RatioTimesKL` with forward mode, used outside ``torch.compile`` (Dynamo does not trace an autograd
+    Function with a custom ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, t_logp, t_ref, t_old, *_):
+        """Forward mode, term by term: ``r (kl + K') t_logp - r K' t_ref - r kl t_old`` for a token-level gradient
+        (no ``t_old`` term for gspo_token: its ``old`` is under the stop-gradient); ``s (K'_t (t_logp,t - t_ref,t) +
+        kl_t mean_u (t_logp,u - t_old,u))`` for the sequence ratio."""
+        logp, ref, old, mask = ctx.saved_tensors
+        zeros = torch.zeros_like(logp)
+        tangent = lambda t: zeros if t is None else torch.where(mask, t, zeros)
+        t_logp, t_ref, t_old = tangent(t_logp), tangent(t_ref), tangent(t_old)
+        d = ref - logp
+        kl = kl_estimator(logp, ref, ctx.kind)
+        kl_slope = -d if ctx.kind.endswith("+") else -torch.expm1(d)
+        if ctx.ratio_kind == "sequence":
+            s = torch.exp(_sequence_mean(logp - old, mask))
+            out = s * (kl_slope * (t_logp - t_ref) + kl * _sequence_mean(t_logp - t_old, mask))
+        else:
+            own = -d if ctx.kind == "k3" else kl - d
+            log_r = _sequence_mean(logp - old, mask).expand_as(logp) if ctx.ratio_kind == "gspo_token" else logp - old
+            r = torch.exp(log_r)
+            out = r * (own * t_logp - kl_slope * t_ref)
+            if ctx.ratio_kind == "token":
+                out = out - r * kl * t_old
+        return torch.where(mask, out, zeros)
+
+
 def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                       config: PolicyLossConfig) -> torch.Tensor:
     """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for ``config.kl`` k3 or a straight-through ``"X+"``, ``r``
@@ -236,7 +241,8 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     """
     zeros = torch.zeros_like(logp)
     masked = lambda x: torch.where(mask, x, zeros)
-    return _RatioTimesKL.apply(masked(logp), masked(ref), masked(old), mask, config.kl, _ratio_kind(config))
+    fn = _RatioTimesKL if torch.compiler.is_compiling() else _RatioTimesKLWithJvp
+    return fn.apply(masked(logp), masked(ref), masked(old), mask, config.kl, _ratio_kind(config))
 
 
 def weighted(coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
