@@ -300,7 +300,8 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
         sign = torch.sign(a)
         clipped = log_ratio.clamp(min=-config.clip_low, max=config.clip_high)
         x = sign * torch.minimum(sign * log_ratio, sign * clipped)
-        return -a * torch.exp(_sequence_mean(torch.where(mask, x, torch.zeros_like(x)), mask))
+        # ratio_exp: an overflowed term is a constant, so a dropped token (weight 0) gets 0 gradient, not 0 * inf
+        return -a * ratio_exp(_sequence_mean(torch.where(mask, x, torch.zeros_like(x)), mask))
     if config.policy_loss == "sapo":
         tau = torch.where(a > 0, torch.full_like(ratio, config.sapo_temperature_pos),
                           torch.full_like(ratio, config.sapo_temperature_neg))

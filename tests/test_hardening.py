@@ -727,6 +727,46 @@ def test_a_dropped_token_with_an_overflowed_ratio_adds_zero(backend, device, dro
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("drop", ["is_weights", "token_mask"])
+@pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
+def test_a_dropped_gmpo_row_with_an_overflowed_term_adds_zero(backend, device, drop):
+    """gmpo's ``exp(mean_t x_t)`` of a row the caller or a rollout mask drops (weight 0) that overflows with
+    ``A < 0`` (its term inf): 0 loss and 0 gradient, as with a large finite term, not ``0 * inf = NaN`` in the
+    backward of ``exp`` (every backend gave NaN logits gradients: a fuzz example with temperature 1.7 and an
+    off-policy log-ratio of 3677)."""
+    g = torch.Generator().manual_seed(7)
+    B, T, V = 2, 3, 37
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    with torch.no_grad():
+        lp = fused_rl.reference.token_logprobs(logits, targets)
+    results = []
+    for far in (-400.0, -150.0):  # row 0's mean log-ratio ~ 400 (exp overflows) or ~ 150 (finite)
+        old = lp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(1))
+        old[0] = far
+        if drop == "is_weights":
+            weights = torch.ones(B, T)
+            weights[0] = 0.0
+            config, kw = PolicyLossConfig(policy_loss="gmpo"), dict(rollout_is_weights=weights.to(device))
+        else:  # rho = exp(old - rollout) = e^-5 < rollout_is_min: masked
+            rollout = old + 0.01
+            rollout[0] = old[0] + 5.0
+            config = PolicyLossConfig(policy_loss="gmpo", rollout_is="token_mask", rollout_is_min=0.5,
+                                      rollout_is_max=2.0)
+            kw = dict(rollout_logprobs=rollout.to(device))
+        x = logits.to(device, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets.to(device), torch.tensor([-1.0, 0.5]).to(device), mask.to(device),
+                                   old_logprobs=old.to(device), config=config, backend=backend, **kw)
+        out.loss.backward()
+        results.append((out.loss.detach().cpu(), x.grad.cpu()))
+    (loss, grad), (loss_finite, grad_finite) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[0] == 0).all()
+    torch.testing.assert_close(loss, loss_finite, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("case", ["reinforce-dropped", "cispo-dropped", "reinforce-A0", "nan-row-dropped"])
 @pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
 def test_weight_zero_rules_agree_on_every_backend(backend, device, case):
