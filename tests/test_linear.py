@@ -9,7 +9,7 @@ import torch
 
 import fused_rl
 from fused_rl.backends import tiled_linear, torch_linear
-from helpers import CONFIGS, GRAD_TOLERANCES
+from helpers import CONFIGS, GRAD_TOLERANCES, TOLERANCES, expected_results, logits_gradient_bound
 from helpers import assert_close as _assert_close
 
 HIDDEN = 96
@@ -19,22 +19,12 @@ HIDDEN = 96
 LINEAR_GRAD_TOLERANCES = {**GRAD_TOLERANCES, torch.float32: (1e-5, 1e-4)}
 
 
-def assert_close(actual, expected, dtype, what, grad=False, slack=None, equal_nan=False):
-    """``slack``: an extra per-element allowance (see :func:`mixed_mode_slack`) on top of the tolerance."""
+def assert_close(actual, expected, dtype, what, grad=False, equal_nan=False):
+    """``helpers.assert_close`` with :data:`LINEAR_GRAD_TOLERANCES` for gradients."""
     if not grad:
         return _assert_close(actual, expected, dtype, what, equal_nan=equal_nan)
     atol, rtol = LINEAR_GRAD_TOLERANCES[dtype]
-    if slack is None:
-        torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{what}: {m}")
-        return
-    err = (actual.to(expected.dtype) - expected).abs()
-    excess = err - (atol + rtol * expected.abs() + slack)
-    worst = int(excess.flatten().argmax())
-    assert not (excess > 0).any(), (
-        f"{what}: {int((excess > 0).sum())} / {err.numel()} elements beyond atol {atol} + rtol {rtol} + the "
-        f"mixed-mode slack; worst at flat index {worst}: got {actual.flatten()[worst].item():.6g}, expected "
-        f"{expected.flatten()[worst].item():.6g}, slack {slack.flatten()[worst].item():.3g}")
+    torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
 def mixed_mode_slack(case, leaves, config, hidden_view, dtype=torch.bfloat16, **loss_kwargs):
@@ -59,6 +49,13 @@ def mixed_mode_slack(case, leaves, config, hidden_view, dtype=torch.bfloat16, **
         unit = fused_rl.loss_math.aggregation_weights(case.mask, config, loss_kwargs.get("token_normalizer")).max()
         rows = case.mask & (case.targets != fused_rl.IGNORE_INDEX)  # the kernel writes exact zero rows elsewhere
         bound = z.grad.abs() * 2.0 ** -11 + 2.0 ** -25 * unit * rows.unsqueeze(-1).to(z.dtype)
+    return abs_gemm_bounds(bound, leaves, view)
+
+
+def abs_gemm_bounds(bound, leaves, view):
+    """Per-element bounds on the errors of ``grad_h = dz W``, ``grad_W = dz^T h``, ``grad_b = sum_t dz`` when
+    each ``dz`` entry is off by at most ``bound`` (same shape as the logits): the same products of absolute
+    values, i.e. the gradients of ``sum(bound * (|h| |W|^T + |b|))`` with respect to ``|h|, |W|, |b|``."""
     absolute = [None if x is None else x.detach().abs().requires_grad_(True) for x in leaves]
     ah, aw, ab = absolute
     (bound * torch.nn.functional.linear(view(ah), aw, ab)).sum().backward()
@@ -147,45 +144,72 @@ def _leaves(case: LinearCase, dtype, frozen_weight: bool = False, clean: bool = 
 
 def compare_linear(case: LinearCase, config, *, frozen_weight: bool = False, token_normalizer=None,
                    compute_entropy: bool = True, hidden_view=None, backend: str = "torch") -> None:
-    """Loss, logprobs, entropy, metrics and all three gradients of ``backend`` against the fp32
-    reference on the same (possibly bf16) inputs."""
+    """Loss, logprobs, entropy, metrics and all three gradients of ``backend`` against
+    ``helpers.expected_results``: the fp64 oracle under its rule for fp32 inputs (the logits scale ``s`` from
+    ``max(|h| |W|^T + |b|) / tau``, which bounds an fp32 logit's rounding; the gradients' bounds carry
+    ``helpers.logits_gradient_bound`` through :func:`abs_gemm_bounds`), the fp32 reference on the same
+    bf16 / fp16 inputs under :data:`LINEAR_GRAD_TOLERANCES` (plus the mixed GEMM mode's rounding bound,
+    :func:`mixed_mode_slack`, where it runs)."""
     dtype = case.hidden.dtype
-    rh, rw, rb = _leaves(case, torch.float32, frozen_weight, clean=True)
-    expected = fused_rl.reference.linear_policy_loss(
-        rh if hidden_view is None else hidden_view(rh), rw, case.targets, case.advantages, case.mask, bias=rb,
-        config=config, token_normalizer=token_normalizer, compute_entropy=compute_entropy, **case.kwargs())
-    expected.loss.backward()
+    view = hidden_view or (lambda x: x)
+    grad_names = ["grad_hidden", None if frozen_weight else "grad_weight", None if case.bias is None else "grad_bias"]
+
+    def reference(h, w, b):
+        return fused_rl.reference.linear_policy_loss(
+            view(h), w, case.targets, case.advantages, case.mask, bias=b, config=config,
+            token_normalizer=token_normalizer, compute_entropy=compute_entropy, **case.kwargs())
+
+    def zscale(xs):  # the finite logits' bound (a -inf bias entry is p = 0, not a scale)
+        h, w, b = (None if x is None else x.detach().abs() for x in xs)
+        b = None if b is None else torch.where(torch.isfinite(b), b, 0.0)
+        return max(1.0, float(torch.nn.functional.linear(view(h), w, b).max()) / config.temperature)
+
+    def grad_bounds(coef, ent_coef, xs):
+        h, w, b = (None if x is None else x.detach() for x in xs)
+        z = torch.nn.functional.linear(view(h), w, b)
+        bound = logits_gradient_bound(z, case.targets, coef, ent_coef, config.temperature)
+        return {name: x for name, x in zip(grad_names, abs_gemm_bounds(bound, xs, view)) if name is not None}
+
     h, w, b = _leaves(case, dtype, frozen_weight)
+    slack = {}
+    if backend != "torch" and tiled_linear.runs_tiled(config) and tiled_linear._mode(h.device, dtype) == "mixed":
+        leaves32 = _leaves(case, torch.float32, frozen_weight, clean=True)
+        slack = dict(zip(("grad_hidden", "grad_weight", "grad_bias"),
+                         mixed_mode_slack(case, leaves32, config, hidden_view, dtype,
+                                          token_normalizer=token_normalizer, compute_entropy=compute_entropy)))
+
+    def old_tols(name):
+        if not name.startswith("grad"):
+            return TOLERANCES[dtype]
+        atol, rtol = LINEAR_GRAD_TOLERANCES[dtype]
+        return (atol if slack.get(name) is None else atol + slack[name]), rtol
+
+    clean = [None if x is None else torch.nan_to_num(x.detach()) for x in (case.hidden, case.weight, case.bias)]
+    expected = expected_results(reference, clean, grad_names, dtype, config.temperature, old_tols, zscale,
+                                grad_bounds)
     got = fused_rl.linear_policy_loss(
-        h if hidden_view is None else hidden_view(h), w, case.targets, case.advantages, case.mask, bias=b,
+        view(h), w, case.targets, case.advantages, case.mask, bias=b,
         config=config, token_normalizer=token_normalizer, compute_entropy=compute_entropy, backend=backend,
         **case.kwargs())
     got.loss.backward()
     assert torch.isfinite(got.loss)
-    assert_close(got.loss, expected.loss, dtype, "loss")
-    assert_close(got.logprobs, expected.logprobs, dtype, "logprobs")
-    if expected.entropy is None:
+    expected.check("loss", got.loss)
+    expected.check("logprobs", got.logprobs)
+    if expected.values["entropy"] is None:
         assert got.entropy is None
     else:
-        assert_close(got.entropy, expected.entropy, dtype, "entropy")
-    assert set(got.metrics) == set(expected.metrics)
-    for name, value in expected.metrics.items():
-        assert_close(got.metrics[name], value, dtype, f"metric {name}", equal_nan=True)
-    slack = [None] * 3
-    if backend != "torch" and tiled_linear.runs_tiled(config) and tiled_linear._mode(h.device, dtype) == "mixed":
-        slack = mixed_mode_slack(case, (rh, rw, rb), config, hidden_view, dtype, token_normalizer=token_normalizer,
-                                 compute_entropy=compute_entropy)
-    grads = [("grad_hidden", h, rh, slack[0]), ("grad_bias", b, rb, slack[2])]
+        expected.check("entropy", got.entropy)
+    assert set(got.metrics) == set(k[len("metric "):] for k in expected.values if k.startswith("metric "))
+    for name, value in got.metrics.items():
+        expected.check(f"metric {name}", value, equal_nan=True)
     if frozen_weight:
         assert w.grad is None
-    else:
-        grads.append(("grad_weight", w, rw, slack[1]))
-    for what, x, rx, extra in grads:
-        if x is None:
+    for what, x in zip(grad_names, (h, w, b)):
+        if what is None:
             continue
         assert x.grad is not None and x.grad.dtype == dtype, what
         assert torch.isfinite(x.grad).all(), what
-        assert_close(x.grad, rx.grad, dtype, what, grad=True, slack=extra)
+        expected.check(what, x.grad)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}")

@@ -6,8 +6,9 @@ quantile, truncated completions, temperature, entropy bonus), the shapes (vocabu
 blocks, length-1 and all-masked rows, left or right padding), bias or none, a frozen weight, a token
 normalizer, fp32 / bf16 / fp16 inputs, the tile size, gathered or fixed-slice tiles and, for 16-bit
 inputs, the GEMM mode (the mixed one emulated on CPU). Loss, log-probs, entropy, every metric and all
-three gradients are compared by ``test_linear.compare_linear`` (its tolerances; the mixed mode's
-rounding bound where it runs). CUDA parameters (marked ``cuda``) where a GPU is present."""
+three gradients are compared by ``test_linear.compare_linear`` (fp32: with the fp64 oracle under the rule of
+``helpers.expected_results``; 16-bit: with the fp32 reference, plus the mixed mode's rounding bound where it
+runs). CUDA parameters (marked ``cuda``) where a GPU is present."""
 
 from __future__ import annotations
 
