@@ -688,12 +688,15 @@ def test_overflowing_ratio_of_a_clipped_token_has_zero_gradient(backend, device,
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("policy", ["ppo_clip", "gmpo"])
 @pytest.mark.parametrize("drop", ["is_weights", "token_mask"])
 @pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
-def test_a_dropped_token_with_an_overflowed_ratio_adds_zero(backend, device, drop):
+def test_a_dropped_token_with_an_overflowed_ratio_adds_zero(backend, device, drop, policy):
     """A token the caller or a rollout mask drops (weight 0) adds 0 to the loss even where its ratio
     overflowed with ``A < 0`` (loss inf): not ``0 * inf = NaN``; the same loss and gradient as with a large
-    finite ratio (old = -50)."""
+    finite ratio. ppo_clip: one token at old = -200 (finite: -50); gmpo: a whole row (its ``exp(mean_t x_t)``
+    is the row's), mean log-ratio ~ 400 (finite: ~ 150): every backend gave NaN logits gradients there, through
+    the backward of ``exp`` (a fuzz example with temperature 1.7 and an off-policy log-ratio of 3677)."""
     g = torch.Generator().manual_seed(6)
     B, T, V = 2, 3, 37
     logits = torch.randn(B, T, V, generator=g)
@@ -701,58 +704,19 @@ def test_a_dropped_token_with_an_overflowed_ratio_adds_zero(backend, device, dro
     mask = torch.ones(B, T, dtype=torch.bool)
     with torch.no_grad():
         lp = fused_rl.reference.token_logprobs(logits, targets)
-    kw, config = {}, PolicyLossConfig()
+    dropped, fars = ((0, 1), (-200.0, -50.0)) if policy == "ppo_clip" else ((0, slice(None)), (-400.0, -150.0))
     results = []
-    for far in (-200.0, -50.0):
+    for far in fars:
         old = lp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(1))
-        old[0, 1] = far
+        old[dropped] = far
         if drop == "is_weights":
             weights = torch.ones(B, T)
-            weights[0, 1] = 0.0
-            kw = dict(rollout_is_weights=weights.to(device))
+            weights[dropped] = 0.0
+            config, kw = PolicyLossConfig(policy_loss=policy), dict(rollout_is_weights=weights.to(device))
         else:  # rho = exp(old - rollout) = e^-5 < rollout_is_min: masked
             rollout = old + 0.01
-            rollout[0, 1] = old[0, 1] + 5.0
-            config = PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=2.0)
-            kw = dict(rollout_logprobs=rollout.to(device))
-        x = logits.to(device, copy=True).requires_grad_(True)
-        out = fused_rl.policy_loss(x, targets.to(device), torch.tensor([-1.0, 0.5]).to(device), mask.to(device),
-                                   old_logprobs=old.to(device), config=config, backend=backend, **kw)
-        out.loss.backward()
-        results.append((out.loss.detach().cpu(), x.grad.cpu()))
-    (loss, grad), (loss_finite, grad_finite) = results
-    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[0, 1] == 0).all()
-    torch.testing.assert_close(loss, loss_finite, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("drop", ["is_weights", "token_mask"])
-@pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
-def test_a_dropped_gmpo_row_with_an_overflowed_term_adds_zero(backend, device, drop):
-    """gmpo's ``exp(mean_t x_t)`` of a row the caller or a rollout mask drops (weight 0) that overflows with
-    ``A < 0`` (its term inf): 0 loss and 0 gradient, as with a large finite term, not ``0 * inf = NaN`` in the
-    backward of ``exp`` (every backend gave NaN logits gradients: a fuzz example with temperature 1.7 and an
-    off-policy log-ratio of 3677)."""
-    g = torch.Generator().manual_seed(7)
-    B, T, V = 2, 3, 37
-    logits = torch.randn(B, T, V, generator=g)
-    targets = torch.randint(0, V, (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    with torch.no_grad():
-        lp = fused_rl.reference.token_logprobs(logits, targets)
-    results = []
-    for far in (-400.0, -150.0):  # row 0's mean log-ratio ~ 400 (exp overflows) or ~ 150 (finite)
-        old = lp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(1))
-        old[0] = far
-        if drop == "is_weights":
-            weights = torch.ones(B, T)
-            weights[0] = 0.0
-            config, kw = PolicyLossConfig(policy_loss="gmpo"), dict(rollout_is_weights=weights.to(device))
-        else:  # rho = exp(old - rollout) = e^-5 < rollout_is_min: masked
-            rollout = old + 0.01
-            rollout[0] = old[0] + 5.0
-            config = PolicyLossConfig(policy_loss="gmpo", rollout_is="token_mask", rollout_is_min=0.5,
+            rollout[dropped] = old[dropped] + 5.0
+            config = PolicyLossConfig(policy_loss=policy, rollout_is="token_mask", rollout_is_min=0.5,
                                       rollout_is_max=2.0)
             kw = dict(rollout_logprobs=rollout.to(device))
         x = logits.to(device, copy=True).requires_grad_(True)
@@ -761,7 +725,7 @@ def test_a_dropped_gmpo_row_with_an_overflowed_term_adds_zero(backend, device, d
         out.loss.backward()
         results.append((out.loss.detach().cpu(), x.grad.cpu()))
     (loss, grad), (loss_finite, grad_finite) = results
-    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[0] == 0).all()
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[dropped] == 0).all()
     torch.testing.assert_close(loss, loss_finite, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
 
