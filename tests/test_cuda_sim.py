@@ -338,7 +338,8 @@ def test_out_of_range_targets_nan_upstream_and_overflowing_ratios(cuda_kernels):
     hardening.test_nan_upstream_gradient_gives_a_nan_row_also_where_p_is_0("cpu", "cpu")
     hardening.test_neg_inf_logits_have_p_zero_even_at_the_target("cpu", "cpu")
     for drop in ("is_weights", "token_mask"):
-        hardening.test_a_dropped_token_with_an_overflowed_ratio_adds_zero("cpu", "cpu", drop)
+        for policy in ("ppo_clip", "gmpo"):
+            hardening.test_a_dropped_token_with_an_overflowed_ratio_adds_zero("cpu", "cpu", drop, policy)
     for case in ("reinforce-dropped", "cispo-dropped", "reinforce-A0", "nan-row-dropped"):
         hardening.test_weight_zero_rules_agree_on_every_backend("cpu", "cpu", case)
     for config, adv in hardening.OVERFLOW_CONFIGS:
