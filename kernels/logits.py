@@ -3,10 +3,11 @@
 One program per row ``n = b * T + t`` on grid axis 0 (up to 2^31 - 1 rows, no 65,535 limit); all
 pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 whatever the input dtype:
 
-* **stats** (one read of the row): online ``m = max z``, ``s = sum exp(z - m)`` and
-  ``q = sum exp(z - m) (z - m)`` over blocks of ``BLOCK_V`` (``m`` starts at ``-inf``, masked lanes
-  load ``-inf``), giving ``logp = (z_target - m) - log s`` and ``H = -sum p log p = log s - q / s``;
-  ``m`` and ``log s`` are saved apart (``lse = m + log s`` rounded to one fp32 loses ``log s`` when
+* **stats** (one read of the row): online raw max ``m = max x``, ``s = sum exp((x - m) / tau)`` and
+  ``q = sum exp((x - m) / tau) (x - m) / tau`` over blocks of ``BLOCK_V`` (``m`` starts at ``-inf``, masked
+  lanes load ``-inf``; ``m`` is subtracted before the scaling by ``1 / tau``, so large ``|x|`` costs no
+  accuracy), giving ``logp = (x_target - m) / tau - log s`` and ``H = -sum p log p = log s - q / s``;
+  ``m`` and ``log s`` are saved apart (``lse = m / tau + log s`` rounded to one fp32 loses ``log s`` when
   ``|m|`` is large, and with it ``1 - p`` of a near-certain token);
 * **grad** (one read + one write): ``dlogits_j = (g_logp (onehot_j - p_j) + g_H p_j (E[z] - z_j)) / tau``
   with ``p_j = exp((z_j - m) - log s)`` and ``E[z] - z_j = -H - log p_j``, from the saved ``m``,
@@ -119,10 +120,12 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     """``(m, log2 s, logp, H)`` of ``BLOCK_N`` rows starting at ``x_ptr + x_off`` (garbage where not
     ``valid``; the caller masks); ``logp`` and ``H`` in natural log. Ignored rows load nothing.
 
-    The loop works in base 2 on ``u = x log2(e) / tau`` (one multiply and one ``exp2`` per element):
-    ``m = max u``, ``s = sum 2^(u - m)``, ``q = sum 2^(u - m) (u - m)``; then
-    ``logp = ln2 (u_t - m - log2 s)``, ``H = ln2 (log2 s - q / s)`` (``lse = ln2 (m + log2 s)`` is never
-    rounded into one number: ``m`` and ``log2 s`` stay apart for the gradient).
+    The loop works in base 2 on ``u = (x - m) log2(e) / tau`` with ``m = max x``, the raw (unscaled) row max
+    (one subtraction, one multiply and one ``exp2`` per element): ``s = sum 2^u``, ``q = sum 2^u u``; then
+    ``logp = ln2 (u_t - log2 s)``, ``H = ln2 (log2 s - q / s)``. ``m`` is subtracted before the scaling, so
+    ``x - m`` is exact near the max and ``u`` is rounded relative to ``x - m``, not to ``x``: scaling first
+    rounds ``x log2(e) / tau`` to ``|x| 2^-24`` (4e-5 nats of log-prob at logits near -1000). The log-sum-exp
+    ``m + tau ln2 log2 s`` is never rounded into one number: ``m`` and ``log2 s`` stay apart for the gradient.
 
     A valid row whose softmax is undefined gets ``log2 s = NaN`` (so ``logp = H = NaN``, and the gradient
     loop writes NaN), found after the loop at no cost in it: ``s`` is NaN when any ``u`` is NaN or
@@ -142,14 +145,14 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
             x_next = _load_block(x_ptr, x_off, valid, start + BLOCK_V, V, BLOCK_V, EVICT)
         else:
             x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
-        u = x_raw.to(tl.float32) * scale
-        m_new = tl.maximum(m, tl.max(u, axis=1))
+        xf = x_raw.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(xf, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        uc = u - m_safe[:, None]
+        alpha = tl.exp2((m - m_safe) * scale)
+        uc = (xf - m_safe[:, None]) * scale
         e = tl.exp2(uc)
         if WITH_ENT:
-            shift = tl.where(s > 0.0, m - m_safe, 0.0)
+            shift = tl.where(s > 0.0, (m - m_safe) * scale, 0.0)
             q = alpha * (q + shift * s) + tl.sum(e * tl.where(e > 0.0, uc, 0.0), axis=1)  # no 0 * -inf
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
@@ -160,9 +163,9 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
     # in-row address even for ignored rows; rows past N (valid is False there too) load nothing, and so
     # does a target outside [0, V) (only with check_inputs=False): NaN logp, as the C++ kernels give
     in_vocab = (tgt >= 0) & (tgt < V)
-    ut = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=in_rows & in_vocab,
-                 other=float("nan")).to(tl.float32) * scale
-    logp = LN2 * ((ut - m_fin) - log2_s)
+    xt = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=in_rows & in_vocab,
+                 other=float("nan")).to(tl.float32)
+    logp = LN2 * ((xt - m_fin) * scale - log2_s)
     # log p <= 0 (FMA contraction of ut can round it to +1e-8 for a near-certain token); NaN passes
     logp = tl.where(logp > 0.0, 0.0, logp)
     ent = tl.zeros([BLOCK_N], tl.float32)
@@ -180,13 +183,14 @@ def _block_start(k, n_blocks, BLOCK_V: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, m2, log2_s, ent, g_logp, g_h,
+def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature, m_row, log2_s, ent, g_logp, g_h,
               BLOCK_V: tl.constexpr, GRAD_ENT: tl.constexpr, REVERSE: tl.constexpr, EVICT: tl.constexpr,
               PREFETCH: tl.constexpr):
     """Writes ``(g_logp (onehot - p) + g_h p (E[z] - z)) / tau`` over the rows (zeros where not ``valid``).
 
-    Per element, in base 2 (``u = x log2(e) / tau``, ``d = (u - m) - log2 s``, ``p = 2^d``):
-    ``a onehot - a p + b p (E[u] - u)`` with ``E[u] - u = -H log2(e) - d`` and the per-row
+    Per element, in base 2 (``d = (x - m) log2(e) / tau - log2 s``, ``p = 2^d``):
+    ``a onehot - a p + b p (E[u] - u)`` with ``E[u] - u = -H log2(e) - d`` (``m`` the raw row max of
+    :func:`_row_stats`, subtracted before the scaling) and the per-row
     ``a = g_logp / tau``, ``b = g_h ln2 / tau``: no division in the loop, and no rounding of
     ``m + log2 s`` (``1 - p`` of a near-certain token stays exact at any ``|u|``)."""
     scale = LOG2E / temperature
@@ -195,9 +199,9 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
     b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
     h2 = ent * LOG2E
     # the target's 1 - p by expm1 (a near-certain token's 1 - p is below the error of exp2)
-    ut = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=valid & in_vocab,
-                 other=0.0).to(tl.float32) * scale
-    one_minus_pt = -expm1(((ut - m2) - log2_s) * LN2)
+    xt = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=valid & in_vocab,
+                 other=0.0).to(tl.float32)
+    one_minus_pt = -expm1(((xt - m_row) * scale - log2_s) * LN2)
     n_blocks = tl.cdiv(V, BLOCK_V)
     if PREFETCH:  # the first block before the loop; each iteration loads the next (none past the row)
         x_next = _load_block(x_ptr, x_off, valid, _block_start(0, n_blocks, BLOCK_V, REVERSE), V, BLOCK_V, EVICT)
@@ -211,7 +215,7 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
                                  EVICT)
         else:
             x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
-        d = (x_raw.to(tl.float32) * scale - m2[:, None]) - log2_s[:, None]
+        d = (x_raw.to(tl.float32) - m_row[:, None]) * scale - log2_s[:, None]
         p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
         g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
         if GRAD_ENT:
@@ -227,10 +231,10 @@ def _stats_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, logp_ptr, ent_ptr, lse_ptr,
         rows, in_rows = _rows(tile, N, BLOCK_N)
         tgt = _load_targets(tgt_ptr, rows, in_rows, V)
         valid = tgt != IGNORE_INDEX
-        m2, log2_s, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V,
+        m_row, log2_s, logp, ent = _row_stats(x_ptr, _row_offset(rows, T, xs0, xs1), in_rows, tgt, valid, V,
                                            temperature, BLOCK_N, BLOCK_V, WITH_ENT, "", False)
         tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
-        tl.store(lse_ptr + rows, tl.where(valid, m2, 0.0), mask=in_rows)
+        tl.store(lse_ptr + rows, tl.where(valid, m_row, 0.0), mask=in_rows)
         tl.store(lse_ptr + N + rows, tl.where(valid, log2_s, 0.0), mask=in_rows)
         if WITH_ENT:
             tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=in_rows)
@@ -243,7 +247,7 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
         rows, in_rows = _rows(tile, N, BLOCK_N)
         tgt = _load_targets(tgt_ptr, rows, in_rows, V)
         valid = tgt != IGNORE_INDEX
-        m2 = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+        m_row = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
         log2_s = tl.load(lse_ptr + N + rows, mask=in_rows, other=0.0)
         g_logp = tl.load(glogp_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
         ent = tl.zeros([BLOCK_N], tl.float32)
@@ -252,7 +256,7 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
             ent = tl.load(ent_ptr + rows, mask=in_rows, other=0.0)
             g_h = tl.load(gent_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
         _row_grad(x_ptr, _row_offset(rows, T, xs0, xs1), out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt,
-                  valid, V, temperature, m2, log2_s, ent, g_logp, g_h, BLOCK_V, GRAD_ENT, False, "", False)
+                  valid, V, temperature, m_row, log2_s, ent, g_logp, g_h, BLOCK_V, GRAD_ENT, False, "", False)
 
 
 @triton.jit
@@ -270,7 +274,7 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
         tgt = _load_targets(tgt_ptr, rows, in_rows, V)
         valid = tgt != IGNORE_INDEX
         x_off = _row_offset(rows, T, xs0, xs1)
-        m2, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
+        m_row, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
                                            WITH_ENT, "evict_last" if HINTS else "", PREFETCH)
         logp = tl.where(valid, logp, 0.0)
         ent = tl.where(valid, ent, 0.0)
@@ -298,7 +302,7 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
             tl.store(kl_ptr + rows, kl, mask=in_rows)
         if WRITE_GRAD:
             _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
-                      m2, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "",
+                      m_row, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "",
                       PREFETCH)
 
 
@@ -346,7 +350,7 @@ def as_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
     """Flat fp32 ``(logp, entropy, lse)`` (``entropy`` empty unless ``with_entropy``); ``lse`` is
-    ``(2, N)``: the base-2 row max ``m`` and ``log2 s``, which :func:`token_grad` reads."""
+    ``(2, N)``: the raw row max ``m = max x`` and ``log2 s``, which :func:`token_grad` reads."""
     x = as_rows(logits)
     B, T, V = x.shape
     n = B * T

@@ -857,3 +857,45 @@ def test_entropy_of_a_near_one_hot_row_is_not_negative(backend, device, temperat
     for got in (ent, out.entropy):
         assert (got >= 0).all(), got
         torch.testing.assert_close(got.cpu().double(), expected, atol=2e-5, rtol=2e-4)
+
+
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("shift", [-1000.0, 1000.0])
+def test_large_logits_cost_no_accuracy(backend, device, temperature, shift):
+    """Log-softmax is shift-invariant, and so is every backend's rounding: the row max is subtracted from the
+    raw logits before the scaling by ``1 / tau`` (scaling first rounds ``x / tau`` or ``x log2(e) / tau`` to
+    ``|x| 2^-24``: the Triton kernels were 4e-5 nats off at logits near -1000, the chunked torch paths 9e-5 at
+    ``tau = 0.7``). Log-probs, entropies and ``dlogits`` of ``token_logprobs`` and the single-pass
+    ``policy_loss``, and the fused linear ``linear_token_logprobs`` (a bias of ``shift``), against fp64, to a
+    bound that does not grow with ``|shift|`` (the fp32 reference itself, dividing first, misses it at
+    ``tau = 0.7``)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2, 5, 300, generator=g) * 3 + shift
+    targets = torch.randint(0, 300, (2, 5), generator=g)
+    upstream = torch.randn(2, 5, generator=g)
+    x64 = x.double().requires_grad_(True)
+    lp64, ent64 = fused_rl.token_logprobs(x64, targets, temperature=temperature, return_entropy=True,
+                                          backend="reference")
+    (lp64 * upstream).sum().backward()
+    xd = x.to(device).requires_grad_(True)
+    lp, ent = fused_rl.token_logprobs(xd, targets.to(device), temperature=temperature, return_entropy=True,
+                                      backend=backend)
+    (lp * upstream.to(device)).sum().backward()
+    close = lambda got, want: torch.testing.assert_close(got.detach().cpu().double(), want.detach(), atol=4e-6,
+                                                         rtol=1e-5)
+    close(lp, lp64)
+    close(ent, ent64)
+    close(xd.grad, x64.grad)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    out = fused_rl.policy_loss(x.to(device), targets.to(device), torch.ones(2, device=device), mask.to(device),
+                               config=PolicyLossConfig(temperature=temperature), backend=backend)
+    close(out.logprobs, lp64)
+    h = torch.randn(2, 5, 16, generator=g)
+    w = torch.randn(300, 16, generator=g) * 0.3
+    bias = torch.full((300,), shift)
+    lin = fused_rl.linear_token_logprobs(h.to(device), w.to(device), targets.to(device),
+                                         bias=bias.to(device), temperature=temperature, backend=backend)
+    lin64 = fused_rl.linear_token_logprobs(h.double(), w.double(), targets, bias=bias.double(),
+                                           temperature=temperature, backend="reference")
+    close(lin, lin64)

@@ -1,8 +1,9 @@
 """Chunked torch backend: the vocabulary work in row chunks, never holding more than a chunk of
 fp32 probabilities. Runs on any device; it is the fallback where no compiled kernel is available.
 
-Forward per row (``z = logits / tau``):  ``m = max z``, ``s = sum exp(z - m)``, ``lse = m + log s``,
-``logp = z_target - lse``, ``E[z] = sum p z``, ``H = lse - E[z]``.
+Forward per row (``z = logits / tau``):  ``m = max logits``, ``zs = (logits - m) / tau``, ``s = sum exp(zs)``,
+``logp = zs_target - log s``, ``H = log s - E_p[zs]``. The raw max is subtracted before the division by ``tau``,
+so ``zs`` is rounded relative to ``logits - m``, not to ``|logits|``.
 Backward per row: ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``.
 
 Both halves are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` sees
@@ -56,9 +57,9 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     """Returns flat ``(logp, entropy, lse)`` of length ``N = prod(logits.shape[:-1])`` (``entropy``
     empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``.
 
-    ``lse`` is ``(2, N)``: the row max ``m`` and ``log s`` (``s = sum exp(z - m)``) kept apart, so the
-    backward's ``p = exp((z - m) - log s)`` does not lose ``log s`` to the rounding of ``m + log s``
-    (``1 - p`` of a near-certain token at ``|z| ~ 1e3`` would be 0)."""
+    ``lse`` is ``(2, N)``: the raw row max ``m = max logits`` and ``log s`` (``s = sum exp((logits - m) / tau)``)
+    kept apart, so the backward's ``p = exp((logits - m) / tau - log s)`` does not lose ``log s`` to the
+    rounding of ``m / tau + log s`` (``1 - p`` of a near-certain token at ``|z| ~ 1e3`` would be 0)."""
     cdtype = _compute_dtype(logits.dtype)
     flat_targets = targets.reshape(-1)
     n = flat_targets.numel()
@@ -69,18 +70,18 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
         stop = start + chunk.shape[0]
         t = flat_targets[start:stop]
         ignored = t == IGNORE_INDEX
-        z = chunk.to(cdtype) / temperature
+        z = chunk.to(cdtype)
         m = z.amax(dim=-1, keepdim=True)
         # an all -inf row shifts by 0 (s = 0: logp NaN, as log_softmax gives); a NaN or +inf max stays, so
         # the row is NaN as in the reference
         m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-        zs = z - m
+        zs = (z - m) / temperature
         e = torch.exp(zs)
         s = e.sum(dim=-1)
         log_s = torch.log(s)
-        zt = z.gather(-1, torch.where(ignored, 0, t).long().unsqueeze(-1)).squeeze(-1)
+        zt = zs.gather(-1, torch.where(ignored, 0, t).long().unsqueeze(-1)).squeeze(-1)
         zero = torch.zeros_like(zt)
-        logp[start:stop] = torch.where(ignored, zero, (zt - m.squeeze(-1)) - log_s)
+        logp[start:stop] = torch.where(ignored, zero, zt - log_s)
         lse[0, start:stop] = m.squeeze(-1)
         lse[1, start:stop] = log_s
         if with_entropy:
@@ -102,8 +103,8 @@ def _(logits, targets, temperature, with_entropy):
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                temperature: float) -> torch.Tensor:
-    """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``p = exp((z - m) - log s)``
-    and ``E[z] - z = (log s - H) - (z - m)`` (``lse = (m, log s)`` of :func:`token_stats`);
+    """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``p = exp(zs - log s)``,
+    ``zs = (logits - m) / tau`` and ``E[z] - z = (log s - H) - zs`` (``lse = (m, log s)`` of :func:`token_stats`);
     contiguous, in the logits dtype."""
     cdtype = _compute_dtype(logits.dtype)
     vocab = logits.shape[-1]
@@ -114,8 +115,7 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
         stop = start + chunk.shape[0]
         t = flat_targets[start:stop]
         ignored = (t == IGNORE_INDEX).unsqueeze(-1)
-        z = chunk.to(cdtype) / temperature
-        zs = z - lse[0, start:stop].unsqueeze(-1)
+        zs = (chunk.to(cdtype) - lse[0, start:stop].unsqueeze(-1)) / temperature
         log_s = lse[1, start:stop].unsqueeze(-1)
         p = torch.exp(zs - log_s)
         gl = torch.where(ignored, 0.0, g_logp[start:stop].to(cdtype).unsqueeze(-1))

@@ -1,10 +1,11 @@
 """Chunked torch implementation of the fused linear policy loss: the logits ``z = h W^T + b`` are
 produced one tile of tokens at a time and consumed at once, so no ``(N, V)`` tensor ever exists.
 
-Per tile of ``n`` tokens (``z / tau`` over the whole vocabulary, fp32; fp64 for fp64 inputs)::
+Per tile of ``n`` tokens (over the whole vocabulary, fp32; fp64 for fp64 inputs; the raw max subtracted
+before the scaling by ``1 / tau``, so ``zs`` is rounded relative to ``z - m``, not to ``|z|``)::
 
-    m = max z,  s = sum exp(z - m),  lse = m + log s,  p = exp(z - m) / s
-    logp = z_target - lse,  H = lse - E_p[z] = log s - E_p[z - m]
+    m = max z,  zs = (z - m) / tau,  s = sum exp(zs),  p = exp(zs) / s
+    logp = zs_target - log s,  H = log s - E_p[zs]
     dz   = (g_logp (onehot - p) + g_H p (E_p[z] - z)) / tau
     grad_h = dz @ W,  grad_W += dz^T h (fp32 accumulator),  grad_b += sum_rows dz
 
@@ -219,7 +220,7 @@ def _column_dot(e: torch.Tensor, zs: torch.Tensor) -> torch.Tensor:
 
 def _tile_stats(h, t, weight_c, bias_c, inv_tau: float, with_entropy: bool, ws: _Workspace):
     """``(state, logp, H)`` of the tile; ``state = (zs, e, 1/s[, E_p[zs]])`` with the shifted tempered
-    logits ``zs = z - m`` and ``e = exp(zs)``, ``p = e / s``. The tile is vocabulary-major: ``zs`` and
+    logits ``zs = (z - m) / tau`` and ``e = exp(zs)``, ``p = e / s``. The tile is vocabulary-major: ``zs`` and
     ``e`` are ``(V, n)`` (``zs^T = W h^T`` is the faster GEMM orientation for thin token tiles, and
     ``grad_W += dz^T h`` needs no transpose). ``H`` and ``E_p[zs]`` only ``with_entropy``."""
     zs, e = ws.get(h.shape[0])
@@ -227,10 +228,10 @@ def _tile_stats(h, t, weight_c, bias_c, inv_tau: float, with_entropy: bool, ws: 
         torch.mm(weight_c, h.t(), out=zs)
     else:
         torch.addmm(bias_c.unsqueeze(1), weight_c, h.t(), out=zs)
+    m = zs.amax(dim=0, keepdim=True)
+    zs.sub_(m)  # before the scaling by 1/tau: zs is rounded relative to z - m, not to |z|
     if inv_tau != 1.0:
         zs.mul_(inv_tau)
-    m = zs.amax(dim=0, keepdim=True)
-    zs.sub_(m)
     torch.exp(zs, out=e)
     s = e.sum(dim=0, keepdim=True)
     log_s = torch.log(s).squeeze(0)
