@@ -14,7 +14,8 @@
 //   sapo:     l = -a 4/tau sigmoid(tau (r - 1)), tau = sapo_pos if a > 0 else sapo_neg
 //   cispo:    l = -sg(min(r, 1+ch)) a logp
 //   reinforce l = -a logp
-//   rollout correction (token level, detached): rho = exp(sg(old) - rollout) (1 where rollout is NaN:
+//   rollout correction (token level, detached): rho = exp(clamp(sg(old) - rollout, -20, 20)) (the bound is
+//             loss_math.ROLLOUT_LOG_RHO_BOUND, verl's; 1 where rollout is NaN:
 //             a token the engine did not score); the policy term is
 //             multiplied by clamp(rho, lo, hi) (truncate) or rho 1[lo <= rho <= hi] (mask)
 //   kl (d = ref - logp): k1 -d, k2 d^2/2, k3 expm1(d) - d, abs |d|, low_var_kl clamp(k3(clamp(d,+-20)), +-10);
@@ -113,7 +114,9 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
   }
   if (p.rollout != kRolloutNone) {  // detached weight of the policy term
     // a NaN rollout log-prob: a token the engine did not score, no correction (log-ratio 0), as TRL
-    const float rho = rollout != rollout ? 1.0f : expf((p.has_old ? old : logp) - rollout);
+    const float log_rho = (p.has_old ? old : logp) - rollout;  // clamped below, a NaN passing (torch's clamp)
+    const float rho = rollout != rollout ? 1.0f
+                                         : expf(log_rho > 20.0f ? 20.0f : (log_rho < -20.0f ? -20.0f : log_rho));
     const float c = p.rollout == kRolloutTruncate
                         ? frl_clamp(rho, p.rollout_min, p.rollout_max)
                         : ((rho >= p.rollout_min && rho <= p.rollout_max) ? rho : 0.0f);

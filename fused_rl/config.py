@@ -83,7 +83,8 @@ class PolicyLossConfig:
     * ``rollout_is`` (needs ``rollout_logprobs``, the sampler's log-probs): importance weight
       ``rho = exp(old - rollout)`` (``old = sg(logp)`` on-policy) of the training policy against the
       inference engine, per token (``token_*``) or per sequence (``sequence_*``: ``exp(sum_t m (old -
-      rollout))``; a NaN rollout log-prob, a token the engine did not score, has log-ratio 0); ``*_truncate``:
+      rollout))``; a NaN rollout log-prob, a token the engine did not score, has log-ratio 0; the log-ratio is
+      clamped to ``[-20, 20]`` before the ``exp``, verl's safety bound: ``rho`` cannot overflow); ``*_truncate``:
       ``c *= clamp(rho, rollout_is_min, rollout_is_max)``; ``*_mask``: ``c *= rho 1[rollout_is_min <= rho <=
       rollout_is_max]`` (a ``None`` bound is no bound; defaults ``None`` and 2.0, verl's ``rollout_is_threshold``;
       TRL's ``vllm_importance_sampling_clip_max`` defaults to 3.0).

@@ -315,18 +315,24 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     return weighted(-a, logp)  # reinforce
 
 
+#: Bound of the rollout correction's log-ratio before its ``exp`` (verl's ``SAFETY_BOUND`` in
+#: ``rollout_corr_helper.py``): ``e^-20 <= rho <= e^20``, so a long sequence's summed log-ratio cannot overflow
+#: ``rho`` to ``inf`` where no ``rollout_is_max`` truncates it (``inf * 0`` made the loss of an ``A = 0`` row NaN).
+ROLLOUT_LOG_RHO_BOUND = 20.0
+
+
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
                     config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rho, w)``, detached: the importance weight ``rho = exp(old - rollout)`` of the training policy
-    against the sampler (per sequence: ``exp(sum_t m (old - rollout))``, broadcast) and the factor ``w``
-    applied to the policy term: ``clamp(rho, min, max)`` (``*_truncate``) or ``rho 1[min <= rho <= max]``
-    (``*_mask``). Masked positions get ``rho = w = 1``; a NaN ``rollout`` log-prob (a token the inference
-    engine did not score, vLLM's ``None``) has log-ratio 0, as TRL's ``nan_to_num``: no correction of its own,
-    nothing added to its sequence's sum."""
+    """``(rho, w)``, detached: the importance weight ``rho = exp(clamp(old - rollout, -20, 20))`` of the training
+    policy against the sampler (per sequence: ``exp(clamp(sum_t m (old - rollout), -20, 20))``, broadcast; the
+    bound is :data:`ROLLOUT_LOG_RHO_BOUND`, verl's) and the factor ``w`` applied to the policy term:
+    ``clamp(rho, min, max)`` (``*_truncate``) or ``rho 1[min <= rho <= max]`` (``*_mask``). Masked positions get
+    ``rho = w = 1``; a NaN ``rollout`` log-prob (a token the inference engine did not score, vLLM's ``None``) has
+    log-ratio 0, as TRL's ``nan_to_num``: no correction of its own, nothing added to its sequence's sum."""
     diff = torch.where(mask & ~torch.isnan(rollout), old.detach() - rollout, torch.zeros_like(old))
     if config.rollout_is.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True).expand_as(old)
-    rho = torch.exp(diff)
+    rho = torch.exp(diff.clamp(min=-ROLLOUT_LOG_RHO_BOUND, max=ROLLOUT_LOG_RHO_BOUND))
     lo, hi = config.rollout_is_min, config.rollout_is_max
     if config.rollout_is.endswith("truncate"):
         w = rho.clamp(min=lo, max=hi)

@@ -18,8 +18,8 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   ``tau_neg``; ``dl/dlogp = -4 A s (1 - s) r`` with ``s = sigmoid(tau (r - 1))`` (0 where ``r`` is inf);
 * cispo: ``l = -min(r, 1+ch) A logp`` with the weight detached: ``dl/dlogp = -min(r, 1+ch) A``;
 * reinforce: ``l = -A logp``, ``dl/dlogp = -A``;
-* token rollout correction (``rollout_is="token_*"``): ``rho = exp(old - rollout)`` (``old = sg(logp)``
-  on-policy), ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing
+* token rollout correction (``rollout_is="token_*"``): ``rho = exp(clamp(old - rollout, -20, 20))``
+  (``old = sg(logp)`` on-policy; the bound is ``loss_math.ROLLOUT_LOG_RHO_BOUND``, verl's), ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing
   bound no bound; ``w`` (detached) multiplies the policy term and its derivative only;
 * KL (``+ beta kl``): k1 ``-d`` (``dkl/dlogp = 1``), k2 ``d^2/2`` (``-d``), k3 ``expm1(d) - d``
   (``-expm1(d)``), abs ``|d|`` (``-sign d``), low_var_kl ``clamp(k3(clamp(d, -20, 20)), -10, 10)``
@@ -170,7 +170,10 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         else:
             behind = old
         # a NaN rollout log-prob: a token the engine did not score, no correction (log-ratio 0), as TRL
-        rho = tl.exp(tl.where(valid & (rollout == rollout), behind - rollout, zero))
+        log_rho = tl.where(valid & (rollout == rollout), behind - rollout, zero)
+        # clamp(., -20, 20) (loss_math.ROLLOUT_LOG_RHO_BOUND) by where: a NaN passes, as torch's clamp
+        log_rho = tl.where(log_rho > 20.0, 20.0, tl.where(log_rho < -20.0, -20.0, log_rho))
+        rho = tl.exp(log_rho)
         if ROLLOUT == 1:  # token_truncate
             w_is = rho
             if HAS_RIS_MIN:

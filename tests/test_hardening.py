@@ -730,6 +730,41 @@ def test_a_dropped_token_with_an_overflowed_ratio_adds_zero(backend, device, dro
     torch.testing.assert_close(grad, grad_finite, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+def test_an_unbounded_rollout_weight_saturates_at_e20(backend, device, mode):
+    """With no ``rollout_is_max``, the rollout correction's log-ratio is clamped to ``[-20, 20]`` before its
+    ``exp`` (verl's ``SAFETY_BOUND``): a sampler log-prob 199 nats below the trainer's gives the same finite loss
+    and gradients as one 39 nats below, on every backend as on the reference. Unclamped, ``e^199`` overflowed to
+    ``inf`` and ``inf * 0`` made the loss of the ``A = 0`` row, and so the whole loss and gradient, NaN."""
+    g = torch.Generator().manual_seed(7)
+    B, T, V = 2, 3, 37
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    adv = torch.tensor([0.0, 0.5])
+    with torch.no_grad():
+        lp = fused_rl.reference.token_logprobs(logits, targets)
+    old = lp + 0.05 * torch.randn(B, T, generator=g)
+    config = PolicyLossConfig(rollout_is=mode, rollout_is_min=0.5, rollout_is_max=None)
+    results = {}
+    for be, dev in ((backend, device), ("reference", "cpu")):
+        for gap in (199.0, 39.0):
+            rollout = old - 0.01
+            rollout[0, 1] -= gap  # in the A = 0 row
+            rollout[1, 2] -= gap
+            x = logits.to(dev, copy=True).requires_grad_(True)
+            out = fused_rl.policy_loss(x, targets.to(dev), adv.to(dev), mask.to(dev), old_logprobs=old.to(dev),
+                                       rollout_logprobs=rollout.to(dev), config=config, backend=be)
+            out.loss.backward()
+            results[be, gap] = (out.loss.detach().cpu(), x.grad.cpu())
+    for key, (loss, grad) in results.items():
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), key
+        expected_loss, expected_grad = results["reference", 39.0]
+        torch.testing.assert_close(loss, expected_loss, atol=0.0, rtol=1e-6)
+        torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("case", ["reinforce-dropped", "cispo-dropped", "reinforce-A0", "nan-row-dropped"])
 @pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
