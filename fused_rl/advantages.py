@@ -1,8 +1,10 @@
 """Advantage estimators. Rewards of one prompt's ``G`` samples are consecutive: ``rewards[g*G:(g+1)*G]``.
 
 * :func:`grpo`  ``A_i = (R_i - mean(R)) / (std(R) + eps)`` with the *population* std (``scale=False``:
-  ``A_i = R_i - mean(R)``, Dr. GRPO's centring only). Its expectation at an on-policy point is
-  ``(1 - 1/G)`` times the true gradient (the group mean contains the sample's own reward).
+  ``A_i = R_i - mean(R)``, Dr. GRPO's centring only). The centred estimator ``(1/G) sum_i A_i g_i``
+  (``scale=False``, sequence scores ``g_i``) has expectation ``(1 - 1/G) grad J`` at an on-policy point: the
+  group mean contains the sample's own reward. TRL's ``scale_rewards="group"`` divides by the Bessel-corrected
+  std plus ``1e-4`` (about ``sqrt((G-1)/G)`` times these); its ``"batch"`` (one std over the batch) is not offered.
 * :func:`rloo`  ``A_i = R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean(R))`` (unbiased).
 * :func:`kimi_length_reward` Kimi k1.5's length term
   ``lambda_i = 1/2 - (T_i - T_min)/(T_max - T_min)``: ``lambda_i`` if correct, ``min(0, lambda_i)`` if
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -32,12 +35,25 @@ def _groups(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
     return x.reshape(-1, group_size)
 
 
-def _float_groups(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
-    g = _groups(x, group_size, name)
-    g = g.to(torch.float64 if g.dtype == torch.float64 else torch.float32)
+def _float_groups(x: torch.Tensor, group_size: int, name: str) -> tuple[torch.Tensor, torch.dtype]:
+    """``(the detached groups in float64, the output dtype: float64 for float64 input, else float32)``; float64
+    is exact for every floating dtype and for integers up to ``2**53`` (float32 merged integers past ``2**24``)."""
+    g = _groups(x, group_size, name).detach()
+    if g.is_complex():
+        raise ValueError(f"{name} must be real numbers, got {g.dtype}")
+    out_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    g = g.double()
     if not torch.isfinite(g).all():
         raise ValueError(f"{name} contain NaN or inf")
-    return g
+    return g, out_dtype
+
+
+def _advantages_out(a: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``a`` flattened in ``dtype``; finite rewards whose advantages do not fit ``dtype`` raise."""
+    out = a.to(dtype).reshape(-1)
+    if not torch.isfinite(out).all():
+        raise ValueError(f"{name} advantages overflow {dtype}: the rewards' spread within a group is too large")
+    return out
 
 
 def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -46,28 +62,32 @@ def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: flo
 
     ``[1, 0, 0, 0] -> [sqrt(3), -1/sqrt(3), -1/sqrt(3), -1/sqrt(3)]``; equal rewards -> zeros.
     """
-    if not eps > 0:  # the stabilizer: a group of equal rewards gets 0 / eps = 0, not 0 / 0
-        raise ValueError(f"eps must be > 0, got {eps!r}")
-    r = _float_groups(rewards, group_size, "rewards")
+    if not 0 < eps < math.inf:  # the stabilizer: equal rewards get 0 / eps = 0, not 0 / 0 (inf: all zeros)
+        raise ValueError(f"eps must be > 0 and finite, got {eps!r}")
+    if not isinstance(scale, bool):  # TRL's scale_rewards="none" is truthy: it would divide by the std
+        raise ValueError(f"scale must be a bool (True: divide by the group std, False: Dr. GRPO's centring), "
+                         f"got {scale!r}")
+    r, out_dtype = _float_groups(rewards, group_size, "rewards")
     if group_size < 2:  # a one-sample group is its own baseline: every advantage would be 0, silently
         raise ValueError(f"grpo needs group_size >= 2 (samples of one prompt), got {group_size!r}")
     # In fp64, about the group's first reward: a group of equal rewards is then exactly 0 before the
     # division (in fp32 the mean of eight 1/3 is 1 ulp off, std ~1e-8, and / (std + eps) made that 0.03).
-    x = r.double()
-    x = x - x[:, :1]
+    x = r - r[:, :1]
     centred = x - x.mean(dim=1, keepdim=True)
     if scale:
         centred = centred / (x.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return centred.to(r.dtype).reshape(-1)
+    return _advantages_out(centred, out_dtype, "grpo")
 
 
 def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Leave-one-out advantages ``R_i - sum_{j != i} R_j / (G - 1)``; needs ``G >= 2``."""
-    r = _float_groups(rewards, group_size, "rewards")
+    """Leave-one-out advantages ``R_i - sum_{j != i} R_j / (G - 1)``; needs ``G >= 2``. In fp64 about the
+    group's first reward, as :func:`grpo`: equal rewards give exactly 0 and no group sum overflows."""
+    r, out_dtype = _float_groups(rewards, group_size, "rewards")
     if group_size < 2:
         raise ValueError(f"rloo needs group_size >= 2, got {group_size!r}")
-    baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return (r - baseline).reshape(-1)
+    x = r - r[:, :1]
+    baseline = (x.sum(dim=1, keepdim=True) - x) / (group_size - 1)
+    return _advantages_out(x - baseline, out_dtype, "rloo")
 
 
 def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -126,7 +146,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         raise ValueError(f"gamma and lam must be in [0, 1], got {gamma!r}, {lam!r}")
     m = binary_mask(mask, "mask")
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-    r = torch.where(m, rewards.to(dtype), 0.0)
+    r = torch.where(m, rewards.detach().to(dtype), 0.0)
     v = torch.where(m, values.detach().to(dtype), 0.0)
     if not (torch.isfinite(r).all() and torch.isfinite(v).all()):
         raise ValueError("rewards and values must be finite where mask is set")

@@ -206,3 +206,64 @@ def test_gae_refuses_a_weighted_mask():
     rewards = torch.zeros(1, 3)
     with pytest.raises(ValueError, match="mask must contain only 0 and 1"):
         advantages.gae(rewards, rewards, torch.tensor([[1.0, 0.5, 0.0]]))
+
+
+@pytest.mark.parametrize("scale", ["none", "batch", "group", 0, None])
+def test_grpo_scale_must_be_a_bool(scale):
+    """TRL spells its option ``scale_rewards="none" / "group" / "batch"``: a truthy "none" silently divided by
+    the group std (and "batch" by the group's, not the batch's)."""
+    with pytest.raises(ValueError, match="scale must be a bool"):
+        advantages.grpo(torch.tensor([1.0, 0.0]), 2, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_rewards_are_differenced_exactly(dtype):
+    """Integer rewards were rounded to float32 before the group mean: past 2**24 neighbours became one value."""
+    r = torch.tensor([2 ** 24, 2 ** 24 + 1, 2 ** 24 + 1, 2 ** 24], dtype=dtype)
+    expected = torch.tensor([-1.0, 1.0, 1.0, -1.0])
+    torch.testing.assert_close(advantages.grpo(r, 4), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(advantages.grpo(r, 4, scale=False), expected / 2)
+    torch.testing.assert_close(advantages.rloo(r, 4), expected * 2 / 3)
+    assert advantages.grpo(r, 4).dtype == advantages.rloo(r, 4).dtype == torch.float32
+
+
+def test_rloo_is_exact_for_equal_and_huge_rewards():
+    """rloo summed the group in the rewards' float32: equal rewards k/d left ~1e-8 advantages, and a finite
+    group whose sum passes float32's max gave -inf."""
+    for group_size, k, d in itertools.product(range(2, 9), range(1, 13), range(1, 13)):
+        a = advantages.rloo(torch.full((group_size,), k / d), group_size)
+        assert torch.equal(a, torch.zeros_like(a)), (group_size, k, d, a)
+    assert torch.equal(advantages.rloo(torch.tensor([3e38, 3e38]), 2), torch.zeros(2))
+    torch.testing.assert_close(advantages.rloo(torch.tensor([3e38, 1e38]), 2), torch.tensor([2e38, -2e38]))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: advantages.grpo(torch.tensor([3.4e38, -3.4e38, -3.4e38, -3.4e38]), 4, scale=False),  # 5.1e38
+    lambda: advantages.rloo(torch.tensor([3e38, -3e38]), 2),  # 6e38
+    lambda: advantages.grpo(torch.tensor([1.7e308, -1.7e308], dtype=torch.float64), 2),  # spread past fp64: NaN
+])
+def test_advantages_that_overflow_are_refused(call):
+    """Finite rewards whose advantages do not fit the output dtype gave inf / NaN advantages, silently."""
+    with pytest.raises(ValueError, match="overflow"):
+        call()
+
+
+def test_advantages_are_detached():
+    """The lecture: reward advantages are detached from differentiation (gae detached only the values)."""
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5], requires_grad=True)
+    assert not advantages.grpo(r, 2).requires_grad
+    assert not advantages.grpo(r, 2, scale=False).requires_grad
+    assert not advantages.rloo(r, 2).requires_grad
+    adv, ret = advantages.gae(r.reshape(2, 2), torch.zeros(2, 2), torch.ones(2, 2))
+    assert not adv.requires_grad and not ret.requires_grad
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: advantages.grpo(torch.tensor([1.0, 0.0]), 2, eps=float("inf")), "eps must be"),  # all zeros
+    (lambda: advantages.grpo(torch.tensor([1.0, float("nan")]), 2, eps=float("nan")), "eps must be"),
+    (lambda: advantages.grpo(torch.tensor([1 + 1j, 0j]), 2), "real"),  # the imaginary part was dropped
+    (lambda: advantages.rloo(torch.tensor([1 + 1j, 0j]), 2), "real"),
+])
+def test_more_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
