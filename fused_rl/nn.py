@@ -14,6 +14,8 @@ computing something else).
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Optional
 
 import torch
@@ -204,6 +206,31 @@ class FusedLinearPolicyLoss(torch.nn.Module):
         return f"config={self.config}, backend={self.backend!r}"
 
 
+#: fused_rl's argument names in :func:`linear_policy_loss`'s ``ValueError`` messages -> Liger's ``forward`` names
+#: (and, for the reference pass with :func:`linear_token_logprobs`, the ``ref_*`` ones).
+_LIGER_NAMES = {"hidden": "_input", "weight": "lin_weight", "targets": "selected_token_ids", "mask": "attention_mask",
+                "old_logprobs": "old_per_token_logps", "ref_logprobs": "ref_per_token_logps",
+                "rollout_is_weights": "vllm_is_ratio"}
+_LIGER_REF_NAMES = {"hidden": "ref_input", "weight": "ref_weight", "bias": "ref_bias", "targets": "selected_token_ids"}
+
+
+def _liger_error(exc: ValueError, names: dict) -> ValueError:
+    """``exc`` with each argument name of ``names`` (a whole word, not an attribute such as ``config.kl``) renamed."""
+    pattern = r"(?<![\w.])(" + "|".join(names) + r")(?!\w)"
+    return ValueError(re.sub(pattern, lambda m: names[m.group(1)], str(exc)))
+
+
+def _widest(*xs):
+    """``xs`` with the floating tensors among them cast to their widest dtype (``None`` and the rest unchanged):
+    Liger takes the operands of the head in any mix of dtypes (``lin_weight`` cast to ``_input``'s, ``bias`` to
+    fp32); autograd hands each gradient back in its operand's dtype."""
+    floats = [x.dtype for x in xs if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not floats:
+        return xs
+    dtype = functools.reduce(torch.promote_types, floats)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in xs)
+
+
 def _world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
@@ -240,6 +267,15 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     other than 0 and 1 (Liger would weight the tokens by it). With ``use_ref_model=False`` the KL term is the
     KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
     compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
+    ``_input``, ``lin_weight`` and ``bias`` (and ``ref_input``, ``ref_weight``, ``ref_bias``) may differ in dtype
+    (a bf16 hidden state and an fp32 ``lm_head``): the log-probs are computed in the widest of them (Liger: in
+    ``_input``'s dtype, its logits rounded to it), each gradient comes back in its operand's dtype. Integer
+    ``advantages`` are taken as fp32, as Liger's arithmetic promotes them. Bad input raises a ``ValueError``
+    naming Liger's argument (``old_per_token_logps``, ``vllm_is_ratio``, ``selected_token_ids``, ...).
+
+    A setting assigned after construction (``loss_fn.beta = 0.0``) takes effect, as in Liger (which reads them at
+    every ``forward``): the assignment rebuilds and validates :attr:`config` (an invalid value raises and changes
+    nothing).
 
     Extra keyword arguments: ``backend`` (default ``"auto"``), ``check_inputs``.
     """
@@ -281,25 +317,59 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.temperature = temperature
         self.delta = delta
         self.use_bias_correction_kl = use_bias_correction_kl
+        self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
+        self.vespo_k_pos, self.vespo_lambda_pos = vespo_k_pos, vespo_lambda_pos
+        self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
         self.backend = backend
         self.check_inputs = check_inputs
+        self.config = self._build_config()
+
+    #: The settings :attr:`config` is built from: Liger reads them at every ``forward``, so assigning one after
+    #: construction (``loss_fn.beta = 0.0``) rebuilds (and validates) the config here.
+    _CONFIG_SETTINGS = frozenset((
+        "beta", "use_ref_model", "epsilon_low", "epsilon_high", "loss_type", "max_completion_length",
+        "importance_sampling_level", "temperature", "delta", "use_bias_correction_kl", "sapo_temperature_pos",
+        "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
+
+    def __setattr__(self, name, value) -> None:
+        if name in self._CONFIG_SETTINGS and "config" in self.__dict__:
+            old = getattr(self, name)
+            super().__setattr__(name, float(value) if name == "beta" else value)
+            try:
+                self.config = self._build_config()
+            except Exception:
+                super().__setattr__(name, old)  # an invalid setting leaves the module as it was
+                raise
+            return
+        super().__setattr__(name, value)
+
+    def _build_config(self):
+        for name in ("pos", "neg"):
+            tau = getattr(self, f"sapo_temperature_{name}")
+            if not tau > 0:  # checked whatever the loss_type, as Liger does
+                raise ValueError(f"sapo_temperature_{name} must be positive, got {tau}")
         # A KL to the current policy itself (use_ref_model=False) is 0 with zero gradient: beta drops out.
-        kl_beta = self.beta if use_ref_model else 0.0
-        self.config = grpo_policy_loss_config(
-            loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=kl_beta,
-            importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
-            temperature=temperature, delta=delta, use_bias_correction_kl=use_bias_correction_kl and self.beta != 0.0,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg)
+        kl_beta = self.beta if self.use_ref_model else 0.0
+        return grpo_policy_loss_config(
+            self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=kl_beta,
+            importance_sampling_level=self.importance_sampling_level,
+            max_completion_length=self.max_completion_length, temperature=self.temperature, delta=self.delta,
+            use_bias_correction_kl=self.use_bias_correction_kl and self.beta != 0.0,
+            sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
+            vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg)
 
     @torch.no_grad()
     def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],
                       targets: torch.Tensor) -> torch.Tensor:
-        return linear_token_logprobs(ref_input.detach(), ref_weight.detach(),
-                                     targets, bias=None if ref_bias is None else ref_bias.detach(),
-                                     temperature=self.temperature, backend=self.backend,
-                                     check_inputs=self.check_inputs)
+        ref_input, ref_weight, ref_bias = _widest(ref_input, ref_weight, ref_bias)
+        try:
+            return linear_token_logprobs(ref_input.detach(), ref_weight.detach(),
+                                         targets, bias=None if ref_bias is None else ref_bias.detach(),
+                                         temperature=self.temperature, backend=self.backend,
+                                         check_inputs=self.check_inputs)
+        except ValueError as exc:
+            raise _liger_error(exc, _LIGER_REF_NAMES) from exc
 
     def forward(
         self,
@@ -346,10 +416,16 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                     n = n.clone()
                     torch.distributed.all_reduce(n)
             normalizer = max(n / world, 1.0) if isinstance(n, float) else (n / world).clamp(min=1.0)
-        out = linear_policy_loss(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,
-                                 old_logprobs=old_per_token_logps, ref_logprobs=ref, config=config,
-                                 rollout_is_weights=vllm_is_ratio, token_normalizer=normalizer, backend=self.backend,
-                                 compute_entropy=False, check_inputs=self.check_inputs)
+        _input, lin_weight, bias = _widest(_input, lin_weight, bias)
+        if isinstance(advantages, torch.Tensor) and not advantages.is_floating_point():
+            advantages = advantages.to(torch.float32)
+        try:
+            out = linear_policy_loss(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,
+                                     old_logprobs=old_per_token_logps, ref_logprobs=ref, config=config,
+                                     rollout_is_weights=vllm_is_ratio, token_normalizer=normalizer,
+                                     backend=self.backend, compute_entropy=False, check_inputs=self.check_inputs)
+        except ValueError as exc:
+            raise _liger_error(exc, _LIGER_NAMES) from exc
         metrics = []
         if self.beta != 0.0:
             metrics.append(out.metrics["kl_mean"])

@@ -276,7 +276,7 @@ def test_liger_signature_compatible():
     (dict(loss_type="vespo", beta=0.0), dict(vllm_is_ratio=torch.ones(2, 5)), NotImplementedError,
      "vespo.*vllm_is_ratio"),
     (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), {}, ValueError, "delta"),
-    (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 5)), ValueError, "rollout_is_weights must have shape"),
+    (dict(beta=0.0), dict(vllm_is_ratio=torch.ones(4, 5)), ValueError, "vllm_is_ratio must have shape"),
     (dict(beta=0.04), {}, ValueError, "ref_per_token_logps"),
     (dict(loss_type="cispo"), {}, ValueError, "clip_high"),  # Liger's default epsilon_high 0.2 as the cap
     (dict(beta=0.0), dict(weighted_mask=True), ValueError, "attention_mask must contain only 0 and 1"),
@@ -317,3 +317,144 @@ def test_python_number_num_items_equals_the_tensor_and_compiles_one_graph():
         assert_close(compiled(h, w, targets, mask, adv, bias=b, num_items_in_batch=n)[0], expected, torch.float32,
                      "loss")
     assert counter.frame_count <= 2  # the first value, then one graph for every other
+
+
+@needs_liger
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32, torch.float32),
+                                    (torch.float32, torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16, torch.float32)],
+                         ids=["bf16-input-fp32-head", "fp32-input-bf16-head", "fp32-bias"])
+def test_mixed_dtype_operands_work_as_in_liger(dtypes):
+    """Liger takes ``_input``, ``lin_weight`` and ``bias`` of different dtypes (a bf16 hidden state under autocast
+    and an fp32 ``lm_head``): fused_rl computes in the widest of them, i.e. Liger's result on the upcast operands,
+    and hands back each gradient in its operand's dtype, as Liger does."""
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=4)
+    h, w, b = (x.to(dt) for x, dt in zip((h, w, b), dtypes))
+    wide = torch.promote_types(torch.promote_types(h.dtype, w.dtype), b.dtype)
+    ctor = dict(loss_type="dapo", beta=0.04, temperature=0.8)
+    forward = dict(ref_per_token_logps=ref, old_per_token_logps=old)
+    liger_mixed = _run_grpo_loss(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **ctor), h, w, b, targets,
+                                 mask, adv, forward)
+    expected = _run_grpo_loss(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **ctor), h.to(wide), w.to(wide),
+                              b.to(wide), targets, mask, adv, forward)
+    got = _run_grpo_loss(FusedLinearGRPOLoss(**ctor), h, w, b, targets, mask, adv, forward)
+    assert_close(got[0], expected[0], torch.float32, "loss")
+    for a, e in zip(got[1], expected[1]):
+        assert_close(a, e, torch.float32, "metric")
+    assert [g.dtype for g in got[2]] == [g.dtype for g in liger_mixed[2]] == list(dtypes)
+    for name, a, e in zip(("hidden", "weight", "bias"), got[2], expected[2]):
+        assert_close(a.float(), e.to(a.dtype).float(), a.dtype, f"d{name}", grad=True)
+
+
+@needs_liger
+def test_mixed_dtype_reference_operands():
+    """``ref_input`` / ``ref_weight`` / ``ref_bias`` of different dtypes, as Liger accepts them."""
+    h, w, b, targets, mask, adv, old, _ = _linear_case(batch=2, length=5, vocab=50, seed=6)
+    ref_h = (h + 0.1 * torch.randn_like(h)).bfloat16()
+    forward = dict(old_per_token_logps=old, ref_input=ref_h, ref_weight=w, ref_bias=b)
+    got = _run_grpo_loss(FusedLinearGRPOLoss(beta=0.1, loss_type="bnpo"), h, w, b, targets, mask, adv, forward)
+    expected = _run_grpo_loss(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, beta=0.1, loss_type="bnpo"), h, w,
+                              b, targets, mask, adv, dict(forward, ref_input=ref_h.float()))
+    assert_close(got[0], expected[0], torch.float32, "loss")
+    for a, e in zip(got[1], expected[1]):
+        assert_close(a, e, torch.float32, "metric")
+
+
+@needs_liger
+def test_integer_advantages_as_in_liger():
+    h, w, b, targets, mask, _, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=7)
+    adv = torch.tensor([1, -1])
+    forward = dict(ref_per_token_logps=ref, old_per_token_logps=old)
+    expected = _run_grpo_loss(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, loss_type="grpo"), h, w, b,
+                              targets, mask, adv, forward)
+    got = _run_grpo_loss(FusedLinearGRPOLoss(loss_type="grpo"), h, w, b, targets, mask, adv, forward)
+    assert_close(got[0], expected[0], torch.float32, "loss")
+    for name, a, e in zip(("hidden", "weight", "bias"), got[2], expected[2]):
+        assert_close(a, e, torch.float32, f"d{name}", grad=True)
+
+
+@needs_liger
+def test_liger_attributes():
+    """Every constructor argument is an attribute of the module under its Liger name, as in Liger."""
+    import inspect
+
+    ctor = dict(beta=0.1, compiled=False, use_ref_model=False, chunk_size=2, epsilon_low=0.1, epsilon_high=0.3,
+                loss_type="sapo", max_completion_length=7, importance_sampling_level="token",
+                sapo_temperature_pos=2.0, sapo_temperature_neg=0.5, temperature=0.8, delta=None,
+                use_bias_correction_kl=True, vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+                vespo_lambda_neg=1.0)
+    names = [n for n in inspect.signature(liger_grpo.LigerFusedLinearGRPOLoss.__init__).parameters if n != "self"]
+    assert sorted(names) == sorted(ctor)
+    liger, ours = liger_grpo.LigerFusedLinearGRPOLoss(**ctor), FusedLinearGRPOLoss(**ctor)
+    for name in names:
+        assert getattr(ours, name) == getattr(liger, name), name
+
+
+@needs_liger
+@pytest.mark.parametrize("ctor", [dict(sapo_temperature_pos=0.0), dict(sapo_temperature_neg=-1.0)], ids=_ids)
+def test_constructor_rejects_what_liger_rejects(ctor):
+    with pytest.raises(ValueError, match="sapo_temperature"):
+        liger_grpo.LigerFusedLinearGRPOLoss(loss_type="dapo", **ctor)
+    with pytest.raises(ValueError, match="sapo_temperature"):
+        FusedLinearGRPOLoss(loss_type="dapo", **ctor)
+
+
+BAD_LIGER_INPUTS = [
+    ("old_per_token_logps", torch.zeros(2, 4), r"old_per_token_logps must have shape \(2, 5\)"),
+    ("ref_per_token_logps", torch.zeros(2, 4), r"ref_per_token_logps must have shape \(2, 5\)"),
+    ("old_per_token_logps", torch.full((2, 5), 3.0), "old_per_token_logps must be log-probabilities"),
+    ("vllm_is_ratio", torch.ones(3, 5), r"vllm_is_ratio must have shape \(2, 5\)"),
+    ("vllm_is_ratio", -torch.ones(2, 5), "vllm_is_ratio must be finite and >= 0 where attention_mask is set"),
+    ("selected_token_ids", torch.full((2, 5), 50), r"selected_token_ids must be in \[0, 50\)"),
+    ("attention_mask", torch.ones(2, 4), r"attention_mask must have shape \(2, 5\)"),
+    ("advantages", torch.tensor([1.0, float("nan")]), "advantages contain NaN or inf where attention_mask is set"),
+    ("lin_weight", torch.zeros(50, 8), r"lin_weight must have shape \(V, H=16\)"),
+    ("_input", torch.zeros(10, 16), r"_input must have non-empty shape \(B, T, H\)"),
+    ("ref_input", torch.zeros(2, 5, 8), r"ref_weight must have shape \(V, H=8\)"),
+    ("ref_bias", torch.zeros(49), r"ref_bias must have shape \(50,\)"),
+]
+
+
+@pytest.mark.parametrize("arg, bad, needle", [pytest.param(*case, id=f"{case[0]}-{i}")
+                                              for i, case in enumerate(BAD_LIGER_INPUTS)])
+def test_bad_inputs_name_liger_arguments(arg, bad, needle):
+    """A bad argument raises a ``ValueError`` naming it as Liger's ``forward`` does, not as fused_rl's
+    ``linear_policy_loss`` calls it (``old_logprobs``, ``rollout_is_weights``, ``targets``, ``mask``, ...)."""
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=8)
+    args = dict(_input=h, lin_weight=w, selected_token_ids=targets, attention_mask=mask, advantages=adv, bias=b,
+                ref_per_token_logps=ref, old_per_token_logps=old)
+    if arg in ("ref_input", "ref_bias"):  # the reference pass
+        args.update(ref_per_token_logps=None, ref_input=h, ref_weight=w, ref_bias=b)
+    args[arg] = bad
+    with pytest.raises(ValueError, match=needle):
+        FusedLinearGRPOLoss(beta=0.04)(**args)
+
+
+@needs_liger
+@pytest.mark.parametrize("changes", [dict(beta=0.0), dict(loss_type="bnpo", epsilon_high=0.28), dict(temperature=0.7),
+                                     dict(use_ref_model=False)], ids=_ids)
+def test_settings_assigned_after_construction_apply_as_in_liger(changes):
+    """Liger reads its settings at every ``forward``: ``loss_fn.beta = 0.0`` after construction takes effect. The
+    config was built once in ``__init__``, so such an assignment was silently ignored; now it rebuilds it."""
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=8)
+    forward = dict(ref_per_token_logps=ref, old_per_token_logps=old)
+    modules = [liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, loss_type="grpo", beta=0.1),
+               FusedLinearGRPOLoss(loss_type="grpo", beta=0.1)]
+    for module in modules:
+        for name, value in changes.items():
+            setattr(module, name, value)
+    expected, got = (_run_grpo_loss(m, h, w, b, targets, mask, adv, forward) for m in modules)
+    assert_close(got[0], expected[0], torch.float32, "loss")
+    assert len(got[1]) == len(expected[1])
+    for name, a, e in zip(("hidden", "weight", "bias"), got[2], expected[2]):
+        assert_close(a, e, torch.float32, f"d{name}", grad=True)
+
+
+def test_an_invalid_setting_assigned_after_construction_raises_and_changes_nothing():
+    loss_fn = FusedLinearGRPOLoss(loss_type="grpo", beta=0.1)
+    config = loss_fn.config
+    with pytest.raises(ValueError, match="loss_type"):
+        loss_fn.loss_type = "grpoo"
+    with pytest.raises(ValueError, match="sapo_temperature_pos"):
+        loss_fn.sapo_temperature_pos = 0.0
+    assert loss_fn.loss_type == "grpo" and loss_fn.sapo_temperature_pos == 1.0 and loss_fn.config is config
