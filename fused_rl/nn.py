@@ -177,10 +177,12 @@ class FusedLinearPolicyLoss(torch.nn.Module):
     """``linear_policy_loss`` as a module: ``forward(hidden, weight, targets, advantages, mask, bias=None,
     old_logprobs=None, ref_logprobs=None, token_normalizer=None, rollout_logprobs=None,
     truncated=None, rollout_is_weights=None)``; the logits ``hidden @ weight.T + bias``
-    are never materialized by fused backends. ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``."""
+    are never materialized by fused backends. ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``.
+    ``memory_budget_bytes``: the tile buffers' budget of :func:`fused_rl.linear_policy_loss` (None: its default)."""
 
     def __init__(self, config: Optional[PolicyLossConfig] = None, *, backend: str = "auto",
-                 compute_entropy: bool = True, check_inputs: bool = True) -> None:
+                 compute_entropy: bool = True, check_inputs: bool = True,
+                 memory_budget_bytes: Optional[int] = None) -> None:
         super().__init__()
         self.config = PolicyLossConfig() if config is None else config
         if not isinstance(self.config, PolicyLossConfig):
@@ -188,6 +190,7 @@ class FusedLinearPolicyLoss(torch.nn.Module):
         self.backend = backend
         self.compute_entropy = compute_entropy
         self.check_inputs = check_inputs
+        self.memory_budget_bytes = memory_budget_bytes
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
@@ -200,7 +203,7 @@ class FusedLinearPolicyLoss(torch.nn.Module):
                                   rollout_is_weights=rollout_is_weights,
                                   config=self.config, token_normalizer=token_normalizer,
                                   backend=self.backend, compute_entropy=self.compute_entropy,
-                                  check_inputs=self.check_inputs)
+                                  check_inputs=self.check_inputs, memory_budget_bytes=self.memory_budget_bytes)
 
     def extra_repr(self) -> str:
         return f"config={self.config}, backend={self.backend!r}"

@@ -68,6 +68,32 @@ def test_fused_linear_policy_loss_module_matches_reference(config):
         assert_close(a.grad, e.grad, torch.float32, f"d{name}", grad=True)
 
 
+def test_fused_linear_policy_loss_module_passes_its_memory_budget(monkeypatch):
+    """``memory_budget_bytes`` reaches the tiles: a 3-token budget (3 fp32 rows of V = 1000) gives 3-token tiles,
+    whose result is the reference's; a budget of 0 is refused."""
+    from fused_rl.backends import tiled_linear
+
+    sizes = []
+    chunk_tokens = tiled_linear.chunk_tokens
+    monkeypatch.setattr(tiled_linear, "chunk_tokens", lambda *a, **k: sizes.append(chunk_tokens(*a, **k)) or sizes[-1])
+    h, w, b, targets, mask, adv, old, ref = _linear_case()
+    config = PolicyLossConfig(temperature=0.8)
+    leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    expected = fused_rl.reference.linear_policy_loss(leaves[0], leaves[1], targets, adv, mask, bias=leaves[2],
+                                                     old_logprobs=old, config=config)
+    expected.loss.backward()
+    got_leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    module = FusedLinearPolicyLoss(config, backend="cpu", memory_budget_bytes=3 * 1000 * 4)
+    got = module(got_leaves[0], got_leaves[1], targets, adv, mask, bias=got_leaves[2], old_logprobs=old)
+    got.loss.backward()
+    assert sizes == [3]
+    assert_close(got.loss, expected.loss, torch.float32, "loss")
+    for name, a, e in zip(("hidden", "weight", "bias"), got_leaves, leaves):
+        assert_close(a.grad, e.grad, torch.float32, f"d{name}", grad=True)
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        FusedLinearPolicyLoss(config, memory_budget_bytes=0)(h, w, targets, adv, mask)
+
+
 def test_module_rejects_non_config():
     with pytest.raises(ValueError, match="PolicyLossConfig"):
         FusedPolicyLoss({"policy_loss": "ppo_clip"})
