@@ -74,7 +74,10 @@ def policy_loss(
     or ``(B,)``, ``>= 0``: importance weights you computed (verl's ``rollout_is_weights``, TRL / Liger's
     ``vllm_is_ratio``), multiplying the policy term only (not the KL or entropy terms), detached.
     ``token_normalizer`` replaces the token count of ``agg="token-mean"`` (TRL's
-    ``num_items_in_batch``). ``check_inputs`` runs the value checks (one host sync).
+    ``num_items_in_batch``); under ``torch.compile`` a Python number that changes every step is a graph input
+    after its second value (``torch._dynamo.config.specialize_float=False``, recent torch's default), but with
+    ``specialize_float=True`` each value recompiles: pass a 0-dim tensor. ``check_inputs`` runs the value
+    checks (one host sync; skipped while ``torch.compile`` traces).
     ``inplace=True`` lets a single-pass backend write the gradient over ``logits`` (which must not be
     used afterwards, and whose rows must not share memory: an ``expand`` raises) when they are a non-leaf
     buffer such as a model's output or a slice of one (a leaf or a view of a leaf is left intact: out of place);

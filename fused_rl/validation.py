@@ -62,8 +62,14 @@ def check_rows_disjoint(logits: torch.Tensor) -> None:
     disjoint when, in increasing stride order, each dimension's stride clears the extent of the ones below
     (the usual layouts and their slices); other layouts are refused."""
     extent = logits.shape[-1]
-    for size, stride in sorted(((s, abs(st)) for s, st in zip(logits.shape[:-1], logits.stride()[:-1]) if s > 1),
-                               key=lambda d: d[1]):
+    dims: list[tuple] = []  # (size, |stride|) of the leading dims of size > 1, by increasing stride
+    for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]):
+        if size > 1:  # an insertion sort: torch.compile refuses sorted(key=...) on symbolic strides
+            i = len(dims)
+            while i > 0 and abs(stride) < dims[i - 1][1]:
+                i -= 1
+            dims.insert(i, (size, abs(stride)))
+    for size, stride in dims:
         if stride < extent:
             _fail(f"inplace=True needs logits whose rows do not share memory, got shape {tuple(logits.shape)} "
                   f"and strides {logits.stride()} (an expand()?): pass inplace=False")
@@ -161,7 +167,9 @@ def target_logit_check(logits: torch.Tensor, targets: torch.Tensor, valid: torch
 
 def check_temperature(temperature) -> None:
     """A finite real ``>= MIN_TEMPERATURE`` (Python or numpy scalar; not a bool or a tensor)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
+    # comparisons, not math.isfinite: torch.compile traces them on a symbolic float (NaN fails both)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            -math.inf < temperature < math.inf):
         _fail(f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
     if temperature < MIN_TEMPERATURE:
         _fail(f"temperature must be a finite number >= {MIN_TEMPERATURE} (below it samplers decode greedily: no "
