@@ -132,6 +132,12 @@ CASES = {
     "vespo-params-iter2": dict(loss_type="vespo", beta=0.02, num_iterations=2, vespo_k_pos=1.5, vespo_lambda_pos=0.5,
                                vespo_k_neg=4.0, vespo_lambda_neg=1.0),
     "vespo-spg4": dict(loss_type="vespo", beta=0.0, steps_per_generation=4),
+    # TRL zeroes the completion (and attention) mask of truncated completions: rows with no token, as TRL's
+    "grpo-mask-truncated-iter2": dict(loss_type="grpo", beta=0.04, num_iterations=2, epsilon=0.05,
+                                      mask_truncated_completions=True),
+    # sequence-level ratio with a token-sum loss (TRL warns but computes it): fused_rl's gspo, agg as dapo
+    "dapo-seq-iter2": dict(loss_type="dapo", beta=0.02, num_iterations=2, importance_sampling_level="sequence",
+                           epsilon=0.01, cast_lm_head_to_fp32=True),
 }
 
 
@@ -263,7 +269,8 @@ def test_supported_trainer_has_no_unsupported_options(model_dir, tmp_path):
     assert unsupported_options(trainer) == []
 
 
-@pytest.mark.parametrize("case, option", [("off-policy-mask-iter2", "off_policy_mask_threshold")])
+@pytest.mark.parametrize("case, option", [("off-policy-mask-iter2", "off_policy_mask_threshold"),
+                                          ("grpo-mask-truncated-iter2", "mask_truncated_completions")])
 def test_new_option_cases_are_exercised(model_dir, tmp_path, case, option):
     """The parity cases of an option prove something only if the option changes TRL's own training.
     (``delta-iter2`` does not: on this tiny model no negative-advantage ratio exceeds ``delta``, so
@@ -445,3 +452,115 @@ def test_log_prob_pass_of_an_all_masked_chunk(model_dir, tmp_path):
         torch.testing.assert_close(logp, trl_logp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(entropy, trl_entropy, atol=1e-5, rtol=1e-5)
         assert (logp[completion_mask == 0] == 0).all()
+
+
+#: Loss types (GRPOConfig overrides) for the vLLM-correction parity test; vespo takes token modes only (TRL raises).
+VLLM_IS_LOSSES = {
+    "grpo": dict(loss_type="grpo"), "dr_grpo": dict(loss_type="dr_grpo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.3),
+    "sapo": dict(loss_type="sapo"), "vespo": dict(loss_type="vespo"),
+    "luspo-seq": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.01),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.01),
+}
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("loss", sorted(VLLM_IS_LOSSES))
+def test_vllm_correction_modes_match_stock(model_dir, tmp_path, loss, mode):
+    """Every ``vllm_importance_sampling_mode`` (TRL's default is ``sequence_mask``) with both bounds, for each loss
+    family, with what else reads the sampler's log-probs or the mask: ``beta`` (the KL term is not corrected),
+    ``off_policy_mask_threshold``, ``top_entropy_quantile``, a ``tool_mask`` and an empty completion. Stock
+    ``_compute_loss`` and the adapter's on the same inputs: loss, gradients and every logged metric."""
+    if loss == "vespo" and mode.startswith("sequence"):
+        pytest.skip("TRL refuses a sequence-level vLLM correction with vespo")
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, beta=0.05, top_entropy_quantile=0.6,
+                                         off_policy_mask_threshold=0.05, **VLLM_IS_LOSSES[loss]))
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = 0.8, 1.2
+    patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
+    g = torch.Generator().manual_seed(0)
+    completion_mask = (torch.arange(6)[None] < torch.tensor([[6], [0], [4], [3]])).long()
+    tool_mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1] * 6, [0, 1, 1, 1, 1, 1], [1] * 6])
+    inputs = dict(prompt_ids=torch.randint(3, 30, (4, 3), generator=g), prompt_mask=torch.ones(4, 3, dtype=torch.long),
+                  completion_ids=torch.randint(3, 30, (4, 6), generator=g) * completion_mask,
+                  completion_mask=completion_mask, tool_mask=tool_mask, advantages=torch.tensor([-1.0, 0.5, -0.3, 0.8]),
+                  num_items_in_batch=(completion_mask * tool_mask).sum().float() * 2)
+    model = trainer.model
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], completion_mask], 1), 6)
+    sampling = (logp + 0.3 * torch.randn(logp.shape, generator=g)).clamp(max=0.0) * completion_mask
+    sampling[0, 1] = float("nan")
+    old = logp + 0.2 * torch.randn(logp.shape, generator=g) * completion_mask
+    inputs.update(old_per_token_logps=old, sampling_per_token_logps=sampling,
+                  importance_sampling_ratio=_trl_is_ratio(trainer, old, sampling, completion_mask * tool_mask),
+                  ref_per_token_logps=logp + 0.3 * torch.randn(logp.shape, generator=g))
+    model.train()
+    results = []
+    for compute in (functools.partial(trl.GRPOTrainer._compute_loss, trainer), trainer._compute_loss):
+        model.zero_grad()
+        trainer._metrics["train"].clear()
+        loss_value = compute(model, inputs)
+        loss_value.backward()
+        results.append((loss_value.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None],
+                        {k: v[-1] for k, v in trainer._metrics["train"].items()}))
+    (stock, stock_grads, stock_metrics), (fused, fused_grads, fused_metrics) = results
+    torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-7)
+    assert len(fused_grads) == len(stock_grads)
+    assert max(_rel_err(a, b) for a, b in zip(fused_grads, stock_grads)) < 1e-4
+    assert fused_metrics.keys() == stock_metrics.keys()
+    for key, value in stock_metrics.items():
+        assert math.isclose(fused_metrics[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, fused_metrics[key], value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(use_adaptive_entropy=True), "entropy bonus"),
+    (dict(delta=1.1), "delta"),  # <= 1 + epsilon_high: TRL accepts it, fused_rl's two-sided clip does not
+])
+def test_more_unsupported_options_raise(model_dir, tmp_path, overrides, needle):
+    with pytest.raises(NotImplementedError, match=needle):
+        FusedGRPOTrainer(**_trainer(model_dir, tmp_path, **overrides))
+
+
+@pytest.mark.parametrize("overrides, option", [
+    (dict(epsilon=1.0), "epsilon"),  # no lower clip in TRL; fused_rl's clip_low is in [0, 1)
+    (dict(epsilon_high=-0.1), "epsilon_high"),
+    (dict(off_policy_mask_threshold=-0.5), "off_policy_mask_threshold"),
+    (dict(loss_type="sapo", delta=2.0), "delta"),
+    (dict(loss_type="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg"),
+    (dict(beta=-0.1), "beta"),
+])
+def test_out_of_range_options_name_the_trl_option(model_dir, tmp_path, overrides, option):
+    """A TRL option fused_rl refuses as out of range raises ``ValueError`` naming the GRPOConfig option (not only
+    the ``PolicyLossConfig`` field it maps to, e.g. ``clip_low`` for ``epsilon``)."""
+    with pytest.raises(ValueError, match=rf"\b{option}\b"):
+        FusedGRPOTrainer(**_trainer(model_dir, tmp_path, **overrides))
+
+
+def _tiny_model(kind: str):
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, MixtralConfig,
+                              MixtralForCausalLM)
+
+    common = dict(vocab_size=len(CHARS) + 6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    if kind == "moe":
+        return MixtralForCausalLM(MixtralConfig(num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.01,
+                                                **common))
+    if kind == "softcapping":
+        return Gemma2ForCausalLM(Gemma2Config(head_dim=8, final_logit_softcapping=30.0, **common))
+    return GraniteForCausalLM(GraniteConfig(logits_scaling=8.0, **common))
+
+
+@pytest.mark.parametrize("kind, needle", [("moe", "router_aux_loss_coef"), ("softcapping", "final_logit_softcapping"),
+                                          ("scaling", "logits_scaling")])
+def test_unsupported_models_raise(model_dir, tmp_path, kind, needle):
+    """Models whose TRL loss or head fused_rl does not compute (MoE router auxiliary loss; logits soft-capped or
+    scaled after the head) are refused at construction, naming what."""
+    kwargs = _trainer(model_dir, tmp_path)
+    kwargs["model"] = _tiny_model(kind)
+    with pytest.raises(NotImplementedError, match=needle):
+        FusedGRPOTrainer(**kwargs)

@@ -39,12 +39,15 @@ log-ratio 0 in the correction and in the off-policy mask's KL, as TRL's ``nan_to
 Not supported (``NotImplementedError`` at construction, naming the option): the entropy bonus (``entropy_coef != 0``
 / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
 soft-capping or logit scaling, sequence-level cispo, sapo and vespo; multimodal inputs raise at the first step.
+A value out of fused_rl's range raises ``ValueError`` at construction, naming the GRPOConfig option (``epsilon``
+for ``PolicyLossConfig.clip_low`` and so on).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import types
 from typing import Any, Optional
 
@@ -193,7 +196,31 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
         raise NotImplementedError("fused_rl cannot compute this GRPOTrainer loss exactly; unsupported: "
                                   + "; ".join(problems))
     trainer._fused_rl_backend = backend
-    trainer._fused_rl_config = grpo_policy_loss_config(
+    try:
+        trainer._fused_rl_config = _loss_config(trainer)
+    except ValueError as exc:  # name the GRPOConfig option, not only the PolicyLossConfig field it maps to
+        field = re.search(r"PolicyLossConfig\.(\w+)", str(exc))
+        option = _TRL_OPTION_OF_FIELD.get(field.group(1)) if field else None
+        if option is None:
+            raise
+        value = getattr(trainer, option, getattr(trainer.args, option, None))
+        raise ValueError(f"GRPOConfig.{option}={value!r} is outside what fused_rl computes: {exc}") from exc
+    logprob_pass = functools.partial(_trl_logprob_pass, trainer)
+    _add_fused_head_forward(_base_model(trainer.model), logprob_pass)
+    if trainer.ref_model is not None:
+        _add_fused_head_forward(trainer.accelerator.unwrap_model(trainer.ref_model), logprob_pass)
+
+
+#: PolicyLossConfig fields whose TRL option has another name (for error messages).
+_TRL_OPTION_OF_FIELD = {"clip_low": "epsilon", "clip_high": "epsilon_high",
+                        "off_policy_mask": "off_policy_mask_threshold",
+                        "rollout_is": "vllm_importance_sampling_mode",
+                        "rollout_is_min": "vllm_importance_sampling_clip_min",
+                        "rollout_is_max": "vllm_importance_sampling_clip_max"}
+
+
+def _loss_config(trainer: GRPOTrainer):
+    return grpo_policy_loss_config(
         trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, beta=trainer.beta,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length, temperature=trainer.temperature,
@@ -207,10 +234,6 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
         vllm_importance_sampling_mode=trainer.vllm_importance_sampling_mode if _vllm_is(trainer) else None,
         vllm_importance_sampling_clip_min=getattr(trainer, "vllm_importance_sampling_clip_min", None),
         vllm_importance_sampling_clip_max=getattr(trainer, "vllm_importance_sampling_clip_max", 3.0))
-    logprob_pass = functools.partial(_trl_logprob_pass, trainer)
-    _add_fused_head_forward(_base_model(trainer.model), logprob_pass)
-    if trainer.ref_model is not None:
-        _add_fused_head_forward(trainer.accelerator.unwrap_model(trainer.ref_model), logprob_pass)
 
 
 def patch_grpo_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
