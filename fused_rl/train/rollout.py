@@ -3,11 +3,13 @@
 Layout of a rollout batch of ``N = prompts * G`` sequences (samples of one prompt are consecutive):
 ``input_ids (N, P + T)`` = left-padded prompt (``P``) + completion right-padded to
 ``T = max_new_tokens``; ``targets = input_ids[:, P:]``; ``mask (N, T)`` marks completion tokens up to and
-including the first EOS. A completion with no EOS within ``max_new_tokens`` is *truncated*.
+including the first EOS (``truncation="mask"``: without the truncated rows). A completion with no EOS within
+``max_new_tokens`` is *truncated*.
 With ``sampler_logprobs=True`` the rollout keeps the log-probs of the sampled tokens under the distribution
 they were drawn from (the logits after ``generate``'s temperature and top-p warpers), which the loss's
 rollout correction (``rollout_is``, ``off_policy_mask``) compares with the training forward's. They are
-gathered step by step (:class:`SamplerLogprobs`), never stored as ``(N, T, V)`` scores.
+gathered step by step (:class:`SamplerLogprobs`), never stored as ``(N, T, V)`` scores, and are 0 wherever
+``mask`` is False.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class Rollout:
     prompts: list = field(default_factory=list)
     completions: list = field(default_factory=list)
     reward_parts: dict = field(default_factory=dict)  # reward name -> (N,) tensor
-    sampler_logprobs: Optional[torch.Tensor] = None  # (N, T) fp32, 0 where masked; see the module docstring
+    sampler_logprobs: Optional[torch.Tensor] = None  # (N, T) fp32, 0 where ``mask`` is False (module docstring)
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         """The sub-batch of rows ``idx`` (tensors only; text lists follow)."""
@@ -184,6 +186,8 @@ def rollout(model, tokenizer, examples: list[dict], reward_fns: list, weights: l
     loss_mask = mask
     if truncation == "mask":
         loss_mask = mask & ~truncated.unsqueeze(1)
+    if logprobs is not None:  # 0 wherever the loss mask is False, dropped truncated rows included
+        logprobs = torch.where(loss_mask, logprobs, torch.zeros_like(logprobs))
     input_ids = torch.cat([prompt_ids, comp], 1)
     attention_mask = torch.cat([prompt_attn, mask.long()], 1)
     return Rollout(input_ids, attention_mask, position_ids_from(attention_mask), P, comp, loss_mask, truncated,
