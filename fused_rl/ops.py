@@ -16,8 +16,14 @@ from .backends.reference import compute_dtype
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .outputs import PolicyLossOutput
-from .validation import (_is_compiling, check_logits, check_rows_disjoint, check_temperature, prepare_policy_inputs,
-                         run_value_checks, target_range_ok, token_logprobs_checks)
+from .validation import (_is_compiling, check_flag, check_logits, check_not_meta, check_rows_disjoint,
+                         check_temperature, prepare_policy_inputs, run_value_checks, target_range_ok,
+                         token_logprobs_checks)
+
+
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        check_flag(value, name)
 
 
 def token_logprobs(
@@ -36,6 +42,7 @@ def token_logprobs(
     ``logits``: ``(..., V)`` fp32 / bf16 / fp16 (fp64 on the reference and torch backends), unit
     stride along ``V``; ``targets``: int32 / int64 ``(...)``.
     """
+    _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
     token_logprobs_checks(logits, targets, temperature, check_inputs)
     be = get_backend(backend, logits.device, logits.dtype)
     logp, entropy = be.token_logprobs(logits, targets, float(temperature), bool(return_entropy))
@@ -85,6 +92,7 @@ def policy_loss(
     See :class:`fused_rl.PolicyLossConfig` for the formulas.
     """
     config = PolicyLossConfig() if config is None else config
+    _check_flags(compute_entropy=compute_entropy, inplace=inplace, check_inputs=check_inputs)
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
@@ -107,6 +115,7 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     for x, name in ((hidden, "hidden"), (weight, "weight")):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating torch.Tensor")
+    check_not_meta(hidden, "hidden")
     if hidden.dim() != 3 or hidden.numel() == 0:
         raise ValueError(f"hidden must have non-empty shape (B, T, H), got {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.shape[0] == 0:
@@ -147,6 +156,7 @@ def linear_policy_loss(
     ``memory_budget_bytes`` bounds the fused backends' ``(tokens, V)`` tile buffers (default: 1 GiB on CUDA,
     128 MiB elsewhere; the tile is ``budget // (V * bytes a token)``, at least one token)."""
     config = PolicyLossConfig() if config is None else config
+    _check_flags(compute_entropy=compute_entropy, check_inputs=check_inputs)
     _check_linear(hidden, weight, bias, memory_budget_bytes)
     be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
     batch, length, _ = hidden.shape
@@ -175,6 +185,7 @@ def linear_token_logprobs(
     with ``return_entropy``, ``H = -sum_j p_j log p_j``; both differentiable w.r.t. ``hidden (B, T, H)``,
     ``weight (V, H)`` and ``bias (V,)``. ``targets == -100`` gives 0 and no gradient. ``memory_budget_bytes``:
     as in :func:`linear_policy_loss`."""
+    _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
     _check_linear(hidden, weight, bias, memory_budget_bytes)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"targets must be an int32 or int64 tensor, got {getattr(targets, 'dtype', type(targets))}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,29 @@ def _fail(msg: str) -> None:
     raise ValueError(msg)
 
 
+def _real(x) -> float:
+    """``float(x)`` of a real number, ``inf`` where it is an int too large for a float (``10**400``: it passes
+    ``-inf < x < inf``, and ``float()`` would raise OverflowError later)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
+
+
+def check_flag(value, name: str) -> None:
+    """A bool (Python's or numpy's): a string such as ``"no"`` is truthy, and ``inplace="no"`` wrote the gradient
+    over the caller's logits."""
+    np = sys.modules.get("numpy")
+    if not isinstance(value, bool) and not (np is not None and isinstance(value, np.bool_)):
+        _fail(f"{name} must be a bool, got {value!r}")
+
+
+def check_not_meta(x: torch.Tensor, name: str, verb: str = "is") -> None:
+    """Meta tensors hold no data: the value checks and the kernels cannot read them."""
+    if x.device.type == "meta":
+        _fail(f"{name} {verb} on the meta device: no data to compute on (fused_rl needs real cpu / cuda tensors)")
+
+
 def _is_compiling() -> bool:
     try:
         return bool(torch.compiler.is_compiling())
@@ -47,6 +71,7 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         _fail(f"{name} must be float32, bfloat16, float16 or float64, got {logits.dtype}")
     if logits.dim() < 2:
         _fail(f"{name} must have shape (..., V), got {tuple(logits.shape)}")
+    check_not_meta(logits, name, "are" if name == "logits" else "is")
     if logits.numel() == 0:
         _fail(f"{name} is empty: shape {tuple(logits.shape)}")
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
@@ -169,7 +194,7 @@ def check_temperature(temperature) -> None:
     """A finite real ``>= MIN_TEMPERATURE`` (Python or numpy scalar; not a bool or a tensor)."""
     # comparisons, not math.isfinite: torch.compile traces them on a symbolic float (NaN fails both)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            -math.inf < temperature < math.inf):
+            -math.inf < _real(temperature) < math.inf):
         _fail(f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
     if temperature < MIN_TEMPERATURE:
         _fail(f"temperature must be a finite number >= {MIN_TEMPERATURE} (below it samplers decode greedily: no "
@@ -214,6 +239,16 @@ class PolicyInputs:
         homogeneous in ``A`` (``pg(c A) = c pg(A)`` for ``c >= 0``, gradient included), so the weights fold
         into the advantages; the KL and entropy terms do not read ``A``. Metrics keep ``advantages``."""
         return self.advantages if self.is_weights is None else self.advantages * self.is_weights
+
+
+def _noting_cast(check: tuple[str, torch.Tensor], x: torch.Tensor,
+                 compute_dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    """``check`` (run on ``x`` converted to ``compute_dtype``), its message saying so where the conversion can
+    overflow (fp64 values beyond fp32's range become inf)."""
+    msg, ok = check
+    if x.is_floating_point() and torch.finfo(x.dtype).max > torch.finfo(compute_dtype).max:
+        msg += f" (as {compute_dtype}, the dtype of the loss: {x.dtype} values beyond its range become inf)"
+    return msg, ok
 
 
 def _check_per_token(x: Optional[torch.Tensor], name: str, shape: tuple, device: torch.device,
@@ -305,12 +340,20 @@ def prepare_policy_inputs(
                 _fail(f"token_normalizer must be a scalar, got shape {tuple(token_normalizer.shape)}")
             if token_normalizer.dtype == torch.bool:  # as a Python True is refused: not a count
                 _fail("token_normalizer must be a number, got a bool tensor")
+            if token_normalizer.is_complex():  # .to(float32) would drop the imaginary part
+                _fail(f"token_normalizer must be a real number or tensor, got {token_normalizer.dtype}")
+            check_not_meta(token_normalizer, "token_normalizer")
             token_normalizer = token_normalizer.detach().reshape(()).to(device=device, dtype=torch.float32)
         elif isinstance(token_normalizer, bool) or not isinstance(token_normalizer, numbers.Real) \
-                or not 0 < token_normalizer < float("inf"):
+                or not 0 < _real(token_normalizer) < float("inf"):
             _fail(f"token_normalizer must be a positive finite number or tensor, got {token_normalizer!r}")
         else:
             token_normalizer = float(token_normalizer)
+
+    # the loss reads these in compute_dtype: checked as converted (fp64 1e300 is finite, as fp32 it is inf)
+    adv = advantages.detach().to(compute_dtype)
+    old, ref, rollout = (None if x is None else x.detach().to(compute_dtype) for x, _ in per_token)
+    weights = None if rollout_is_weights is None else rollout_is_weights.detach().to(compute_dtype)
 
     bool_mask = mask if mask.dtype == torch.bool else mask != 0
     valid = bool_mask & (targets != IGNORE_INDEX)
@@ -321,12 +364,13 @@ def prepare_policy_inputs(
                    target_range_ok(targets, vocab, bool_mask))]
         if mask.dtype != torch.bool:
             checks.append(("mask must contain only 0 and 1", ((mask == 0) | (mask == 1)).all()))
-        checks.append(advantages_check(advantages, valid))
-        for x, name in per_token:
+        checks.append(_noting_cast(advantages_check(adv, valid), advantages, compute_dtype))
+        for (x, name), converted in zip(per_token, (old, ref, rollout)):
             if x is not None:
-                checks += logprob_checks(x, valid, name, unscored_nan=name == "rollout_logprobs")
+                checks += [_noting_cast(c, x, compute_dtype)
+                           for c in logprob_checks(converted, valid, name, unscored_nan=name == "rollout_logprobs")]
         if rollout_is_weights is not None:
-            checks.append(weights_check(rollout_is_weights, valid))
+            checks.append(_noting_cast(weights_check(weights, valid), rollout_is_weights, compute_dtype))
         if logits is not None and old_logprobs is None:
             checks.append(target_logit_check(logits, targets, valid))
         if isinstance(token_normalizer, torch.Tensor):
@@ -334,12 +378,10 @@ def prepare_policy_inputs(
                            torch.isfinite(token_normalizer) & (token_normalizer > 0)))
         run_value_checks(checks)
 
-    adv = advantages.detach().to(compute_dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(1).expand(batch, length)
-    is_weights = None
-    if rollout_is_weights is not None:
-        is_weights = rollout_is_weights.detach().to(compute_dtype)
+    is_weights = weights
+    if is_weights is not None:
         if is_weights.dim() == 1:
             is_weights = is_weights.unsqueeze(1).expand(batch, length)
         # masked positions never reach the loss; neutral there so A * w stays finite
@@ -348,9 +390,9 @@ def prepare_policy_inputs(
         targets=targets,
         advantages=adv,
         mask=valid,
-        old=None if old_logprobs is None else old_logprobs.detach().to(compute_dtype),
-        ref=None if ref_logprobs is None else ref_logprobs.detach().to(compute_dtype),
+        old=old,
+        ref=ref,
         token_normalizer=token_normalizer,
-        rollout=None if rollout_logprobs is None else rollout_logprobs.detach().to(compute_dtype),
+        rollout=rollout,
         is_weights=is_weights,
     )

@@ -530,3 +530,96 @@ def test_logprob_sign_check_reads_only_valid_tokens_and_tolerates_rounding():
     with pytest.raises(ValueError, match="old_logprobs contain NaN") as info:
         call("reference", old_logprobs=old, mask=mask)
     assert "log-probabilities" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------- audit: devices, casts, flags
+ALL_BACKENDS = ["reference"] + fused_backends()
+
+
+def _four_calls(backend, logits, hidden, weight, targets, advantages, mask, **kw):
+    """The four public functions on the given tensors (``kw`` goes to the two policy losses)."""
+    return [lambda: fused_rl.policy_loss(logits, targets, advantages, mask, backend=backend, **kw),
+            lambda: fused_rl.token_logprobs(logits, targets, backend=backend),
+            lambda: fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, backend=backend, **kw),
+            lambda: fused_rl.linear_token_logprobs(hidden, weight, targets, backend=backend)]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_meta_tensors_are_refused_by_name(backend):
+    """Meta tensors hold no data: the value checks could not run (torch's "Cannot copy out of meta tensor"), the
+    reference's linear loss failed in autocast, the cpu backend said it cannot run on meta while the others named
+    the targets: every backend now names the argument, also when only it or a tensor normalizer is on meta."""
+    args = good()
+    meta = {k: v.to("meta") for k, v in args.items()}
+    h, w = torch.randn(2, 3, 4), torch.randn(11, 4)
+    for calls in (_four_calls(backend, meta["logits"], h.to("meta"), w.to("meta"), meta["targets"],
+                              meta["advantages"], meta["mask"]),
+                  _four_calls(backend, meta["logits"], h.to("meta"), w, args["targets"], args["advantages"],
+                              args["mask"])):
+        for fn in calls:
+            with pytest.raises(ValueError, match=r"(logits|hidden) (is|are) on the meta device"):
+                fn()
+    with pytest.raises(ValueError, match="token_normalizer is on the meta device"):
+        call(backend, token_normalizer=torch.tensor(4.0, device="meta"))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_complex_and_overflowing_scalars_are_refused(backend):
+    """A complex normalizer lost its imaginary part silently; an int too large for a float passed the finite check
+    and raised OverflowError from ``float()``."""
+    with pytest.raises(ValueError, match="token_normalizer must be a real"):
+        call(backend, token_normalizer=torch.tensor(4 + 1j))
+    with pytest.raises(ValueError, match="token_normalizer must be a positive finite number"):
+        call(backend, token_normalizer=10**400)
+    args = good()
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        fused_rl.token_logprobs(args["logits"], args["targets"], temperature=10**400, backend=backend)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        fused_rl.linear_token_logprobs(torch.randn(2, 3, 4), torch.randn(11, 4), args["targets"], temperature=10**400,
+                                       backend=backend)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_values_that_overflow_the_compute_dtype_are_refused(backend):
+    """fp64 advantages / log-probs / weights are finite in fp64 but the loss reads them in fp32: 1e300 became inf
+    after the checks, and every backend returned an infinite loss with NaN gradients."""
+    k3 = PolicyLossConfig(kl="k3", beta=0.1)
+    big = torch.full((2, 3), 1e300, dtype=torch.float64)
+    for kw, match in ((dict(advantages=big[:, 0]), "advantages contain NaN or inf"),
+                      (dict(old_logprobs=-big), "old_logprobs contain NaN or inf"),
+                      (dict(ref_logprobs=-big, config=k3), "ref_logprobs contain NaN or inf")):
+        with pytest.raises(ValueError, match=match + r".*\(as torch.float32"):
+            call(backend, **kw)
+    args = good()
+    with pytest.raises(ValueError, match=r"rollout_is_weights must be finite.*\(as torch.float32"):
+        fused_rl.policy_loss(*args.values(), rollout_is_weights=big, backend=backend)
+    with pytest.raises(ValueError, match=r"advantages contain NaN or inf.*\(as torch.float32"):
+        fused_rl.linear_policy_loss(torch.randn(2, 3, 4), torch.randn(11, 4), args["targets"], big[:, 0],
+                                    args["mask"], backend=backend)
+    out = call(backend, advantages=torch.tensor([1e30, -2.0], dtype=torch.float64))  # large, representable: fine
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_flags_must_be_bools(backend):
+    """``inplace="no"`` was truthy: the cpu / triton kernels wrote the gradient over the caller's logits. The flags
+    take a bool (numpy's too); anything else raises on every backend."""
+    np = pytest.importorskip("numpy")
+    args = good()
+    t, a, m = args["targets"], args["advantages"], args["mask"]
+    logits = args["logits"].clone().requires_grad_(True)
+    h, w = torch.randn(2, 3, 4), torch.randn(11, 4)
+    for flag in ("inplace", "compute_entropy", "check_inputs"):
+        with pytest.raises(ValueError, match=f"{flag} must be a bool, got 'no'"):
+            fused_rl.policy_loss(logits * 1.0, t, a, m, backend=backend, **{flag: "no"})
+    for flag in ("compute_entropy", "check_inputs"):
+        with pytest.raises(ValueError, match=f"{flag} must be a bool, got None"):
+            fused_rl.linear_policy_loss(h, w, t, a, m, backend=backend, **{flag: None})
+    for flag in ("return_entropy", "check_inputs"):
+        with pytest.raises(ValueError, match=f"{flag} must be a bool, got 1"):
+            fused_rl.token_logprobs(logits, t, backend=backend, **{flag: 1})
+        with pytest.raises(ValueError, match=f"{flag} must be a bool, got 1"):
+            fused_rl.linear_token_logprobs(h, w, t, backend=backend, **{flag: 1})
+    fused_rl.policy_loss(logits * 1.0, t, a, m, backend=backend, inplace=np.bool_(False), check_inputs=np.bool_(True))
+    logp, entropy = fused_rl.token_logprobs(logits, t, backend=backend, return_entropy=np.bool_(True))
+    assert entropy.shape == t.shape
