@@ -35,9 +35,13 @@ MIN_TEMPERATURE = 1e-5
 def _finite_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
         raise ValueError(f"PolicyLossConfig.{name} must be a real number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range (10**400)
+        number = math.inf
+    if not math.isfinite(number):
         raise ValueError(f"PolicyLossConfig.{name} must be finite, got {value!r}")
-    return float(value)
+    return number
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from fused_rl.loss_math import compute_policy_loss
     (dict(temperature=1e-38), r"temperature must be >= 1e-05 \(below it samplers decode greedily"),
     (dict(temperature="1"), "real number"),
     (dict(entropy_coef=float("inf")), "finite"),
+    (dict(temperature=10 ** 400), "must be finite"),  # an int beyond float's range: was an OverflowError
+    (dict(kl="k3", beta=10 ** 400), "must be finite"),
     (dict(max_len=0, agg="seq-mean-token-sum-norm"), "max_len"),
     (dict(max_len=8), "only used by"),
     (dict(clip_low=True), "real number"),
