@@ -27,7 +27,7 @@ def full_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature
     target is ``IGNORE_INDEX`` are replaced by zeros first (0 out, no gradient, even from NaN logits)."""
     ignored = targets == IGNORE_INDEX
     z = logits.to(compute_dtype(logits.dtype)) / temperature
-    z = torch.where(ignored.unsqueeze(-1), torch.zeros_like(z), z)
+    z = z.masked_fill_(ignored.unsqueeze(-1), 0.0)  # in place on the fresh quotient: no second (N, V) tensor
     logp_all = F.log_softmax(z, dim=-1)
     safe_targets = torch.where(ignored, torch.zeros_like(targets), targets).long()
     logp = logp_all.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
