@@ -253,11 +253,13 @@ class Trainer:
         last = (mask.long().cumsum(1) == mask.long().sum(1, keepdim=True)) & mask
         token_rewards = torch.where(last, rewards.unsqueeze(1), torch.zeros_like(values))
         adv, returns = adv_lib.gae(token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
-        m = mask.float()
-        stats = _all_sum(torch.stack([(adv * m).sum(), (adv * adv * m).sum(), m.sum()]).double())
+        # the whitening's sums in float64: advantages of no spread then have exactly their mean and whiten to 0 (float32
+        # sums put the mean an ulp off, var 0, and the ulp / 1e-8 made advantages of 47 on every token)
+        m, a = mask.double(), adv.double()
+        stats = _all_sum(torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()]))
         mean = stats[0] / stats[2].clamp(min=1)
         var = (stats[1] / stats[2].clamp(min=1) - mean ** 2).clamp(min=0)
-        adv = torch.where(mask, (adv - mean.float()) / (var.float().sqrt() + 1e-8), torch.zeros_like(adv))
+        adv = torch.where(mask, ((a - mean) / (var.sqrt() + 1e-8)).to(adv.dtype), torch.zeros_like(adv))
         return adv, returns
 
     # ------------------------------------------------------------------ optimisation
