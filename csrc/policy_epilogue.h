@@ -88,9 +88,11 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     dl_dlogp = -a;
   } else if (p.policy == kSapo) {
     const float tau = a > 0.0f ? p.sapo_pos : p.sapo_neg;
-    const float s = 1.0f / (1.0f + expf(-tau * (r - 1.0f)));
+    const float x = tau * (r - 1.0f);
+    const float s = 1.0f / (1.0f + expf(-x));
     loss = -a * s * (4.0f / tau);
-    dl_dlogp = frl_times_ratio(-4.0f * a * s * (1.0f - s), r);  // d sigmoid(tau (r - 1)) / dr = tau s (1 - s)
+    // d sigmoid(x) / dr = tau s sigmoid(-x): 1 - s would be 0 once s rounds to 1 (x > 17), e^-x is not
+    dl_dlogp = frl_times_ratio(-4.0f * a * s * (1.0f / (1.0f + expf(x))), r);
   } else {  // ppo_clip (and gspo's token form, unused)
     const float na = -a;
     const float lo = 1.0f - p.clip_low, hi = 1.0f + p.clip_high;

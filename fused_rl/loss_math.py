@@ -305,7 +305,9 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     if config.policy_loss == "sapo":
         tau = torch.where(a > 0, torch.full_like(ratio, config.sapo_temperature_pos),
                           torch.full_like(ratio, config.sapo_temperature_neg))
-        return -a * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+        # sigmoid as exp(logsigmoid): autograd's slope is then s sigmoid(-x) (logsigmoid's backward), exact in the
+        # tail, where sigmoid's own s (1 - s) is 0 once s rounds to 1 (x > 17 in fp32, 37 in fp64)
+        return -a * torch.exp(torch.nn.functional.logsigmoid(tau * (ratio - 1.0))) * (4.0 / tau)
     if config.policy_loss == "cispo":
         return weighted(-ratio.clamp(max=1.0 + config.clip_high).detach() * a, logp)
     if config.policy_loss == "vespo":

@@ -934,3 +934,26 @@ def test_large_logits_cost_no_accuracy(backend, device, temperature, shift):
     lin64 = fused_rl.linear_token_logprobs(h.double(), w.double(), targets, bias=bias.double(),
                                            temperature=temperature, backend="reference")
     close(lin, lin64)
+
+
+@pytest.mark.parametrize("old", [-2.3, -4.9])
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+def test_sapo_gradient_in_the_sigmoid_tail(backend, device, old):
+    """SAPO's slope ``tau s (1 - s)`` is 0 in fp32 once ``s = sigmoid(tau (r - 1))`` rounds to 1 (``x > 17``; 37 in
+    fp64, the reference's): the C++ epilogue and the torch math gave 0 where the Triton epilogue's ``s sigmoid(-x)``
+    gave ``e^-x`` (a randomized fuzz example against the fp64 oracle). Every backend now has the tail's exact slope,
+    as the fp64 reference (``exp(logsigmoid(x))``); ``x = r - 1`` = 3.1 and 53.7 here (``logp = -0.90``)."""
+    x = torch.zeros(1, 1, 5)
+    x[0, 0, 2] = 1.0
+    targets, mask, adv = torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([1.0])
+    config = PolicyLossConfig(policy_loss="sapo")
+    grads = []
+    for be, dev, dtype in ((backend, device, torch.float32), ("reference", "cpu", torch.float64)):
+        xx = x.to(dev, dtype, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(xx, targets.to(dev), adv.to(dev, dtype), mask.to(dev),
+                                   old_logprobs=torch.tensor([[old]], device=dev, dtype=dtype), config=config, backend=be)
+        out.loss.backward()
+        grads.append(xx.grad.cpu().double())
+    got, expected = grads
+    assert expected[0, 0, 2] != 0
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=0.0)
