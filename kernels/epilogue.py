@@ -19,8 +19,8 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
 * cispo: ``l = -min(r, 1+ch) A logp`` with the weight detached: ``dl/dlogp = -min(r, 1+ch) A``;
 * reinforce: ``l = -A logp``, ``dl/dlogp = -A``;
 * token rollout correction (``rollout_is="token_*"``): ``rho = exp(clamp(old - rollout, -20, 20))``
-  (``old = sg(logp)`` on-policy; the bound is ``loss_math.ROLLOUT_LOG_RHO_BOUND``, verl's), ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing
-  bound no bound; ``w`` (detached) multiplies the policy term and its derivative only;
+  (``old = sg(logp)`` on-policy; the bound is ``loss_math.ROLLOUT_LOG_RHO_BOUND``, verl's),
+  ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing bound no bound; ``w`` (detached) multiplies the policy term and its derivative only;
 * KL (``+ beta kl``): k1 ``-d`` (``dkl/dlogp = 1``), k2 ``d^2/2`` (``-d``), k3 ``expm1(d) - d``
   (``-expm1(d)``), abs ``|d|`` (``-sign d``), low_var_kl ``clamp(k3(clamp(d, -20, 20)), -10, 10)``
   (``-expm1(d)`` inside both clamps, else 0); ``"X+"``: the value of ``X``, the derivative of k2

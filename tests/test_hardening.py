@@ -950,8 +950,8 @@ def test_sapo_gradient_in_the_sigmoid_tail(backend, device, old):
     grads = []
     for be, dev, dtype in ((backend, device, torch.float32), ("reference", "cpu", torch.float64)):
         xx = x.to(dev, dtype, copy=True).requires_grad_(True)
-        out = fused_rl.policy_loss(xx, targets.to(dev), adv.to(dev, dtype), mask.to(dev),
-                                   old_logprobs=torch.tensor([[old]], device=dev, dtype=dtype), config=config, backend=be)
+        out = fused_rl.policy_loss(xx, targets.to(dev), adv.to(dev, dtype), mask.to(dev), config=config, backend=be,
+                                   old_logprobs=torch.tensor([[old]], device=dev, dtype=dtype))
         out.loss.backward()
         grads.append(xx.grad.cpu().double())
     got, expected = grads
