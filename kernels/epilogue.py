@@ -15,12 +15,14 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   ``l = min(l, -k A)``, the cap a constant. ``dl/dlogp = r dl/dr``, 0 where ``r`` overflowed to inf
   (a constant there, ``loss_math.ratio_exp``; not ``0 * inf = NaN`` for a clipped token);
 * sapo: ``l = -A 4/tau sigmoid(tau (r - 1))`` with ``tau = tau_pos`` where ``A > 0``, else
-  ``tau_neg``; ``dl/dlogp = -4 A s (1 - s) r`` with ``s = sigmoid(tau (r - 1))`` (0 where ``r`` is inf);
+  ``tau_neg``; ``dl/dlogp = -4 A s (1 - s) r`` with ``s = sigmoid(tau (r - 1))``, ``1 - s`` taken as
+  ``sigmoid(-tau (r - 1))`` (exact in the tail, where ``s`` rounds to 1; 0 where ``r`` is inf);
 * cispo: ``l = -min(r, 1+ch) A logp`` with the weight detached: ``dl/dlogp = -min(r, 1+ch) A``;
 * reinforce: ``l = -A logp``, ``dl/dlogp = -A``;
 * token rollout correction (``rollout_is="token_*"``): ``rho = exp(clamp(old - rollout, -20, 20))``
   (``old = sg(logp)`` on-policy; the bound is ``loss_math.ROLLOUT_LOG_RHO_BOUND``, verl's),
-  ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing bound no bound; ``w`` (detached) multiplies the policy term and its derivative only;
+  ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing bound no bound;
+  ``w`` (detached) multiplies the policy term and its derivative only;
 * KL (``+ beta kl``): k1 ``-d`` (``dkl/dlogp = 1``), k2 ``d^2/2`` (``-d``), k3 ``expm1(d) - d``
   (``-expm1(d)``), abs ``|d|`` (``-sign d``), low_var_kl ``clamp(k3(clamp(d, -20, 20)), -10, 10)``
   (``-expm1(d)`` inside both clamps, else 0); ``"X+"``: the value of ``X``, the derivative of k2
