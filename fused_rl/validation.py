@@ -335,6 +335,12 @@ def prepare_policy_inputs(
     if token_normalizer is not None:
         if config.agg != "token-mean":
             _fail(f"token_normalizer only applies to agg='token-mean', not {config.agg!r}")
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(token_normalizer, np.ndarray):
+            # an array, or a numpy scalar as torch.compile traces it (an ndarray, not a numbers.Real)
+            if not _is_compiling() and token_normalizer.dtype.kind not in "iufb":  # bool: refused as a tensor
+                _fail(f"token_normalizer must be a real number or tensor, got a numpy {token_normalizer.dtype}")
+            token_normalizer = torch.as_tensor(token_normalizer)
         if isinstance(token_normalizer, torch.Tensor):
             if token_normalizer.numel() != 1:
                 _fail(f"token_normalizer must be a scalar, got shape {tuple(token_normalizer.shape)}")

@@ -16,8 +16,7 @@ What a user compiling their step expects, checked for ``policy_loss``, ``linear_
 A temperature that is an argument of the compiled step and ``inplace=True`` with dynamic shapes broke
 ``fullgraph=True`` until ``fused_rl/validation.py`` stopped calling ``math.isfinite`` on the temperature
 (``check_temperature``) and ``sorted(key=...)`` on the strides (``check_rows_disjoint``): dynamo traces neither on
-symbolic values. Known problem, a strict ``xfail``: a numpy-scalar normalizer (traced as an ndarray, refused by the
-``numbers.Real`` check).
+symbolic values; and a numpy-scalar normalizer (traced as an ndarray) until validation took arrays as tensors.
 
 Graphs are counted with ``counters["stats"]["unique_graphs"]``: ``CompileCounter.frame_count`` also counts a
 compile that dynamo restarts (``_tensorify_python_scalars`` restarts the analysis once when the config's floats
@@ -351,11 +350,10 @@ def test_new_temperature_traces(linear):
     assert _run_logprob_steps("torch", linear, shapes=[(2, 5)] * 3, temperatures=[0.7, 0.8, 0.9]) <= 3
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
-                   reason="dynamo traces a numpy scalar as an ndarray: validation's isinstance(numbers.Real) is False")
 def test_numpy_scalar_normalizer_traces():
-    """A numpy-float normalizer (accepted eagerly: ``np.float64`` is a ``float``) under ``fullgraph=True``: dynamo
-    sees an ``ndarray``, ``prepare_policy_inputs`` refuses it and formatting the error breaks the graph."""
+    """A numpy-float normalizer (a ``numbers.Real`` eagerly) under ``fullgraph=True``: dynamo traces it as an
+    ``ndarray``, which ``prepare_policy_inputs`` refused (and formatting the error broke the graph); it takes it as
+    a tensor now."""
     assert _run_loss_steps(_policy, "torch", "numpy", shapes=[(2, 5)] * 3) <= 2
 
 

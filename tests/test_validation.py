@@ -245,6 +245,14 @@ def test_numpy_scalar_arguments():
     got = fused_rl.policy_loss(**args, token_normalizer=np.int64(4),
                                config=PolicyLossConfig(temperature=np.float32(0.5)))
     torch.testing.assert_close(got.loss, expected.loss)
+    for arr in (np.array(4.0), np.array([4], dtype=np.int32)):  # arrays as tensors (torch.compile: numpy scalars too)
+        got = fused_rl.policy_loss(**args, token_normalizer=arr, config=PolicyLossConfig(temperature=0.5))
+        torch.testing.assert_close(got.loss, expected.loss)
+    for bad, message in ((np.array("4"), "a real number or tensor, got a numpy <U1"),
+                         (np.array(True), "got a bool tensor"), (np.array([4.0, 4.0]), "must be a scalar"),
+                         (np.array(-4.0), "must be positive and finite")):
+        with pytest.raises(ValueError, match=message):
+            fused_rl.policy_loss(**args, token_normalizer=bad)
     torch.testing.assert_close(fused_rl.token_logprobs(args["logits"], args["targets"], temperature=np.float64(0.5)),
                                fused_rl.token_logprobs(args["logits"], args["targets"], temperature=0.5))
     for bad in (np.bool_(True), "0.5", float("nan"), np.float32("inf"), 0.0, np.float64(1e-38)):
