@@ -7,6 +7,7 @@ for a prompt of length ``P`` (the slice is a view; no copy is made).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -107,11 +108,17 @@ def policy_loss(
     return be.policy_loss(logits, inputs, config, compute_entropy, inplace)
 
 
-def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  memory_budget_bytes: Optional[int] = None) -> None:
-    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool)
-                                            or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0):
+def _memory_budget(memory_budget_bytes) -> Optional[int]:
+    """A positive integer (Python's or numpy's) as an ``int``, or None."""
+    if memory_budget_bytes is None:
+        return None
+    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, numbers.Integral) \
+            or memory_budget_bytes <= 0:
         raise ValueError(f"memory_budget_bytes must be a positive int or None, got {memory_budget_bytes!r}")
+    return int(memory_budget_bytes)
+
+
+def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     for x, name in ((hidden, "hidden"), (weight, "weight")):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating torch.Tensor")
@@ -157,7 +164,8 @@ def linear_policy_loss(
     128 MiB elsewhere; the tile is ``budget // (V * bytes a token)``, at least one token)."""
     config = PolicyLossConfig() if config is None else config
     _check_flags(compute_entropy=compute_entropy, check_inputs=check_inputs)
-    _check_linear(hidden, weight, bias, memory_budget_bytes)
+    _check_linear(hidden, weight, bias)
+    memory_budget_bytes = _memory_budget(memory_budget_bytes)
     be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
     batch, length, _ = hidden.shape
     inputs = prepare_policy_inputs(
@@ -186,7 +194,8 @@ def linear_token_logprobs(
     ``weight (V, H)`` and ``bias (V,)``. ``targets == -100`` gives 0 and no gradient. ``memory_budget_bytes``:
     as in :func:`linear_policy_loss`."""
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
-    _check_linear(hidden, weight, bias, memory_budget_bytes)
+    _check_linear(hidden, weight, bias)
+    memory_budget_bytes = _memory_budget(memory_budget_bytes)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"targets must be an int32 or int64 tensor, got {getattr(targets, 'dtype', type(targets))}")
     if tuple(targets.shape) != tuple(hidden.shape[:2]) or targets.device != hidden.device:

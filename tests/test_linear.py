@@ -4,6 +4,7 @@ full fp32 logits ``hidden @ weight.T + bias`` and runs ``log_softmax`` + the los
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -326,7 +327,7 @@ def test_memory_budget_argument_sets_the_tiles(backend, monkeypatch):
     case = make_linear_case(vocab=vocab, hidden_size=32, seed=9)
     case.hidden = torch.nan_to_num(case.hidden)
     outs = []
-    for b in (budget, None):
+    for b in (np.int64(budget), None):  # a numpy integer too (a size computed with numpy)
         calls.clear()
         h = case.hidden.clone().requires_grad_(True)
         out = fused_rl.linear_policy_loss(h, case.weight, case.targets, case.advantages, case.mask, config=CONFIGS[1],
@@ -337,7 +338,7 @@ def test_memory_budget_argument_sets_the_tiles(backend, monkeypatch):
     assert most == 3 < most_default
     torch.testing.assert_close(loss, loss_default, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(grad, grad_default, rtol=1e-5, atol=1e-7)
-    for bad in (0, -1, 1.5, True, "1GiB"):
+    for bad in (0, -1, 1.5, True, "1GiB", np.float64(1e9), np.int32(-1)):
         with pytest.raises(ValueError, match="memory_budget_bytes"):
             fused_rl.linear_policy_loss(case.hidden, case.weight, case.targets, case.advantages, case.mask,
                                         backend=backend, memory_budget_bytes=bad)
