@@ -265,3 +265,16 @@ def test_minibatch_updates_clip_around_the_rollout_values(tmp_path):
     assert clipped > 0
     assert metrics["value_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert metrics["value_clip_frac"] == pytest.approx(clipped / tokens, abs=1e-6)
+
+
+def test_reference_model_is_the_start_lm_without_a_value_head(tmp_path):
+    """With ``beta > 0`` the frozen reference is a copy of the initial LM (equal weights, no gradient) and carries
+    no value head: only the policy's is trained and read."""
+    t = trainer(tmp_path, beta=0.05)
+    assert t.policy.value_head is not None and t.ref.value_head is None
+    ref, policy = dict(t.ref.named_parameters()), dict(t.policy.named_parameters())
+    assert set(ref) == {name for name in policy if not name.startswith("value_head.")}
+    for name, p in ref.items():
+        assert not p.requires_grad and p.data_ptr() != policy[name].data_ptr()
+        torch.testing.assert_close(p, policy[name], atol=0, rtol=0)
+    assert t.ref.compute_dtype == t.policy.compute_dtype and not t.ref.training

@@ -149,7 +149,9 @@ class Trainer:
         self.policy.eval()
         self.ref: Optional[PolicyModule] = None
         if self.loss_config.kl is not None:
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            # the frozen start point's LM alone (a value head would be dead weight there)
+            self.ref = PolicyModule(copy.deepcopy(self.policy.lm), compute_dtype=self.policy.compute_dtype)
+            self.ref.eval().requires_grad_(False)
         seed_everything(cfg.seed + 1000 * self.rank)
         self.model = self.policy
         if self.world > 1:
