@@ -209,7 +209,7 @@ __device__ __forceinline__ void acc_add(Acc& a, const float* x, float scale2) {
   for (int i = 1; i < N; ++i) gm = fmaxf(gm, x[i]);
   if (gm > a.m) {
     if (a.m != -INFINITY) {
-      const float d = (a.m - gm) * scale2;
+      const float d = fmaxf((a.m - gm) * scale2, kMinExp2);  // 2^d = 0 below; a.s * d stays finite
       const float sc = exp2f(d);
       a.u = sc * (a.u + a.s * d);
       a.s *= sc;
@@ -230,7 +230,7 @@ __device__ __forceinline__ Acc acc_merge(Acc a, Acc b, float scale2) {
   if (b.m == -INFINITY) return a;
   if (a.m == -INFINITY) return b;
   const float m = fmaxf(a.m, b.m);
-  const float da = (a.m - m) * scale2, db = (b.m - m) * scale2;
+  const float da = fmaxf((a.m - m) * scale2, kMinExp2), db = fmaxf((b.m - m) * scale2, kMinExp2);
   const float ea = exp2f(da), eb = exp2f(db);
   return Acc{m, a.s * ea + b.s * eb, ea * (a.u + a.s * da) + eb * (b.u + b.s * db)};
 }

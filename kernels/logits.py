@@ -152,7 +152,9 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
         uc = (xf - m_safe[:, None]) * scale
         e = tl.exp2(uc)
         if WITH_ENT:
-            shift = tl.where(s > 0.0, (m - m_safe) * scale, 0.0)
+            # clamped where alpha = 2^shift is 0 anyway: shift * s overflowed to -inf (a max gap over ~1e33 tau)
+            # and alpha * -inf made H NaN
+            shift = tl.where(s > 0.0, tl.maximum((m - m_safe) * scale, -256.0), 0.0)
             q = alpha * (q + shift * s) + tl.sum(e * tl.where(e > 0.0, uc, 0.0), axis=1)  # no 0 * -inf
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new

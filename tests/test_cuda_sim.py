@@ -346,6 +346,15 @@ def test_out_of_range_targets_nan_upstream_and_overflowing_ratios(cuda_kernels):
         hardening.test_overflowing_ratio_of_a_clipped_token_has_zero_gradient("cpu", "cpu", config, adv)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_a_huge_jump_of_the_row_max(cuda_kernels, temperature):
+    """Partial sums of threads whose maxima are 2e37 apart merge to the reference's finite entropy (the
+    rescale's ``s d`` overflowed to ``-inf`` and ``0 * -inf`` made it NaN)."""
+    hardening.test_a_huge_jump_of_the_row_max_keeps_the_entropy_finite("cpu", "cpu", temperature, None)
+    assert cuda_kernels.calls["cuda_policy_fused"] > 0 and cuda_kernels.calls["cuda_token_stats"] > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_differential_fuzz(cuda_kernels, dtype):
     """hypothesis cases of test_hardening (40 a dtype): 1-4 x 1-6 rows, V from 2 to 1000, |z| up to 1e4,
@@ -367,6 +376,13 @@ def test_16bit_dlogits_of_fp32_logits(cuda_kernels, odtype, vocab):
     rows): bitwise the fp32 kernel's dlogits rounded once (tests/test_native.py's test)."""
     native_tests.test_policy_fwd_into_rounds_the_fp32_gradient_once(odtype, vocab, None)
     assert cuda_kernels.calls["cuda_policy_fused"] == 2
+
+
+def test_policy_ops_row_layouts(cuda_kernels):
+    """2-D and 4-D inputs to the policy op get the 3-D results; the in-place / into ops refuse other ranks and an
+    ``out`` whose rows share memory (tests/test_native.py's test)."""
+    native_tests.test_policy_ops_row_layouts(None)
+    assert cuda_kernels.calls["cuda_policy_fused"] == 3
 
 
 # ------------------------------------------------------------------------------ grid, schedule, compile

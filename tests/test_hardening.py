@@ -936,6 +936,35 @@ def test_large_logits_cost_no_accuracy(backend, device, temperature, shift):
     close(lin, lin64)
 
 
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_a_huge_jump_of_the_row_max_keeps_the_entropy_finite(backend, device, temperature, small_triton_blocks):
+    """A row whose running max jumps by ``2e37`` between vocabulary blocks (the CUDA kernel: between threads'
+    partial sums): the old sums' rescale factor ``2^d`` is 0, but the entropy's ``s d`` overflowed to ``-inf`` and
+    ``0 * -inf`` made ``H`` (Triton, CUDA) NaN, and through it the whole ``dlogits`` row with an entropy bonus;
+    now ``d`` is clamped where ``2^d`` is 0 anyway, and every backend gives the reference's finite values."""
+    V = 100
+    x = torch.full((2, 3, V), -1e37)
+    x[:, :, V - 3] = 1e37  # the row max, in the last block
+    x[0, 1, 4:9] = torch.tensor([1e37, 0.5, 1e37, -2.0, 1e37])  # a tie for the max in the first block too
+    x[1, 2] = torch.linspace(-3.0, 3.0, V)  # an ordinary row beside them
+    targets = torch.tensor([[V - 3, 5, 0], [V - 3, 7, 11]])
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    config = PolicyLossConfig(entropy_coef=0.01, temperature=temperature)
+    results = []
+    for be, dev in (("reference", "cpu"), (backend, device)):
+        xd = x.to(dev).requires_grad_(True)
+        lp, ent = fused_rl.token_logprobs(xd.detach(), targets.to(dev), temperature=temperature,
+                                          return_entropy=True, backend=be)
+        out = fused_rl.policy_loss(xd, targets.to(dev), adv.to(dev), mask.to(dev), config=config, backend=be)
+        out.loss.backward()
+        results.append([t.detach().cpu() for t in (lp, ent, out.loss, out.logprobs, out.entropy, xd.grad)])
+    for want, got, name in zip(*results, ("logp", "H", "loss", "loss logp", "loss H", "dlogits")):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("old", [-2.3, -4.9])
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
 def test_sapo_gradient_in_the_sigmoid_tail(backend, device, old):
