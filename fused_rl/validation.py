@@ -81,11 +81,11 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         _fail(f"{name}: vocabulary size {logits.shape[-1]} does not fit int32")
 
 
-def check_rows_disjoint(logits: torch.Tensor) -> None:
-    """For ``inplace=True``: the ``(..., V)`` rows of ``logits`` must not share memory (an ``expand`` of one
-    prompt's logits over a group would get every row's gradient written into the same place). Rows are
-    disjoint when, in increasing stride order, each dimension's stride clears the extent of the ones below
-    (the usual layouts and their slices); other layouts are refused."""
+def check_rows_disjoint(logits: torch.Tensor, name: str = "logits") -> None:
+    """For ``inplace=True`` (and any tensor a kernel writes rows of, ``name``): the ``(..., V)`` rows of ``logits``
+    must not share memory (an ``expand`` of one prompt's logits over a group would get every row's gradient
+    written into the same place). Rows are disjoint when, in increasing stride order, each dimension's stride
+    clears the extent of the ones below (the usual layouts and their slices); other layouts are refused."""
     extent = logits.shape[-1]
     dims: list[tuple] = []  # (size, |stride|) of the leading dims of size > 1, by increasing stride
     for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]):
@@ -96,8 +96,10 @@ def check_rows_disjoint(logits: torch.Tensor) -> None:
             dims.insert(i, (size, abs(stride)))
     for size, stride in dims:
         if stride < extent:
-            _fail(f"inplace=True needs logits whose rows do not share memory, got shape {tuple(logits.shape)} "
-                  f"and strides {logits.stride()} (an expand()?): pass inplace=False")
+            layout = f"got shape {tuple(logits.shape)} and strides {logits.stride()} (an expand()?)"
+            if name != "logits":
+                _fail(f"{name} must have rows that do not share memory, {layout}")
+            _fail(f"inplace=True needs logits whose rows do not share memory, {layout}: pass inplace=False")
         extent += stride * (size - 1)
 
 

@@ -130,6 +130,27 @@ def test_policy_fwd_into_rounds_the_fp32_gradient_once(odtype, vocab, isa):
         native.policy_fwd_into(case.logits, out[:, :-1], *args)
 
 
+def test_policy_ops_row_layouts(isa):
+    """The registered policy ops on layouts the library's own callers never pass (3-D, one device): a 2-D or 4-D
+    input to ``policy_fwd`` gets the 3-D input's results (the 4-D output rows were strided by ``shape[1] V``,
+    past the buffer's end), and the in-place / into ops, which take the output's row strides from its dims 0
+    and 1 (a 2-D input had its rows written one element apart), refuse other ranks and an ``out`` whose rows
+    share memory (on another device: ``test_cuda_policy_fwd_into_refuses_an_out_on_another_device``)."""
+    case = make_case(batch=2, length=6, vocab=300, seed=4)
+    args = _kernel_args(case, CONFIGS[1])
+    want = native.policy_fwd(case.logits, *args)
+    for shape in ((12, 300), (2, 2, 3, 300)):
+        got = native.policy_fwd(case.logits.reshape(shape), *args)
+        for g, w in zip(got, want):
+            assert torch.equal(g.reshape(w.shape), w)
+    with pytest.raises(ValueError, match=r"logits must be \(B, T, V\)"):
+        native.policy_fwd_inplace(case.logits.clone().reshape(12, 300), *args)
+    with pytest.raises(ValueError, match=r"logits must be \(B, T, V\)"):
+        native.policy_fwd_into(case.logits.reshape(2, 2, 3, 300), torch.empty(2, 2, 3, 300), *args)
+    with pytest.raises(ValueError, match="out must have rows that do not share memory"):
+        native.policy_fwd_into(case.logits, torch.empty(1, 6, 300).expand(2, 6, 300), *args)
+
+
 def test_inplace_ignored_for_leaf():
     case = make_case(batch=3, length=4, vocab=300, seed=2)
     x = case.logits.clone().requires_grad_(True)
@@ -510,6 +531,15 @@ def test_cuda_one_hot_rows_give_exact_zeros(backend, kind, temperature):
 def test_cuda_policy_loss_matches_reference(config, dtype, vocab, kind):
     _cuda_or_skip()
     compare_policy_loss("cuda", on_device(make_case(vocab=vocab, kind=kind, dtype=dtype, seed=3), "cuda"), config)
+
+
+@pytest.mark.cuda
+def test_cuda_policy_fwd_into_refuses_an_out_on_another_device():
+    """A CPU ``out`` for CUDA logits: the kernel would store through a host pointer (an illegal address)."""
+    _cuda_or_skip()
+    case = on_device(make_case(batch=2, length=3, vocab=300, seed=4), "cuda")
+    with pytest.raises(ValueError, match="out must be on the logits' device"):
+        native.policy_fwd_into(case.logits, torch.empty(case.logits.shape), *_kernel_args(case, CONFIGS[1]))
 
 
 @pytest.mark.cuda

@@ -37,7 +37,7 @@ import torch
 from ..config import IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import aggregation_weights, compute_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import PolicyInputs, _is_compiling
+from ..validation import PolicyInputs, _is_compiling, check_rows_disjoint
 from . import register, register_missing
 from .base import Backend
 from .custom_ops import register_stored_grad, register_token_ops, writable_in_place
@@ -223,6 +223,13 @@ def _run_policy(logits, out, osb, ost, targets, adv, old, ref, rollout, w, confi
     return logp, ent
 
 
+def _check_3d(logits: torch.Tensor) -> None:
+    """The in-place / into ops take the output's row strides from its dims 0 and 1: ``(B, T, V)`` only (a 2-D
+    input, which :func:`_rows` reads as ``(1, N, V)``, had its rows written one element apart)."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
+
+
 def _fake_stats(logits, targets):
     n = targets.numel()
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
@@ -236,8 +243,8 @@ def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, o
     logits dtype) for the config ``torch_linear.config_literal(config)``. ``targets`` must be
     ``IGNORE_INDEX`` wherever the mask is off; per-token tensors are contiguous fp32 of ``B*T`` elements."""
     out = _new_output(logits.shape, logits)
-    v = logits.shape[-1]
-    logp, ent = _run_policy(logits, out, logits.shape[1] * v, v, targets, adv, old, ref, rollout, w, config_literal)
+    _, _, t, v, _, _ = _rows(logits)  # the row layout the kernel reads: (1, N, V) for 2-D, (-1, T, V) above 3-D
+    logp, ent = _run_policy(logits, out, t * v, v, targets, adv, old, ref, rollout, w, config_literal)
     return logp, ent, out
 
 
@@ -251,6 +258,7 @@ def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, adv: torch.T
                        ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
                        config_literal: str) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`policy_fwd`, writing ``dlogits`` over ``logits`` (same strides)."""
+    _check_3d(logits)
     return _run_policy(logits, logits, logits.stride(0), logits.stride(1), targets, adv, old, ref, rollout, w,
                        config_literal)
 
@@ -267,9 +275,13 @@ def policy_fwd_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tens
     """As :func:`policy_fwd`, writing ``dlogits`` into ``out`` (the logits' shape, unit vocabulary stride,
     not overlapping them): in the logits dtype, or bf16 / fp16 for fp32 logits, rounded once on store (the
     tiled fused linear's mixed mode: no fp32 gradient tile and no copy of it)."""
+    _check_3d(logits)
+    if out.device != logits.device:
+        raise ValueError(f"out must be on the logits' device {logits.device}, got {out.device}")
     if out.shape != logits.shape or out.stride(-1) != 1:
         raise ValueError(f"out must have the logits' shape {tuple(logits.shape)} and unit last stride, got "
                          f"{tuple(out.shape)} / {out.stride()}")
+    check_rows_disjoint(out, "out")  # rows written by concurrent blocks must not share memory (an expand())
     allowed = (logits.dtype,) + ((torch.bfloat16, torch.float16) if logits.dtype == torch.float32 else ())
     if out.dtype not in allowed:
         raise ValueError(f"out must be {logits.dtype} (or bf16 / fp16 for fp32 logits), got {out.dtype}")
