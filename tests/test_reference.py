@@ -109,3 +109,21 @@ def test_reference_works_with_torch_func_vmap_and_jvp(cfg):
     _, tangent = jvp(one, (x[0],), (v,))
     eps = 1e-6
     torch.testing.assert_close(tangent, (one(x[0] + eps * v) - one(x[0] - eps * v)) / (2 * eps), atol=1e-8, rtol=1e-6)
+
+
+def test_reference_vmap_over_targets_and_masks_with_shared_logits():
+    """``vmap`` over candidate targets (some ``-100``) or masks with one unbatched logits tensor: the ignored rows'
+    fill is out of place (an in-place fill of the shared quotient with a batched mask is refused by vmap), and
+    the results equal a loop."""
+    from torch.func import vmap
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 11, generator=g)
+    targets = torch.randint(0, 11, (4, 2, 3), generator=g)
+    targets[0, 0, 0] = targets[2, 1, 2] = fused_rl.IGNORE_INDEX
+    logp = lambda t: fused_rl.reference.token_logprobs(x, t, check_inputs=False)
+    torch.testing.assert_close(vmap(logp)(targets), torch.stack([logp(t) for t in targets]))
+    masks = torch.rand(4, 2, 3, generator=g) > 0.3
+    adv = torch.randn(2, generator=g)
+    loss = lambda mk: fused_rl.reference.policy_loss(x, targets[1], adv, mk, check_inputs=False).loss
+    torch.testing.assert_close(vmap(loss)(masks), torch.stack([loss(mk) for mk in masks]))

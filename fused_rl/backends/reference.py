@@ -27,7 +27,9 @@ def full_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature
     target is ``IGNORE_INDEX`` are replaced by zeros first (0 out, no gradient, even from NaN logits)."""
     ignored = targets == IGNORE_INDEX
     z = logits.to(compute_dtype(logits.dtype)) / temperature
-    z = z.masked_fill_(ignored.unsqueeze(-1), 0.0)  # in place on the fresh quotient: no second (N, V) tensor
+    # a scalar fill, not zeros_like: the quotient is freed on reassignment, so no third (N, V) tensor is alive;
+    # out of place, so torch.func.vmap over targets or the mask works with shared logits
+    z = torch.where(ignored.unsqueeze(-1), 0.0, z)
     logp_all = F.log_softmax(z, dim=-1)
     safe_targets = torch.where(ignored, torch.zeros_like(targets), targets).long()
     logp = logp_all.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
