@@ -277,8 +277,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     naming Liger's argument (``old_per_token_logps``, ``vllm_is_ratio``, ``selected_token_ids``, ...).
 
     A setting assigned after construction (``loss_fn.beta = 0.0``) takes effect, as in Liger (which reads them at
-    every ``forward``): the assignment rebuilds and validates :attr:`config` (an invalid value raises and changes
-    nothing).
+    every ``forward``): :attr:`config` is rebuilt and validated when next read (the next ``forward``), so settings
+    that depend on each other can be assigned in any order (``loss_type = "cispo"``, then ``epsilon_high = 5.0``);
+    an invalid combination raises there, naming the setting.
 
     Extra keyword arguments: ``backend`` (default ``"auto"``), ``check_inputs``.
     """
@@ -325,26 +326,26 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
         self.backend = backend
         self.check_inputs = check_inputs
-        self.config = self._build_config()
+        self._config: Optional[PolicyLossConfig] = self._build_config()  # bad arguments raise at construction
 
     #: The settings :attr:`config` is built from: Liger reads them at every ``forward``, so assigning one after
-    #: construction (``loss_fn.beta = 0.0``) rebuilds (and validates) the config here.
+    #: construction (``loss_fn.beta = 0.0``) marks the config for a rebuild (and validation) when next read.
     _CONFIG_SETTINGS = frozenset((
         "beta", "use_ref_model", "epsilon_low", "epsilon_high", "loss_type", "max_completion_length",
         "importance_sampling_level", "temperature", "delta", "use_bias_correction_kl", "sapo_temperature_pos",
         "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
 
     def __setattr__(self, name, value) -> None:
-        if name in self._CONFIG_SETTINGS and "config" in self.__dict__:
-            old = getattr(self, name)
-            super().__setattr__(name, float(value) if name == "beta" else value)
-            try:
-                self.config = self._build_config()
-            except Exception:
-                super().__setattr__(name, old)  # an invalid setting leaves the module as it was
-                raise
-            return
-        super().__setattr__(name, value)
+        super().__setattr__(name, float(value) if name == "beta" else value)
+        if name in self._CONFIG_SETTINGS:
+            self.__dict__["_config"] = None
+
+    @property
+    def config(self) -> PolicyLossConfig:
+        """The :class:`~fused_rl.PolicyLossConfig` of the current settings (rebuilt after an assignment)."""
+        if self._config is None:
+            self._config = self._build_config()
+        return self._config
 
     def _build_config(self):
         for name in ("pos", "neg"):

@@ -458,10 +458,13 @@ def test_bad_inputs_name_liger_arguments(arg, bad, needle):
 
 @needs_liger
 @pytest.mark.parametrize("changes", [dict(beta=0.0), dict(loss_type="bnpo", epsilon_high=0.28), dict(temperature=0.7),
-                                     dict(use_ref_model=False)], ids=_ids)
+                                     dict(use_ref_model=False), dict(loss_type="cispo", epsilon_high=5.0)], ids=_ids)
 def test_settings_assigned_after_construction_apply_as_in_liger(changes):
     """Liger reads its settings at every ``forward``: ``loss_fn.beta = 0.0`` after construction takes effect. The
-    config was built once in ``__init__``, so such an assignment was silently ignored; now it rebuilds it."""
+    config was built once in ``__init__``, so such an assignment was silently ignored; now it is rebuilt when next
+    read. Settings that depend on each other in any order: ``loss_type = "cispo"`` alone is invalid (cispo caps
+    the weight at ``epsilon_high``, 0.2 here), valid once ``epsilon_high = 5.0`` follows (it raised at the first
+    assignment when each one was validated at once)."""
     h, w, b, targets, mask, adv, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=8)
     forward = dict(ref_per_token_logps=ref, old_per_token_logps=old)
     modules = [liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, loss_type="grpo", beta=0.1),
@@ -476,11 +479,18 @@ def test_settings_assigned_after_construction_apply_as_in_liger(changes):
         assert_close(a, e, torch.float32, f"d{name}", grad=True)
 
 
-def test_an_invalid_setting_assigned_after_construction_raises_and_changes_nothing():
+def test_an_invalid_setting_assigned_after_construction_raises_when_read():
+    """An invalid setting raises at the next ``forward`` (or read of ``config``), naming it; once mended, the
+    config is the one of the valid settings."""
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=8)
     loss_fn = FusedLinearGRPOLoss(loss_type="grpo", beta=0.1)
     config = loss_fn.config
+    loss_fn.loss_type = "grpoo"
     with pytest.raises(ValueError, match="loss_type"):
-        loss_fn.loss_type = "grpoo"
+        loss_fn(h, w, targets, mask, adv, bias=b, old_per_token_logps=old, ref_per_token_logps=ref)
+    loss_fn.loss_type = "grpo"
+    loss_fn.sapo_temperature_pos = 0.0
     with pytest.raises(ValueError, match="sapo_temperature_pos"):
-        loss_fn.sapo_temperature_pos = 0.0
-    assert loss_fn.loss_type == "grpo" and loss_fn.sapo_temperature_pos == 1.0 and loss_fn.config is config
+        loss_fn.config
+    loss_fn.sapo_temperature_pos = 1.0
+    assert loss_fn.config == config and loss_fn.config is loss_fn.config
