@@ -258,6 +258,23 @@ def test_unsupported_options_raise(model_dir, tmp_path, overrides, needle):
         FusedGRPOTrainer(**_trainer(model_dir, tmp_path, **overrides))
 
 
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
+def test_vllm_correction_without_bounds_is_unsupported(model_dir, tmp_path, mode):
+    """TRL takes ``clip_min = clip_max = None`` (the unbounded ratio); fused_rl's rollout correction needs a bound:
+    ``NotImplementedError`` naming both options (the ``ValueError`` named the mode, whose value is fine). vLLM is
+    not installed here: the stock trainer is built without it and given TRL's vLLM attributes."""
+    import trl
+
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path))
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min = trainer.vllm_importance_sampling_clip_max = None
+    with pytest.raises(NotImplementedError, match=rf"vllm_importance_sampling_clip_min=None and "
+                                                  rf"vllm_importance_sampling_clip_max=None with "
+                                                  rf"vllm_importance_sampling_mode='{mode}'"):
+        patch_grpo_trainer(trainer, backend="torch")
+
+
 def test_cispo_cap_below_one_raises(model_dir, tmp_path):
     with pytest.raises(ValueError, match="epsilon_high"):
         FusedGRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="cispo", epsilon_high=0.2))
@@ -525,18 +542,18 @@ def test_more_unsupported_options_raise(model_dir, tmp_path, overrides, needle):
         FusedGRPOTrainer(**_trainer(model_dir, tmp_path, **overrides))
 
 
-@pytest.mark.parametrize("overrides, option", [
-    (dict(epsilon=1.0), "epsilon"),  # no lower clip in TRL; fused_rl's clip_low is in [0, 1)
-    (dict(epsilon_high=-0.1), "epsilon_high"),
-    (dict(off_policy_mask_threshold=-0.5), "off_policy_mask_threshold"),
-    (dict(loss_type="sapo", delta=2.0), "delta"),
-    (dict(loss_type="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg"),
-    (dict(beta=-0.1), "beta"),
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(epsilon=1.0), r"GRPOConfig\.epsilon=1\.0"),  # no lower clip in TRL; fused_rl's clip_low is in [0, 1)
+    (dict(epsilon_high=-0.1), r"GRPOConfig\.epsilon_high=-0\.1"),
+    (dict(off_policy_mask_threshold=-0.5), r"GRPOConfig\.off_policy_mask_threshold=-0\.5"),
+    (dict(loss_type="vespo", vespo_lambda_neg=-1.0), r"GRPOConfig\.vespo_lambda_neg=-1\.0"),
+    (dict(beta=-0.1), r"GRPOConfig\.beta=-0\.1"),  # a PolicyLossConfig field of the same name
+    (dict(loss_type="sapo", delta=2.0), r"^delta .* not loss_type='sapo'"),  # checked under TRL's names
 ])
-def test_out_of_range_options_name_the_trl_option(model_dir, tmp_path, overrides, option):
-    """A TRL option fused_rl refuses as out of range raises ``ValueError`` naming the GRPOConfig option (not only
-    the ``PolicyLossConfig`` field it maps to, e.g. ``clip_low`` for ``epsilon``)."""
-    with pytest.raises(ValueError, match=rf"\b{option}\b"):
+def test_out_of_range_options_name_the_trl_option(model_dir, tmp_path, overrides, needle):
+    """A TRL option fused_rl refuses as out of range raises ``ValueError`` naming the GRPOConfig option and its
+    value (not only the ``PolicyLossConfig`` field it maps to, e.g. ``clip_low`` for ``epsilon``)."""
+    with pytest.raises(ValueError, match=needle):
         FusedGRPOTrainer(**_trainer(model_dir, tmp_path, **overrides))
 
 

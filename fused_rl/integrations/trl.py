@@ -38,7 +38,8 @@ log-ratio 0 in the correction and in the off-policy mask's KL, as TRL's ``nan_to
 
 Not supported (``NotImplementedError`` at construction, naming the option): the entropy bonus (``entropy_coef != 0``
 / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
-soft-capping or logit scaling, sequence-level cispo, sapo and vespo; multimodal inputs raise at the first step.
+soft-capping or logit scaling, sequence-level cispo, sapo and vespo, the vLLM correction with both clip bounds
+``None`` (TRL's unbounded ratio); multimodal inputs raise at the first step.
 A value out of fused_rl's range raises ``ValueError`` at construction, naming the GRPOConfig option (``epsilon``
 for ``PolicyLossConfig.clip_low`` and so on).
 """
@@ -95,6 +96,11 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
         problems.append("router_aux_loss_coef (MoE auxiliary loss)")
     if trainer.loss_type in ("cispo", "sapo", "vespo") and trainer.importance_sampling_level == "sequence":
         problems.append(f"importance_sampling_level='sequence' with loss_type={trainer.loss_type!r}")
+    if _vllm_is(trainer) and getattr(trainer, "vllm_importance_sampling_clip_min", None) is None \
+            and getattr(trainer, "vllm_importance_sampling_clip_max", 3.0) is None:
+        problems.append(f"vllm_importance_sampling_clip_min=None and vllm_importance_sampling_clip_max=None with "
+                        f"vllm_importance_sampling_mode={trainer.vllm_importance_sampling_mode!r} (the unbounded "
+                        f"ratio; fused_rl's rollout correction needs a bound)")
     problems += plain_lm_head_problems(_base_model(trainer.model).config)
     return problems
 
@@ -200,7 +206,10 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
         trainer._fused_rl_config = _loss_config(trainer)
     except ValueError as exc:  # name the GRPOConfig option, not only the PolicyLossConfig field it maps to
         field = re.search(r"PolicyLossConfig\.(\w+)", str(exc))
-        option = _TRL_OPTION_OF_FIELD.get(field.group(1)) if field else None
+        option = None
+        if field:  # the GRPOConfig option of another name, or of the same name (beta)
+            option = _TRL_OPTION_OF_FIELD.get(field.group(1), field.group(1))
+            option = option if hasattr(trainer.args, option) else None
         if option is None:
             raise
         value = getattr(trainer, option, getattr(trainer.args, option, None))
