@@ -243,14 +243,17 @@ class PolicyInputs:
         return self.advantages if self.is_weights is None else self.advantages * self.is_weights
 
 
-def _noting_cast(check: tuple[str, torch.Tensor], x: torch.Tensor,
-                 compute_dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-    """``check`` (run on ``x`` converted to ``compute_dtype``), its message saying so where the conversion can
-    overflow (fp64 values beyond fp32's range become inf)."""
-    msg, ok = check
-    if x.is_floating_point() and torch.finfo(x.dtype).max > torch.finfo(compute_dtype).max:
-        msg += f" (as {compute_dtype}, the dtype of the loss: {x.dtype} values beyond its range become inf)"
-    return msg, ok
+def _noting_cast(make_checks, x: torch.Tensor, converted: torch.Tensor,
+                 compute_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The checks ``make_checks(converted)`` of ``x`` converted to ``compute_dtype`` (what the loss reads). Where
+    the conversion can overflow (fp64 values beyond fp32's range become inf), each message says so when only the
+    conversion fails it (the raw ``x`` passes); a value bad already in ``x`` (a NaN) gets the plain message."""
+    checks = make_checks(converted)
+    if not (x.is_floating_point() and torch.finfo(x.dtype).max > torch.finfo(compute_dtype).max):
+        return checks
+    note = f" (as {compute_dtype}, the dtype of the loss: {x.dtype} values beyond its range become inf)"
+    return [entry for (msg, ok), (_, ok_raw) in zip(checks, make_checks(x.detach()))
+            for entry in ((msg, ok_raw), (msg + note, ok | ~ok_raw))]
 
 
 def _check_per_token(x: Optional[torch.Tensor], name: str, shape: tuple, device: torch.device,
@@ -372,13 +375,14 @@ def prepare_policy_inputs(
                    target_range_ok(targets, vocab, bool_mask))]
         if mask.dtype != torch.bool:
             checks.append(("mask must contain only 0 and 1", ((mask == 0) | (mask == 1)).all()))
-        checks.append(_noting_cast(advantages_check(adv, valid), advantages, compute_dtype))
+        checks += _noting_cast(lambda a: [advantages_check(a, valid)], advantages, adv, compute_dtype)
         for (x, name), converted in zip(per_token, (old, ref, rollout)):
             if x is not None:
-                checks += [_noting_cast(c, x, compute_dtype)
-                           for c in logprob_checks(converted, valid, name, unscored_nan=name == "rollout_logprobs")]
+                checks += _noting_cast(
+                    lambda y, name=name: logprob_checks(y, valid, name, unscored_nan=name == "rollout_logprobs"),
+                    x, converted, compute_dtype)
         if rollout_is_weights is not None:
-            checks.append(_noting_cast(weights_check(weights, valid), rollout_is_weights, compute_dtype))
+            checks += _noting_cast(lambda w: [weights_check(w, valid)], rollout_is_weights, weights, compute_dtype)
         if logits is not None and old_logprobs is None:
             checks.append(target_logit_check(logits, targets, valid))
         if isinstance(token_normalizer, torch.Tensor):

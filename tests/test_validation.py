@@ -606,6 +606,12 @@ def test_values_that_overflow_the_compute_dtype_are_refused(backend):
                                     args["mask"], backend=backend)
     out = call(backend, advantages=torch.tensor([1e30, -2.0], dtype=torch.float64))  # large, representable: fine
     assert torch.isfinite(out.loss)
+    nan = torch.full((2, 3), -1.0, dtype=torch.float64)
+    nan[0, 1] = float("nan")  # bad already in fp64: the plain message, without the note on the conversion
+    for kw, message in ((dict(old_logprobs=nan), "old_logprobs contain NaN or inf where mask is set"),
+                        (dict(advantages=nan[:, 1]), "advantages contain NaN or inf where mask is set")):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            call(backend, **kw)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
