@@ -41,6 +41,9 @@ class Shape:
     h: int = 0
     dtype: str = "fp32"
     batch: int = 8
+    #: sequence lengths uniform in ``[T/2, T]`` (about a quarter of the tokens masked); False: every token a
+    #: loss token (issues 3 and 4, whose byte / FLOP floors count every row)
+    ragged: bool = True
 
     @property
     def t(self) -> int:
@@ -53,15 +56,17 @@ class Shape:
 SHAPE_SETS = {
     "smoke": [Shape(n=256, v=1000, h=64)],
     "cpu": [Shape(n=n, v=32000, h=512) for n in (2048, 4096, 8192)],
-    "gpu": [Shape(n=16384, v=151936, h=0, dtype="bf16", batch=16),
-            Shape(n=8192, v=128256, h=4096, dtype="bf16", batch=8)],
+    "gpu": [Shape(n=16384, v=151936, h=0, dtype="bf16", batch=16, ragged=False),
+            Shape(n=8192, v=128256, h=4096, dtype="bf16", batch=8, ragged=False)],
 }
 
 
-def floor_bytes(op: str, mode: str, shape: Shape) -> int:
-    """Minimum bytes a logits op must move (read logits; write dlogits)."""
+def floor_bytes(op: str, mode: str, shape: Shape, loss_tokens: Optional[int] = None) -> int:
+    """Minimum bytes a logits op must move: read the rows it needs (policy_loss: the ``loss_tokens`` rows,
+    masked rows need no read), write dlogits (every row) in fwd+bwd."""
     size = DTYPES[shape.dtype].itemsize
-    return shape.n * shape.v * size * (2 if mode == "fwd+bwd" else 1)
+    read = loss_tokens if op == "policy_loss" and loss_tokens is not None else shape.n
+    return (read + (shape.n if mode == "fwd+bwd" else 0)) * shape.v * size
 
 
 def floor_flops(op: str, mode: str, shape: Shape) -> int:
@@ -84,6 +89,8 @@ def make_inputs(op: str, shape: Shape, device: str, seed: int = 0) -> dict:
     inputs["targets"] = torch.randint(0, shape.v, (b, t), **on)
     inputs["advantages"] = torch.randn(b, **on)
     lengths = torch.randint(t // 2, t + 1, (b,), **on)
+    if not shape.ragged:
+        lengths.fill_(t)  # after the draw: the later inputs stay those of the ragged case
     inputs["mask"] = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)
     inputs["old"] = -torch.rand(b, t, **on) * 5
     inputs["ref"] = inputs["old"] + 0.1 * torch.randn(b, t, **on)

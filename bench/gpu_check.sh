@@ -11,15 +11,16 @@
 #           built fails the build loudly), unless fused_rl._C imports and is newer than csrc/ and setup.py
 #           (a warm machine keeps an older build; a carried one may be for another Python); then a preflight line in the
 #           summary says whether the cuda and triton backends are usable (else their tests only skip)
-#   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening, variant, opcheck and linear fuzz
-#           tests (xdist)
-#   logits  bench/gpu_logits_bench.py: policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
+#   logits  bench/gpu_logits_bench.py (issue 3): policy_loss fwd+bwd, N=16384, V=151936, bf16, triton / cuda /
 #           torch / reference / liger; sweeps of the triton (block x warps, then loop order, cache hints,
 #           grid) and cuda (threads x blocks per SM, then unroll, sweep order, cache policy) launch knobs
 #   variants  bench/bench_variants.py on triton and cuda: single pass vs two-pass per variant
-#   linear  bench.report --set gpu --ops linear_policy_loss: N=8192, H=4096, V=128256, bf16
-#   linear_budget  bench/gpu_linear_budget.py: the tiled fused linear by tile budget, and its GEMMs alone
+#   linear_budget  bench/gpu_linear_budget.py (issue 4): the tiled fused linear by tile budget, and its GEMMs alone
+#   linear  bench.report --set gpu --ops linear_policy_loss --modes fwd+bwd: N=8192, H=4096, V=128256, bf16
 #   linear_profile  bench/gpu_linear_profile.py: torch.profiler of the tiled fused linear, kernel time by kind
+#   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening, variant, opcheck and linear fuzz
+#           tests (xdist); last, in the time the benchmarks leave (the caps add up to more than the budget, and
+#           the issues' rows must not be the ones cut)
 # GPU_CHECK_STEPS (default all): the steps to run among pytest, logits, variants, linear, linear_budget,
 # linear_profile
 # (wheels and build always run; e.g. GPU_CHECK_STEPS="logits linear_budget" for a short confirmation).
@@ -103,11 +104,7 @@ for name in ('numpy', 'transformers', 'liger_kernel', 'cut_cross_entropy'):
 cat "$SUMMARY"
 publish
 
-wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
-  -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
-  tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
-  tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py
-
+# the issue rows first (issues 3 and 4), the test suite after them
 wanted logits && TAIL=60 step logits 150 "$PY" bench/gpu_logits_bench.py "$WORK/logits"
 
 wanted variants && for backend in triton cuda; do
@@ -115,12 +112,17 @@ wanted variants && for backend in triton cuda; do
     --batch 16 --length 512 --vocab 151936 --repeat 3
 done
 
-wanted linear && TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops linear_policy_loss \
-  --impls reference,torch,triton,cuda,liger,cce,reference-compiled --repeats 3 --out "$WORK/linear"
-
 wanted linear_budget && TAIL=12 step linear_budget 70 "$PY" bench/gpu_linear_budget.py "$WORK/linear_budget"
 
+wanted linear && TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops linear_policy_loss --modes fwd+bwd \
+  --impls triton,cuda,reference,cce,liger,torch,reference-compiled --repeats 3 --out "$WORK/linear"
+
 wanted linear_profile && TAIL=45 step linear_profile 45 "$PY" bench/gpu_linear_profile.py "$WORK/linear_profile"
+
+wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
+  -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
+  tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
+  tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish

@@ -66,7 +66,8 @@ def main():
     dev = args.device
     small = dev == "cpu"
     shape = cases.Shape(n=args.n or (256 if small else 8192), v=args.vocab or (1000 if small else 128256),
-                        h=args.hidden or (64 if small else 4096), dtype="fp32" if small else "bf16")
+                        h=args.hidden or (64 if small else 4096), dtype="fp32" if small else "bf16",
+                        ragged=small)  # every token a loss token on the GPU, as gpu_linear_budget.py
     n, h, v, dtype = shape.n, shape.h, shape.v, cases.DTYPES[shape.dtype]
     backends = (args.backends or ("cpu" if small else "triton,cuda")).split(",")
     os.makedirs(args.out, exist_ok=True)

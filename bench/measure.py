@@ -43,8 +43,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_case(op: str, impl: str, mode: str, shape: Shape, device: str, repeats: int = 5) -> float:
+def time_case(op: str, impl: str, mode: str, shape: Shape, device: str, repeats: int = 5, info=None) -> float:
     inputs = make_inputs(op, shape, device)
+    if info is not None:
+        info["loss_tokens"] = int(inputs["mask"].sum())
     run = make_callable(op, impl, mode, inputs)
     run()
     _sync(device)

@@ -36,7 +36,7 @@ def run(set_name: str, ops, impls, modes, repeats: int, memory: bool, device: st
                         continue
                     row = describe(op, impl, mode, shape)
                     try:
-                        row["time_s"] = time_case(op, impl, mode, shape, device, repeats)
+                        row["time_s"] = time_case(op, impl, mode, shape, device, repeats, info=row)
                         if memory:
                             row["peak_extra_bytes"] = peak_extra_memory(op, impl, mode, shape, device)
                     except Exception as exc:  # one failing peer must not hide the rest; the table says why
@@ -55,7 +55,8 @@ def table(rows: list[dict], device: str) -> str:
     lines = ["| op | mode | shape | impl | time (ms) | vs reference | throughput | extra peak MiB | mem vs reference |",
              "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        shape = f"N={r['n']} V={r['v']}" + (f" H={r['h']}" if r["op"] == "linear_policy_loss" else "") + f" {r['dtype']}"
+        shape = f"N={r['n']} V={r['v']}" + (f" H={r['h']}" if r["op"] == "linear_policy_loss" else "")
+        shape += f" {r['dtype']}" + (f" ({r['loss_tokens']} loss tokens)" if "loss_tokens" in r else "")
         if "error" in r:
             lines.append(f"| {r['op']} | {r['mode']} | {shape} | {r['impl']} | failed: {r['error']} | | | | |")
             continue
@@ -63,11 +64,11 @@ def table(rows: list[dict], device: str) -> str:
         t = r["time_s"]
         speed = f"{base['time_s'] / t:.2f}x" if base else "-"
         from .cases import Shape
-        s = Shape(n=r["n"], v=r["v"], h=r["h"], dtype=r["dtype"], batch=r["batch"])
+        s = Shape(n=r["n"], v=r["v"], h=r["h"], dtype=r["dtype"], batch=r["batch"], ragged=r.get("ragged", True))
         if r["op"] == "linear_policy_loss":
             thr = f"{floor_flops(r['op'], r['mode'], s) / t / 1e12:.2f} TFLOP/s"
         else:
-            thr = f"{floor_bytes(r['op'], r['mode'], s) / t / 1e9:.1f} GB/s"
+            thr = f"{floor_bytes(r['op'], r['mode'], s, r.get('loss_tokens')) / t / 1e9:.1f} GB/s"
         mem = r.get("peak_extra_bytes")
         mem_s = f"{mem / 2**20:.1f}" if mem is not None else "-"
         ratio = "-"

@@ -28,7 +28,8 @@ def test_bench(benchmark, op, impl, mode, shape, device):
         pytest.skip("shape has no hidden size")
     if op != "linear_policy_loss" and shape.h and os.environ.get("FUSED_RL_BENCH_SET") == "gpu":
         pytest.skip("GPU linear shape is for the linear op only")
-    run = make_callable(op, impl, mode, make_inputs(op, shape, device))
+    inputs = make_inputs(op, shape, device)
+    run = make_callable(op, impl, mode, inputs)
     if device == "cuda":  # time the GPU work, not its launch
         launch = run
         run = lambda: (launch(), torch.cuda.synchronize())  # noqa: E731
@@ -36,7 +37,7 @@ def test_bench(benchmark, op, impl, mode, shape, device):
     if op == "linear_policy_loss":
         benchmark.extra_info["floor_flops"] = floor_flops(op, mode, shape)
     else:
-        benchmark.extra_info["floor_bytes"] = floor_bytes(op, mode, shape)
+        benchmark.extra_info["floor_bytes"] = floor_bytes(op, mode, shape, int(inputs["mask"].sum()))
     if measure_memory(op, mode) and not benchmark.disabled:
         benchmark.extra_info["peak_extra_bytes"] = peak_extra_memory(op, impl, mode, shape, device)
     benchmark.pedantic(run, rounds=3, warmup_rounds=1, iterations=1)
