@@ -115,10 +115,13 @@ struct F16 {
     const v8u h = __builtin_convertvector(h16, v8u);
     const v8u sign = (h & 0x8000u) << 16;
     const v8u em = h & 0x7fffu;
-    // normals and subnormals: reinterpret the shifted bits and rescale by 2^112 (exact)
-    const v8f mag = as_f(em << 13) * splat(5.192296858534828e33f);
+    // No fp32 subnormal is formed (a multiply of one reads 0 under DAZ, torch.set_flush_denormal, in the
+    // threads that have it): normals by rebiasing the exponent (15 -> 127), subnormals em * 2^-24 as
+    // (0.5 + em 2^-24) - 0.5, both exact.
+    const v8u normal = (em << 13) + 0x38000000u;
+    const v8u sub = as_u(as_f(em | 0x3f000000u) - splat(0.5f));
     const v8u special = (em << 13) | 0x7f800000u;  // inf / nan
-    const v8u bits = (em >= 0x7c00u) ? special : as_u(mag);
+    const v8u bits = (em >= 0x7c00u) ? special : ((em < 0x400u) ? sub : normal);
     return as_f(bits | sign);
   }
   static inline v8h to_bits(v8f f) {

@@ -151,6 +151,47 @@ def test_policy_ops_row_layouts(isa):
         native.policy_fwd_into(case.logits, torch.empty(1, 6, 300).expand(2, 6, 300), *args)
 
 
+def test_policy_fwd_keeps_a_reshaped_copy_alive(isa):
+    """A > 3-D input that cannot be viewed as ``(-1, T, V)`` is copied by the launcher; the copy was freed before
+    the kernel read it (38 MB here: above glibc's largest mmap threshold, so the read faulted, or read reused
+    memory: NaN log-probs). Now it lives through the call and the results are the contiguous input's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2, 4, 400_000, generator=g).transpose(0, 1)  # (2, 3, 4, V), not viewable as rows
+    targets = torch.randint(0, 400_000, (24,), generator=g)
+    adv, w = torch.randn(24, generator=g), torch.full((24,), 1 / 24)
+    from fused_rl.backends.torch_linear import config_literal
+
+    literal = config_literal(CONFIGS[1])
+    got = native.policy_fwd(x, targets, adv, None, None, None, w, literal)
+    want = native.policy_fwd(x.contiguous(), targets, adv, None, None, None, w, literal)
+    for a, b in zip(got, want):
+        assert torch.equal(a.reshape(b.shape), b)
+
+
+def test_fp16_subnormal_logits_under_flush_denormal(isa):
+    """``torch.set_flush_denormal(True)`` (DAZ / FTZ in the calling thread): the fp16 decoder rescaled an fp32
+    subnormal by ``2^112``, which DAZ read as 0, so subnormal fp16 logits became 0 on one thread (and not on
+    the pool's other threads). It builds the fp32 bits without a subnormal now: the fp64 reference's values on
+    1 and 2 threads."""
+    bits = torch.arange(1, 0x400, 16, dtype=torch.int16)[:64]  # positive fp16 subnormals
+    x = bits.view(torch.float16).reshape(1, 1, -1)
+    x = torch.cat([x, -x], 1)  # (1, 2, 64)
+    targets = torch.tensor([[63, 63]])
+    want = fused_rl.token_logprobs(x.double(), targets, return_entropy=True, backend="reference")
+    threads = torch.get_num_threads()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = fused_rl.token_logprobs(x, targets, return_entropy=True, backend="cpu")
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.double(), b, atol=1e-7, rtol=0)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+
+
 def test_inplace_ignored_for_leaf():
     case = make_case(batch=3, length=4, vocab=300, seed=2)
     x = case.logits.clone().requires_grad_(True)

@@ -199,9 +199,11 @@ def epilogue_params(config: PolicyLossConfig):
     return p
 
 
-def _policy_args(x, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost):
+def _policy_args(xr, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost):
+    """The kernel's arguments; ``xr`` is ``_rows(logits)[0]`` held by the caller until the kernel returns (above
+    3-D it may be a reshape copy: only its pointer goes into the tuple)."""
     config = _config_from_literal(config_literal)
-    xr, b, t, v, sb, st = _rows(x)
+    _, b, t, v, sb, st = _rows(xr)
     return (xr.data_ptr(), _DTYPE_CODES[xr.dtype], b, t, v, sb, st, targets.data_ptr(), _INDEX_CODES[targets.dtype],
             1.0 / config.temperature, adv.data_ptr(), _ptr(old), _ptr(ref), _ptr(rollout), w.data_ptr(),
             epilogue_params(config), logp.data_ptr(), ent.data_ptr(), out.data_ptr(), osb, ost,
@@ -214,7 +216,8 @@ def _run_policy(logits, out, osb, ost, targets, adv, old, ref, rollout, w, confi
     n = targets.numel()
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     ent = torch.empty(n, dtype=torch.float32, device=logits.device)
-    args = _policy_args(logits, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost)
+    x = _rows(logits)[0]  # kept alive through the call (a copy when a > 3-D input cannot be viewed as rows)
+    args = _policy_args(x, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost)
     if logits.is_cuda:
         with torch.cuda.device(logits.device):
             _C.cuda_policy_fused(*args, _stream(logits))
