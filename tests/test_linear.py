@@ -309,6 +309,38 @@ def test_chunk_rule(monkeypatch):
 
 @pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")
                                      if fused_rl.available_backends(torch.device("cpu"))[b] is None])
+@pytest.mark.parametrize("config", [CONFIGS[1], fused_rl.PolicyLossConfig(policy_loss="gspo")], ids=["token", "sequence"])
+def test_backward_allocates_no_zero_gradients_for_the_other_outputs(backend, config):
+    """The fused-linear loss returns its stored gradients in the backward; autograd materialized zero gradients
+    for its non-differentiable outputs first (``aten.zeros`` of ``(V, H)`` and ``(B, T, H)``: 2 GiB fp32 at
+    V = 128256, H = 4096, beyond the documented buffers). Logged with a dispatch mode: no ``zeros`` of those
+    shapes in the backward, on the tiled (token) and the two-pass (sequence) route."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.zeros = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "zeros" in str(func):
+                self.zeros.append(tuple(out.shape))
+            return out
+
+    case = make_linear_case(vocab=300, hidden_size=16, seed=3)
+    h = case.hidden.clone().requires_grad_(True)
+    w = case.weight.clone().requires_grad_(True)
+    out = fused_rl.linear_policy_loss(h, w, case.targets, case.advantages, case.mask, config=config, backend=backend,
+                                      **case.kwargs())
+    with Shapes() as log:
+        out.loss.backward()
+    assert not {tuple(h.shape), tuple(w.shape)} & set(log.zeros), log.zeros
+    assert h.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")
+                                     if fused_rl.available_backends(torch.device("cpu"))[b] is None])
 def test_memory_budget_argument_sets_the_tiles(backend, monkeypatch):
     """``memory_budget_bytes`` of the public functions reaches the tiles: 3 tokens a tile here (the tiled
     route's one fp32 ``(n, V)`` buffer; torch_linear's two, and the delegated / two-pass configs' too), and

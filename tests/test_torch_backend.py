@@ -43,6 +43,25 @@ def test_token_logprobs_grad_of_both_outputs(temperature):
     assert results["torch"][0][0, 0] == 0 and results["torch"][2][0, 0].abs().max() == 0
 
 
+def test_row_blocks_of_a_non_flat_view_are_views():
+    """``token_logprobs`` takes ``(..., V)`` logits: a 4-D (or higher) view that cannot be flattened was copied
+    whole (``reshape``) in the forward and again in the backward; its row blocks are views now, in row-major
+    order with the right first-row indices, and the results are the contiguous input's."""
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(3, 2, 4, 5, 37, generator=g)
+    x = base.transpose(0, 1)[:, :, 1:]  # (2, 3, 3, 5, 37): no (-1, V) view
+    blocks = list(torch_chunked._row_blocks(x))
+    assert len(blocks) > 1
+    assert all(b.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for _, b in blocks)
+    firsts = [first for first, _ in blocks]
+    assert firsts == [sum(b.shape[0] for _, b in blocks[:i]) for i in range(len(blocks))]
+    torch.testing.assert_close(torch.cat([b for _, b in blocks]), x.reshape(-1, 37), atol=0, rtol=0)
+    t = torch.randint(0, 37, x.shape[:-1], generator=g)
+    got, want = (fused_rl.token_logprobs(y, t, return_entropy=True, backend="torch") for y in (x, x.contiguous()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_gradcheck_float64():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)

@@ -61,12 +61,13 @@ def register_token_ops(stats_op, grad_op) -> None:
         ctx.temperature = temperature
         ctx.with_entropy = with_entropy
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused entropy output: g_entropy None, its term not computed
 
     def backward(ctx, g_logp, g_entropy, g_lse):
         logits, targets, entropy, lse = ctx.saved_tensors
         if g_logp is None:
             g_logp = lse.new_zeros(lse.shape[-1])
-        if not ctx.with_entropy:
+        if not ctx.with_entropy or g_entropy is None:
             entropy = g_entropy = None
         return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
 

@@ -269,10 +269,13 @@ def _setup_context(ctx, inputs, output):
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
     ctx.save_for_backward(gh, gw, gb, unit)
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, g_loss, *_):
     refuse_double_backward("tiled fused-linear policy")
+    if g_loss is None:
+        return (None,) * 17
     gh, gw, gb, unit = ctx.saved_tensors
     return torch_linear.scale_grads(ctx, g_loss * unit, (gh, gw, gb)) + (None,) * 14
 

@@ -28,20 +28,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _row_blocks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+def _row_blocks(logits: torch.Tensor, first: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
     """``(first_row, (n, V) view)`` blocks covering the leading dims in row-major order, without copying
     whenever the rows of each leading index are evenly strided (true for slices like ``logits[:, :-1]``)."""
     vocab = logits.shape[-1]
     try:
-        yield 0, logits.view(-1, vocab)
+        yield first, logits.view(-1, vocab)
         return
     except RuntimeError:
         pass
-    if logits.dim() == 3:
-        for b in range(logits.shape[0]):
-            yield b * logits.shape[1], logits[b]
-    else:
-        yield 0, logits.reshape(-1, vocab)
+    # not flat: split the first dim (a 2-D tensor with unit V stride always views, so this ends)
+    rows_per = logits[0].numel() // vocab if logits.shape[0] else 0
+    for b in range(logits.shape[0]):
+        yield from _row_blocks(logits[b], first + b * rows_per)
 
 
 def _chunks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

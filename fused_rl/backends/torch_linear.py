@@ -253,7 +253,9 @@ def _tile_dlogits(state, t, g_logp, g_ent, inv_tau: float) -> torch.Tensor:
     else:
         ge = (g_ent * inv_tau).unsqueeze(0)
         zs.sub_(state[3].unsqueeze(0)).mul_(ge.neg() * inv_s).sub_(gl * inv_s).mul_(e)
-        zs.masked_fill_(e == 0, 0.0)  # p = 0 (a -inf logit, zs = -inf): 0, not 0 * inf
+        rows = max(1, _DOT_BLOCK_ELEMENTS // e.shape[1])  # p = 0 (a -inf logit, zs = -inf): 0, not 0 * inf,
+        for start in range(0, e.shape[0], rows):          # with a block-sized mask, not a (V, n) one
+            zs[start:start + rows].masked_fill_(e[start:start + rows] == 0, 0.0)
     zs.scatter_add_(0, t.unsqueeze(0), gl)
     return zs
 
@@ -483,10 +485,13 @@ def _loss_setup_context(ctx, inputs, output):
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
     ctx.save_for_backward(gh, gw, gb)
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero (V, H) / (N, H) grads for the non-differentiable outputs
 
 
 def _loss_backward(ctx, g_loss, *_):
     refuse_double_backward("chunked fused-linear policy")
+    if g_loss is None:  # set_materialize_grads(False): nothing reached the loss
+        return (None,) * 17
     return scale_grads(ctx, g_loss) + (None,) * 14
 
 
@@ -615,11 +620,14 @@ def _stats_setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, bias, targets)
     ctx.args = (temperature, with_entropy, n_tile)
     ctx.has_bias = bias is not None
+    ctx.set_materialize_grads(False)  # an unused entropy output: g_entropy None, no entropy term recomputed
 
 
 def _stats_backward(ctx, g_logp, g_entropy):
     hidden, weight, bias, targets = ctx.saved_tensors
     temperature, with_entropy, n_tile = ctx.args
+    if g_logp is None and g_entropy is None:
+        return (None,) * 7
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = ctx.has_bias and ctx.needs_input_grad[2]
     if g_logp is None:
