@@ -937,6 +937,30 @@ def test_large_logits_cost_no_accuracy(backend, device, temperature, shift):
 
 
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
+def test_fp16_gradient_is_formed_after_the_loss_scale(backend, device):
+    """fp16 logits under a GradScaler-like scale (65536) with DAPO's token normalizer (4096): the single pass
+    stored ``dlogits = w_t (onehot - p)`` in fp16 in the forward, before the scale, so every entry below 6e-8
+    (most of a softmax tail) was 0 where the reference, scaling first, keeps it. fp16 logits with a gradient
+    take the two passes: the reference's nonzero pattern, and its values to fp16 rounding."""
+    g = torch.Generator().manual_seed(8)
+    rank = torch.arange(1, 1001, dtype=torch.float32)
+    row = (-1.1 * rank.log())[torch.randperm(1000, generator=g)]  # a Zipf-shaped softmax, as an LM's
+    logits = ((row + 0.3 * torch.randn(2, 4, 1000, generator=g)) * 2).half()
+    targets = torch.randint(0, 50, (2, 4), generator=g)
+    adv = torch.randn(2, 4, generator=g)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    grads = []
+    for be, dev in (("reference", "cpu"), (backend, device)):
+        x = logits.to(dev, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets.to(dev), adv.to(dev), mask.to(dev), backend=be, token_normalizer=4096.0)
+        (out.loss * 65536.0).backward()
+        grads.append(x.grad.cpu().float())
+    want, got = grads
+    assert ((want != 0) & (got == 0)).sum() == 0
+    torch.testing.assert_close(got, want, atol=0, rtol=2e-3)
+
+
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_a_huge_jump_of_the_row_max_keeps_the_entropy_finite(backend, device, temperature, small_triton_blocks):
     """A row whose running max jumps by ``2e37`` between vocabulary blocks (the CUDA kernel: between threads'

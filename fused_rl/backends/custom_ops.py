@@ -49,6 +49,16 @@ def writable_in_place(logits: torch.Tensor) -> bool:
     return not logits.is_leaf and (logits._base is None or not logits._base.is_leaf)
 
 
+def fp16_needs_two_passes(logits: torch.Tensor) -> bool:
+    """Whether a single-pass backend hands ``logits`` to the two-pass composition: fp16 logits with a gradient. The
+    single pass stores ``dlogits`` in the logits dtype in the forward, before the backward's ``grad_output``
+    (GradScaler's 65536) scales it: in fp16 every entry below ``6e-8`` (``w_t p_j`` of a softmax tail at
+    ``w_t = 1 / 4096``: nearly all of a 150k-vocabulary row) was already 0. The two passes form ``dlogits`` in
+    the backward from the scaled upstream gradient, in fp32, and round once, as the reference. bf16 has fp32's
+    range: single pass."""
+    return logits.dtype == torch.float16 and logits.requires_grad and torch.is_grad_enabled()
+
+
 def register_token_ops(stats_op, grad_op) -> None:
     @grad_op.register_fake
     def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):

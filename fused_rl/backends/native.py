@@ -40,7 +40,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs, _is_compiling, check_rows_disjoint
 from . import register, register_missing
 from .base import Backend
-from .custom_ops import register_stored_grad, register_token_ops, writable_in_place
+from .custom_ops import fp16_needs_two_passes, register_stored_grad, register_token_ops, writable_in_place
 from .tiled_linear import TiledLinearMethods
 from .torch_linear import _config_from_literal, config_literal
 
@@ -148,7 +148,8 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
 def _(logits, targets, temperature, with_entropy):
     n = targets.numel()
     f = torch.float32
-    return logits.new_empty(n, dtype=f), logits.new_empty(n if with_entropy else 0, dtype=f), logits.new_empty((2, n), dtype=f)
+    return (logits.new_empty(n, dtype=f), logits.new_empty(n if with_entropy else 0, dtype=f),
+            logits.new_empty((2, n), dtype=f))
 
 
 @torch.library.custom_op("fused_rl::native_token_grad", mutates_args=())
@@ -345,7 +346,8 @@ class NativeBackend(TiledLinearMethods, Backend):
 
     def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
                     compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
-        if not config.has_token_epilogue or not (torch.is_grad_enabled() and logits.requires_grad):
+        if not config.has_token_epilogue or not (torch.is_grad_enabled() and logits.requires_grad) \
+                or fp16_needs_two_passes(logits):
             return super().policy_loss(logits, inputs, config, compute_entropy, inplace)
         batch, length, _ = logits.shape
         mask = inputs.mask

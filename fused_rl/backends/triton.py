@@ -37,7 +37,7 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing, torch_linear
 from .base import Backend
-from .custom_ops import register_stored_grad, register_token_ops, writable_in_place
+from .custom_ops import fp16_needs_two_passes, register_stored_grad, register_token_ops, writable_in_place
 from .tiled_linear import TiledLinearMethods
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
@@ -231,8 +231,9 @@ class TritonBackend(TiledLinearMethods, Backend):
     def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
                     compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
         """Single pass for token-local configs (``config.has_token_epilogue``); the others (sequence
-        ratios and masks, the top-entropy quantile) fall back to the composition."""
-        if not config.has_token_epilogue:
+        ratios and masks, the top-entropy quantile) and fp16 logits with a gradient
+        (:func:`fp16_needs_two_passes`) fall back to the composition."""
+        if not config.has_token_epilogue or fp16_needs_two_passes(logits):
             return super().policy_loss(logits, inputs, config, compute_entropy, inplace)
         batch, length, _ = logits.shape
         mask = inputs.mask
