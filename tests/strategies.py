@@ -4,6 +4,7 @@ loss, ``test_linear_fuzz.py`` for the fused linear one)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from hypothesis import assume
@@ -71,3 +72,16 @@ def entropy_choice_is_a_tie(entropy, mask, config: PolicyLossConfig, tol: float)
     q = torch.quantile(h, 1.0 - config.top_entropy_quantile)
     near = (h - q).abs()
     return bool((h.diff() < tol).any() or ((near > 0) & (near < tol)).any())
+
+
+def ratio_at_a_bound(config: PolicyLossConfig, logp, old, mask, tol: float) -> bool:
+    """Whether a token's ratio ``r = exp(logp - old)`` lies within ``tol`` (in log space) of a threshold where the
+    loss or a clip-fraction metric switches (``1 - clip_low``, ``1 + clip_high``, cispo's cap ``clip_high``,
+    ``dual_clip``, ``delta``): two correct implementations whose log-probs agree to rounding may put it on either
+    side (a randomized fuzz example: 3.000004 vs the reference's 2.999999 at ``dual_clip = 3``), so the fuzz skips
+    such draws. On-policy (``old`` None) the ratio is exactly 1 on every backend."""
+    if old is None:
+        return False
+    bounds = [1.0 - config.clip_low, 1.0 + config.clip_high, config.clip_high, config.dual_clip, config.delta]
+    d = (logp.detach().double() - old.double())[mask]
+    return any(b is not None and b > 0 and bool(((d - math.log(b)).abs() < tol).any()) for b in bounds)

@@ -23,7 +23,7 @@ import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.backends import tiled_linear, torch_linear
 from helpers import fused_backends, on_device, supports
-from strategies import configs, entropy_choice_is_a_tie, fit_inputs
+from strategies import configs, entropy_choice_is_a_tie, fit_inputs, ratio_at_a_bound
 from test_linear import LinearCase, compare_linear
 
 CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
@@ -90,11 +90,12 @@ def test_linear_differential_fuzz(backend, device, dtype):
     def check(case, config, tile, gather, mode, frozen, normalizer, entropy):
         case = _fits(config, case)
         with torch.no_grad():
-            ref_entropy = fused_rl.reference.linear_token_logprobs(
+            ref_logp, ref_entropy = fused_rl.reference.linear_token_logprobs(
                 torch.nan_to_num(case.hidden.float()), case.weight.float(), case.targets,
                 bias=None if case.bias is None else case.bias.float(), temperature=config.temperature,
-                return_entropy=True, check_inputs=False)[1]
-        if entropy_choice_is_a_tie(ref_entropy, case.mask, config, 1e-5):
+                return_entropy=True, check_inputs=False)
+        if entropy_choice_is_a_tie(ref_entropy, case.mask, config, 1e-5) \
+                or ratio_at_a_bound(config, ref_logp, case.old, case.mask, 1e-5):
             return
         normalizer = normalizer if config.agg == "token-mean" else None  # the others refuse one
         saved = (tiled_linear.CHUNK_TOKENS, torch_linear.CHUNK_TOKENS, torch_linear.GATHER_VALID,
