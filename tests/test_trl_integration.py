@@ -384,6 +384,25 @@ def test_old_logprobs_are_the_loss_head_s_under_bf16_autocast(model_dir, tmp_pat
     assert metrics["clip_ratio/region_mean"][-1] == 0.0 and metrics["clip_ratio/high_max"][-1] == 0.0
 
 
+def _vllm_batch(trainer, lengths, g, tool_mask=None, accumulation=1):
+    """``(inputs, completion_mask, logp)``: four prompts of 3 tokens and completions of ``lengths`` (of 6) drawn
+    from ``g``, advantages ``[-1, 0.5, -0.3, 0.8]``, ``num_items_in_batch`` the loss tokens (``tool_mask`` applied)
+    times the ``accumulation`` steps, and the model's per-token log-probs of the completions."""
+    completion_mask = (torch.arange(6)[None] < torch.tensor(lengths)[:, None]).long()
+    inputs = dict(prompt_ids=torch.randint(3, 30, (4, 3), generator=g), prompt_mask=torch.ones(4, 3, dtype=torch.long),
+                  completion_ids=torch.randint(3, 30, (4, 6), generator=g) * completion_mask,
+                  completion_mask=completion_mask, advantages=torch.tensor([-1.0, 0.5, -0.3, 0.8]))
+    loss_tokens = completion_mask if tool_mask is None else completion_mask * tool_mask
+    if tool_mask is not None:
+        inputs["tool_mask"] = tool_mask
+    inputs["num_items_in_batch"] = loss_tokens.sum().float() * accumulation
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], completion_mask], 1), 6)
+    return inputs, completion_mask, logp
+
+
 def _trl_is_ratio(trainer, old, sampling, mask):
     """TRL's ``importance_sampling_ratio`` (``_generate_and_score_completions``; NaN sampling log-probs give a
     log-ratio 0)."""
@@ -413,16 +432,8 @@ def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction, loss_
     trainer.off_policy_mask_threshold = 0.1
     patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
     g = torch.Generator().manual_seed(0)
-    completion_mask = (torch.arange(6)[None] < torch.tensor([[6], [2], [4], [1]])).long()
-    inputs = dict(prompt_ids=torch.randint(3, 30, (4, 3), generator=g), prompt_mask=torch.ones(4, 3, dtype=torch.long),
-                  completion_ids=torch.randint(3, 30, (4, 6), generator=g) * completion_mask,
-                  completion_mask=completion_mask, advantages=torch.tensor([-1.0, 0.5, -0.3, 0.8]),
-                  num_items_in_batch=completion_mask.sum().float())
+    inputs, completion_mask, logp = _vllm_batch(trainer, [6, 2, 4, 1], g)
     model = trainer.model
-    with torch.no_grad():
-        logp, _, _ = trainer._get_per_token_logps_and_entropies(
-            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], completion_mask], 1), 6)
     sampling = (logp + 0.05 * torch.randn(logp.shape, generator=g)).clamp(max=0.0) * completion_mask
     sampling[0, 1] = float("nan")  # unscored, in the A < 0 sequence 0
     if correction:
@@ -498,17 +509,9 @@ def test_vllm_correction_modes_match_stock(model_dir, tmp_path, loss, mode):
     trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = 0.8, 1.2
     patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
     g = torch.Generator().manual_seed(0)
-    completion_mask = (torch.arange(6)[None] < torch.tensor([[6], [0], [4], [3]])).long()
     tool_mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1] * 6, [0, 1, 1, 1, 1, 1], [1] * 6])
-    inputs = dict(prompt_ids=torch.randint(3, 30, (4, 3), generator=g), prompt_mask=torch.ones(4, 3, dtype=torch.long),
-                  completion_ids=torch.randint(3, 30, (4, 6), generator=g) * completion_mask,
-                  completion_mask=completion_mask, tool_mask=tool_mask, advantages=torch.tensor([-1.0, 0.5, -0.3, 0.8]),
-                  num_items_in_batch=(completion_mask * tool_mask).sum().float() * 2)
+    inputs, completion_mask, logp = _vllm_batch(trainer, [6, 0, 4, 3], g, tool_mask=tool_mask, accumulation=2)
     model = trainer.model
-    with torch.no_grad():
-        logp, _, _ = trainer._get_per_token_logps_and_entropies(
-            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], completion_mask], 1), 6)
     sampling = (logp + 0.3 * torch.randn(logp.shape, generator=g)).clamp(max=0.0) * completion_mask
     sampling[0, 1] = float("nan")
     old = logp + 0.2 * torch.randn(logp.shape, generator=g) * completion_mask
