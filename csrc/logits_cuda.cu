@@ -346,7 +346,10 @@ __device__ void row_grad(const T* row, TO* out, int64_t V, float scale2, float i
   constexpr int VEC = E::kVec;
   const float cgl = g_logp * inv_tau, cge = g_ent * inv_tau;
   const GradCoef gc{scale2, m, l2s, H, cgl, cge, -(cge * H + cgl), -cge * kLn2};
-  const bool vectorized = ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0;
+  // out takes VEC values a store: 16 bytes, or 8 when TO is 16-bit and T fp32 (a V % 8 == 4 fp32 tile's odd rows)
+  constexpr uintptr_t out_align = sizeof(TO) * VEC;
+  const bool vectorized = (reinterpret_cast<uintptr_t>(row) & 15u) == 0 &&
+                          (reinterpret_cast<uintptr_t>(out) & (out_align - 1)) == 0;
   const int64_t nvec = vectorized ? V / VEC : 0, start = nvec * VEC;  // for_each_vector's part
   const int64_t tvec = tune.reverse ? nvec - 1 - target / VEC : target / VEC;  // its k: on thread k % blockDim
   const int64_t owner = target < start ? tvec % blockDim.x : (target - start) % blockDim.x;

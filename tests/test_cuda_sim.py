@@ -376,11 +376,12 @@ def test_offsets_beyond_int32(cuda_kernels):
     assert cuda_kernels.calls["cuda_token_stats"] == 1
 
 
-@pytest.mark.parametrize("vocab", [1024, 1003])
+@pytest.mark.parametrize("vocab", [1024, 1028, 1003])
 @pytest.mark.parametrize("odtype", [torch.bfloat16, torch.float16], ids=str)
 def test_16bit_dlogits_of_fp32_logits(cuda_kernels, odtype, vocab):
-    """The policy kernel reading fp32 logits and writing 16-bit dlogits (64-bit vector stores on aligned
-    rows): bitwise the fp32 kernel's dlogits rounded once (tests/test_native.py's test)."""
+    """The policy kernel reading fp32 logits and writing 16-bit dlogits (64-bit vector stores on rows whose
+    16-bit output is 8-byte aligned: every row at V = 1024 and 1028, whose odd output rows are not 16-byte
+    aligned; the emulation traps a misaligned one): bitwise the fp32 kernel's dlogits rounded once (tests/test_native.py's test)."""
     native_tests.test_policy_fwd_into_rounds_the_fp32_gradient_once(odtype, vocab, None)
     assert cuda_kernels.calls["cuda_policy_fused"] == 2
 
