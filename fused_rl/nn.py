@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .config import PolicyLossConfig
+from .config import IGNORE_INDEX, PolicyLossConfig
 from .loss_math import Normalizer
 from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
@@ -267,9 +267,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ``epsilon_high < 1`` (the weight cap itself, as TRL's; Liger's default 0.2 would cap every ratio at 0.2:
     pass e.g. ``epsilon_high=5.0``); ``delta <= 1 + epsilon_high`` (Liger: ``delta > 0``); ``delta`` with cispo,
     sapo or vespo (``ValueError``; Liger ignores it with sapo); ``beta < 0``; an ``attention_mask`` with values
-    other than 0 and 1 (Liger would weight the tokens by it). With ``use_ref_model=False`` the KL term is the
-    KL to the current policy (0, zero gradient), exactly as in Liger. ``ref_input``/``ref_weight``
-    compute the reference log-probs under ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
+    other than 0 and 1 (Liger would weight the tokens by it). A ``-100`` in ``selected_token_ids`` is no token (for
+    the loss and ``clip_ratio``). No tokens (``B == 0`` or ``T == 0``): loss 0, metrics 0, zero gradients, as
+    Liger. With ``use_ref_model=False`` the KL term is the KL to the current policy (0, zero gradient), exactly as in
+    Liger. ``ref_input``/``ref_weight`` compute the reference log-probs under ``no_grad`` with
+    :func:`fused_rl.linear_token_logprobs`.
     ``_input``, ``lin_weight`` and ``bias`` (and ``ref_input``, ``ref_weight``, ``ref_bias``) may differ in dtype
     (a bf16 hidden state and an fp32 ``lm_head``): the log-probs are computed in the widest of them (Liger: in
     ``_input``'s dtype, its logits rounded to it), each gradient comes back in its operand's dtype. Integer
@@ -279,7 +281,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     A setting assigned after construction (``loss_fn.beta = 0.0``) takes effect, as in Liger (which reads them at
     every ``forward``): :attr:`config` is rebuilt and validated when next read (the next ``forward``), so settings
     that depend on each other can be assigned in any order (``loss_type = "cispo"``, then ``epsilon_high = 5.0``);
-    an invalid combination raises there, naming the setting.
+    an invalid combination raises there, naming the setting. Invalid constructor arguments raise at construction,
+    except a missing ``max_completion_length`` of dr_grpo, which Liger needs at ``forward`` only.
 
     Extra keyword arguments: ``backend`` (default ``"auto"``), ``check_inputs``.
     """
@@ -326,7 +329,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
         self.backend = backend
         self.check_inputs = check_inputs
-        self._config: Optional[PolicyLossConfig] = self._build_config()  # bad arguments raise at construction
+        # bad arguments raise at construction, except dr_grpo's missing max_completion_length, which Liger asks for
+        # at forward only (it may be assigned after construction)
+        deferred = loss_type == "dr_grpo" and max_completion_length is None
+        self._config: Optional[PolicyLossConfig] = None if deferred else self._build_config()
 
     #: The settings :attr:`config` is built from: Liger reads them at every ``forward``, so assigning one after
     #: construction (``loss_fn.beta = 0.0``) marks the config for a rebuild (and validation) when next read.
@@ -399,6 +405,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         if vllm_is_ratio is not None and vllm_is_ratio.dim() == 2 and vllm_is_ratio.shape[1] == 1:
             vllm_is_ratio = vllm_is_ratio.squeeze(1)  # Liger's per-sequence (B, 1) form
         config = self.config
+        if isinstance(_input, torch.Tensor) and _input.dim() == 3 and _input.shape[0] * _input.shape[1] == 0:
+            return self._no_tokens(_input, lin_weight, bias, selected_token_ids, attention_mask)
         ref = None
         if config.kl is not None:
             ref = ref_per_token_logps
@@ -433,8 +441,23 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         metrics = []
         if self.beta != 0.0:
             metrics.append(out.metrics["kl_mean"])
-        metrics.append(self._clip_ratio(out, advantages, mask, old_per_token_logps))
+        scored = mask & (selected_token_ids != IGNORE_INDEX)  # the tokens the loss counts (-100: no token)
+        metrics.append(self._clip_ratio(out, advantages, scored, old_per_token_logps))
         return out.loss, tuple(metrics)
+
+    def _no_tokens(self, _input, lin_weight, bias, selected_token_ids, attention_mask):
+        """Liger's result for a micro-batch without tokens (``B == 0`` or ``T == 0``, e.g. a rank that dynamic
+        sampling left empty): loss 0 and metrics 0, with zero gradients for ``_input``, ``lin_weight`` and ``bias``
+        (in the graph, so that ``backward`` and DDP's gradient all-reduce run as on the other ranks)."""
+        for x, name in ((selected_token_ids, "selected_token_ids"), (attention_mask, "attention_mask")):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(_input.shape[:2]):
+                raise ValueError(f"{name} must have shape {tuple(_input.shape[:2])}, "
+                                 f"got {tuple(getattr(x, 'shape', ()))}")
+        params = [x for x in (_input, lin_weight, bias) if isinstance(x, torch.Tensor)]
+        # a sum over no elements: 0 whatever the parameters hold (0 * an inf weight would be NaN)
+        loss = sum(x.reshape(-1)[:0].sum() for x in params).to(torch.float32)
+        zero = torch.zeros((), dtype=torch.float32, device=_input.device)
+        return loss, tuple(zero.clone() for _ in range(2 if self.beta != 0.0 else 1))
 
     def _clip_ratio(self, out: PolicyLossOutput, advantages: torch.Tensor, mask: torch.Tensor,
                     old: Optional[torch.Tensor]) -> torch.Tensor:

@@ -494,3 +494,63 @@ def test_an_invalid_setting_assigned_after_construction_raises_when_read():
         loss_fn.config
     loss_fn.sapo_temperature_pos = 1.0
     assert loss_fn.config == config and loss_fn.config is loss_fn.config
+
+
+@pytest.mark.parametrize("ctor", [dict(loss_type="grpo"), dict(loss_type="dapo"),
+                                  dict(loss_type="cispo", epsilon_high=1.5),
+                                  dict(loss_type="grpo", importance_sampling_level="sequence")], ids=_ids)
+def test_clip_ratio_leaves_out_ignored_targets(ctor):
+    """A ``-100`` target inside the attention mask is no token for the loss, nor for ``clip_ratio``: with every ratio
+    ``e`` and ``A = (+1, -1)``, the three scored tokens of the ``A > 0`` row are clipped, 3 of the 7 scored (cispo
+    and the sequence level counted the ignored token as a clipped one: 4 / 8)."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 4, 8, generator=g), torch.randn(30, 8, generator=g)
+    targets = torch.randint(0, 30, (2, 4), generator=g)
+    with torch.no_grad():
+        old = torch.log_softmax(h @ w.T, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) - 1.0
+    targets[0, 0] = fused_rl.IGNORE_INDEX
+    _, metrics = FusedLinearGRPOLoss(beta=0.0, **ctor)(h, w, targets, torch.ones(2, 4), torch.tensor([1.0, -1.0]),
+                                                       old_per_token_logps=old)
+    assert metrics[-1].item() == pytest.approx(3 / 7, abs=1e-7)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("batch, length", [(0, 5), (2, 0)])
+def test_a_micro_batch_without_tokens_is_a_zero_loss(batch, length, beta):
+    """As Liger: no tokens (a rank that dynamic sampling left empty) give loss 0, metrics 0 and zero gradients of the
+    right shapes (so that ``backward`` and DDP's all-reduce run), even with an inf in the weight; a mismatched
+    mask still raises."""
+    h = torch.randn(batch, length, 8, requires_grad=True)
+    w = torch.randn(20, 8).index_fill_(0, torch.tensor([3]), float("inf")).requires_grad_(True)
+    b = torch.randn(20, requires_grad=True)
+    targets, mask = torch.zeros(batch, length, dtype=torch.long), torch.ones(batch, length)
+    loss, metrics = FusedLinearGRPOLoss(beta=beta)(h, w, targets, mask, torch.randn(batch), bias=b,
+                                                   ref_per_token_logps=torch.zeros(batch, length))
+    loss.backward()
+    assert loss.dtype == torch.float32 and loss.item() == 0.0 and [m.item() for m in metrics] == [0.0] * (
+        2 if beta else 1)
+    assert all(torch.equal(x.grad, torch.zeros_like(x)) for x in (h, w, b))
+    if liger_grpo is not None:
+        liger_loss, liger_metrics = liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, beta=beta)(
+            h.detach(), w.detach().nan_to_num(posinf=0.0), targets, mask, torch.randn(batch), bias=b.detach(),
+            ref_per_token_logps=torch.zeros(batch, length))
+        assert liger_loss.item() == 0.0 and len(liger_metrics) == len(metrics)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        FusedLinearGRPOLoss(beta=beta)(h, w, targets, torch.ones(batch + 1, length), torch.randn(batch))
+
+
+def test_dr_grpo_takes_its_max_completion_length_after_construction():
+    """Liger asks for dr_grpo's ``max_completion_length`` at ``forward`` only: constructing without it works, a
+    ``forward`` without it raises, and assigning it afterwards gives the loss of a module constructed with it."""
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=8)
+    loss_fn = FusedLinearGRPOLoss(loss_type="dr_grpo", beta=0.1)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        loss_fn(h, w, targets, mask, adv, bias=b, old_per_token_logps=old, ref_per_token_logps=ref)
+    loss_fn.max_completion_length = 9
+    got = loss_fn(h, w, targets, mask, adv, bias=b, old_per_token_logps=old, ref_per_token_logps=ref)[0]
+    assert loss_fn.config.max_len == 9
+    if liger_grpo is not None:
+        expected = liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, loss_type="dr_grpo", beta=0.1,
+                                                      max_completion_length=9)(
+            h, w, targets, mask, adv, bias=b, old_per_token_logps=old, ref_per_token_logps=ref)[0]
+        assert_close(got, expected, torch.float32, "loss")
