@@ -415,6 +415,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                     raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input and ref_weight")
                 ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids)
         mask = binary_mask(attention_mask, "attention_mask", self.check_inputs)
+        scored = mask  # the tokens the loss counts (-100: no token); mismatched ids raise in linear_policy_loss
+        if isinstance(selected_token_ids, torch.Tensor) and selected_token_ids.shape == mask.shape:
+            scored = mask & (selected_token_ids != IGNORE_INDEX)
         normalizer = None
         if self.loss_type in NUM_ITEMS_LOSS_TYPES:
             world = _world_size()
@@ -423,7 +426,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             elif num_items_in_batch is not None:  # a Python number stays one: under torch.compile a tensor made
                 n = float(num_items_in_batch)      # from it would be a constant of the graph, one graph per value
             else:
-                n = mask.sum().to(torch.float32)
+                n = scored.sum().to(torch.float32)
                 if world > 1:
                     n = n.clone()
                     torch.distributed.all_reduce(n)
@@ -441,7 +444,6 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         metrics = []
         if self.beta != 0.0:
             metrics.append(out.metrics["kl_mean"])
-        scored = mask & (selected_token_ids != IGNORE_INDEX)  # the tokens the loss counts (-100: no token)
         metrics.append(self._clip_ratio(out, advantages, scored, old_per_token_logps))
         return out.loss, tuple(metrics)
 

@@ -554,3 +554,19 @@ def test_dr_grpo_takes_its_max_completion_length_after_construction():
                                                       max_completion_length=9)(
             h, w, targets, mask, adv, bias=b, old_per_token_logps=old, ref_per_token_logps=ref)[0]
         assert_close(got, expected, torch.float32, "loss")
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo", "grpo"])
+def test_an_ignored_target_is_a_masked_token(loss_type):
+    """A ``-100`` target inside the attention mask gives the loss, metrics and gradients of the same token masked
+    out, the default normalizer of dapo / cispo / vespo (the token count) included: it counted the ignored token."""
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=3, length=5, vocab=50, seed=3)
+    mask = torch.ones_like(mask)
+    ignored, masked = targets.clone(), mask.clone()
+    ignored[2, 1], masked[2, 1] = fused_rl.IGNORE_INDEX, 0
+    ctor = dict(loss_type=loss_type, beta=0.04, epsilon_high=5.0 if loss_type == "cispo" else 0.2)
+    forward = dict(ref_per_token_logps=ref, old_per_token_logps=old)
+    got = _run_grpo_loss(FusedLinearGRPOLoss(**ctor), h, w, b, ignored, mask, adv, forward)
+    expected = _run_grpo_loss(FusedLinearGRPOLoss(**ctor), h, w, b, targets, masked, adv, forward)
+    assert torch.equal(got[0], expected[0]) and all(torch.equal(a, e) for a, e in zip(got[1], expected[1]))
+    assert all(torch.equal(a, e) for a, e in zip(got[2], expected[2]))

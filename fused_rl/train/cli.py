@@ -1,7 +1,7 @@
 """The ``fused-rl`` console script.
 
 * ``fused-rl train [--config FILE.yaml | NAME] [--key value ...]``: train (no arguments: the embedded default);
-* ``fused-rl eval RUN_DIR [--prompts N]``: greedy reward of the checkpointed policy on held-out prompts;
+* ``fused-rl eval RUN_DIR [--prompts N] [--device D]``: greedy reward of the checkpointed policy on held-out prompts;
 * ``fused-rl plot RUN_DIR [--out FILE.png]``: the reward / KL / entropy / length curves;
 * ``fused-rl info``: versions and available backends.
 """
