@@ -392,7 +392,7 @@ def main():
             r, h, p = knob_defaults
             for reverse, hints in ((not r, h), (r, not h), (not r, not h)):
                 run_triton(*bw, reverse=reverse, hints=hints)
-            for programs in (4 * sms, 8 * sms):
+            for programs in (sms, 2 * sms):  # the default runs 3 programs per SM (80 registers x 256 threads)
                 run_triton(*bw, programs=programs)
             # the other prefetch setting: at the best shape, at 16 warps over 16384 (one program per SM), and
             # with the grid capped at 1 and 2 programs per SM (rows in L2, the loads in flight from prefetch)
