@@ -15,6 +15,7 @@ computing something else).
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 from typing import Optional
 
@@ -24,7 +25,6 @@ from .config import IGNORE_INDEX, PolicyLossConfig
 from .loss_math import Normalizer
 from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
-from .validation import binary_mask
 
 #: TRL / Liger ``loss_type`` values fused_rl computes exactly.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -279,9 +279,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     naming Liger's argument (``old_per_token_logps``, ``vllm_is_ratio``, ``selected_token_ids``, ...).
 
     A setting assigned after construction (``loss_fn.beta = 0.0``) takes effect, as in Liger (which reads them at
-    every ``forward``): :attr:`config` is rebuilt and validated when next read (the next ``forward``), so settings
-    that depend on each other can be assigned in any order (``loss_type = "cispo"``, then ``epsilon_high = 5.0``);
-    an invalid combination raises there, naming the setting. Invalid constructor arguments raise at construction,
+    every ``forward``): :attr:`config` is rebuilt at the assignment, outside any compiled step (a ``beta`` that an
+    adaptive KL controller sets between compiled steps retraces: one graph per value, up to torch.compile's
+    recompile limit); settings that depend on each other can be assigned in any order (``loss_type = "cispo"``,
+    then ``epsilon_high = 5.0``): an invalid combination raises at the next ``forward`` (or read of ``config``),
+    naming the setting. Invalid constructor arguments raise at construction,
     except a missing ``max_completion_length`` of dr_grpo, which Liger needs at ``forward`` only.
 
     Extra keyword arguments: ``backend`` (default ``"auto"``), ``check_inputs``.
@@ -312,7 +314,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         check_inputs: bool = True,
     ) -> None:
         super().__init__()
-        self.beta = float(beta)
+        self.beta = beta
         self.compiled = compiled
         self.use_ref_model = use_ref_model
         self.chunk_size = chunk_size
@@ -329,28 +331,43 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
         self.backend = backend
         self.check_inputs = check_inputs
+        self._rebuild_config()
         # bad arguments raise at construction, except dr_grpo's missing max_completion_length, which Liger asks for
         # at forward only (it may be assigned after construction)
-        deferred = loss_type == "dr_grpo" and max_completion_length is None
-        self._config: Optional[PolicyLossConfig] = None if deferred else self._build_config()
+        if self._config is None and not (loss_type == "dr_grpo" and max_completion_length is None):
+            self._build_config()
 
     #: The settings :attr:`config` is built from: Liger reads them at every ``forward``, so assigning one after
-    #: construction (``loss_fn.beta = 0.0``) marks the config for a rebuild (and validation) when next read.
+    #: construction (``loss_fn.beta = 0.0``) rebuilds the config.
     _CONFIG_SETTINGS = frozenset((
         "beta", "use_ref_model", "epsilon_low", "epsilon_high", "loss_type", "max_completion_length",
         "importance_sampling_level", "temperature", "delta", "use_bias_correction_kl", "sapo_temperature_pos",
         "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
 
     def __setattr__(self, name, value) -> None:
-        super().__setattr__(name, float(value) if name == "beta" else value)
-        if name in self._CONFIG_SETTINGS:
-            self.__dict__["_config"] = None
+        if name in ("beta", "temperature") and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            value = float(value)  # a Python float: a numpy scalar is an array of unknown value in a compiled step
+        super().__setattr__(name, value)
+        if name in self._CONFIG_SETTINGS and "_config" in self.__dict__:  # (__init__ builds the first one)
+            self._rebuild_config()
+
+    def _rebuild_config(self) -> None:
+        """The config of the current settings, built at the assignment: outside any compiled step, so that it reaches
+        ``forward`` as a constant (built inside one, a setting that changed between steps, e.g. an adaptive KL
+        controller's ``beta``, is a symbolic float there, which no config can be validated on). Invalid settings
+        leave None, and :attr:`config` raises when read: settings that depend on each other may be assigned one at
+        a time, in any order."""
+        try:
+            config = self._build_config()
+        except (ValueError, NotImplementedError):
+            config = None
+        self.__dict__["_config"] = config
 
     @property
     def config(self) -> PolicyLossConfig:
-        """The :class:`~fused_rl.PolicyLossConfig` of the current settings (rebuilt after an assignment)."""
+        """The :class:`~fused_rl.PolicyLossConfig` of the current settings (rebuilt at each assignment of one)."""
         if self._config is None:
-            self._config = self._build_config()
+            return self._build_config()  # invalid settings: raises, naming them
         return self._config
 
     def _build_config(self):
@@ -414,7 +431,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 if ref_input is None or ref_weight is None:
                     raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input and ref_weight")
                 ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids)
-        mask = binary_mask(attention_mask, "attention_mask", self.check_inputs)
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+        # 0 / 1 values of a numeric mask are checked in linear_policy_loss's one batched host sync (Liger would weight
+        # tokens by other values)
+        mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
         scored = mask  # the tokens the loss counts (-100: no token); mismatched ids raise in linear_policy_loss
         if isinstance(selected_token_ids, torch.Tensor) and selected_token_ids.shape == mask.shape:
             scored = mask & (selected_token_ids != IGNORE_INDEX)
@@ -435,7 +456,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         if isinstance(advantages, torch.Tensor) and not advantages.is_floating_point():
             advantages = advantages.to(torch.float32)
         try:
-            out = linear_policy_loss(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,
+            out = linear_policy_loss(_input, lin_weight, selected_token_ids, advantages, attention_mask, bias=bias,
                                      old_logprobs=old_per_token_logps, ref_logprobs=ref, config=config,
                                      rollout_is_weights=vllm_is_ratio, token_normalizer=normalizer,
                                      backend=self.backend, compute_entropy=False, check_inputs=self.check_inputs)

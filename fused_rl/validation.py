@@ -194,6 +194,10 @@ def target_logit_check(logits: torch.Tensor, targets: torch.Tensor, valid: torch
 
 def check_temperature(temperature) -> None:
     """A finite real ``>= MIN_TEMPERATURE`` (Python or numpy scalar; not a bool or a tensor)."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(temperature, np.ndarray) and _is_compiling():
+        # torch.compile traces a numpy scalar as an array, whose value it does not know (a repr of it broke the graph)
+        _fail("temperature: torch.compile traces a numpy scalar as an array, of unknown value: pass a Python float")
     # comparisons, not math.isfinite: torch.compile traces them on a symbolic float (NaN fails both)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
             -math.inf < _real(temperature) < math.inf):

@@ -570,3 +570,19 @@ def test_an_ignored_target_is_a_masked_token(loss_type):
     expected = _run_grpo_loss(FusedLinearGRPOLoss(**ctor), h, w, b, targets, masked, adv, forward)
     assert torch.equal(got[0], expected[0]) and all(torch.equal(a, e) for a, e in zip(got[1], expected[1]))
     assert all(torch.equal(a, e) for a, e in zip(got[2], expected[2]))
+
+
+def test_liger_module_checks_its_inputs_in_one_host_sync(monkeypatch):
+    """An integer ``attention_mask`` (as TRL passes it): its 0 / 1 check joins ``linear_policy_loss``'s one batched
+    read of the value checks (it was a read of its own: two host syncs a step on CUDA)."""
+    import fused_rl.ops
+    import fused_rl.validation
+
+    reads, run = [], fused_rl.validation.run_value_checks
+    counting = lambda checks: (reads.append(len(checks)), run(checks))[1]  # noqa: E731
+    monkeypatch.setattr(fused_rl.validation, "run_value_checks", counting)
+    monkeypatch.setattr(fused_rl.ops, "run_value_checks", counting)
+    h, w, b, targets, mask, adv, old, ref = _linear_case(batch=2, length=5, vocab=50, seed=8)
+    FusedLinearGRPOLoss(beta=0.04)(h, w, targets, mask.long(), adv, bias=b, old_per_token_logps=old,
+                                   ref_per_token_logps=ref)
+    assert len(reads) == 1 and reads[0] > 1

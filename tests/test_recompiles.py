@@ -350,6 +350,66 @@ def test_new_temperature_traces(linear):
     assert _run_logprob_steps("torch", linear, shapes=[(2, 5)] * 3, temperatures=[0.7, 0.8, 0.9]) <= 3
 
 
+@pytest.mark.parametrize("linear", [False, True], ids=["token_logprobs", "linear_token_logprobs"])
+def test_numpy_scalar_temperature_argument_of_a_compiled_step(linear):
+    """A numpy-float temperature passed to a compiled step: dynamo traces it as an ``ndarray`` of unknown value (its
+    float is data-dependent, which no check can compare), so ``fullgraph=True`` raises saying to pass a Python float
+    (it raised ``repr() on tensor``); without ``fullgraph`` dynamo runs the call eagerly, where it is accepted."""
+    h, t, *_ = _step_inputs(0, 2, 5, "none", linear=linear)
+    args = (h, _weight(), t) if linear else (torch.randn(2, 5, VOCAB), t)
+    fn = fused_rl.linear_token_logprobs if linear else fused_rl.token_logprobs
+    expected = fn(*args, temperature=0.7, backend="torch")
+    _fresh()
+    with pytest.raises(Exception, match="pass a Python float"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(*args, temperature=np.float64(0.7), backend="torch")
+    got = torch.compile(fn, backend="aot_eager")(*args, temperature=np.float64(0.7), backend="torch")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_liger_module_numpy_temperature_traces():
+    """``FusedLinearGRPOLoss(temperature=np.float32(0.7))`` with ``ref_input``: the reference pass took the numpy
+    attribute into the compiled step (an ``ndarray`` there); the module keeps its float, as it does ``beta``'s."""
+    from fused_rl.nn import FusedLinearGRPOLoss
+
+    h, t, a, m, *_ = _step_inputs(0, 2, 5, "none", linear=True)
+    w = _weight()
+    loss_fn = FusedLinearGRPOLoss(beta=0.04, temperature=np.float32(0.7))
+    step = lambda h: loss_fn(h, w, t, m, a, ref_input=0.9 * h.detach(), ref_weight=w)[0]  # noqa: E731
+    _fresh()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(h)
+    _assert_same(got, step(h))
+    assert loss_fn.temperature == pytest.approx(0.7) and type(loss_fn.temperature) is float
+
+
+@pytest.mark.parametrize("setting, values", [("beta", [0.04, 0.05, 0.0, 0.06]), ("temperature", [1.0, 0.9, 0.8])])
+def test_liger_module_setting_changed_between_compiled_steps(setting, values):
+    """``FusedLinearGRPOLoss`` with a setting assigned between compiled steps (an adaptive KL controller's ``beta``, a
+    temperature schedule): one graph per value, equal to eager. The config was rebuilt lazily inside ``forward``,
+    i.e. in the traced step, where the changed float is symbolic: ``fullgraph=True`` raised at the second value."""
+    from fused_rl.nn import FusedLinearGRPOLoss
+
+    _fresh()
+    eager_fn, compiled_fn = FusedLinearGRPOLoss(), FusedLinearGRPOLoss()
+    compiled = torch.compile(lambda *args: compiled_fn(*args), fullgraph=True,
+                             backend=CompileCounterWithBackend("aot_eager"))
+    weight = _weight()
+    for i, value in enumerate(values):
+        setattr(eager_fn, setting, value)
+        setattr(compiled_fn, setting, value)
+        h, t, a, m, old, ref, _ = _step_inputs(i, 2, 5, "none", linear=True)
+        results = []
+        for f in (eager_fn, compiled):
+            leaves = [h.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+            loss, metrics = f(*leaves, t, m, a, None, ref, old)
+            loss.backward()
+            results.append([loss, *metrics, *(leaf.grad for leaf in leaves)])
+        assert len(results[0]) == len(results[1])
+        for got, expected in zip(results[1], results[0]):
+            _assert_same(got, expected)
+    _assert_no_graph_break()
+    assert _graphs() == len(values)
+
+
 def test_numpy_scalar_normalizer_traces():
     """A numpy-float normalizer (a ``numbers.Real`` eagerly) under ``fullgraph=True``: dynamo traces it as an
     ``ndarray``, which ``prepare_policy_inputs`` refused (and formatting the error broke the graph); it takes it as
