@@ -46,6 +46,9 @@ def check_flag(value, name: str) -> None:
     """A bool (Python's or numpy's): a string such as ``"no"`` is truthy, and ``inplace="no"`` wrote the gradient
     over the caller's logits."""
     np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray) and _is_compiling():
+        # torch.compile traces a numpy bool as an array, whose value it does not know (a repr of it broke the graph)
+        _fail(f"{name}: torch.compile traces a numpy bool as an array, of unknown value: pass a Python bool")
     if not isinstance(value, bool) and not (np is not None and isinstance(value, np.bool_)):
         _fail(f"{name} must be a bool, got {value!r}")
 

@@ -366,6 +366,16 @@ def test_numpy_scalar_temperature_argument_of_a_compiled_step(linear):
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_numpy_bool_flag_in_a_compiled_step():
+    """A numpy bool flag (accepted eagerly) in a ``fullgraph=True`` step: traced as an array of unknown value, it
+    raises saying to pass a Python bool (it raised ``repr() on tensor``)."""
+    x, t, a, m, *_ = _step_inputs(0, 2, 5, "none")
+    step = lambda x: fused_rl.policy_loss(x, t, a, m, compute_entropy=np.bool_(True), backend="torch").loss  # noqa
+    _fresh()
+    with pytest.raises(Exception, match="pass a Python bool"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+
+
 def test_liger_module_numpy_temperature_traces():
     """``FusedLinearGRPOLoss(temperature=np.float32(0.7))`` with ``ref_input``: the reference pass took the numpy
     attribute into the compiled step (an ``ndarray`` there); the module keeps its float, as it does ``beta``'s."""
