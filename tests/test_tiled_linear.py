@@ -124,6 +124,30 @@ def test_cpu_frozen_weight_allocates_no_weight_gradient(dtype, tiles, monkeypatc
 
 
 @needs_cpu
+@pytest.mark.parametrize("config", [c for c in CONFIGS if tiled_linear.runs_tiled(c)][:3], ids=cid)
+def test_cpu_without_gradients_runs_the_statistics_pass_alone(config, monkeypatch):
+    """Under ``no_grad`` the tiled cpu path reads each tile once for its statistics (``native_token_stats``) and
+    writes no dlogits over it (the single pass did, for nothing): the same loss, log-probs, entropy and metrics as
+    the call that wants gradients."""
+    from fused_rl.backends import native
+
+    case = make_linear_case(vocab=1000, seed=9)
+    kwargs = dict(bias=case.bias, old_logprobs=case.old, ref_logprobs=case.ref, config=config, backend="cpu")
+    args = (case.hidden, case.weight, case.targets, case.advantages, case.mask)
+    with_grad = fused_rl.linear_policy_loss(case.hidden.clone().requires_grad_(True), *args[1:], **kwargs)
+    calls = []
+    for name in ("token_stats", "policy_fwd_inplace", "policy_fwd_into"):
+        fn = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _fn=fn, _name=name: (calls.append(_name), _fn(*a))[1])
+    with torch.no_grad():
+        out = fused_rl.linear_policy_loss(*args, **kwargs)
+    assert calls == ["token_stats"]
+    assert torch.equal(out.loss, with_grad.loss.detach())
+    assert torch.equal(out.logprobs, with_grad.logprobs) and torch.equal(out.entropy, with_grad.entropy)
+    assert all(torch.equal(out.metrics[k], with_grad.metrics[k]) for k in with_grad.metrics)
+
+
+@needs_cpu
 def test_cpu_only_hidden_requires_grad_and_token_normalizer():
     case = make_linear_case(vocab=1000, bias=False, seed=4)
     h = case.hidden.clone().requires_grad_(True)

@@ -107,9 +107,13 @@ def runs_tiled(config: PolicyLossConfig) -> bool:
 def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
                    out: Optional[torch.Tensor] = None):
     """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile; dlogits written over it, or straight into
-    ``out`` if given (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``."""
+    ``out`` if given (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``. Without ``write_grad``
+    the statistics pass alone (one read of the tile, no write)."""
     from . import native
 
+    if not write_grad:
+        logp, ent, _ = native.token_stats(z.unsqueeze(0), targets, float(config.temperature), want_ent)
+        return logp, ent
     # (1, n, V) views: the ops take their output row strides from dims 0 and 1
     args = (targets, adv, old, ref, None, w, torch_linear.config_literal(config))
     if out is not None and write_grad:
