@@ -2,10 +2,13 @@
 # One-shot GPU check (H200 image: python3 3.12, torch 2.11 / CUDA 13 / triton 3.6, no liger-kernel).
 #
 #   bash bench/gpu_wheels.sh             # here, once: liger-kernel + cut-cross-entropy wheels into .whl/
-#   device run: command "bash bench/gpu_check.sh $OUT", carry [".whl"], timeout_s 600
+#   device run: command "bash bench/gpu_check.sh $OUT", carry [".whl"], timeout_s 600, kind "nvidia-h200"
+#   (without a kind the tool may start an H100, whose numbers do not compare with the issues' H200 goals)
 #
 # Steps (each under its own cap and one overall deadline, GPU_CHECK_BUDGET_S, default 560 s, so the
-# whole command ends inside the device tool's 600 s per call):
+# whole command ends inside the device tool's 600 s per call; the call's timeout_s must leave the
+# budget + 35 s: a step cut at the deadline gets SIGINT, then SIGKILL 15 s later; the running step
+# logs to OUTDIR/running_step.txt, so a hard kill of the whole command still returns what it printed):
 #   wheels  pip install --target of the carried .whl/*.whl (peers for the benchmarks), if present
 #   build   FUSED_RL_CUDA=1 setup.py build_ext --inplace (CPU + CUDA kernels; a CUDA part that cannot be
 #           built fails the build loudly), unless fused_rl._C imports and is newer than csrc/ and setup.py
@@ -57,8 +60,11 @@ step() {
     return
   fi
   local start=$SECONDS
-  timeout -s INT -k 15 "$limit" "$@" > "$WORK/$name.txt" 2>&1
+  # the running step logs under OUTDIR: a hard kill of the whole command (the device tool's limit_s) still
+  # returns what it printed; moved into WORK (the tarball) when it ends
+  timeout -s INT -k 15 "$limit" "$@" > "$OUTDIR/running_step.txt" 2>&1
   local rc=$?
+  mv "$OUTDIR/running_step.txt" "$WORK/$name.txt"
   {
     echo "== $name: exit $rc, $((SECONDS - start)) s (limit $limit s)"
     tail -n "${TAIL:-30}" "$WORK/$name.txt"
@@ -78,6 +84,8 @@ wanted() {
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 \
+    || echo "WARNING: not an H200: the issues' goals and runs 1-4 are on an H200 (device call: kind nvidia-h200)"
   nvcc --version 2>&1 | tail -1
 } > "$SUMMARY"
 

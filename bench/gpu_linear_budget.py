@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 
+if "--cpu-dry-run" in sys.argv:  # triton runs on the CPU only in its interpreter, chosen before triton's import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from anywhere
 
 import torch  # noqa: E402
@@ -49,6 +51,7 @@ def main():
     n, h, v = (16, 32, 300) if dry else (args.n, args.hidden, args.vocab)
     dev, native_backend = ("cpu", "cpu") if dry else ("cuda", "cuda")
     seq = min(n, 512)
+    n = (n // seq) * seq  # whole sequences: the tokens the inputs hold (the FLOP count and the GEMM floor use n)
     g = torch.Generator(device=dev).manual_seed(0)
     hidden = (torch.randn(n // seq, seq, h, device=dev, generator=g) * 0.5).to(torch.bfloat16)
     weight = (torch.randn(v, h, device=dev, generator=g) * h ** -0.5).to(torch.bfloat16)
@@ -129,9 +132,11 @@ def main():
                 peak = torch.cuda.max_memory_allocated() - base - v * h * 4  # beyond the fp32 dW buffer
             ms = time_ms(step)
             record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, ms=ms, tflops=flops / ms / 1e9,
+                        # issue 4's bound: under 1.5 GB beyond the fp32 weight-gradient buffer
                         peak_extra_beyond_fp32_dw_mib=peak / 2**20,
-                        # issue 4's bound: beyond the fp32 dW buffer and the returned bf16 x.grad and w.grad too
-                        peak_extra_beyond_dw_and_grads_mib=(peak - (v + n) * h * 2) / 2**20 if not dry else 0.0,
+                        issue4_memory_goal_met=bool(peak < 1.5e9) if not dry else None,
+                        # for information: net of the returned bf16 x.grad and w.grad too
+                        peak_extra_net_of_returned_grads_mib=(peak - (v + n) * h * 2) / 2**20 if not dry else 0.0,
                         tile_tokens=tiled_linear.chunk_tokens(n, v, torch.bfloat16, x.device, budget, mixed=True)))
         except Exception as exc:  # keep going
             record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, error=f"{type(exc).__name__}: {exc}"))

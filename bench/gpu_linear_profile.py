@@ -77,6 +77,14 @@ def main():
     report, lines = {}, [f"# fused linear profile: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, "
                          f"torch {torch.__version__}", f"N={n} H={h} V={v} {dtype}, {args.steps} steps of "
                          f"forward + backward per backend, device time per step", ""]
+
+    def write():  # after every backend: a step cut off by its cap keeps the backends it finished
+        with open(os.path.join(args.out, "linear_profile.json"), "w") as f:
+            json.dump(dict(n=n, hidden=h, vocab=v, dtype=str(dtype), torch=torch.__version__, results=report), f,
+                      indent=2)
+        with open(os.path.join(args.out, "linear_profile.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
     for backend in backends:
         x = inputs["hidden"].clone().requires_grad_(True)
         w = inputs["weight"].clone().requires_grad_(True)
@@ -99,6 +107,7 @@ def main():
         except Exception as exc:  # keep going: one failing backend must not lose the other
             report[backend] = dict(error=f"{type(exc).__name__}: {exc}")
             lines += [f"## {backend}: FAILED {type(exc).__name__}: {exc}", ""]
+            write()
             continue
         by_kind, by_name = collections.Counter(), collections.Counter()
         for name, us in device_events(prof, dev):
@@ -115,14 +124,11 @@ def main():
         lines += [f"| `{name[:110]}` | {us / 1e3:.3f} |" for name, us in by_name.most_common(12)]
         lines.append("")
         print(f"{backend}: {json.dumps(report[backend]['kinds_ms'])}", flush=True)
+        write()
         del x, w
         if dev == "cuda":
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "linear_profile.json"), "w") as f:
-        json.dump(dict(n=n, hidden=h, vocab=v, dtype=str(dtype), torch=torch.__version__, results=report), f,
-                  indent=2)
-    with open(os.path.join(args.out, "linear_profile.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write()
     print("\n".join(lines))
 
 

@@ -32,7 +32,10 @@ def run(set_name: str, ops, impls, modes, repeats: int, memory: bool, device: st
                 continue
             for mode in modes:
                 for impl in impls:
-                    if unavailable(IMPLS[impl], op, device):
+                    reason = unavailable(IMPLS[impl], op, device)
+                    if reason:
+                        if reason.endswith("is not installed"):  # a peer asked for: say why its row is missing
+                            print(f"skipped {impl} ({op}): {reason}", flush=True)
                         continue
                     row = describe(op, impl, mode, shape)
                     try:
