@@ -116,7 +116,7 @@ def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_
         return logp, ent
     # (1, n, V) views: the ops take their output row strides from dims 0 and 1
     args = (targets, adv, old, ref, None, w, torch_linear.config_literal(config))
-    if out is not None and write_grad:
+    if out is not None:
         return native.policy_fwd_into(z.unsqueeze(0), out.unsqueeze(0), *args)
     return native.policy_fwd_inplace(z.unsqueeze(0), *args)
 
