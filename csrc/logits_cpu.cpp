@@ -3,6 +3,7 @@
 #include "logits_cpu_impl.h"
 
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 namespace fused_rl {
@@ -29,7 +30,11 @@ bool use_avx2() {
 }
 }  // namespace
 
-void set_isa(int mode) { g_mode = mode; }
+// -1: the default again (FUSED_RL_CPU_ISA=baseline, else auto; read at the next call), 0: auto, 1: baseline
+void set_isa(int mode) {
+  if (mode < -1 || mode > 1) throw std::invalid_argument("cpu_set_isa: mode must be -1, 0 or 1");
+  g_mode = mode;
+}
 const char* isa_name() { return use_avx2() ? "avx2+fma" : "baseline"; }
 int max_threads() { return omp_get_max_threads(); }
 

@@ -28,7 +28,7 @@ def isa(request):
     """Run a test on the AVX2 build (when the CPU has it) and on the baseline build."""
     _C.cpu_set_isa(1 if request.param == "baseline" else 0)
     yield _C.cpu_isa()
-    _C.cpu_set_isa(0)
+    _C.cpu_set_isa(-1)  # the default again: FUSED_RL_CPU_ISA=baseline keeps the other tests on the baseline build
 
 
 # ------------------------------------------------------------------------------ policy_loss vs reference
@@ -44,6 +44,23 @@ def test_policy_loss_matches_reference(config, kind, dtype, vocab):
 def test_both_isa_builds(isa, dtype):
     for config in CONFIGS[:2]:
         compare_policy_loss("cpu", make_case(batch=3, length=5, vocab=4099, kind="peaked", dtype=dtype, seed=8), config)
+
+
+def test_isa_setting_returns_to_the_environment_default():
+    """``cpu_set_isa(-1)`` (the fixture's teardown) restores ``FUSED_RL_CPU_ISA=baseline``: the teardown's
+    ``cpu_set_isa(0)`` put every later test of a ``FUSED_RL_CPU_ISA=baseline`` run on the AVX2 build. A mode other
+    than -1, 0, 1 is refused (7 was taken as baseline)."""
+    import subprocess
+    import sys
+
+    code = ("from fused_rl import _C; a = _C.cpu_isa(); _C.cpu_set_isa(0); b = _C.cpu_isa(); _C.cpu_set_isa(-1); "
+            "print(a, b, _C.cpu_isa())")
+    env = {**os.environ, "FUSED_RL_CPU_ISA": "baseline"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    first, auto, again = out.split()
+    assert first == again == "baseline" and auto in ("avx2+fma", "baseline")
+    with pytest.raises(ValueError, match="mode must be -1, 0 or 1"):
+        _C.cpu_set_isa(7)
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=cfg_id)
