@@ -166,7 +166,8 @@ PYBIND11_MODULE(FRL_MODULE, m) {
     return false;
   }, py::arg("ptr"), py::arg("nbytes"), "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a buffer");
 
-  m.def("cpu_set_isa", &cpu::set_isa, py::arg("mode"), "-1: the default (FUSED_RL_CPU_ISA=baseline, else auto), 0: auto (AVX2 when available), 1: baseline build");
+  m.def("cpu_set_isa", &cpu::set_isa, py::arg("mode"),
+        "-1: the default (FUSED_RL_CPU_ISA=baseline, else auto), 0: auto (AVX2 when available), 1: baseline build");
   m.def("cpu_isa", &cpu::isa_name);
   m.def("cpu_max_threads", &cpu::max_threads);
 

@@ -381,7 +381,8 @@ def test_offsets_beyond_int32(cuda_kernels):
 def test_16bit_dlogits_of_fp32_logits(cuda_kernels, odtype, vocab):
     """The policy kernel reading fp32 logits and writing 16-bit dlogits (64-bit vector stores on rows whose
     16-bit output is 8-byte aligned: every row at V = 1024 and 1028, whose odd output rows are not 16-byte
-    aligned; the emulation traps a misaligned one): bitwise the fp32 kernel's dlogits rounded once (tests/test_native.py's test)."""
+    aligned; the emulation traps a misaligned one): bitwise the fp32 kernel's dlogits rounded once
+    (tests/test_native.py's test)."""
     native_tests.test_policy_fwd_into_rounds_the_fp32_gradient_once(odtype, vocab, None)
     assert cuda_kernels.calls["cuda_policy_fused"] == 2
 
