@@ -140,14 +140,19 @@ KERNELS = {"native": _native_kernel, "triton": _triton_kernel}
 
 
 # ------------------------------------------------------------------------------------ GEMMs
+def _mm_out_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b``: 16-bit operands read as they are, fp32 accumulation and output (cuBLAS)."""
+    if accumulate:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-    """``out (+)= a @ b`` into the fp32 ``out`` with 16-bit ``a``, ``b`` (mixed mode): cuBLAS with fp32
-    accumulation and output on CUDA; upcast emulation elsewhere (tests only)."""
+    """``out (+)= a @ b`` into the fp32 ``out`` with 16-bit ``a``, ``b`` (mixed mode): :func:`_mm_out_f32`
+    on CUDA; upcast emulation elsewhere (tests only)."""
     if a.is_cuda:
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        else:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        _mm_out_f32(a, b, out, accumulate)
         return
     a, b = a.float(), b.float()
     if accumulate:
