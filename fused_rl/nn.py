@@ -388,13 +388,23 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     @torch.no_grad()
     def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],
-                      targets: torch.Tensor) -> torch.Tensor:
+                      targets: torch.Tensor, lin_weight: torch.Tensor) -> torch.Tensor:
+        """The reference model's log-probs of ``targets``. Their value check (ids in ``[0, V)`` or -100) is left
+        to the policy pass, whose one batched host sync raises on them before anything is returned: here ids
+        out of range are read as 0 (no out-of-bounds read), so a step costs one host sync, not two."""
         ref_input, ref_weight, ref_bias = _widest(ref_input, ref_weight, ref_bias)
+        if isinstance(ref_weight, torch.Tensor) and isinstance(lin_weight, torch.Tensor) \
+                and ref_weight.dim() == lin_weight.dim() == 2 and ref_weight.shape[0] != lin_weight.shape[0]:
+            raise ValueError(f"ref_weight must have as many rows as lin_weight (the vocabulary, "
+                             f"{lin_weight.shape[0]}), got shape {tuple(ref_weight.shape)}")
+        if self.check_inputs and isinstance(targets, torch.Tensor) and isinstance(ref_weight, torch.Tensor) \
+                and targets.dtype in (torch.int32, torch.int64) and ref_weight.dim() == 2:
+            read = ((targets >= 0) & (targets < ref_weight.shape[0])) | (targets == IGNORE_INDEX)
+            targets = torch.where(read, targets, torch.zeros((), dtype=targets.dtype, device=targets.device))
         try:
             return linear_token_logprobs(ref_input.detach(), ref_weight.detach(),
                                          targets, bias=None if ref_bias is None else ref_bias.detach(),
-                                         temperature=self.temperature, backend=self.backend,
-                                         check_inputs=self.check_inputs)
+                                         temperature=self.temperature, backend=self.backend, check_inputs=False)
         except ValueError as exc:
             raise _liger_error(exc, _LIGER_REF_NAMES) from exc
 
@@ -430,7 +440,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             if ref is None:
                 if ref_input is None or ref_weight is None:
                     raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input and ref_weight")
-                ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids)
+                ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids, lin_weight)
         if not isinstance(attention_mask, torch.Tensor):
             raise ValueError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
         # 0 / 1 values of a numeric mask are checked in linear_policy_loss's one batched host sync (Liger would weight

@@ -586,3 +586,23 @@ def test_liger_module_checks_its_inputs_in_one_host_sync(monkeypatch):
     FusedLinearGRPOLoss(beta=0.04)(h, w, targets, mask.long(), adv, bias=b, old_per_token_logps=old,
                                    ref_per_token_logps=ref)
     assert len(reads) == 1 and reads[0] > 1
+    # the reference model's pass leaves the ids' check to the policy pass (it read them on its own: two syncs)
+    reads.clear()
+    FusedLinearGRPOLoss(beta=0.04)(h, w, targets, mask.long(), adv, bias=b, old_per_token_logps=old,
+                                   ref_input=h * 0.5, ref_weight=w, ref_bias=b)
+    assert len(reads) == 1 and reads[0] > 1
+
+
+@pytest.mark.parametrize("bad_id", [50, -1, 10**6])
+def test_out_of_range_ids_raise_with_a_reference_model(bad_id):
+    """With ``ref_input`` / ``ref_weight`` the reference pass reads bad ids as 0 (no out-of-bounds read) and the
+    policy pass's check raises naming them; a reference head of another vocabulary size raises too."""
+    h, w, b, targets, mask, adv, old, _ = _linear_case(batch=2, length=5, vocab=50, seed=8)
+    targets, mask = targets.clone(), mask.clone()
+    targets[1, 2], mask[1, 2] = bad_id, True  # ids where the mask is off are not read
+    loss = FusedLinearGRPOLoss(beta=0.04)
+    with pytest.raises(ValueError, match=r"selected_token_ids must be in \[0, 50\)"):
+        loss(h, w, targets, mask, adv, bias=b, old_per_token_logps=old, ref_input=h, ref_weight=w, ref_bias=b)
+    with pytest.raises(ValueError, match=r"ref_weight must have as many rows as lin_weight \(the vocabulary, 50\)"):
+        loss(h, w, targets.clamp(0, 39), mask, adv, bias=b, old_per_token_logps=old, ref_input=h,
+             ref_weight=w[:40], ref_bias=b[:40])
