@@ -85,6 +85,8 @@ def small(tmp_path, **kw):
     (["--algorithm", "dr_grpo", "--loss_options.agg", "token-mean"],
      ["loss_options", "'dr_grpo' fixes agg = 'seq-mean-token-sum-norm'", "advantage: dr_grpo"]),
     (["--device", "cuda:x"], ["device", "cuda[:N]"]),
+    (["--micro_batch_size", "1000"], ["micro_batch_size", "must be <= minibatch_size = 256"]),
+    (["--kl", "k4"], ["kl", "k3+"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:
@@ -231,6 +233,23 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="'device' = 'cuda': CUDA is not available"):
         Trainer(small(tmp_path, device="cuda"), quiet=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_a_backend_this_machine_cannot_run_is_a_config_error(tmp_path):
+    """``backend: cuda`` without a CUDA device: the CLI's one-line error (was a traceback)."""
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="config field 'backend' = 'cuda': backend 'cuda' "):
+        Trainer(small(tmp_path, backend="cuda"), quiet=True)
+
+
+def test_straight_through_kl_estimators_train(tmp_path):
+    """The loss's straight-through estimators (``k3+``: the k3 value, the k2 gradient) are trainer choices too."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, beta=0.05, kl="k3+", steps=1), quiet=True)
+    assert t.loss_config.kl == "k3+" and t.loss_config.beta == 0.05
 
 
 def test_any_seed_in_torchs_range_trains(tmp_path):
@@ -853,8 +872,22 @@ def test_dropout_is_off_and_eval_prompts_are_held_out(tmp_path):
     again, _ = t._logprobs(t.policy, batch)
     assert torch.equal(old, again)
     assert t.update(batch)["clip_frac"] == 0.0
-    held = {e["prompt"] for e in t.task.heldout(64)}
-    assert len(held) > 20 and not held & {e["prompt"] for e in t.task.sample(random.Random(0), 5000)}
+    held = [e["prompt"] for e in t.task.heldout(64)]
+    assert len(held) > 20 and not set(held) & {e["prompt"] for e in t.task.sample(random.Random(0), 5000)}
+
+
+@pytest.mark.parametrize("args, n, expected", [
+    (None, 64, 64),  # the default copy task: 108 held-out prompts (drawn with replacement: 64 were 47 distinct)
+    (None, 500, 108),  # all of them, once each
+    (dict(min_digits=1, max_digits=1), 64, 1),  # "0=" .. "9=": one held out
+])
+def test_heldout_prompts_are_distinct(args, n, expected):
+    from fused_rl.train.tasks import make_task
+
+    task = make_task("copy", args if args is not None else load_config(None).task_args)
+    prompts = [e["prompt"] for e in task.heldout(n)]
+    assert len(prompts) == len(set(prompts)) == expected
+    assert all(task.is_heldout(e) for e in task.heldout(n))
 
 
 _DDP_EVAL_REWARD = """

@@ -15,12 +15,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..config import KL_ESTIMATORS as LOSS_KL_ESTIMATORS
+
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "ppo")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gae")
 TRUNCATION = ("mask", "penalize", "none")
 SCHEDULES = ("cosine", "constant")
 DTYPES = ("float32", "bfloat16")
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
+#: the loss's estimators (``k3+`` and the other straight-through forms included)
+KL_ESTIMATORS = tuple(k for k in LOSS_KL_ESTIMATORS if k is not None)
 #: the largest finite float32: rewards are kept in float32
 FLOAT32_MAX = 3.4028234663852886e38
 #: torch.manual_seed's range (seeds derived from ``seed`` wrap around it)
@@ -329,6 +332,8 @@ class TrainConfig:
         self._resolve_paths()
         if self.resolved_minibatch > self.rollout_size or self.rollout_size % self.resolved_minibatch:
             fail("minibatch_size", f"must divide the rollout batch prompts_per_step * group_size = {self.rollout_size}")
+        if self.micro_batch_size > self.resolved_minibatch:
+            fail("micro_batch_size", f"must be <= minibatch_size = {self.resolved_minibatch} (0: the minibatch)")
         if self.resolved_minibatch % self.resolved_micro:
             fail("micro_batch_size", f"must divide minibatch_size = {self.resolved_minibatch}")
         if self.warmup_steps >= self.steps and self.warmup_steps > 0:

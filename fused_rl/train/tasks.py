@@ -224,7 +224,17 @@ class Task:
         return self._draw(rng, n, heldout=False)
 
     def heldout(self, n: int) -> list[dict]:
-        return self._draw(random.Random(10_000_019), n, heldout=True)
+        """Up to ``n`` *distinct* held-out prompts (fewer when the held-out space is smaller; a task with no
+        held-out prompt at all evaluates on training prompts, as before)."""
+        rng, out, seen = random.Random(10_000_019), [], set()
+        for _ in range(self.MAX_TRIES * n):
+            if len(out) == n:
+                break
+            example = self.make(rng)
+            if self.is_heldout(example) and example["prompt"] not in seen:
+                seen.add(example["prompt"])
+                out.append(example)
+        return out or self._draw(random.Random(10_000_019), n, heldout=False)
 
 
 class ReverseTask(Task):
