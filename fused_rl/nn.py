@@ -389,15 +389,17 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     @torch.no_grad()
     def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],
                       targets: torch.Tensor, lin_weight: torch.Tensor) -> torch.Tensor:
-        """The reference model's log-probs of ``targets``. Their value check (ids in ``[0, V)`` or -100) is left
-        to the policy pass, whose one batched host sync raises on them before anything is returned: here ids
-        out of range are read as 0 (no out-of-bounds read), so a step costs one host sync, not two."""
+        """The reference model's log-probs of ``targets``. Their value check (ids in ``[0, V)`` or -100 where the
+        mask is set) is left to the policy pass, whose one batched host sync raises on them before anything is
+        returned: here ids out of range are read as 0 (no out-of-bounds read, whatever ``check_inputs`` says:
+        padding ids where the mask is off are valid input, which the policy pass never reads), so a step costs
+        one host sync, not two."""
         ref_input, ref_weight, ref_bias = _widest(ref_input, ref_weight, ref_bias)
         if isinstance(ref_weight, torch.Tensor) and isinstance(lin_weight, torch.Tensor) \
                 and ref_weight.dim() == lin_weight.dim() == 2 and ref_weight.shape[0] != lin_weight.shape[0]:
             raise ValueError(f"ref_weight must have as many rows as lin_weight (the vocabulary, "
                              f"{lin_weight.shape[0]}), got shape {tuple(ref_weight.shape)}")
-        if self.check_inputs and isinstance(targets, torch.Tensor) and isinstance(ref_weight, torch.Tensor) \
+        if isinstance(targets, torch.Tensor) and isinstance(ref_weight, torch.Tensor) \
                 and targets.dtype in (torch.int32, torch.int64) and ref_weight.dim() == 2:
             read = ((targets >= 0) & (targets < ref_weight.shape[0])) | (targets == IGNORE_INDEX)
             targets = torch.where(read, targets, torch.zeros((), dtype=targets.dtype, device=targets.device))

@@ -603,6 +603,15 @@ def test_out_of_range_ids_raise_with_a_reference_model(bad_id):
     loss = FusedLinearGRPOLoss(beta=0.04)
     with pytest.raises(ValueError, match=r"selected_token_ids must be in \[0, 50\)"):
         loss(h, w, targets, mask, adv, bias=b, old_per_token_logps=old, ref_input=h, ref_weight=w, ref_bias=b)
+    # where the mask is off an id is not read: padding ids out of range are valid, check_inputs or not
+    targets[1, 2], mask[1, 2] = bad_id, False
+    expected = loss(h, w, targets.clamp(0, 49), mask, adv, bias=b, old_per_token_logps=old, ref_input=h, ref_weight=w,
+                    ref_bias=b)[0]
+    for check in (True, False):
+        got = FusedLinearGRPOLoss(beta=0.04, check_inputs=check)(h, w, targets, mask, adv, bias=b,
+                                                                 old_per_token_logps=old, ref_input=h,
+                                                                 ref_weight=w, ref_bias=b)[0]
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"ref_weight must have as many rows as lin_weight \(the vocabulary, 50\)"):
         loss(h, w, targets.clamp(0, 39), mask, adv, bias=b, old_per_token_logps=old, ref_input=h,
              ref_weight=w[:40], ref_bias=b[:40])
