@@ -39,6 +39,22 @@ def test_tracker_counts_allocations_until_freed(fake):
             del b
 
 
+def test_tracker_counts_storages_grown_in_place():
+    """``resize_`` and an ``out=`` of the wrong size allocate a new block (the old one freed after the copy)."""
+    with FakeTensorMode():
+        outside = torch.empty(0)
+        tracker = AllocationTracker()
+        with tracker:
+            ones = torch.ones(1 << 20)  # 4 MiB
+            torch.mul(ones, 2.0, out=outside)  # outside grows from 0 to 4 MiB
+            assert tracker.current == 8 * MIB
+            a = torch.empty(1 << 18)
+            a.resize_(1 << 20)
+            assert tracker.current == 12 * MIB and tracker.peak == 13 * MIB
+            del a
+            assert tracker.current == 8 * MIB
+
+
 def test_tracker_runs_a_custom_op_body_inside_the_mode():
     """The op's body allocations count (the fake kernel alone would allocate only the outputs)."""
     calls = []
@@ -64,7 +80,7 @@ def test_issue4_memory_bar_modelled_at_the_gpu_shape():
     a 16-bit copy of the weight gradient while the workspaces live (run 4's code: 2100 MiB on the H200)
     would not fit."""
     n, h, v = 8192, 4096, 128256
-    out = model_step(n, h, v, 1 << 30)
+    out = model_step(n, h, v)  # the route's own default budget on CUDA
     tile = tiled_linear.chunk_tokens(n, v, torch.bfloat16, torch.device("cuda"), 1 << 30, mixed=True)
     assert out["tile_tokens"] == tile == 1395
     floor = tile * v * 6 + n * h * 4

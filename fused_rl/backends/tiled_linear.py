@@ -148,10 +148,16 @@ def _mm_out_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
+def _native_mixed_gemms(device: torch.device) -> bool:
+    """Whether ``device`` runs :func:`_mm_out_f32` natively (cuBLAS); the tiled route's device decisions are
+    each a function of the device (``bench/linear_memory_model.py`` models CUDA through them)."""
+    return device.type == "cuda"
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
     """``out (+)= a @ b`` into the fp32 ``out`` with 16-bit ``a``, ``b`` (mixed mode): :func:`_mm_out_f32`
     on CUDA; upcast emulation elsewhere (tests only)."""
-    if a.is_cuda:
+    if _native_mixed_gemms(a.device):
         _mm_out_f32(a, b, out, accumulate)
         return
     a, b = a.float(), b.float()
