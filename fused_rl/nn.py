@@ -253,10 +253,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     ``loss_type="sapo"`` (with ``sapo_temperature_pos/neg``; its ``clip_ratio`` is 0, as in Liger), ``"vespo"``
     (with ``vespo_k_pos`` ... ``vespo_lambda_neg``; ``clip_ratio`` 0, as in Liger), ``"luspo"`` at
-    ``importance_sampling_level="sequence"`` with ``beta=0`` and ``delta`` (two-sided clip of grpo / bnpo /
-    dr_grpo / dapo / luspo) are tested equal to Liger. luspo otherwise follows TRL 1.16 (the sum of each
-    sequence's masked token losses, mean over sequences): Liger 0.8.5 also sums the padding positions' token
-    losses (weighted by the sequence length) where they differ from the sequence's (token level, the KL term).
+    ``importance_sampling_level="sequence"`` with ``beta=0`` and no per-token ``vllm_is_ratio``, and ``delta``
+    (two-sided clip of grpo / bnpo / dr_grpo / dapo / luspo) are tested equal to Liger. luspo otherwise follows
+    TRL 1.16 (the sum of each sequence's masked token losses, mean over sequences): Liger 0.8.5 also sums the
+    padding positions' token losses (weighted by the sequence length) where they differ from the sequence's
+    (token level, the KL term, a ``(B, T)`` ``vllm_is_ratio``).
     Arguments that are accepted and have no effect on the result: ``compiled``, ``chunk_size`` (fused_rl
     picks its own chunking), the sapo parameters unless ``loss_type="sapo"``, the vespo ones unless ``"vespo"``.
     ``vllm_is_ratio`` (``(B, T)`` or ``(B, 1)``, the importance weights TRL computes against vLLM) multiplies

@@ -32,7 +32,8 @@ as TRL), ``delta``, ``top_entropy_quantile`` (its threshold over every
 process's entropies, gathered as TRL's ``get_high_entropy_mask`` gathers them), ``off_policy_mask_threshold``
 (against ``inputs["sampling_per_token_logps"]`` when vLLM provides them, else the old log-probs) and
 ``vllm_importance_sampling_correction`` (every mode, ``clip_min`` / ``clip_max``; fused_rl recomputes
-TRL's ratio from the old and sampling log-probs; a NaN sampling log-prob, a token vLLM could not score, has
+TRL's ratio from the old and sampling log-probs, its log clamped to ``[-20, 20]`` (verl's safety bound, where TRL
+has none: docs/migration.md); a NaN sampling log-prob, a token vLLM could not score, has
 log-ratio 0 in the correction and in the off-policy mask's KL, as TRL's ``nan_to_num``). ``delta`` must exceed
 ``1 + epsilon_high`` (``NotImplementedError`` otherwise).
 
