@@ -146,7 +146,8 @@ class TrainConfig:
     correct_threshold: float = 1.0
     num_iterations: int = 1
     minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole rollout batch
-    micro_batch_size: int = 0  # sequences per forward/backward; 0 = minibatch_size
+    micro_batch_size: int = 0  # sequences per forward/backward, at most (a preset's bound holds for a smaller
+    # minibatch: clamped to it); 0 = minibatch_size
     lr: float = 3e-3
     weight_decay: float = 0.0
     adam_betas: list = field(default_factory=lambda: [0.9, 0.99])
@@ -332,8 +333,6 @@ class TrainConfig:
         self._resolve_paths()
         if self.resolved_minibatch > self.rollout_size or self.rollout_size % self.resolved_minibatch:
             fail("minibatch_size", f"must divide the rollout batch prompts_per_step * group_size = {self.rollout_size}")
-        if self.micro_batch_size > self.resolved_minibatch:
-            fail("micro_batch_size", f"must be <= minibatch_size = {self.resolved_minibatch} (0: the minibatch)")
         if self.resolved_minibatch % self.resolved_micro:
             fail("micro_batch_size", f"must divide minibatch_size = {self.resolved_minibatch}")
         if self.warmup_steps >= self.steps and self.warmup_steps > 0:
