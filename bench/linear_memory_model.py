@@ -115,7 +115,7 @@ class AllocationTracker(TorchDispatchMode):
         self.current += after - before
 
 
-def _kernel_stand_in(z, targets, adv, w, old, ref, config, want_ent, write_grad, out=None):
+def _kernel_stand_in(z, targets, adv, w, old, ref, rollout, config, want_ent, write_grad, out=None):
     """What a tile's single-pass kernel allocates: its ``(n,)`` log-probs and entropies (empty without)."""
     n = z.shape[0]
     return z.new_empty(n), z.new_empty(n if want_ent else 0)

@@ -4,10 +4,13 @@
 interpreter on CPU tensors: its shapes stay tiny (B*T <= 24, V <= 1000); with one, the triton and
 cuda tests run on CUDA tensors (16-bit inputs then take the real mixed GEMM mode)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import fused_rl
+from fused_rl import PolicyLossConfig
 from fused_rl.backends import get_backend, tiled_linear, torch_linear
 from helpers import CONFIGS, on_device
 from test_linear import _leaves, assert_close, compare_linear, make_linear_case, opcheck_args
@@ -92,12 +95,39 @@ def test_cpu_tile_boundaries(config, tiles, kernel_calls):
 @pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_cpu_variants(name, tiles, kernel_calls):
-    """The #10 variants: those with a token epilogue and no rollout correction run tiled, the others
-    (rollout corrections, masks, sequence ratios, ...) are delegated to torch_linear."""
+    """The #10 variants: those with a token epilogue (token rollout correction included) run tiled, and a
+    sequence rollout correction off-policy (its weights folded into the advantages); the others (masks, sequence
+    ratios, ...) are delegated to torch_linear."""
     config = VARIANTS[name]
     case = make_linear_case(batch=5, length=7, vocab=1000, seed=len(name))
     compare_linear(with_extras(case, config), config, backend="cpu")
-    assert bool(kernel_calls) == tiled_linear.runs_tiled(config)
+    assert bool(kernel_calls) == tiled_linear.runs_tiled(config, off_policy=True)
+    assert tiled_linear.runs_tiled(config) == (config.has_token_epilogue or name == "mis_sequence")
+
+
+@needs_cpu
+@pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
+@pytest.mark.parametrize("rollout_is", ["token_mask", "token_truncate", "sequence_mask", "sequence_truncate"])
+@pytest.mark.parametrize("on_policy", [True, False], ids=["on_policy", "off_policy"])
+def test_cpu_rollout_correction(rollout_is, on_policy, tiles, kernel_calls):
+    """Rollout correction on the tiled route: token level in the kernel (on- and off-policy: on-policy the weight
+    reads the current log-prob), sequence level off-policy folded into the advantages; sequence level on-policy
+    needs a sequence's current log-probs first, so torch_linear runs it. Rollout log-probs near the policy's
+    (weights on both sides of the bounds), NaN (unscored) at some tokens."""
+    config = PolicyLossConfig(rollout_is=rollout_is, rollout_is_min=0.7, rollout_is_max=1.4, kl="k3", beta=0.05,
+                              clip_high=0.28, agg="seq-mean-token-mean")
+    case = make_linear_case(batch=5, length=7, vocab=1000, seed=3, spread=0.2)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        lp = fused_rl.reference.linear_token_logprobs(case.hidden, case.weight, case.targets, bias=case.bias,
+                                                      check_inputs=False)
+    rollout = (lp + 0.1 * torch.randn(lp.shape, generator=g)).clamp(max=0.0)
+    rollout[torch.rand(lp.shape, generator=g) < 0.15] = float("nan")
+    case = dataclasses.replace(case, old=None if on_policy else case.old, rollout=rollout)
+    compare_linear(case, config, backend="cpu")
+    tiled = rollout_is.startswith("token") or not on_policy
+    assert tiled_linear.runs_tiled(config, off_policy=not on_policy) == tiled
+    assert bool(kernel_calls) == tiled
 
 
 @needs_cpu
@@ -275,7 +305,7 @@ def test_op_passes_opcheck(mixed, dtype, need):
     if mixed and dtype == torch.float32:
         pytest.skip("the mixed mode is for 16-bit inputs")
     h, w, b, targets, adv, valid, weights, old, ref, literal = opcheck_args(dtype)
-    args = (h, w, b, targets, adv, valid, weights, old, ref, literal, True, *need, 7, "native", mixed)
+    args = (h, w, b, targets, adv, valid, weights, old, ref, None, literal, True, *need, 7, "native", mixed)
     torch.library.opcheck(tiled_linear.tiled_linear_policy_loss_op, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -294,15 +324,16 @@ def test_triton_matches_reference(config, tiles, kernel_calls):
 @on_gpu
 @needs_triton
 @pytest.mark.parametrize("tiles", ["small"], indirect=True)
-@pytest.mark.parametrize("name", ["sapo", "delta", "k3+", "k1+", "tis_token"])
+@pytest.mark.parametrize("name", ["sapo", "delta", "k3+", "k1+", "tis_token", "mis_sequence"])
 def test_triton_token_local_variants(name, tiles, kernel_calls):
-    """sapo, delta, the "+" estimators with kl_bias_correction run tiled on the triton kernel; token
-    rollout correction is delegated to torch_linear."""
+    """sapo, delta, the "+" estimators with kl_bias_correction, token rollout correction (the kernel reads the
+    rollout log-probs) and a sequence one off-policy (folded into the advantages) run tiled on the triton
+    kernel."""
     config = VARIANTS[name]
     case = make_linear_case(batch=4, length=5, vocab=300, seed=len(name))
     compare_linear(with_extras(on_device(case, GPU), config), config, backend="triton")
     assert all(k == "triton" for k, _ in kernel_calls)
-    assert bool(kernel_calls) == (config.rollout_is is None) == tiled_linear.runs_tiled(config)
+    assert kernel_calls and tiled_linear.runs_tiled(config)
 
 
 @on_gpu

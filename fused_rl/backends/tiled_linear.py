@@ -12,11 +12,13 @@ Per tile of ``n`` tokens, into one reused ``(n, V)`` fp32 workspace ``z``::
 
 The kernels are the ones behind ``policy_loss`` (``kernels/logits.py::policy_fused``,
 ``csrc/policy_epilogue.h``), so the math has no new copy. The loss is token-local for the configs
-they cover (:func:`runs_tiled`: ``config.has_token_epilogue`` without rollout correction), so each
+they cover (:func:`runs_tiled`: ``config.has_token_epilogue``, token-level rollout correction included, the
+kernels reading the rollout log-probs; and a sequence-level rollout correction off-policy, whose weights
+depend on the old and rollout log-probs alone and fold into the advantages), so each
 tile's gradient is exact as soon as its logits exist: one pass, three GEMMs in all, gradients
 computed in the forward, and the backward only scales them by ``grad_output``. Other configs
-(sequence- and batch-level variants, rollout corrections, ...) and ``linear_token_logprobs`` go to
-:mod:`fused_rl.backends.torch_linear`.
+(sequence- and batch-level variants, sequence rollout correction on-policy, ...) and ``linear_token_logprobs``
+go to :mod:`fused_rl.backends.torch_linear`.
 
 Tiles, masked tokens, the gradient buffers (no weight-gradient buffer for a frozen weight; the
 first tile writes it, no zero fill) and the fp32 upcast of 16-bit inputs are torch_linear's
@@ -51,12 +53,13 @@ autograd, so ``torch.compile(fullgraph=True)`` sees one opaque call.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from ..config import IGNORE_INDEX, PolicyLossConfig
-from ..loss_math import aggregation_weights, metrics, per_token_loss
+from ..loss_math import aggregation_weights, metrics, per_token_loss, rollout_weights
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import torch_linear
@@ -98,14 +101,32 @@ def chunk_tokens(num_tokens: int, vocab: int, dtype: torch.dtype, device: torch.
 
 
 # ------------------------------------------------------------------------------------ the kernels
-def runs_tiled(config: PolicyLossConfig) -> bool:
-    """Whether ``config`` takes the tiled single-pass route: a token epilogue and no rollout
-    correction (whose per-token rollout log-probs the tiles do not carry; torch_linear computes it)."""
-    return config.has_token_epilogue and config.rollout_is is None
+def runs_tiled(config: PolicyLossConfig, off_policy: bool = True) -> bool:
+    """Whether ``config`` takes the tiled single-pass route: a token epilogue (token-level rollout correction
+    included: the kernels read the rollout log-probs), or, ``off_policy`` (old log-probs given), a sequence-level
+    rollout correction around one (its weights, from the old and rollout log-probs alone, fold into the
+    advantages: :func:`_fold_sequence_rollout`). On-policy, a sequence's weight needs its current log-probs."""
+    if config.has_token_epilogue:
+        return True
+    return off_policy and config.rollout_is is not None and _without_rollout(config).has_token_epilogue
 
 
-def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
-                   out: Optional[torch.Tensor] = None):
+def _without_rollout(config: PolicyLossConfig) -> PolicyLossConfig:
+    return dataclasses.replace(config, rollout_is=None)
+
+
+def _fold_sequence_rollout(config: PolicyLossConfig, inputs: PolicyInputs) -> tuple[PolicyLossConfig, torch.Tensor]:
+    """The kernel config and advantages of a sequence-level rollout correction off-policy: ``w`` of
+    :func:`loss_math.rollout_weights` (``rho = exp(sum_t m (old - rollout))`` truncated or masked, detached, a
+    function of the old and rollout log-probs only) multiplies the policy term alone, which is positively
+    homogeneous in ``A`` (``PolicyInputs.kernel_advantages``): the kernel runs the config without the correction
+    on ``A w``."""
+    w = rollout_weights(inputs.old, inputs.rollout, inputs.mask, config)[1]
+    return _without_rollout(config), inputs.kernel_advantages * w
+
+
+def _native_kernel(z, targets, adv, w, old, ref, rollout, config: PolicyLossConfig, want_ent: bool,
+                   write_grad: bool, out: Optional[torch.Tensor] = None):
     """C++ (CPU / CUDA) single pass over the ``(n, V)`` tile; dlogits written over it, or straight into
     ``out`` if given (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``. Without ``write_grad``
     the statistics pass alone (one read of the tile, no write)."""
@@ -115,14 +136,14 @@ def _native_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_
         logp, ent, _ = native.token_stats(z.unsqueeze(0), targets, float(config.temperature), want_ent)
         return logp, ent
     # (1, n, V) views: the ops take their output row strides from dims 0 and 1
-    args = (targets, adv, old, ref, None, w, torch_linear.config_literal(config))
+    args = (targets, adv, old, ref, rollout, w, torch_linear.config_literal(config))
     if out is not None:
         return native.policy_fwd_into(z.unsqueeze(0), out.unsqueeze(0), *args)
     return native.policy_fwd_inplace(z.unsqueeze(0), *args)
 
 
-def _triton_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_ent: bool, write_grad: bool,
-                   out: Optional[torch.Tensor] = None):
+def _triton_kernel(z, targets, adv, w, old, ref, rollout, config: PolicyLossConfig, want_ent: bool,
+                   write_grad: bool, out: Optional[torch.Tensor] = None):
     """Triton single pass over the ``(n, V)`` tile; with ``write_grad`` dlogits go over it, or straight
     into ``out`` (e.g. a 16-bit buffer: the kernel rounds on store); ``(logp, H)``."""
     from ..kernels.epilogue import epilogue_args
@@ -132,7 +153,7 @@ def _triton_kernel(z, targets, adv, w, old, ref, config: PolicyLossConfig, want_
     o = x if out is None else out.unsqueeze(0)
     logp, ent, _, _, _ = tb._kernels().policy_fused(x, targets, adv, w, old, ref, o, float(config.temperature),
                                                      epilogue_args(config, on_policy=old is None), want_ent,
-                                                     write_grad)
+                                                     write_grad, rollout=rollout)
     return logp, ent
 
 
@@ -188,8 +209,8 @@ class _MixedGrads(_Grads):
 def tiled_linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
-    ref: Optional[torch.Tensor], config_literal: str, with_entropy: bool, need_h: bool, need_w: bool,
-    need_b: bool, n_tile: int, kernel: str, mixed: bool,
+    ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], config_literal: str, with_entropy: bool,
+    need_h: bool, need_w: bool, need_b: bool, n_tile: int, kernel: str, mixed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias, unit)`` (fp32;
     gradients empty unless their ``need_*`` flag is set, in units of the 0-dim ``unit``: the backward
@@ -221,6 +242,7 @@ def tiled_linear_policy_loss_op(
         unit = torch.where(w_max > 0, w_max, unit)
         w_flat = w_flat / unit
     ref_flat = vec(ref) if config.kl is not None else None
+    rollout_flat = vec(rollout) if config.rollout_is is not None else None
     logp = torch.zeros(batch * length, dtype=f32, device=dev)
     entropy = torch.zeros(batch * length if want_ent else 0, dtype=f32, device=dev)
     grads = (_MixedGrads if mixed else _Grads)(hidden, weight, need_h, need_w, need_b, f32)
@@ -248,8 +270,9 @@ def tiled_linear_policy_loss_op(
         dz16 = ws16[:n * vocab].view(n, vocab) if ws16.numel() else None
         lp, ent = run_kernel(z, t.contiguous(), take(adv_flat).contiguous(), take(w_flat).contiguous(),
                              None if old_flat is None else take(old_flat).contiguous(),
-                             None if ref_flat is None else take(ref_flat).contiguous(), config, want_ent, need_grad,
-                             out=dz16)
+                             None if ref_flat is None else take(ref_flat).contiguous(),
+                             None if rollout_flat is None else take(rollout_flat).contiguous(), config, want_ent,
+                             need_grad, out=dz16)
         logp[tile.idx] = lp
         if want_ent:
             entropy[tile.idx] = ent
@@ -262,17 +285,16 @@ def tiled_linear_policy_loss_op(
     del ws, ws16
     shape = (batch, length)
     ent_bt = entropy.view(shape) if want_ent else None
-    # the tiled configs read no rollout log-probs (runs_tiled keeps rollout correction on torch_linear)
     loss_t = per_token_loss(logp.view(shape), advantages, valid, config, old_logprobs=old, ref_logprobs=ref,
-                            entropy=ent_bt).loss
+                            entropy=ent_bt, rollout_logprobs=rollout).loss
     loss = (loss_t * weights).sum().to(f32)
     gh, gw, gb = grads.results(hidden, weight, cast=False)
     return loss, logp.view(shape), entropy.view(shape) if want_ent else entropy, gh, gw, gb, unit
 
 
 @tiled_linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, config_literal, with_entropy, need_h,
-      need_w, need_b, n_tile, kernel, mixed):
+def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, config_literal, with_entropy,
+      need_h, need_w, need_b, n_tile, kernel, mixed):
     return (*torch_linear.fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy,
                                             need_h, need_w, need_b, torch.float32),
             hidden.new_empty((), dtype=torch.float32))
@@ -280,7 +302,7 @@ def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, confi
 
 def _setup_context(ctx, inputs, output):
     _, _, _, gh, gw, gb, unit = output
-    ctx.flags = (inputs[11], inputs[12], inputs[13])  # need_h, need_w, need_b
+    ctx.flags = (inputs[12], inputs[13], inputs[14])  # need_h, need_w, need_b
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
     ctx.save_for_backward(gh, gw, gb, unit)
     ctx.mark_non_differentiable(*output[1:])
@@ -290,9 +312,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, g_loss, *_):
     refuse_double_backward("tiled fused-linear policy")
     if g_loss is None:
-        return (None,) * 17
+        return (None,) * 18
     gh, gw, gb, unit = ctx.saved_tensors
-    return torch_linear.scale_grads(ctx, g_loss * unit, (gh, gw, gb)) + (None,) * 14
+    return torch_linear.scale_grads(ctx, g_loss * unit, (gh, gw, gb)) + (None,) * 15
 
 
 tiled_linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)
@@ -304,18 +326,22 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                        memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
     """The backend method: the configs of :func:`runs_tiled` through the tiled op with ``kernel``, the
     others through :func:`torch_linear.linear_policy_loss`."""
-    if not runs_tiled(config):
+    if not runs_tiled(config, off_policy=inputs.old is not None):
         return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
                                                memory_budget_bytes)
+    kernel_config, kernel_adv, rollout = config, inputs.kernel_advantages, inputs.rollout
+    if not config.has_token_epilogue:
+        kernel_config, kernel_adv = _fold_sequence_rollout(config, inputs)
+        rollout = None
     batch, length, _ = hidden.shape
     mixed = _mode(hidden.device, hidden.dtype) == "mixed"
     weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer)
     want_ent = compute_entropy or config.needs_entropy
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
     loss, logp, entropy, _, _, _, _ = tiled_linear_policy_loss_op(
-        hidden, weight, bias, inputs.targets, inputs.kernel_advantages, inputs.mask, weights, inputs.old, inputs.ref,
-        torch_linear.config_literal(config), bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight),
-        _needs_grad(bias), n_tile, kernel, mixed)
+        hidden, weight, bias, inputs.targets, kernel_adv, inputs.mask, weights, inputs.old, inputs.ref,
+        rollout if kernel_config.rollout_is is not None else None, torch_linear.config_literal(kernel_config),
+        bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight), _needs_grad(bias), n_tile, kernel, mixed)
     entropy = entropy if want_ent else None
     terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
                            ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
