@@ -17,7 +17,9 @@ backend), ``tiled`` (``backend="cpu"``: MKL matmul tiles fed to the C++ single-p
 :mod:`fused_rl.backends.tiled_linear`; ``--chunk`` forces its tile size, and ``tiled:N`` runs it with
 ``N``-token tiles, so ``--impls tiled:512,tiled:1024,...`` is an interleaved sweep), ``liger``
 (``LigerFusedLinearGRPOLoss(compiled=False, loss_type="bnpo", beta=0)``, the same token-mean ppo_clip
-loss). Loss: default :class:`fused_rl.PolicyLossConfig` (ppo_clip 0.2, token-mean), off-policy.
+loss). Loss: default :class:`fused_rl.PolicyLossConfig` (ppo_clip 0.2, token-mean), off-policy;
+``--rollout-is MODE`` adds a rollout correction (``rollout_is_max=3``, TRL's vLLM correction default bound;
+``sequence_mask`` is TRL's default mode) against rollout log-probs 0.1 randn off the old ones (not with liger).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ IMPLS = ("reference", "fused", "tiled", "liger")
 BACKENDS = {"fused": "torch", "tiled": "cpu"}
 
 
-def make_inputs(B, T, H, V, pad, seed=0):
+def make_inputs(B, T, H, V, pad, seed=0, rollout_is=None):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, H, generator=g)
     weight = torch.randn(V, H, generator=g) * H ** -0.5
@@ -53,13 +55,20 @@ def make_inputs(B, T, H, V, pad, seed=0):
     mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
     advantages = torch.randn(B, generator=g)
     old = -torch.rand(B, T, generator=g) * 5 - 8  # around log(1/V)
-    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, advantages=advantages, old=old)
+    inputs = dict(hidden=hidden, weight=weight, targets=targets, mask=mask, advantages=advantages, old=old,
+                  config=fused_rl.PolicyLossConfig(), rollout=None)
+    if rollout_is:
+        inputs.update(config=fused_rl.PolicyLossConfig(rollout_is=rollout_is, rollout_is_max=3.0),
+                      rollout=old + 0.1 * torch.randn(B, T, generator=g))
+    return inputs
 
 
 def make_step(impl, inp, compute_entropy):
     hidden = inp["hidden"].clone().requires_grad_(True)
     weight = inp["weight"].clone().requires_grad_(True)
     if impl == "liger":
+        if inp["rollout"] is not None:
+            raise ValueError("--rollout-is is not run with liger")
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         mod = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, loss_type="bnpo",
@@ -86,7 +95,8 @@ def make_step(impl, inp, compute_entropy):
             tiled_linear.CHUNK_TOKENS = int(chunk)
         try:
             out = fn(hidden, weight, inp["targets"], inp["advantages"], inp["mask"], old_logprobs=inp["old"],
-                     compute_entropy=compute_entropy, check_inputs=False)
+                     rollout_logprobs=inp["rollout"], config=inp["config"], compute_entropy=compute_entropy,
+                     check_inputs=False)
             out.loss.backward()
         finally:
             tiled_linear.CHUNK_TOKENS = saved
@@ -102,9 +112,9 @@ def rss_bytes():
 def measure_memory(args):
     """Child process: peak extra resident memory of one step of ``args.impl``."""
     torch.manual_seed(0)
-    warm = make_inputs(2, 8, 16, 64, 0.0)
+    warm = make_inputs(2, 8, 16, 64, 0.0, rollout_is=args.rollout_is)
     make_step(args.impl, warm, args.entropy)()  # import / first-call costs out of the measurement
-    inp = make_inputs(args.B, args.T, args.H, args.V, args.pad)
+    inp = make_inputs(args.B, args.T, args.H, args.V, args.pad, rollout_is=args.rollout_is)
     step = make_step(args.impl, inp, args.entropy)
     before = rss_bytes()
     # ru_maxrss is a high-water mark over the whole process: it must be below `before` here, or the
@@ -131,6 +141,7 @@ def main():
     p.add_argument("--chunk", type=int, default=None,
                    help="tiled: tiled_linear.CHUNK_TOKENS (default: from the budget)")
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--rollout-is", default=None, help="a rollout correction mode, e.g. sequence_mask")
     p.add_argument("--memory-only", action="store_true")
     p.add_argument("--time-only", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -149,7 +160,7 @@ def main():
     impls = [i for i in args.impls.split(",") if i]
     print(f"shape B={args.B} T={args.T} H={args.H} V={args.V} fp32 pad={args.pad} entropy={args.entropy} "
           f"threads={torch.get_num_threads()} torch={torch.__version__} budget_mib={args.budget_mib} "
-          f"chunk={args.chunk}")
+          f"chunk={args.chunk} rollout_is={args.rollout_is}")
     if not args.time_only:
         mem = {}
         for impl in impls:
@@ -158,6 +169,7 @@ def main():
             cmd += ["--entropy"] if args.entropy else []
             cmd += ["--budget-mib", str(args.budget_mib)] if args.budget_mib else []
             cmd += ["--chunk", str(args.chunk)] if args.chunk else []
+            cmd += ["--rollout-is", args.rollout_is] if args.rollout_is else []
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if res.returncode != 0:
                 print(f"memory {impl}: failed\n{res.stderr[-2000:]}")
@@ -167,7 +179,7 @@ def main():
             ratio = f"  ({extra / mem['reference']:.3f}x reference)" if "reference" in mem else ""
             print(f"peak extra memory {impl:9s} {extra / 2**20:9.1f} MiB{ratio}")
     if not args.memory_only:
-        inp = make_inputs(args.B, args.T, args.H, args.V, args.pad)
+        inp = make_inputs(args.B, args.T, args.H, args.V, args.pad, rollout_is=args.rollout_is)
         steps, times = {}, {}
         for impl in impls:
             try:
