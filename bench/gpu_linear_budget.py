@@ -11,7 +11,9 @@ median forward+backward ms, TFLOP/s on the ``6 N H V`` FLOPs and the peak memory
 the fp32 weight-gradient buffer; triton at 1 GiB also with other settings of the Triton single
 pass's knobs (``GRAD_REVERSE`` + ``CACHE_HINTS``, ``PREFETCH``, ``MAX_PROGRAMS``, ``MAX_BLOCK_V``,
 ``NUM_WARPS``: tuned on bf16 logits, here the kernel reads fp32 tiles the GEMM has just written; a row
-"knobs" names the ones that differ from the defaults). Then the same tiles' three GEMMs alone
+"knobs" names the ones that differ from the defaults); both backends at 1 GiB also with TRL's vLLM correction at
+its defaults (rows ``vllm_is``: ``sequence_mask``, bound 3, folded into the advantages). Then the same tiles'
+three GEMMs alone
 (``z = h W^T``, ``dh = dz W``, ``dW += dz^T h``, cuBLAS as the tiled route calls them): the time the
 route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON
 line per measurement.
@@ -66,6 +68,11 @@ def main():
     old = lp + 0.3 * torch.randn(lp.shape, device=dev, generator=g)
     ref = lp + 0.3 * torch.randn(lp.shape, device=dev, generator=g)
     cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
+    # TRL's vLLM correction at its defaults (sequence_mask, bound 3; TRL computes old log-probs with vLLM), tiled
+    # since 2026-12-05 (before: torch_linear's chunked path); rollout log-probs near the old ones
+    vllm_cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04, rollout_is="sequence_mask",
+                                rollout_is_max=3.0)
+    rollout = old + 0.1 * torch.randn(lp.shape, device=dev, generator=g)
     flops = 6 * n * h * v
     results = []
 
@@ -96,18 +103,20 @@ def main():
     r, h_, p = knob_defaults["reverse"], knob_defaults["hints"], knob_defaults["prefetch"]
     sms = 2 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
 
-    # (backend, budget, triton knobs that differ from the defaults): the Triton single pass's knobs were tuned on
-    # bf16 logits; here it reads fp32 rows (513 KB at V = 128256) that the GEMM has just written, 2-3 rows per SM
-    # in flight by default (135-200 MB, beyond the 50 MB L2: the second read of a row misses), so also the
-    # other loop settings, grids capped at 1-2 programs per SM (with prefetch: the loads in flight of the
+    # (backend, budget, triton knobs that differ from the defaults, TRL's vLLM correction): the budgets, the vLLM
+    # correction, then the knob sweep (the step's time limit may cut its end). The Triton single pass's knobs were
+    # tuned on bf16 logits; here it reads fp32 rows (513 KB at V = 128256) that the GEMM has just written, 2-3
+    # rows per SM in flight by default (135-200 MB, beyond the 50 MB L2: the second read of a row misses), so
+    # also the other loop settings, grids capped at 1-2 programs per SM (with prefetch: the loads in flight of the
     # missing programs) and 32 KiB blocks
-    runs = [(backend, gib, {} if backend == "triton" else None)
+    runs = [(backend, gib, {} if backend == "triton" else None, False)
             for backend in ("triton", native_backend) for gib in (1.0, 1.2, 1.35)]
-    runs += [("triton", 1.0, knobs) for knobs in (
+    runs += [("triton", 1.0, {}, True), (native_backend, 1.0, None, True)]
+    runs += [("triton", 1.0, knobs, False) for knobs in (
         dict(reverse=not r, hints=not h_), dict(prefetch=not p), dict(reverse=not r, hints=not h_, prefetch=not p),
         dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
         dict(block=8192), dict(block=8192, warps=16, programs=sms))]
-    for backend, budget_gib, knobs in runs:
+    for backend, budget_gib, knobs, vllm_is in runs:
         budget = int(budget_gib * 2**30)
         for k, value in {**knob_defaults, **(knobs or {})}.items():
             setattr(K, knob_attrs[k], value)
@@ -116,8 +125,9 @@ def main():
 
         def step():
             x.grad = w.grad = None
-            fused_rl.linear_policy_loss(x, w, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
-                                        backend=backend,
+            fused_rl.linear_policy_loss(x, w, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
+                                        config=vllm_cfg if vllm_is else cfg,
+                                        rollout_logprobs=rollout if vllm_is else None, backend=backend,
                                         check_inputs=False, memory_budget_bytes=budget).loss.backward()
 
         try:
@@ -133,7 +143,8 @@ def main():
                 sync()
                 peak = torch.cuda.max_memory_allocated() - base - v * h * 4  # beyond the fp32 dW buffer
             ms = time_ms(step)
-            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, ms=ms, tflops=flops / ms / 1e9,
+            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, vllm_is=vllm_is, ms=ms,
+                        tflops=flops / ms / 1e9,
                         # issue 4's bound: under 1.5 GB beyond the fp32 weight-gradient buffer
                         peak_extra_beyond_fp32_dw_mib=peak / 2**20,
                         issue4_memory_goal_met=bool(peak < 1.5e9) if not dry else None,
@@ -141,7 +152,8 @@ def main():
                         peak_extra_net_of_returned_grads_mib=(peak - (v + n) * h * 2) / 2**20 if not dry else 0.0,
                         tile_tokens=tiled_linear.chunk_tokens(n, v, torch.bfloat16, x.device, budget, mixed=True)))
         except Exception as exc:  # keep going
-            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, error=f"{type(exc).__name__}: {exc}"))
+            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, vllm_is=vllm_is,
+                        error=f"{type(exc).__name__}: {exc}"))
         del x, w
         empty_cache()
     for k, value in knob_defaults.items():
