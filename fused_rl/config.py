@@ -151,7 +151,8 @@ class PolicyLossConfig:
                                "temperature", "entropy_coef")}
         if self.policy_loss == "gmpo":
             if floats["clip_low"] < 0.0:
-                raise ValueError(f"PolicyLossConfig.clip_low (gmpo: a log-ratio bound) must be >= 0, got {self.clip_low!r}")
+                raise ValueError(f"PolicyLossConfig.clip_low (gmpo: a log-ratio bound) must be >= 0, "
+                                 f"got {self.clip_low!r}")
         elif not 0.0 <= floats["clip_low"] < 1.0:
             raise ValueError(f"PolicyLossConfig.clip_low must be in [0, 1), got {self.clip_low!r}")
         if floats["clip_high"] < 0.0:
@@ -200,7 +201,8 @@ class PolicyLossConfig:
                 raise ValueError("PolicyLossConfig.policy_loss='vespo' takes a token-level rollout correction "
                                  f"(token_truncate / token_mask, as TRL), got rollout_is={self.rollout_is!r}")
         if not 0.0 <= floats["top_entropy_quantile"] <= 1.0:
-            raise ValueError(f"PolicyLossConfig.top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
+            raise ValueError(f"PolicyLossConfig.top_entropy_quantile must be in [0, 1], "
+                             f"got {self.top_entropy_quantile!r}")
         if floats["temperature"] < MIN_TEMPERATURE:
             raise ValueError(f"PolicyLossConfig.temperature must be >= {MIN_TEMPERATURE} (below it samplers decode "
                              f"greedily), got {self.temperature!r}")
@@ -213,7 +215,11 @@ class PolicyLossConfig:
         # Normalize numeric fields to float so equal configs hash (and compile) identically.
         for name, value in floats.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_literal", repr(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        object.__setattr__(self, "_literal", repr(tuple(values.values())))
+        # the same config without rollout correction (the tiled route's kernel config of a folded sequence-level
+        # correction), also formed here: under torch.compile(dynamic=True) a new config cannot be validated
+        object.__setattr__(self, "_literal_without_rollout", repr(tuple({**values, "rollout_is": None}.values())))
 
     @property
     def literal(self) -> str:
@@ -279,15 +285,24 @@ class PolicyLossConfig:
         return self.top_entropy_quantile < 1.0
 
     @property
+    def literal_without_rollout(self) -> str:
+        """:attr:`literal` of this config with ``rollout_is=None`` (formed at construction, as :attr:`literal`)."""
+        return self._literal_without_rollout
+
+    @property
+    def has_token_local_policy(self) -> bool:
+        """The token-local options of :attr:`has_token_epilogue`, whatever the rollout correction."""
+        return (self.policy_loss in ("ppo_clip", "sapo", "cispo", "reinforce")
+                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
+
+    @property
     def has_token_epilogue(self) -> bool:
         """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config:
         every token-local option (ppo_clip with dual clip / ``delta``, sapo, cispo, reinforce; every KL
         estimator, straight-through ones included, and ``kl_bias_correction``; token-level rollout
         correction); otherwise (sequence ratios and masks, the top-entropy quantile) the backends use the
         two-pass composition with :mod:`fused_rl.loss_math`."""
-        return (self.policy_loss in ("ppo_clip", "sapo", "cispo", "reinforce")
-                and (self.rollout_is is None or self.rollout_is.startswith("token"))
-                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
+        return self.has_token_local_policy and (self.rollout_is is None or self.rollout_is.startswith("token"))
 
 
 #: Presets and the TRL ``GRPOTrainer`` ``loss_type`` they reproduce (TRL 0.2x / 1.x semantics):

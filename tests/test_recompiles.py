@@ -217,6 +217,26 @@ def test_linear_policy_loss_dynamic_true_float_normalizer_one_graph(backend):
     assert _run_loss_steps(_linear_policy, backend, "float", linear=True, dynamic=True) == 1
 
 
+#: TRL's vLLM correction at its defaults: a sequence-level one, folded into the advantages on the tiled route
+VLLM_IS = PolicyLossConfig(rollout_is="sequence_mask", rollout_is_max=3.0, kl="k3", beta=0.04)
+
+
+def _linear_policy_vllm_is(h, w, t, a, m, old, ref, n, backend, config):
+    """Rollout log-probs between the old and reference ones (derived, so each step's inputs are its own)."""
+    out = fused_rl.linear_policy_loss(h, w, t, a, m, old_logprobs=old, ref_logprobs=ref, config=config,
+                                      rollout_logprobs=0.5 * (old + ref), token_normalizer=n, backend=backend)
+    return out.loss, out.metrics
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_policy_loss_sequence_rollout_correction(backend, dynamic):
+    """Under ``dynamic=True`` the config's floats are symbolic: the folded kernel config is formed at the config's
+    construction (a config built while tracing re-validates them: ``Unsupported``)."""
+    graphs = _run_loss_steps(_linear_policy_vllm_is, backend, "float", linear=True, dynamic=dynamic, config=VLLM_IS)
+    assert graphs == 1 if dynamic else graphs <= 2
+
+
 # ------------------------------------------------------------------------------- token_logprobs (and linear)
 
 

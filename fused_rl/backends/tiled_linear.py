@@ -37,8 +37,9 @@ into a second ``(n, V)`` buffer (both kernels round on store), the one rounding 
 backward would do anyway. ``dz ~ w_t p`` (``1/N`` times ``1/V``, ~1e-9 at N = 8192, V = 128256) is below
 fp16's subnormals, so the kernel gets the weights in units of ``u = max_t w_t`` and writes ``dz / u``;
 the backward multiplies the gradients by ``u grad_output``. Why fp16 is not mixed by default: (1) a token
-whose ``|w_t / u * dl/dlogp|`` exceeds fp16's 65504 (``|A| r`` past it, or a k3 KL term ``beta (1 - e^d)``
-at a 14-nat gap to the reference with ``beta = 0.1``) gets inf / NaN gradients, before any loss scale, so
+whose ``|w_t / u * dl/dlogp|`` exceeds fp16's 65504 (``|A| r`` past it, a k3 KL term ``beta (1 - e^d)``
+at a 14-nat gap to the reference with ``beta = 0.1``, or ``|A|`` times a rollout correction's weight, up to
+``e^20`` without ``rollout_is_max``) gets inf / NaN gradients, before any loss scale, so
 GradScaler skips every such batch and cannot recover by lowering its scale; (2) with per-sequence weights
 (``seq-mean-token-mean``) a sequence k times longer than the shortest writes ``dz / u`` k times smaller, deeper
 in fp16's subnormals (a 1 : 4096 length mix: 5.6e-3 relative error of the long row's hidden gradient,
@@ -53,7 +54,6 @@ autograd, so ``torch.compile(fullgraph=True)`` sees one opaque call.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -108,21 +108,17 @@ def runs_tiled(config: PolicyLossConfig, off_policy: bool = True) -> bool:
     advantages: :func:`_fold_sequence_rollout`). On-policy, a sequence's weight needs its current log-probs."""
     if config.has_token_epilogue:
         return True
-    return off_policy and config.rollout_is is not None and _without_rollout(config).has_token_epilogue
+    return off_policy and config.rollout_is is not None and config.has_token_local_policy
 
 
-def _without_rollout(config: PolicyLossConfig) -> PolicyLossConfig:
-    return dataclasses.replace(config, rollout_is=None)
-
-
-def _fold_sequence_rollout(config: PolicyLossConfig, inputs: PolicyInputs) -> tuple[PolicyLossConfig, torch.Tensor]:
+def _fold_sequence_rollout(config: PolicyLossConfig, inputs: PolicyInputs) -> tuple[str, torch.Tensor]:
     """The kernel config and advantages of a sequence-level rollout correction off-policy: ``w`` of
     :func:`loss_math.rollout_weights` (``rho = exp(sum_t m (old - rollout))`` truncated or masked, detached, a
     function of the old and rollout log-probs only) multiplies the policy term alone, which is positively
     homogeneous in ``A`` (``PolicyInputs.kernel_advantages``): the kernel runs the config without the correction
     on ``A w``."""
     w = rollout_weights(inputs.old, inputs.rollout, inputs.mask, config)[1]
-    return _without_rollout(config), inputs.kernel_advantages * w
+    return config.literal_without_rollout, inputs.kernel_advantages * w
 
 
 def _native_kernel(z, targets, adv, w, old, ref, rollout, config: PolicyLossConfig, want_ent: bool,
@@ -329,9 +325,10 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     if not runs_tiled(config, off_policy=inputs.old is not None):
         return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
                                                memory_budget_bytes)
-    kernel_config, kernel_adv, rollout = config, inputs.kernel_advantages, inputs.rollout
-    if not config.has_token_epilogue:
-        kernel_config, kernel_adv = _fold_sequence_rollout(config, inputs)
+    literal, kernel_adv = torch_linear.config_literal(config), inputs.kernel_advantages
+    rollout = inputs.rollout if config.rollout_is is not None else None
+    if not config.has_token_epilogue:  # a sequence-level correction off-policy, folded into the advantages
+        literal, kernel_adv = _fold_sequence_rollout(config, inputs)
         rollout = None
     batch, length, _ = hidden.shape
     mixed = _mode(hidden.device, hidden.dtype) == "mixed"
@@ -340,7 +337,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
     loss, logp, entropy, _, _, _, _ = tiled_linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, kernel_adv, inputs.mask, weights, inputs.old, inputs.ref,
-        rollout if kernel_config.rollout_is is not None else None, torch_linear.config_literal(kernel_config),
+        rollout, literal,
         bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight), _needs_grad(bias), n_tile, kernel, mixed)
     entropy = entropy if want_ent else None
     terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
