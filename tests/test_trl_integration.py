@@ -21,7 +21,7 @@ datasets = pytest.importorskip("datasets")
 from fused_rl.integrations.trl import FusedGRPOTrainer, patch_grpo_trainer, unsupported_options  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz "
-#: Backend of the fused trainer: the shipped default ("auto": the chunked torch fused-linear path on CPU).
+#: Backend of the fused trainer: the shipped default ("auto": the cpu backend's tiled fused-linear route on CPU).
 LINEAR_BACKEND = os.environ.get("FUSED_RL_TEST_LINEAR_BACKEND", "auto")
 
 
@@ -492,17 +492,19 @@ VLLM_IS_LOSSES = {
 }
 
 
+@pytest.mark.parametrize("masks", [True, False], ids=["masks", "plain"])
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
 @pytest.mark.parametrize("loss", sorted(VLLM_IS_LOSSES))
-def test_vllm_correction_modes_match_stock(model_dir, tmp_path, loss, mode):
+def test_vllm_correction_modes_match_stock(model_dir, tmp_path, loss, mode, masks):
     """Every ``vllm_importance_sampling_mode`` (TRL's default is ``sequence_mask``) with both bounds, for each loss
-    family, with what else reads the sampler's log-probs or the mask: ``beta`` (the KL term is not corrected),
-    ``off_policy_mask_threshold``, ``top_entropy_quantile``, a ``tool_mask`` and an empty completion. Stock
-    ``_compute_loss`` and the adapter's on the same inputs: loss, gradients and every logged metric."""
+    family, with ``beta`` (the KL term is not corrected), a ``tool_mask`` and an empty completion, and (``masks``)
+    what else reads the sampler's log-probs or the mask: ``off_policy_mask_threshold``, ``top_entropy_quantile``;
+    without them the token-level losses run the tiled single pass (the sequence modes folded into the advantages).
+    Stock ``_compute_loss`` and the adapter's on the same inputs: loss, gradients and every logged metric."""
     if loss == "vespo" and mode.startswith("sequence"):
         pytest.skip("TRL refuses a sequence-level vLLM correction with vespo")
-    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, beta=0.05, top_entropy_quantile=0.6,
-                                         off_policy_mask_threshold=0.05, **VLLM_IS_LOSSES[loss]))
+    extra = dict(top_entropy_quantile=0.6, off_policy_mask_threshold=0.05) if masks else {}
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, beta=0.05, **extra, **VLLM_IS_LOSSES[loss]))
     trainer.current_gradient_accumulation_steps = 2
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     trainer.vllm_importance_sampling_mode = mode
