@@ -20,7 +20,10 @@ backend), ``tiled`` (``backend="cpu"``: MKL matmul tiles fed to the C++ single-p
 loss). Loss: default :class:`fused_rl.PolicyLossConfig` (ppo_clip 0.2, token-mean), off-policy;
 ``--rollout-is MODE`` adds a rollout correction (``rollout_is_max=3``, TRL's vLLM correction default bound;
 ``sequence_mask`` is TRL's default mode) against rollout log-probs 0.01 randn off the old ones (a sequence's
-log-ratio then 0.23 randn at T = 512: most sequences kept; not with liger).
+log-ratio then 0.23 randn at T = 512: most sequences kept; not with liger); ``--preset NAME`` uses
+``PolicyLossConfig.preset(NAME)`` instead (e.g. ``gspo``: the two-pass route; not with liger). ``--op
+token_logprobs`` times ``linear_token_logprobs`` instead (log-probs and entropies, upstream gradients of both
+``randn``; not with liger).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ IMPLS = ("reference", "fused", "tiled", "liger")
 BACKENDS = {"fused": "torch", "tiled": "cpu"}
 
 
-def make_inputs(B, T, H, V, pad, seed=0, rollout_is=None):
+def make_inputs(B, T, H, V, pad, seed=0, rollout_is=None, preset=None):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, H, generator=g)
     weight = torch.randn(V, H, generator=g) * H ** -0.5
@@ -58,18 +61,35 @@ def make_inputs(B, T, H, V, pad, seed=0, rollout_is=None):
     old = -torch.rand(B, T, generator=g) * 5 - 8  # around log(1/V)
     inputs = dict(hidden=hidden, weight=weight, targets=targets, mask=mask, advantages=advantages, old=old,
                   config=fused_rl.PolicyLossConfig(), rollout=None)
+    if preset:
+        inputs.update(config=fused_rl.PolicyLossConfig.preset(preset))
     if rollout_is:
         inputs.update(config=fused_rl.PolicyLossConfig(rollout_is=rollout_is, rollout_is_max=3.0),
                       rollout=old + 0.01 * torch.randn(B, T, generator=g))
+    inputs.update(g_logp=torch.randn(B, T, generator=g), g_ent=torch.randn(B, T, generator=g))  # --op token_logprobs
     return inputs
 
 
-def make_step(impl, inp, compute_entropy):
+def make_step(impl, inp, compute_entropy, op="policy_loss"):
     hidden = inp["hidden"].clone().requires_grad_(True)
     weight = inp["weight"].clone().requires_grad_(True)
+    if op == "token_logprobs":
+        if impl == "liger":
+            raise ValueError("--op token_logprobs is not run with liger")
+        name, _, _ = impl.partition(":")
+        fn = fused_rl.reference.linear_token_logprobs if name == "reference" else \
+            (lambda *a, **k: fused_rl.linear_token_logprobs(*a, backend=BACKENDS[name], **k))
+
+        def token_step():
+            hidden.grad = weight.grad = None
+            logp, ent = fn(hidden, weight, inp["targets"], return_entropy=True, check_inputs=False)
+            loss = (logp * inp["g_logp"]).sum() + (ent * inp["g_ent"]).sum()
+            loss.backward()
+            return loss
+        return token_step
     if impl == "liger":
-        if inp["rollout"] is not None:
-            raise ValueError("--rollout-is is not run with liger")
+        if inp["rollout"] is not None or inp["config"] != fused_rl.PolicyLossConfig():
+            raise ValueError("--rollout-is / --preset are not run with liger")
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         mod = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, loss_type="bnpo",
@@ -113,10 +133,11 @@ def rss_bytes():
 def measure_memory(args):
     """Child process: peak extra resident memory of one step of ``args.impl``."""
     torch.manual_seed(0)
-    warm = make_inputs(2, 8, 16, 64, 0.0, rollout_is=args.rollout_is)
-    make_step(args.impl, warm, args.entropy)()  # import / first-call costs out of the measurement
-    inp = make_inputs(args.B, args.T, args.H, args.V, args.pad, rollout_is=args.rollout_is)
-    step = make_step(args.impl, inp, args.entropy)
+    warm = make_inputs(2, 8, 16, 64, 0.0, rollout_is=args.rollout_is, preset=args.preset)
+    make_step(args.impl, warm, args.entropy, args.op)()  # import / first-call costs out of the measurement
+    inp = make_inputs(args.B, args.T, args.H, args.V, args.pad, rollout_is=args.rollout_is,
+                          preset=args.preset)
+    step = make_step(args.impl, inp, args.entropy, args.op)
     before = rss_bytes()
     # ru_maxrss is a high-water mark over the whole process: it must be below `before` here, or the
     # step's peak could hide under earlier history (reported as a failure below).
@@ -143,6 +164,8 @@ def main():
                    help="tiled: tiled_linear.CHUNK_TOKENS (default: from the budget)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--rollout-is", default=None, help="a rollout correction mode, e.g. sequence_mask")
+    p.add_argument("--preset", default=None, help="a PolicyLossConfig preset, e.g. gspo")
+    p.add_argument("--op", default="policy_loss", choices=("policy_loss", "token_logprobs"))
     p.add_argument("--memory-only", action="store_true")
     p.add_argument("--time-only", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -161,7 +184,7 @@ def main():
     impls = [i for i in args.impls.split(",") if i]
     print(f"shape B={args.B} T={args.T} H={args.H} V={args.V} fp32 pad={args.pad} entropy={args.entropy} "
           f"threads={torch.get_num_threads()} torch={torch.__version__} budget_mib={args.budget_mib} "
-          f"chunk={args.chunk} rollout_is={args.rollout_is}")
+          f"chunk={args.chunk} rollout_is={args.rollout_is} preset={args.preset} op={args.op}")
     if not args.time_only:
         mem = {}
         for impl in impls:
@@ -171,6 +194,8 @@ def main():
             cmd += ["--budget-mib", str(args.budget_mib)] if args.budget_mib else []
             cmd += ["--chunk", str(args.chunk)] if args.chunk else []
             cmd += ["--rollout-is", args.rollout_is] if args.rollout_is else []
+            cmd += ["--preset", args.preset] if args.preset else []
+            cmd += ["--op", args.op]
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if res.returncode != 0:
                 print(f"memory {impl}: failed\n{res.stderr[-2000:]}")
@@ -180,11 +205,12 @@ def main():
             ratio = f"  ({extra / mem['reference']:.3f}x reference)" if "reference" in mem else ""
             print(f"peak extra memory {impl:9s} {extra / 2**20:9.1f} MiB{ratio}")
     if not args.memory_only:
-        inp = make_inputs(args.B, args.T, args.H, args.V, args.pad, rollout_is=args.rollout_is)
+        inp = make_inputs(args.B, args.T, args.H, args.V, args.pad, rollout_is=args.rollout_is,
+                          preset=args.preset)
         steps, times = {}, {}
         for impl in impls:
             try:
-                steps[impl] = make_step(impl, inp, args.entropy)
+                steps[impl] = make_step(impl, inp, args.entropy, args.op)
                 steps[impl]()  # warm-up
                 times[impl] = []
             except Exception as exc:  # liger missing or failing on CPU

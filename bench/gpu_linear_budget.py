@@ -12,10 +12,10 @@ the fp32 weight-gradient buffer; triton at 1 GiB also with other settings of the
 pass's knobs (``GRAD_REVERSE`` + ``CACHE_HINTS``, ``PREFETCH``, ``MAX_PROGRAMS``, ``MAX_BLOCK_V``,
 ``NUM_WARPS``: tuned on bf16 logits, here the kernel reads fp32 tiles the GEMM has just written; a row
 "knobs" names the ones that differ from the defaults); both backends at 1 GiB also with TRL's vLLM correction at
-its defaults (rows ``vllm_is``: ``sequence_mask``, bound 3, folded into the advantages). Then the same tiles'
-three GEMMs alone
-(``z = h W^T``, ``dh = dz W``, ``dW += dz^T h``, cuBLAS as the tiled route calls them): the time the
-route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON
+its defaults (rows ``variant: vllm_is``: ``sequence_mask``, bound 3, folded into the advantages) and with gspo
+(``variant: gspo``: on CUDA the two tiled passes, four GEMMs; the FLOP column stays on ``6 N H V``). Then the
+same tiles' three GEMMs alone (``z = h W^T``, ``dh = dz W``, ``dW += dz^T h``, cuBLAS as the tiled route calls
+them): the time the route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON
 line per measurement.
 """
 
@@ -71,9 +71,11 @@ def main():
     # TRL's vLLM correction at its defaults (sequence_mask, bound 3; TRL computes old log-probs with vLLM), tiled
     # since 2026-12-05 (before: torch_linear's chunked path); rollout log-probs 0.01 randn off the old ones (a
     # sequence's log-ratio 0.23 randn at 512 tokens: most sequences kept)
-    vllm_cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04, rollout_is="sequence_mask",
-                                rollout_is_max=3.0)
     rollout = old + 0.01 * torch.randn(lp.shape, device=dev, generator=g)
+    # variant -> (config, rollout log-probs); gspo: a sequence-level config, two tiled passes on CUDA
+    variants = {None: (cfg, None), "gspo": (PolicyLossConfig.preset("gspo", kl="k3", beta=0.04), None),
+                "vllm_is": (PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04,
+                                             rollout_is="sequence_mask", rollout_is_max=3.0), rollout)}
     flops = 6 * n * h * v
     results = []
 
@@ -110,14 +112,16 @@ def main():
     # rows per SM in flight by default (135-200 MB, beyond the 50 MB L2: the second read of a row misses), so
     # also the other loop settings, grids capped at 1-2 programs per SM (with prefetch: the loads in flight of the
     # missing programs) and 32 KiB blocks
-    runs = [(backend, gib, {} if backend == "triton" else None, False)
+    runs = [(backend, gib, {} if backend == "triton" else None, None)
             for backend in ("triton", native_backend) for gib in (1.0, 1.2, 1.35)]
-    runs += [("triton", 1.0, {}, True), (native_backend, 1.0, None, True)]
-    runs += [("triton", 1.0, knobs, False) for knobs in (
+    runs += [(backend, 1.0, {} if backend == "triton" else None, variant)
+             for variant in ("vllm_is", "gspo") for backend in ("triton", native_backend)]
+    runs += [("triton", 1.0, knobs, None) for knobs in (
         dict(reverse=not r, hints=not h_), dict(prefetch=not p), dict(reverse=not r, hints=not h_, prefetch=not p),
         dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
         dict(block=8192), dict(block=8192, warps=16, programs=sms))]
-    for backend, budget_gib, knobs, vllm_is in runs:
+    for backend, budget_gib, knobs, variant in runs:
+        config, rollout_logprobs = variants[variant]
         budget = int(budget_gib * 2**30)
         for k, value in {**knob_defaults, **(knobs or {})}.items():
             setattr(K, knob_attrs[k], value)
@@ -127,8 +131,7 @@ def main():
         def step():
             x.grad = w.grad = None
             fused_rl.linear_policy_loss(x, w, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
-                                        config=vllm_cfg if vllm_is else cfg,
-                                        rollout_logprobs=rollout if vllm_is else None, backend=backend,
+                                        config=config, rollout_logprobs=rollout_logprobs, backend=backend,
                                         check_inputs=False, memory_budget_bytes=budget).loss.backward()
 
         try:
@@ -144,7 +147,7 @@ def main():
                 sync()
                 peak = torch.cuda.max_memory_allocated() - base - v * h * 4  # beyond the fp32 dW buffer
             ms = time_ms(step)
-            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, vllm_is=vllm_is, ms=ms,
+            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, variant=variant, ms=ms,
                         tflops=flops / ms / 1e9,
                         # issue 4's bound: under 1.5 GB beyond the fp32 weight-gradient buffer
                         peak_extra_beyond_fp32_dw_mib=peak / 2**20,
@@ -153,7 +156,7 @@ def main():
                         peak_extra_net_of_returned_grads_mib=(peak - (v + n) * h * 2) / 2**20 if not dry else 0.0,
                         tile_tokens=tiled_linear.chunk_tokens(n, v, torch.bfloat16, x.device, budget, mixed=True)))
         except Exception as exc:  # keep going
-            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, vllm_is=vllm_is,
+            record(dict(backend=backend, budget_gib=budget_gib, knobs=knobs, variant=variant,
                         error=f"{type(exc).__name__}: {exc}"))
         del x, w
         empty_cache()

@@ -22,7 +22,8 @@ autograd backward. Stood in for:
   dispatcher does, so the body's workspaces are counted;
 * the device: the fake tensors are CPU tensors (autograd on CUDA tensors needs a CUDA build of torch, fake
   or not), so the route's device decisions (:data:`DEVICE_DECISIONS`: GEMM mode, native mixed GEMMs,
-  default budget, tile gathering) run as asked about ``cuda`` (:func:`_as_on_cuda`).
+  default budget, tile gathering, the route of sequence-level configs) run as asked about ``cuda``
+  (:func:`_as_on_cuda`).
 
 Printed per tile budget: the peak beyond the fp32 weight-gradient buffer (issue 4's measure: under
 1.5 GB, 1430 MiB) and the same net of the bf16 gradients returned to the caller, as ``gpu_linear_budget.py``
@@ -122,9 +123,11 @@ def _kernel_stand_in(z, targets, adv, w, old, ref, rollout, config, want_ent, wr
 
 
 #: the tiled route's device decisions, each a function whose first argument is the device: the GEMM mode,
-#: whether the mixed GEMMs run natively, the default tile budget, whether tiles gather the valid rows
+#: whether the mixed GEMMs run natively, the default tile budget, whether tiles gather the valid rows, the route
+#: of sequence-level configs
 DEVICE_DECISIONS = ((tiled_linear, "_mode"), (tiled_linear, "_native_mixed_gemms"),
-                    (torch_linear, "default_budget"), (torch_linear, "_gather_valid"))
+                    (torch_linear, "default_budget"), (torch_linear, "_gather_valid"),
+                    (tiled_linear, "_sequences_in_two_passes"))
 
 
 @contextlib.contextmanager

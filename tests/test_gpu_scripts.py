@@ -55,7 +55,8 @@ def test_linear_budget_dry_run(tmp_path):
     rows = json.loads((tmp_path / "linear_budget.json").read_text())["results"]
     assert not [r for r in rows if "error" in r], rows
     backends = [r["backend"] for r in rows]
-    assert backends.count("gemms only") == 3 and backends.count("cpu") == 4
-    assert [r["backend"] for r in rows if r.get("vllm_is")] == ["triton", "cpu"]
+    assert backends.count("gemms only") == 3 and backends.count("cpu") == 5
+    assert [(r["backend"], r["variant"]) for r in rows if r.get("variant")] == [
+        ("triton", "vllm_is"), ("cpu", "vllm_is"), ("triton", "gspo"), ("cpu", "gspo")]
     knobs = [r["knobs"] for r in rows if r["backend"] == "triton"]
     assert {} in knobs and dict(programs=2, prefetch=True) in knobs and dict(block=8192) in knobs

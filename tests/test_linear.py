@@ -173,7 +173,7 @@ def compare_linear(case: LinearCase, config, *, frozen_weight: bool = False, tok
 
     h, w, b = _leaves(case, dtype, frozen_weight)
     slack = {}
-    if backend != "torch" and tiled_linear.runs_tiled(config) and tiled_linear._mode(h.device, dtype) == "mixed":
+    if backend != "torch" and tiled_linear._mode(h.device, dtype) == "mixed":
         leaves32 = _leaves(case, torch.float32, frozen_weight, clean=True)
         slack = dict(zip(("grad_hidden", "grad_weight", "grad_bias"),
                          mixed_mode_slack(case, leaves32, config, hidden_view, dtype,

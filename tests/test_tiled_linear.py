@@ -13,7 +13,8 @@ import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.backends import get_backend, tiled_linear, torch_linear
 from helpers import CONFIGS, on_device
-from test_linear import _leaves, assert_close, compare_linear, make_linear_case, opcheck_args
+from test_linear import (LINEAR_GRAD_TOLERANCES, _leaves, abs_gemm_bounds, assert_close, compare_linear,
+                         make_linear_case, opcheck_args)
 from test_variants import VARIANTS, with_extras
 
 cid = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}{'-biascorr' if c.kl_bias_correction else ''}"
@@ -33,6 +34,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 def on_gpu(fn):
     """``pytest.mark.cuda`` (what ``bench/gpu_check.sh`` selects) on tests that run on CUDA tensors here."""
     return pytest.mark.cuda(fn) if GPU == "cuda" else fn
+
+
+def _two_passes(config, device) -> bool:
+    """Whether the tiled route runs ``config`` in its two passes (not the single pass, not torch_linear)."""
+    return not tiled_linear.runs_tiled(config) and (config.is_batch_level
+                                                    or tiled_linear._sequences_in_two_passes(torch.device(device)))
+
+
+@pytest.fixture(params=["default", "cuda"])
+def route(request, monkeypatch):
+    """``default``: the device's route of sequence-level configs (the CPU: torch_linear's one pass); ``cuda``:
+    CUDA's, the two tiled passes."""
+    if request.param == "cuda":
+        monkeypatch.setattr(tiled_linear, "_sequences_in_two_passes", lambda device: True)
+    return request.param
 
 
 def _valid(case) -> int:
@@ -71,11 +87,12 @@ def kernel_calls(monkeypatch):
 @pytest.mark.parametrize("vocab", [1000, 4099])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_matches_reference(config, vocab, bias, dtype, kernel_calls):
+def test_cpu_matches_reference(config, vocab, bias, dtype, kernel_calls, two_pass_calls):
     case = make_linear_case(vocab=vocab, bias=bias, dtype=dtype, seed=vocab + bias)
     compare_linear(case, config, backend="cpu")
-    # token-level configs run the native kernel (one tile of the valid tokens); the others torch_linear
+    # token-level configs run the native kernel (one tile of the valid tokens); the others its two passes
     assert kernel_calls == ([("native", _valid(case))] if tiled_linear.runs_tiled(config) else [])
+    assert bool(two_pass_calls) == _two_passes(config, "cpu")
 
 
 @needs_cpu
@@ -94,14 +111,16 @@ def test_cpu_tile_boundaries(config, tiles, kernel_calls):
 @needs_cpu
 @pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_cpu_variants(name, tiles, kernel_calls):
-    """The #10 variants: those with a token epilogue (token rollout correction included) run tiled, and a
-    sequence rollout correction off-policy (its weights folded into the advantages); the others (masks, sequence
-    ratios, ...) are delegated to torch_linear."""
+def test_cpu_variants(name, tiles, route, kernel_calls, two_pass_calls):
+    """The #10 variants: those with a token epilogue (token rollout correction included) run the single pass, and
+    a sequence rollout correction off-policy (its weights folded into the advantages); the others (masks,
+    sequence ratios, ...) torch_linear on the CPU, and on CUDA (``route``) the two passes (statistics, then the
+    loss math and a gradient pass), as a batch-level one (the entropy quantile) everywhere."""
     config = VARIANTS[name]
     case = make_linear_case(batch=5, length=7, vocab=1000, seed=len(name))
     compare_linear(with_extras(case, config), config, backend="cpu")
     assert bool(kernel_calls) == tiled_linear.runs_tiled(config, off_policy=True)
+    assert bool(two_pass_calls) == _two_passes(config, "cpu")
     assert tiled_linear.runs_tiled(config) == (config.has_token_epilogue or name == "mis_sequence")
 
 
@@ -112,7 +131,7 @@ def test_cpu_variants(name, tiles, kernel_calls):
 def test_cpu_rollout_correction(rollout_is, on_policy, tiles, kernel_calls):
     """Rollout correction on the tiled route: token level in the kernel (on- and off-policy: on-policy the weight
     reads the current log-prob), sequence level off-policy folded into the advantages; sequence level on-policy
-    needs a sequence's current log-probs first, so torch_linear runs it. Rollout log-probs near the policy's
+    needs a sequence's current log-probs first, so the two passes run it. Rollout log-probs near the policy's
     (weights on both sides of the bounds), NaN (unscored) at some tokens."""
     config = PolicyLossConfig(rollout_is=rollout_is, rollout_is_min=0.7, rollout_is_max=1.4, kl="k3", beta=0.05,
                               clip_high=0.28, agg="seq-mean-token-mean")
@@ -212,22 +231,67 @@ def test_cpu_no_entropy_sliced_hidden_and_second_backward():
     torch.testing.assert_close(w.grad, first)
 
 
-@needs_cpu
-@pytest.mark.parametrize("tiles", ["auto", "small"], indirect=True)
-def test_cpu_linear_token_logprobs_delegates(tiles):
-    case = make_linear_case(batch=3, length=5, vocab=1000, seed=9)
+@pytest.fixture
+def two_pass_calls(monkeypatch):
+    """Records ``(kernel, "stats" / "grad", tile rows)`` of every call of the two-pass tile kernels."""
+    calls = []
+    for name, fns in list(tiled_linear.TWO_PASS_KERNELS.items()):
+        def spy(fn, part, name=name):
+            def call(z, *args, **kwargs):
+                calls.append((name, part, z.shape[0]))
+                return fn(z, *args, **kwargs)
+            return call
+        monkeypatch.setitem(tiled_linear.TWO_PASS_KERNELS, name, (spy(fns[0], "stats"), spy(fns[1], "grad")))
+    return calls
+
+
+_TWO_PASS_BACKENDS = [pytest.param("cpu", marks=needs_cpu),
+                      pytest.param("triton", marks=[needs_triton] + ([pytest.mark.cuda] if GPU == "cuda" else []))]
+
+
+@pytest.mark.parametrize("backend", _TWO_PASS_BACKENDS)
+@pytest.mark.parametrize("tiles", ["auto", "small", "fixed"], indirect=True)
+@pytest.mark.parametrize("dtype, mode", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.bfloat16, "mixed")],
+                         ids=["fp32", "bf16", "bf16-mixed"])
+@pytest.mark.parametrize("used", ["both", "logp", "entropy"])
+def test_linear_token_logprobs_two_passes(backend, tiles, dtype, mode, used, two_pass_calls, monkeypatch):
+    """``linear_token_logprobs`` on the tiled backends: the statistics kernel over each tile, and in the backward
+    each tile recomputed for the gradient kernel with arbitrary upstream gradients of the log-probs and / or
+    entropies (an unused output: no entropy term); an ``IGNORE_INDEX`` target gives 0 and no gradient. In the
+    mixed GEMM mode the gradients may also differ by the rounding of each ``dz`` to bf16 (``2^-8 |dz|``, carried
+    through the GEMMs as ``test_linear.mixed_mode_slack``)."""
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", mode)
+    vocab = 1000 if backend == "cpu" else 300
+    case = on_device(make_linear_case(batch=3, length=5, vocab=vocab, seed=9, dtype=dtype), GPU)
     case.hidden = torch.nan_to_num(case.hidden)
     g = torch.Generator().manual_seed(1)
-    g_logp, g_ent = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    g_logp, g_ent = (torch.randn(3, 5, generator=g).to(GPU) for _ in range(2))
     res = {}
-    for backend in ("reference", "cpu"):
-        h, w, b = _leaves(case, torch.float32)
+    for name in ("reference", backend):
+        h, w, b = _leaves(case, torch.float32 if name == "reference" else dtype)
         logp, ent = fused_rl.linear_token_logprobs(h, w, case.targets, bias=b, temperature=0.7, return_entropy=True,
-                                                   backend=backend)
-        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
-        res[backend] = (logp, ent, h.grad, w.grad, b.grad)
-    for got, exp, what in zip(res["cpu"], res["reference"], ("logp", "entropy", "gh", "gw", "gb")):
-        assert_close(got, exp, torch.float32, what, grad=what.startswith("g"))
+                                                   backend=name)
+        loss = {"both": (logp * g_logp).sum() + (ent * g_ent).sum(), "logp": (logp * g_logp).sum(),
+                "entropy": (ent * g_ent).sum()}[used]
+        loss.backward()
+        res[name] = (logp, ent, h.grad, w.grad, b.grad)
+    slack = (0.0, 0.0, 0.0)
+    if mode == "mixed":
+        leaves = _leaves(case, torch.float32)
+        z = torch.nn.functional.linear(*(x.detach() for x in leaves)).requires_grad_(True)
+        lp, ent = fused_rl.reference.token_logprobs(z, case.targets, temperature=0.7, return_entropy=True)
+        ({"both": (lp * g_logp).sum() + (ent * g_ent).sum(), "logp": (lp * g_logp).sum(),
+          "entropy": (ent * g_ent).sum()}[used]).backward()
+        slack = abs_gemm_bounds(z.grad.abs() * 2.0 ** -8, leaves, lambda x: x)
+    for got, exp, what in zip(res[backend][:2], res["reference"][:2], ("logp", "entropy")):
+        assert_close(got, exp, dtype, what)
+    atol, rtol = LINEAR_GRAD_TOLERANCES[dtype]
+    for got, exp, extra, what in zip(res[backend][2:], res["reference"][2:], slack, ("gh", "gw", "gb")):
+        excess = (got.float() - exp).abs() - (atol + rtol * exp.abs() + extra)
+        assert excess.max() <= 0, (what, excess.max().item())
+    assert res[backend][0][-1, -1] == 0 and (res[backend][2][-1, -1] == 0).all()
+    kernel = "native" if backend == "cpu" else "triton"
+    assert {(k, part) for k, part, _ in two_pass_calls} == {(kernel, "stats"), (kernel, "grad")}
 
 
 @needs_cpu
@@ -241,12 +305,14 @@ def test_auto_picks_the_tiled_cpu_backend(kernel_calls):
 
 @needs_cpu
 @pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]], ids=cid)
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3], CONFIGS[2]], ids=cid)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cpu_mixed_gemm_mode(config, dtype, tiles, monkeypatch):
     """The mixed GEMM mode (16-bit operands, fp32 logits and gradients; CUDA's default for bf16, opt-in for
     fp16) emulated on CPU: the tile logic around it, with ``dz`` rounded to the input dtype once (for
-    fp16 in units of the largest aggregation weight, see ``test_linear.mixed_mode_slack``)."""
+    fp16 in units of the largest aggregation weight, see ``test_linear.mixed_mode_slack``); gspo (CONFIGS[2])
+    takes CUDA's two passes, whose gradient pass writes ``dz`` in units of the largest upstream gradient."""
+    monkeypatch.setattr(tiled_linear, "_sequences_in_two_passes", lambda device: True)
     assert tiled_linear._mode(torch.device("cuda"), torch.bfloat16) == "mixed"
     assert tiled_linear._mode(torch.device("cuda"), torch.float16) == "fp32"  # default: see the module doc
     monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
@@ -310,15 +376,34 @@ def test_op_passes_opcheck(mixed, dtype, need):
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+@needs_cpu
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "mixed"])
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "logp"])
+def test_two_pass_ops_pass_opcheck(mixed, with_entropy):
+    """``torch.library.opcheck`` of the two-pass ops (native kernels): the statistics op with its autograd (the
+    gradient op inside its backward) and the gradient op alone."""
+    h, w, b, targets, *_ = opcheck_args(torch.bfloat16)
+    torch.library.opcheck(tiled_linear.tiled_linear_token_stats_op, (h, w, b, targets, 0.7, with_entropy, 7, "native",
+                                                                     mixed),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    with torch.no_grad():
+        _, ent, lse = tiled_linear.tiled_linear_token_stats_op(h, w, b, targets, 0.7, True, 7, "native", mixed)
+    g = torch.randn(targets.shape, generator=torch.Generator().manual_seed(0))
+    args = (h.detach(), w.detach(), b.detach(), targets, lse, g, ent if with_entropy else None,
+            g if with_entropy else None, 0.7, True, True, True, 7, "native", mixed)
+    torch.library.opcheck(tiled_linear.tiled_linear_token_grad_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 # ------------------------------------------------------- triton backend (interpreter on CPU; CUDA tensors on a GPU)
 @on_gpu
 @needs_triton
 @pytest.mark.parametrize("tiles", ["auto", "fixed"], indirect=True)
 @pytest.mark.parametrize("config", CONFIGS, ids=cid)
-def test_triton_matches_reference(config, tiles, kernel_calls):
+def test_triton_matches_reference(config, tiles, kernel_calls, two_pass_calls, monkeypatch):
+    monkeypatch.setattr(tiled_linear, "_sequences_in_two_passes", lambda device: True)  # CUDA's route
     compare_linear(on_device(make_linear_case(batch=4, length=5, vocab=1000, seed=21), GPU), config, backend="triton")
-    assert all(k == "triton" for k, _ in kernel_calls)
-    assert bool(kernel_calls) == tiled_linear.runs_tiled(config)
+    assert all(call[0] == "triton" for call in kernel_calls + two_pass_calls)
+    assert bool(kernel_calls) == tiled_linear.runs_tiled(config) != bool(two_pass_calls)
 
 
 @on_gpu

@@ -1165,10 +1165,13 @@ def test_smollm2_config_loads_and_steps(tmp_path):
     expected = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)
     head = t.policy.lm_head.weight
-    before = head.detach().clone()
+    reached = []
+    head.register_hook(lambda grad: reached.append(bool(torch.isfinite(grad).all())))
     m = t.train_step()
     assert math.isfinite(m["loss"]) and math.isfinite(m["entropy"])
-    assert not torch.equal(head.detach(), before)  # the step reached the (tied) LM head
+    # the step's backward reached the (tied) LM head (its value may not move: with equal rewards and the reference
+    # equal to the policy at step 1 the gradient is exactly 0, as the two-pass log-probs equal the training ones)
+    assert reached and all(reached)
 
 
 # ---------------------------------------------------------------------------------------------- HF models

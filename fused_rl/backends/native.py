@@ -157,21 +157,30 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                temperature: float) -> torch.Tensor:
     """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, contiguous, in the logits dtype."""
-    x, b, t, v, sb, st = _rows(logits)
     out = _new_output(logits.shape, logits)
+    _, b, t, v, _, _ = _rows(logits)
+    token_grad_into(logits, out, targets, lse, g_logp, entropy, g_entropy, temperature, t * v, v)
+    return out
+
+
+def token_grad_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                    g_logp: torch.Tensor, entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+                    temperature: float, out_sb: int, out_st: int) -> None:
+    """:func:`token_grad` written into ``out`` (the logits dtype, row strides ``out_sb`` / ``out_st``; may be
+    ``logits`` itself: each row is read before its gradient is written over it, as the in-place policy op)."""
+    x, b, t, v, sb, st = _rows(logits)
     tg = targets.reshape(-1).contiguous()
     gl = _f32(g_logp)
     with_ent = entropy is not None and g_entropy is not None
     ent = _f32(entropy) if with_ent else None
     ge = _f32(g_entropy) if with_ent else None
     args = (x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, tg.data_ptr(), _INDEX_CODES[tg.dtype],
-            1.0 / temperature, lse.data_ptr(), gl.data_ptr(), _ptr(ent), _ptr(ge), out.data_ptr(), t * v, v)
+            1.0 / temperature, lse.data_ptr(), gl.data_ptr(), _ptr(ent), _ptr(ge), out.data_ptr(), out_sb, out_st)
     if logits.is_cuda:
         with torch.cuda.device(logits.device):
             _C.cuda_token_grad(*args, _stream(logits))
     else:
         _C.cpu_token_grad(*args, _threads())
-    return out
 
 
 register_token_ops(token_stats, token_grad)

@@ -111,6 +111,18 @@ def runs_tiled(config: PolicyLossConfig, off_policy: bool = True) -> bool:
     return off_policy and config.rollout_is is not None and config.has_token_local_policy
 
 
+def _sequences_in_two_passes(device: torch.device) -> bool:
+    """Whether a sequence-level config (one the single pass cannot run) takes the two tiled passes (statistics,
+    then the loss math on ``(B, T)`` vectors and a gradient pass recomputing the tiles: four GEMMs) rather than
+    torch_linear's one pass over whole-sequence tiles (three GEMMs and about six torch passes over each tile). On
+    CUDA the torch passes cost far more than a GEMM (torch_linear took 991-1015 ms against the single pass's
+    41-44 ms on the H200 shape); on the CPU the GEMMs dominate and the extra one costs more (gspo, B=8 T=512
+    H=512 V=32000 fp32: 3024 ms in two passes against 2511 ms, ``bench/bench_linear.py --preset gspo``). A
+    batch-level config (the entropy quantile) and ``linear_token_logprobs`` take two passes anyway, the tiled ones
+    on every device (CPU: 3107 ms against torch_linear's 4721 ms, ``bench_linear.py --op token_logprobs``)."""
+    return device.type == "cuda"
+
+
 def _fold_sequence_rollout(config: PolicyLossConfig, inputs: PolicyInputs) -> tuple[str, torch.Tensor]:
     """The kernel config and advantages of a sequence-level rollout correction off-policy: ``w`` of
     :func:`loss_math.rollout_weights` (``rho = exp(sum_t m (old - rollout))`` truncated or masked, detached, a
@@ -184,6 +196,37 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
         torch.mm(a, b, out=out)
 
 
+def _operands(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], mixed: bool):
+    """``(hidden (N, H), weight, bias, dtype of the GEMM operands)``: 16-bit as given in mixed mode (fp32 bias),
+    else the fp32 upcast of :func:`torch_linear._prepare`."""
+    if mixed:
+        return (hidden.reshape(-1, hidden.shape[-1]), weight.contiguous(),
+                None if bias is None else bias.to(torch.float32), hidden.dtype)
+    _, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
+    return hidden_flat, weight_c, bias_c, torch.float32
+
+
+def _tile_logits(h: torch.Tensor, weight_c: torch.Tensor, bias_c: Optional[torch.Tensor], z: torch.Tensor,
+                 mixed: bool) -> None:
+    """``z = h W^T (+ b)`` into the fp32 tile ``z``."""
+    if mixed:
+        _mm_f32(h, weight_c.t(), z, accumulate=False)
+        if bias_c is not None:
+            z.add_(bias_c)
+    elif bias_c is None:
+        torch.mm(h, weight_c.t(), out=z)
+    else:
+        torch.addmm(bias_c, h, weight_c.t(), out=z)
+
+
+def _tile_take(tile, ok):
+    """The per-token vectors' rows of ``tile``: gathered (CPU) or the contiguous slice (fixed tiles)."""
+    if ok is None:
+        return lambda x: None if x is None else x.index_select(0, tile.idx)
+    s, e = tile.contiguous
+    return lambda x: None if x is None else x[s:e]
+
+
 class _MixedGrads(_Grads):
     """:class:`torch_linear._Grads` with 16-bit GEMM operands: the 16-bit ``dz``, fp32 accumulation in
     the GEMMs (fp32 output) and in the bias sum."""
@@ -215,16 +258,10 @@ def tiled_linear_policy_loss_op(
     ``w_t / unit``, so the 16-bit ``dz`` it writes is ``O(dl/dlogp p)`` whatever the token count: inside
     fp16's normal range where ``dz`` itself (``w_t p``, ~1e-9 at N = 8192, V = 128256) would flush to 0."""
     config = _config_from_literal(config_literal)
-    batch, length, hsize = hidden.shape
+    batch, length, _ = hidden.shape
     vocab = weight.shape[0]
     f32 = torch.float32
-    if mixed:
-        hidden_flat, weight_c = hidden.reshape(-1, hsize), weight.contiguous()
-        bias_c = None if bias is None else bias.to(f32)
-        hdtype = hidden.dtype
-    else:
-        _, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
-        hdtype = f32
+    hidden_flat, weight_c, bias_c, hdtype = _operands(hidden, weight, bias, mixed)
     run_kernel = KERNELS[kernel]
     want_ent = with_entropy or config.needs_entropy
     need_grad = need_h or need_w or need_b
@@ -248,21 +285,11 @@ def tiled_linear_policy_loss_op(
     for tile in _token_groups(valid, n_tile):
         h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, hdtype)
         n = h.shape[0]
-        if ok is None:
-            take = lambda x: None if x is None else x.index_select(0, tile.idx)
-        else:
-            s, e = tile.contiguous
-            take = lambda x: None if x is None else x[s:e]
+        take = _tile_take(tile, ok)
+        if ok is not None:
             t = torch.where(ok, t, torch.full_like(t, IGNORE_INDEX))
         z = ws[:n * vocab].view(n, vocab)
-        if mixed:
-            _mm_f32(h, weight_c.t(), z, accumulate=False)
-            if bias_c is not None:
-                z.add_(bias_c)
-        elif bias_c is None:
-            torch.mm(h, weight_c.t(), out=z)
-        else:
-            torch.addmm(bias_c, h, weight_c.t(), out=z)
+        _tile_logits(h, weight_c, bias_c, z, mixed)
         dz16 = ws16[:n * vocab].view(n, vocab) if ws16.numel() else None
         lp, ent = run_kernel(z, t.contiguous(), take(adv_flat).contiguous(), take(w_flat).contiguous(),
                              None if old_flat is None else take(old_flat).contiguous(),
@@ -316,6 +343,176 @@ def _backward(ctx, g_loss, *_):
 tiled_linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ------------------------------------------------------------------------------------ two passes
+def _native_stats(z, targets, temperature: float, with_entropy: bool):
+    from . import native
+
+    return native.token_stats(z.unsqueeze(0), targets, temperature, with_entropy)
+
+
+def _triton_stats(z, targets, temperature: float, with_entropy: bool):
+    from . import triton as tb
+
+    return tb._kernels().token_stats(z.unsqueeze(0), targets, temperature, with_entropy)
+
+
+def _native_grad(z, targets, lse, g_logp, entropy, g_entropy, temperature: float, out=None):
+    """dlogits written over the fp32 tile ``z`` (the C++ gradient writes its input's dtype), then rounded into
+    ``out`` (16-bit, mixed mode) if given."""
+    from . import native
+
+    native.token_grad_into(z.unsqueeze(0), z, targets, lse, g_logp, entropy, g_entropy, temperature, z.numel(),
+                           z.stride(0))
+    if out is not None:
+        out.copy_(z)
+
+
+def _triton_grad(z, targets, lse, g_logp, entropy, g_entropy, temperature: float, out=None):
+    """dlogits written over the tile ``z``, or straight into ``out`` (the kernel rounds on store)."""
+    from . import triton as tb
+
+    x = z.unsqueeze(0)
+    tb._kernels().token_grad(x, targets, lse, g_logp, entropy, g_entropy, temperature,
+                             out=x if out is None else out.unsqueeze(0))
+
+
+#: kernel -> (statistics of a tile: ``(logp, entropy, lse (2, n))``, its gradient given ``lse``), the kernels
+#: behind ``token_logprobs`` (``kernels/logits.py::token_stats`` / ``token_grad``, the C++ ones)
+TWO_PASS_KERNELS = {"native": (_native_stats, _native_grad), "triton": (_triton_stats, _triton_grad)}
+
+
+@autocast_free_op("fused_rl::tiled_linear_token_stats")
+def tiled_linear_token_stats_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                targets: torch.Tensor, temperature: float, with_entropy: bool, n_tile: int,
+                                kernel: str, mixed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp (B, T), entropy (B, T) or empty, lse (2, N))`` of ``softmax((h W^T + b) / tau)``, fp32:
+    per tile ``z = h W^T + b`` and the statistics kernel (one read of ``z``); ``IGNORE_INDEX`` targets give 0;
+    ``lse`` is the kernel's per-row statistics (raw max, ``log2`` of the sum), which its gradient reads."""
+    batch, length, _ = hidden.shape
+    vocab, count, f32 = weight.shape[0], batch * length, torch.float32
+    hidden_flat, weight_c, bias_c, hdtype = _operands(hidden, weight, bias, mixed)
+    stats = TWO_PASS_KERNELS[kernel][0]
+    valid = targets != IGNORE_INDEX
+    targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
+    logp = torch.zeros(count, dtype=f32, device=hidden.device)
+    entropy = torch.zeros(count if with_entropy else 0, dtype=f32, device=hidden.device)
+    lse = torch.zeros(2, count, dtype=f32, device=hidden.device)
+    ws = torch.empty(min(n_tile, count) * vocab, dtype=f32, device=hidden.device)
+    for tile in _token_groups(valid, n_tile):
+        h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, hdtype)
+        if ok is not None:  # fixed tiles: masked rows (zeroed hidden rows) read nothing and give 0
+            t = torch.where(ok, t, torch.full_like(t, IGNORE_INDEX))
+        z = ws[:h.shape[0] * vocab].view(h.shape[0], vocab)
+        _tile_logits(h, weight_c, bias_c, z, mixed)
+        lp, ent, row_stats = stats(z, t.contiguous(), temperature, with_entropy)
+        logp[tile.idx] = lp
+        if with_entropy:
+            entropy[tile.idx] = ent if ok is None else torch.where(ok, ent, torch.zeros_like(ent))
+        lse[:, tile.idx] = row_stats
+    return logp.view(batch, length), entropy.view(batch, length) if with_entropy else entropy, lse
+
+
+@tiled_linear_token_stats_op.register_fake
+def _(hidden, weight, bias, targets, temperature, with_entropy, n_tile, kernel, mixed):
+    f32 = torch.float32
+    return (hidden.new_empty(targets.shape, dtype=f32),
+            hidden.new_empty(targets.shape if with_entropy else (0,), dtype=f32),
+            hidden.new_empty((2, targets.numel()), dtype=f32))
+
+
+@autocast_free_op("fused_rl::tiled_linear_token_grad")
+def tiled_linear_token_grad_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    lse: torch.Tensor, g_logp: torch.Tensor, entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+    temperature: float, need_h: bool, need_w: bool, need_b: bool, n_tile: int, kernel: str, mixed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_hidden, grad_weight, grad_bias, unit)`` (fp32, empty where not needed, in units of the 0-dim
+    ``unit``) of ``sum_t g_logp_t logp_t + g_H_t H_t``: each tile recomputed, the gradient kernel's
+    ``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` (from :func:`tiled_linear_token_stats_op`'s ``lse``),
+    then ``grad_h[tile] = dz W``, ``grad_W += dz^T h``. In mixed mode the kernel gets ``g / unit``,
+    ``unit = max |g|``, as the single pass's weights (16-bit ``dz`` in fp16's normal range)."""
+    f32 = torch.float32
+    vocab = weight.shape[0]
+    hidden_flat, weight_c, bias_c, hdtype = _operands(hidden, weight, bias, mixed)
+    grad_kernel = TWO_PASS_KERNELS[kernel][1]
+    valid = targets != IGNORE_INDEX
+    targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
+    gl = g_logp.reshape(-1).to(f32)
+    ge = None if g_entropy is None or entropy is None else g_entropy.reshape(-1).to(f32)
+    ent_flat = None if ge is None else entropy.reshape(-1).to(f32)
+    unit = torch.ones((), dtype=f32, device=hidden.device)
+    if mixed and gl.numel():
+        g_max = gl.abs().amax() if ge is None else torch.maximum(gl.abs().amax(), ge.abs().amax())
+        unit = torch.where(g_max > 0, g_max, unit)
+        gl, ge = gl / unit, None if ge is None else ge / unit
+    grads = (_MixedGrads if mixed else _Grads)(hidden, weight, need_h, need_w, need_b, f32)
+    rows = min(n_tile, targets.numel())
+    ws = torch.empty(rows * vocab, dtype=f32, device=hidden.device)
+    ws16 = torch.empty(rows * vocab if mixed else 0, dtype=hidden.dtype, device=hidden.device)
+    lse_rows = lse.t()  # (N, 2): the tiles' rows, taken as the other per-token vectors
+    for tile in _token_groups(valid, n_tile):
+        h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, hdtype)
+        n = h.shape[0]
+        take = _tile_take(tile, ok)
+        g1, g2 = take(gl), take(ge)
+        if ok is not None:
+            t = torch.where(ok, t, torch.full_like(t, IGNORE_INDEX))
+            g1 = torch.where(ok, g1, torch.zeros_like(g1))
+            g2 = None if g2 is None else torch.where(ok, g2, torch.zeros_like(g2))
+        z = ws[:n * vocab].view(n, vocab)
+        _tile_logits(h, weight_c, bias_c, z, mixed)
+        dz16 = ws16[:n * vocab].view(n, vocab) if mixed else None
+        grad_kernel(z, t.contiguous(), take(lse_rows).t().contiguous(), g1.contiguous(),
+                    None if g2 is None else take(ent_flat).contiguous(), None if g2 is None else g2.contiguous(),
+                    temperature, out=dz16)
+        if mixed:
+            grads.add_mixed(tile, dz16, h, weight_c, ok)
+        else:
+            grads.add(tile, z.t(), h, weight_c, ok)
+    return (*grads.results(hidden, weight, cast=False), unit)
+
+
+@tiled_linear_token_grad_op.register_fake
+def _(hidden, weight, bias, targets, lse, g_logp, entropy, g_entropy, temperature, need_h, need_w, need_b, n_tile,
+      kernel, mixed):
+    return (*torch_linear.fake_grads(hidden, weight, need_h, need_w, need_b, torch.float32),
+            hidden.new_empty((), dtype=torch.float32))
+
+
+tiled_linear_token_grad_op.register_autograd(torch_linear.no_double_backward,
+                                             setup_context=lambda ctx, inputs, output: None)
+
+
+def _stats_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, temperature, with_entropy, n_tile, kernel, mixed = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+    ctx.args = (temperature, with_entropy, n_tile, kernel, mixed)
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused entropy output: g_entropy None, no entropy term recomputed
+
+
+def _stats_backward(ctx, g_logp, g_entropy, _):
+    hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+    temperature, with_entropy, n_tile, kernel, mixed = ctx.args
+    if g_logp is None and g_entropy is None:
+        return (None,) * 9
+    need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+    if g_logp is None:
+        g_logp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    g_entropy = g_entropy if with_entropy else None
+    *grads, unit = tiled_linear_token_grad_op(hidden, weight, bias, targets, lse, g_logp,
+                                              entropy if g_entropy is not None else None, g_entropy, temperature,
+                                              *need, n_tile, kernel, mixed)
+    dtypes = (hidden.dtype, weight.dtype, weight.dtype)
+    return tuple(torch.mul(g, unit, out=torch.empty(g.shape, dtype=dtype, device=g.device)) if wanted else None
+                 for g, wanted, dtype in zip(grads, need, dtypes)) + (None,) * 6
+
+
+tiled_linear_token_stats_op.register_autograd(_stats_backward, setup_context=_stats_setup_context)
+
+
 # ------------------------------------------------------------------------------------ backend methods
 def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        inputs: PolicyInputs, config: PolicyLossConfig, compute_entropy: bool, kernel: str,
@@ -323,8 +520,12 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     """The backend method: the configs of :func:`runs_tiled` through the tiled op with ``kernel``, the
     others through :func:`torch_linear.linear_policy_loss`."""
     if not runs_tiled(config, off_policy=inputs.old is not None):
-        return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
-                                               memory_budget_bytes)
+        if not (config.is_batch_level or _sequences_in_two_passes(hidden.device)):
+            return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
+                                                   memory_budget_bytes)
+        return torch_linear.two_pass_policy_loss(  # the loss math on (B, T) vectors between the two passes
+            lambda *args: linear_token_logprobs(*args, kernel=kernel, memory_budget_bytes=memory_budget_bytes),
+            hidden, weight, bias, inputs, config, compute_entropy or config.needs_entropy)
     literal, kernel_adv = torch_linear.config_literal(config), inputs.kernel_advantages
     rollout = inputs.rollout if config.rollout_is is not None else None
     if not config.has_token_epilogue:  # a sequence-level correction off-policy, folded into the advantages
@@ -348,11 +549,15 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                                             terms.extras))
 
 
-def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool,
+def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool, kernel: str,
                           memory_budget_bytes: Optional[int] = None):
-    """Arbitrary upstream gradients need the two-pass form: :func:`torch_linear.linear_token_logprobs`."""
-    return torch_linear.linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy,
-                                              memory_budget_bytes)
+    """The backend method: :func:`tiled_linear_token_stats_op` (its backward recomputes the tiles for any upstream
+    gradient of the log-probs and entropies)."""
+    mixed = _mode(hidden.device, hidden.dtype) == "mixed"
+    n_tile = chunk_tokens(targets.numel(), weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
+    logp, entropy, _ = tiled_linear_token_stats_op(hidden, weight, bias, targets, float(temperature),
+                                                   bool(return_entropy), n_tile, kernel, mixed)
+    return logp, (entropy if return_entropy else None)
 
 
 class TiledLinearMethods:
@@ -367,4 +572,5 @@ class TiledLinearMethods:
 
     def linear_token_logprobs(self, hidden, weight, bias, targets, temperature, return_entropy,
                               memory_budget_bytes=None):
-        return linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy, memory_budget_bytes)
+        return linear_token_logprobs(hidden, weight, bias, targets, temperature, return_entropy, self.linear_kernel,
+                                     memory_budget_bytes)

@@ -513,14 +513,9 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     batch, length, _ = hidden.shape
     want_ent = compute_entropy or config.needs_entropy
     if config.is_batch_level:
-        targets = torch.where(inputs.mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX))
-        logp, entropy = linear_token_logprobs(hidden, weight, bias, targets, config.temperature, want_ent,
-                                              memory_budget_bytes)
-        loss, mets = compute_policy_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
-                                         ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
-                                         rollout_is_weights=inputs.is_weights, token_normalizer=inputs.token_normalizer)
-        return PolicyLossOutput(loss=loss, logprobs=logp.detach(),
-                                entropy=None if entropy is None else entropy.detach(), metrics=mets)
+        return two_pass_policy_loss(
+            lambda *args: linear_token_logprobs(*args, memory_budget_bytes=memory_budget_bytes),
+            hidden, weight, bias, inputs, config, want_ent)
     cdtype = _compute_dtype(hidden.dtype)
     weights = aggregation_weights(inputs.mask, config, inputs.token_normalizer, dtype=cdtype)
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes, hidden.device)
@@ -534,6 +529,20 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy,
                             metrics=metrics(terms.ratio, inputs.advantages, inputs.mask, config, terms.kl, entropy,
                                             terms.extras))
+
+
+def two_pass_policy_loss(token_logprobs, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         inputs: PolicyInputs, config: PolicyLossConfig, want_ent: bool) -> PolicyLossOutput:
+    """The loss in two passes: ``token_logprobs(hidden, weight, bias, targets, temperature, want_ent)`` (a
+    fused-linear ``linear_token_logprobs``: statistics, its backward recomputing the tiles) and
+    :func:`fused_rl.loss_math.compute_policy_loss` with autograd on the ``(B, T)`` vectors: any config."""
+    targets = torch.where(inputs.mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX))
+    logp, entropy = token_logprobs(hidden, weight, bias, targets, config.temperature, want_ent)
+    loss, mets = compute_policy_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
+                                     ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
+                                     rollout_is_weights=inputs.is_weights, token_normalizer=inputs.token_normalizer)
+    return PolicyLossOutput(loss=loss, logprobs=logp.detach(), entropy=None if entropy is None else entropy.detach(),
+                            metrics=mets)
 
 
 # --------------------------------------------------------------------------- linear token logprobs
@@ -606,13 +615,13 @@ def _(hidden, weight, bias, targets, g_logp, g_entropy, temperature, need_h, nee
     return fake_grads(hidden, weight, need_h, need_w, need_b)
 
 
-def _no_double_backward(ctx, *grads):
+def no_double_backward(ctx, *grads):
     raise RuntimeError("fused_rl: the gradient of linear_token_logprobs (and of the fused-linear losses that "
                        "recompute it) has no backward of its own (a second-order gradient through "
                        "create_graph=True); use backend='reference' for higher-order gradients")
 
 
-linear_token_grad.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+linear_token_grad.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def _stats_setup_context(ctx, inputs, output):
