@@ -117,6 +117,16 @@ def main(full: bool) -> None:
         k = compile_kernel(K._scale_kernel, dict(x_ptr="*" + xdt, s0="i64", g_ptr="*fp32"),
                            dict(BLOCK_N=1, BLOCK_V=block), warps)
         print(xdt, "scale", resource_usage(k))
+    # the tiled fused linear's two passes in mixed mode: statistics of fp32 logits tiles, bf16 dlogits of the gradient
+    base = dict(x_ptr="*fp32", xs0="i64", xs1="i32", tgt_ptr="*i64", temperature=F32)
+    _, block, warps = K.block_config(128256, K.torch.float32)
+    k = compile_kernel(K._stats_kernel, {**base, "logp_ptr": "*fp32", "ent_ptr": "*fp32", "lse_ptr": "*fp32"},
+                       dict(BLOCK_N=1, BLOCK_V=block, WITH_ENT=True), warps)
+    print("fp32 stats (tiled two passes)", resource_usage(k))
+    k = compile_kernel(K._grad_kernel, {**base, "out_ptr": "*bf16", "os0": "i64", "lse_ptr": "*fp32",
+                                        "glogp_ptr": "*fp32", "ent_ptr": "*fp32", "gent_ptr": "*fp32"},
+                       dict(BLOCK_N=1, BLOCK_V=block, GRAD_ENT=True), warps)
+    print("fp32 -> bf16 grad (tiled two passes, mixed mode)", resource_usage(k))
     ptrs = {n: "*fp32" for n in E._epilogue_vector_kernel.arg_names if n.endswith("_ptr")}
     floats, consts = epilogue_signature(POLICY_VARIANTS[-1][0], False)
     k = compile_kernel(E._epilogue_vector_kernel, {**ptrs, "valid_ptr": "*i8", **floats}, {**consts, "BLOCK": 256}, 4)
