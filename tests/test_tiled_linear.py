@@ -380,6 +380,40 @@ def test_op_passes_opcheck(mixed, dtype, need):
 
 @needs_cpu
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "mixed"])
+def test_two_passes_first_order_create_graph_then_a_clear_error(mixed, monkeypatch):
+    """``create_graph=True`` works for the first-order gradient (it raised autograd's ``out=`` error); a second
+    backward through it raises the named error pointing to the reference backend."""
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed" if mixed else None)
+    case = make_linear_case(batch=3, length=5, vocab=300, seed=4, dtype=torch.bfloat16 if mixed else torch.float32)
+    case.hidden = torch.nan_to_num(case.hidden)  # no mask here: every row is read
+    h, w, b = _leaves(case, case.hidden.dtype)
+    logp = fused_rl.linear_token_logprobs(h, w, case.targets, bias=b, backend="cpu")
+    (gh,) = torch.autograd.grad(logp.sum(), h, create_graph=True)
+    (expected,) = torch.autograd.grad(fused_rl.linear_token_logprobs(h, w, case.targets, bias=b, backend="cpu").sum(),
+                                      h)
+    torch.testing.assert_close(gh, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="no backward of its own.*backend='reference'"):
+        gh.sum().backward()
+
+
+@needs_cpu
+def test_two_passes_mixed_unit_reads_no_ignored_row(monkeypatch):
+    """In mixed mode the gradient pass scales by the largest upstream gradient of the rows it reads: an inf one at
+    an ``IGNORE_INDEX`` target (no row read, no gradient) left every gradient NaN."""
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
+    case = make_linear_case(batch=3, length=5, vocab=300, seed=4, dtype=torch.bfloat16)
+    case.hidden = torch.nan_to_num(case.hidden)  # no mask here: every row is read
+    targets = case.targets.clone()
+    targets[0, 0] = fused_rl.IGNORE_INDEX
+    g = torch.randn(targets.shape, generator=torch.Generator().manual_seed(2))
+    g[0, 0] = float("inf")
+    h, w, b = _leaves(case, torch.bfloat16)
+    torch.autograd.backward(fused_rl.linear_token_logprobs(h, w, targets, bias=b, backend="cpu"), g)
+    assert all(bool(torch.isfinite(x.grad).all()) for x in (h, w, b))
+
+
+@needs_cpu
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "mixed"])
 @pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "logp"])
 def test_two_pass_ops_pass_opcheck(mixed, with_entropy):
     """``torch.library.opcheck`` of the two-pass ops (native kernels): the statistics op with its autograd (the

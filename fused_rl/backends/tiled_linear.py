@@ -441,8 +441,9 @@ def tiled_linear_token_grad_op(
     ge = None if g_entropy is None or entropy is None else g_entropy.reshape(-1).to(f32)
     ent_flat = None if ge is None else entropy.reshape(-1).to(f32)
     unit = torch.ones((), dtype=f32, device=hidden.device)
-    if mixed and gl.numel():
-        g_max = gl.abs().amax() if ge is None else torch.maximum(gl.abs().amax(), ge.abs().amax())
+    if mixed and gl.numel():  # over the read rows only (an inf upstream gradient at a -100 target reads nothing)
+        largest = lambda g: torch.where(valid_flat, g.abs(), torch.zeros_like(g)).amax()
+        g_max = largest(gl) if ge is None else torch.maximum(largest(gl), largest(ge))
         unit = torch.where(g_max > 0, g_max, unit)
         gl, ge = gl / unit, None if ge is None else ge / unit
     grads = (_MixedGrads if mixed else _Grads)(hidden, weight, need_h, need_w, need_b, f32)
@@ -506,6 +507,9 @@ def _stats_backward(ctx, g_logp, g_entropy, _):
                                               entropy if g_entropy is not None else None, g_entropy, temperature,
                                               *need, n_tile, kernel, mixed)
     dtypes = (hidden.dtype, weight.dtype, weight.dtype)
+    if torch.is_grad_enabled():  # create_graph=True: out= is not differentiable; the grad op's backward raises
+        return tuple((g * unit).to(dtype) if wanted else None for g, wanted, dtype in zip(grads, need, dtypes)) \
+            + (None,) * 6
     return tuple(torch.mul(g, unit, out=torch.empty(g.shape, dtype=dtype, device=g.device)) if wanted else None
                  for g, wanted, dtype in zip(grads, need, dtypes)) + (None,) * 6
 
