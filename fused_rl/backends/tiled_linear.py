@@ -16,9 +16,11 @@ they cover (:func:`runs_tiled`: ``config.has_token_epilogue``, token-level rollo
 kernels reading the rollout log-probs; and a sequence-level rollout correction off-policy, whose weights
 depend on the old and rollout log-probs alone and fold into the advantages), so each
 tile's gradient is exact as soon as its logits exist: one pass, three GEMMs in all, gradients
-computed in the forward, and the backward only scales them by ``grad_output``. Other configs
-(sequence- and batch-level variants, sequence rollout correction on-policy, ...) and ``linear_token_logprobs``
-go to :mod:`fused_rl.backends.torch_linear`.
+computed in the forward, and the backward only scales them by ``grad_output``. ``linear_token_logprobs`` and
+the other configs take two passes (:func:`tiled_linear_token_stats_op`: the statistics kernel per tile, the
+backward recomputing each tile for the gradient kernel; the loss math on ``(B, T)`` vectors between them): the
+batch-level quantile everywhere, the sequence-level variants on CUDA; on the CPU those keep
+:mod:`fused_rl.backends.torch_linear`'s one pass (:func:`_sequences_in_two_passes`).
 
 Tiles, masked tokens, the gradient buffers (no weight-gradient buffer for a frozen weight; the
 first tile writes it, no zero fill) and the fp32 upcast of 16-bit inputs are torch_linear's
