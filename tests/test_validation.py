@@ -359,7 +359,7 @@ def test_second_order_through_the_recomputing_ops_is_refused_by_name(backend):
         torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
         with pytest.raises(RuntimeError, match="no backward of its own.*backend='reference'"):
             g.pow(2).sum().backward()
-    # linear_token_logprobs (every backend's is the chunked torch one): the same for the hidden states
+    # linear_token_logprobs (the tiled two passes on cpu / triton, the chunked torch one on torch): the same for h
     h, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(11, 8)
     h_ref = h.detach().clone().requires_grad_(True)
     (g,) = torch.autograd.grad(fused_rl.linear_token_logprobs(h, w, args["targets"], backend=backend).sum(), h,
