@@ -158,7 +158,7 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
                temperature: float) -> torch.Tensor:
     """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, contiguous, in the logits dtype."""
     out = _new_output(logits.shape, logits)
-    _, b, t, v, _, _ = _rows(logits)
+    _, _, t, v, _, _ = _rows(logits)
     token_grad_into(logits, out, targets, lse, g_logp, entropy, g_entropy, temperature, t * v, v)
     return out
 

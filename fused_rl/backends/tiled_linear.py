@@ -523,8 +523,9 @@ tiled_linear_token_stats_op.register_autograd(_stats_backward, setup_context=_st
 def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        inputs: PolicyInputs, config: PolicyLossConfig, compute_entropy: bool, kernel: str,
                        memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
-    """The backend method: the configs of :func:`runs_tiled` through the tiled op with ``kernel``, the
-    others through :func:`torch_linear.linear_policy_loss`."""
+    """The backend method: the configs of :func:`runs_tiled` through the single-pass op with ``kernel``; the
+    others in the two passes (:func:`torch_linear.two_pass_policy_loss` over :func:`linear_token_logprobs`) where
+    :func:`_sequences_in_two_passes` or the config is batch-level, else :func:`torch_linear.linear_policy_loss`."""
     if not runs_tiled(config, off_policy=inputs.old is not None):
         if not (config.is_batch_level or _sequences_in_two_passes(hidden.device)):
             return torch_linear.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy,
