@@ -109,6 +109,17 @@ def test_config_mapping():
         assert cfg.kl is None
 
 
+@pytest.mark.parametrize("field, value", [("kl_loss_coef", True), ("clip_ratio", "0.2"), ("clip_ratio_c", False),
+                                          ("entropy_coeff", "0.01"), ("tau_pos", True)])
+def test_config_numbers_refuse_bools_and_strings(field, value):
+    """A YAML ``kl_loss_coef: true`` is no coefficient of 1.0: the field is named, not converted."""
+    config = {"use_kl_loss": True, field: value}
+    loss_mode = "sapo" if field == "tau_pos" else "vanilla"
+    with pytest.raises(ValueError, match=f"verl {field} must be a number"):
+        policy_loss_config_from_verl(config, response_length=4, batch_size=2, loss_mode=loss_mode, kl=True,
+                                     entropy=True)
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(config={"policy_loss": {"loss_mode": "clip_cov"}}), "clip_cov"),
     (dict(config={"policy_loss": {"loss_mode": "dppo_tv"}}), "probability difference"),

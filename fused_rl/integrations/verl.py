@@ -73,6 +73,7 @@ Differences from verl, all documented in ``docs/migration.md``:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -112,6 +113,15 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _get_number(config: Any, name: str, default: float) -> float:
+    """verl's numeric option ``name`` as a float; a bool or a string (``kl_loss_coef: true``, ``"0.2"``) raises,
+    named as verl names it, rather than being read as 1.0 / parsed."""
+    value = _get(config, name, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"verl {name} must be a number, got {value!r}")
+    return float(value)
+
+
 def policy_loss_config_from_verl(
     config: Any = None,
     loss_agg_mode: str = "token-mean",
@@ -141,12 +151,12 @@ def policy_loss_config_from_verl(
     if loss_agg_mode not in AGGREGATIONS:
         raise NotImplementedError(f"verl loss_agg_mode={loss_agg_mode!r} is not supported by fused_rl; "
                                   f"supported: {AGGREGATIONS}")
-    clip_ratio = _get(config, "clip_ratio", 0.2)
-    fields: dict[str, Any] = dict(clip_low=float(_get(config, "clip_ratio_low", clip_ratio)),
-                                  clip_high=float(_get(config, "clip_ratio_high", clip_ratio)),
+    clip_ratio = _get_number(config, "clip_ratio", 0.2)
+    fields: dict[str, Any] = dict(clip_low=_get_number(config, "clip_ratio_low", clip_ratio),
+                                  clip_high=_get_number(config, "clip_ratio_high", clip_ratio),
                                   temperature=temperature)
     if loss_mode == "vanilla":
-        clip_ratio_c = float(_get(config, "clip_ratio_c", 3.0))
+        clip_ratio_c = _get_number(config, "clip_ratio_c", 3.0)
         if not clip_ratio_c > 1.0:
             raise ValueError(f"verl clip_ratio_c must be > 1 (dual-clip PPO), got {clip_ratio_c!r}")
         fields.update(policy_loss="ppo_clip", dual_clip=clip_ratio_c)
@@ -155,8 +165,8 @@ def policy_loss_config_from_verl(
         loss_agg_mode = "seq-mean-token-mean"  # verl's gspo and geo_mean ignore loss_agg_mode
     elif loss_mode == "sapo":
         del fields["clip_low"], fields["clip_high"]  # unused by sapo
-        fields.update(policy_loss="sapo", sapo_temperature_pos=float(_get(config, "tau_pos", 1.0)),
-                      sapo_temperature_neg=float(_get(config, "tau_neg", 1.05)))
+        fields.update(policy_loss="sapo", sapo_temperature_pos=_get_number(config, "tau_pos", 1.0),
+                      sapo_temperature_neg=_get_number(config, "tau_neg", 1.05))
         loss_agg_mode = "seq-mean-token-mean"  # verl's sapo ignores loss_agg_mode
     elif loss_mode == "cispo":
         if not fields["clip_low"] >= 1.0:
@@ -179,9 +189,9 @@ def policy_loss_config_from_verl(
         if kl_type not in _KL_TYPES:
             raise NotImplementedError(f"verl kl_loss_type={kl_type!r} is not supported by fused_rl; "
                                       f"supported: {sorted(_KL_TYPES)}")
-        fields.update(kl=_KL_TYPES[kl_type], beta=float(_get(config, "kl_loss_coef", 0.001)))
+        fields.update(kl=_KL_TYPES[kl_type], beta=_get_number(config, "kl_loss_coef", 0.001))
     if entropy:
-        fields["entropy_coef"] = float(_get(config, "entropy_coeff", 0.0))
+        fields["entropy_coef"] = _get_number(config, "entropy_coeff", 0.0)
     return PolicyLossConfig(**fields), scale
 
 
