@@ -466,3 +466,24 @@ def test_inplace_static_shapes(backend):
     """``inplace=True`` with the shape of every step the same (only the normalizer and the
     advantages change) compiles twice (static float, then symbolic) and matches eager."""
     assert _run_loss_steps(_policy_inplace, backend, "float", shapes=[(2, 5)] * 4) <= 2
+
+
+@pytest.mark.parametrize("name, dtype, expect", [("cuda", torch.float32, "cuda"), ("auto", torch.float64, None)])
+def test_backend_selection_traces_on_cuda(monkeypatch, name, dtype, expect):
+    """``get_backend`` runs inside the compiled step: the cuda backend's device count (a pybind call dynamo cannot
+    trace) is a trace-time constant; ``"auto"`` reaches it for the dtypes triton lacks (fp64)."""
+    from fused_rl.backends import _REGISTRY, get_backend, native
+
+    if "cuda" not in _REGISTRY:
+        pytest.skip("fused_rl._C was built without its CUDA kernels")
+    # as on a machine with a GPU, and as opaque to dynamo as the pybind function
+    monkeypatch.setattr(native._C, "cuda_device_count", torch.compiler.disable(lambda: 1))
+    chosen = []
+
+    def step(x):
+        chosen.append(get_backend(name, torch.device("cuda"), dtype).name)
+        return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2))
+    assert chosen[-1] == (expect or get_backend(name, torch.device("cuda"), dtype).name)

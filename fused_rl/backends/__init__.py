@@ -73,8 +73,8 @@ def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = 
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("torch",)):
             be = _REGISTRY.get(candidate)
-            if be is not None and be.unavailable_reason(device) is None and (dtype is None or dtype in be.dtypes) \
-                    and (be.has_linear or not linear):
+            if be is not None and (dtype is None or dtype in be.dtypes) and (be.has_linear or not linear) \
+                    and be.unavailable_reason(device) is None:
                 return be
         return _REGISTRY["torch"]
     be = _REGISTRY.get(name)

@@ -395,6 +395,13 @@ class CpuBackend(NativeBackend):
         return None
 
 
+@torch.compiler.assume_constant_result
+def _cuda_device_count() -> int:
+    """The CUDA devices the kernels of ``_C`` see: a pybind call that ``torch.compile`` cannot trace, so it is
+    run at trace time and its result taken as a constant (``get_backend`` runs inside compiled steps)."""
+    return _C.cuda_device_count()
+
+
 class CudaBackend(NativeBackend):
     """Hand-written CUDA kernels (one block per row) on CUDA tensors."""
 
@@ -403,7 +410,7 @@ class CudaBackend(NativeBackend):
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         if device.type != "cuda":
             return f"the 'cuda' backend runs on CUDA tensors only, not {device.type}"
-        if _C.cuda_device_count() <= 0:
+        if _cuda_device_count() <= 0:
             return "the CUDA kernels of fused_rl._C see no CUDA device (driver missing or too old?)"
         return None
 
