@@ -586,3 +586,64 @@ def test_unsupported_models_raise(model_dir, tmp_path, kind, needle):
     kwargs["model"] = _tiny_model(kind)
     with pytest.raises(NotImplementedError, match=needle):
         FusedGRPOTrainer(**kwargs)
+
+
+def _stock_and_fused(trainer, inputs):
+    """``[(loss, grads)]`` of stock ``_compute_loss`` and of the patched trainer's on the same inputs."""
+    model = trainer.model
+    model.train()
+    results = []
+    for compute in (functools.partial(trl.GRPOTrainer._compute_loss, trainer), trainer._compute_loss):
+        model.zero_grad()
+        loss = compute(model, inputs)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    return results
+
+
+@pytest.mark.parametrize("changes", [dict(beta=0.2), dict(beta=0.0), dict(epsilon_high=0.3),
+                                     dict(loss_type="dapo"), dict(off_policy_mask_threshold=0.0)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_options_changed_after_construction_take_effect(model_dir, tmp_path, changes):
+    """TRL reads ``beta``, ``epsilon_high``, ``loss_type``, ... at every step (a KL or clip schedule in a callback
+    sets them): the adapter's loss follows, as its metrics did (it built its config once and kept the old ones)."""
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="grpo", beta=0.04, epsilon=0.05))
+    trainer.current_gradient_accumulation_steps = 2
+    patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
+    g = torch.Generator().manual_seed(0)
+    inputs, completion_mask, logp = _vllm_batch(trainer, [6, 2, 4, 1], g, accumulation=2)
+    inputs["advantages"] = torch.tensor([-1.0, -1.0, 1.0, -1.0])
+    inputs["old_per_token_logps"] = (logp + 0.4 * torch.randn(logp.shape, generator=g)) * completion_mask
+    inputs["ref_per_token_logps"] = (logp + 0.3 * torch.randn(logp.shape, generator=g)) * completion_mask
+    for name, value in changes.items():
+        setattr(trainer, name, value)
+    (stock, stock_grads), (fused, fused_grads) = _stock_and_fused(trainer, inputs)
+    torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-7)
+    assert max(_rel_err(a, b) for a, b in zip(fused_grads, stock_grads)) < 1e-4
+
+
+def test_advantages_of_shape_b_1_broadcast_as_in_trl(model_dir, tmp_path):
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="grpo", beta=0.0))
+    trainer.current_gradient_accumulation_steps = 1
+    patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
+    inputs, completion_mask, logp = _vllm_batch(trainer, [6, 2, 4, 1], torch.Generator().manual_seed(0))
+    inputs["advantages"] = inputs["advantages"][:, None]
+    (stock, _), (fused, _) = _stock_and_fused(trainer, inputs)
+    torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("hook", ["_compute_loss", "get_off_policy_mask", "get_high_entropy_mask"])
+@pytest.mark.parametrize("entry", ["patch", "subclass"])
+def test_a_subclass_s_own_loss_hooks_are_refused(model_dir, tmp_path, hook, entry):
+    """The fused loss computes what TRL's ``_compute_loss`` and its hooks do; a subclass's own version (TRL's
+    ``trl.experimental.gmpo.GMPOTrainer._compute_loss``) would silently not run, and trained the stock loss. A
+    ``FusedGRPOTrainer`` subclass may override ``_compute_loss``: it chose its own loss."""
+    base = trl.GRPOTrainer if entry == "patch" else FusedGRPOTrainer
+    own = type("OwnHooks", (base,), {hook: lambda self, *args, **kwargs: getattr(base, hook)(self, *args, **kwargs)})
+    make = (lambda: patch_grpo_trainer(own(**_trainer(model_dir, tmp_path)))) if entry == "patch" else \
+        (lambda: own(**_trainer(model_dir, tmp_path)))
+    if entry == "subclass" and hook == "_compute_loss":
+        assert not unsupported_options(make())
+        return
+    with pytest.raises(NotImplementedError, match=f"OwnHooks.{hook} overrides GRPOTrainer.{hook}"):
+        make()

@@ -40,7 +40,9 @@ log-ratio 0 in the correction and in the off-policy mask's KL, as TRL's ``nan_to
 Not supported (``NotImplementedError`` at construction, naming the option): the entropy bonus (``entropy_coef != 0``
 / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
 soft-capping or logit scaling, sequence-level cispo, sapo and vespo, the vLLM correction with both clip bounds
-``None`` (TRL's unbounded ratio); multimodal inputs raise at the first step.
+``None`` (TRL's unbounded ratio), a subclass's own ``_compute_loss`` or loss hooks (:data:`_LOSS_HOOKS`);
+multimodal inputs raise at the first step. The loss config is built from the trainer's options at every step
+(:func:`_checked_config`), so options assigned after construction (a ``beta`` schedule) take effect, as in TRL.
 A value out of fused_rl's range raises ``ValueError`` at construction, naming the GRPOConfig option (``epsilon``
 for ``PolicyLossConfig.clip_low`` and so on).
 """
@@ -103,7 +105,25 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
                         f"vllm_importance_sampling_mode={trainer.vllm_importance_sampling_mode!r} (the unbounded "
                         f"ratio; fused_rl's rollout correction needs a bound)")
     problems += plain_lm_head_problems(_base_model(trainer.model).config)
+    problems += _overridden_loss_hooks(trainer)
     return problems
+
+
+#: What TRL 1.16's ``_compute_loss`` calls on the trainer, and the loss itself: the fused loss computes all of it
+#: itself, so a subclass's own version (``trl.experimental.gmpo.GMPOTrainer._compute_loss``, a custom
+#: ``get_off_policy_mask``) would silently not run
+_LOSS_HOOKS = ("_compute_loss", "_get_per_token_logps_and_entropies", "get_off_policy_mask", "get_high_entropy_mask",
+               "get_gamma_weights")
+
+
+def _overridden_loss_hooks(trainer: GRPOTrainer) -> list[str]:
+    """The loss hooks of :data:`_LOSS_HOOKS` that ``type(trainer)`` overrides (a ``FusedGRPOTrainer`` subclass may
+    override ``_compute_loss``: it then chose its loss)."""
+    cls = type(trainer)
+    return [f"{cls.__name__}.{name} overrides GRPOTrainer.{name} (the fused loss would not call it)"
+            for name in _LOSS_HOOKS if hasattr(GRPOTrainer, name)
+            and getattr(cls, name) is not getattr(GRPOTrainer, name)
+            and not (name == "_compute_loss" and isinstance(trainer, FusedGRPOTrainer))]
 
 
 _VESPO_ARGS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
@@ -198,13 +218,24 @@ def _trl_logprob_pass(trainer: GRPOTrainer, hidden: torch.Tensor, lm_head: torch
 
 
 def _install(trainer: GRPOTrainer, backend: str) -> None:
+    _checked_config(trainer)
+    trainer._fused_rl_backend = backend
+    logprob_pass = functools.partial(_trl_logprob_pass, trainer)
+    _add_fused_head_forward(_base_model(trainer.model), logprob_pass)
+    if trainer.ref_model is not None:
+        _add_fused_head_forward(trainer.accelerator.unwrap_model(trainer.ref_model), logprob_pass)
+
+
+def _checked_config(trainer: GRPOTrainer):
+    """The ``PolicyLossConfig`` of the trainer's options as they are now (TRL reads ``beta``, ``epsilon_high``,
+    ``temperature``, ... at every step, so a schedule changing them in a callback takes effect here too);
+    ``NotImplementedError`` naming what fused_rl cannot compute, ``ValueError`` naming the GRPOConfig option."""
     problems = unsupported_options(trainer)
     if problems:
         raise NotImplementedError("fused_rl cannot compute this GRPOTrainer loss exactly; unsupported: "
                                   + "; ".join(problems))
-    trainer._fused_rl_backend = backend
     try:
-        trainer._fused_rl_config = _loss_config(trainer)
+        return _loss_config(trainer)
     except ValueError as exc:  # name the GRPOConfig option, not only the PolicyLossConfig field it maps to
         field = re.search(r"PolicyLossConfig\.(\w+)", str(exc))
         option = None
@@ -215,10 +246,6 @@ def _install(trainer: GRPOTrainer, backend: str) -> None:
             raise
         value = getattr(trainer, option, getattr(trainer.args, option, None))
         raise ValueError(f"GRPOConfig.{option}={value!r} is outside what fused_rl computes: {exc}") from exc
-    logprob_pass = functools.partial(_trl_logprob_pass, trainer)
-    _add_fused_head_forward(_base_model(trainer.model), logprob_pass)
-    if trainer.ref_model is not None:
-        _add_fused_head_forward(trainer.accelerator.unwrap_model(trainer.ref_model), logprob_pass)
 
 
 #: PolicyLossConfig fields whose TRL option has another name (for error messages).
@@ -289,10 +316,12 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     bool_mask = binary_mask(mask, "completion_mask")
 
     advantages = inputs["advantages"]
+    if advantages.dim() == 2 and advantages.shape[1] == 1:  # (B, 1), as TRL broadcasts it
+        advantages = advantages.squeeze(1)
     old = inputs.get("old_per_token_logps")
     ref = inputs["ref_per_token_logps"] if self.beta != 0.0 else None
     mode = "train" if self.model.training else "eval"
-    config = self._fused_rl_config
+    config = _checked_config(self)
     rollout = inputs.get("sampling_per_token_logps") if config.uses_rollout_logprobs else None
     if config.rollout_is is not None and rollout is None:
         raise ValueError("vllm_importance_sampling_correction needs inputs['sampling_per_token_logps']")
@@ -320,16 +349,16 @@ def _fused_compute_loss(self: GRPOTrainer, model, inputs: dict[str, Any]) -> tor
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, **{FUSED_HEAD_KWARG: head})
     loss = out.loss if normalizer is not None else out.loss / accumulation
-    _log_trl_metrics(self, mode, out, advantages, mask, bool_mask, old, ref, rollout)
+    _log_trl_metrics(self, config, mode, out, advantages, mask, bool_mask, old, ref, rollout)
     return loss
 
 
 @torch.no_grad()
-def _log_trl_metrics(self: GRPOTrainer, mode: str, out, advantages: torch.Tensor, mask: torch.Tensor,
+def _log_trl_metrics(self: GRPOTrainer, config, mode: str, out, advantages: torch.Tensor, mask: torch.Tensor,
                      bool_mask: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                      rollout: Optional[torch.Tensor]) -> None:
-    """TRL's ``_compute_loss`` metrics, from the detached log-probs and entropies fused_rl returns."""
-    config = self._fused_rl_config
+    """TRL's ``_compute_loss`` metrics, from the detached log-probs and entropies fused_rl returns (``config``: the
+    step's loss config)."""
     logp = out.logprobs
     mask = mask.to(logp.dtype)
     if advantages.dim() == 1:
@@ -356,7 +385,7 @@ def _log_trl_metrics(self: GRPOTrainer, mode: str, out, advantages: torch.Tensor
         zeros = torch.zeros_like(logp)
         per_token_kl = torch.where(bool_mask, kl_estimator(logp, torch.where(bool_mask, ref.to(logp.dtype), zeros),
                                                            "k3"), zeros)
-        if self._fused_rl_config.kl_bias_correction:  # TRL logs the ratio-weighted KL
+        if config.kl_bias_correction:  # TRL logs the ratio-weighted KL
             per_token_kl = per_token_kl * coef_1
         metrics["kl"].append(global_masked_mean(per_token_kl))
     metrics["entropy"].append(global_masked_mean(out.entropy))
