@@ -41,7 +41,8 @@ def token_logprobs(
     ``H = -sum_j p_j log p_j`` per position, differentiable too. ``targets == -100`` gives 0.
 
     ``logits``: ``(..., V)`` fp32 / bf16 / fp16 (fp64 on the reference and torch backends), unit
-    stride along ``V``; ``targets``: int32 / int64 ``(...)``.
+    stride along ``V``; ``targets``: int32 / int64 ``(...)``. ``check_inputs`` checks the targets are in range
+    (one host sync; skipped while ``torch.compile`` traces).
     """
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
     token_logprobs_checks(logits, targets, temperature, check_inputs)
@@ -161,7 +162,8 @@ def linear_policy_loss(
     """``policy_loss`` of the logits ``hidden @ weight.T + bias`` without materializing them (fused
     backends); ``hidden (B, T, H)``, ``weight (V, H)``, ``bias (V,)``. Gradients flow to all three.
     ``memory_budget_bytes`` bounds the fused backends' ``(tokens, V)`` tile buffers (default: 1 GiB on CUDA,
-    128 MiB elsewhere; the tile is ``budget // (V * bytes a token)``, at least one token)."""
+    128 MiB elsewhere; the tile is ``budget // (V * bytes a token)``, at least one token). ``check_inputs``: as in
+    :func:`policy_loss` (one host sync; skipped while ``torch.compile`` traces)."""
     config = PolicyLossConfig() if config is None else config
     _check_flags(compute_entropy=compute_entropy, check_inputs=check_inputs)
     _check_linear(hidden, weight, bias)
@@ -192,7 +194,8 @@ def linear_token_logprobs(
     (fused backends): ``logp = log softmax(z / tau)[targets]`` ``(B, T)`` fp32 (fp64 for fp64 input) and,
     with ``return_entropy``, ``H = -sum_j p_j log p_j``; both differentiable w.r.t. ``hidden (B, T, H)``,
     ``weight (V, H)`` and ``bias (V,)``. ``targets == -100`` gives 0 and no gradient. ``memory_budget_bytes``:
-    as in :func:`linear_policy_loss`."""
+    as in :func:`linear_policy_loss`. ``check_inputs``: targets in range (one host sync; skipped while
+    ``torch.compile`` traces)."""
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
     _check_linear(hidden, weight, bias)
     memory_budget_bytes = _memory_budget(memory_budget_bytes)
