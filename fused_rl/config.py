@@ -10,7 +10,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo"]
 KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"]]
@@ -256,6 +256,24 @@ class PolicyLossConfig:
     def replace(self, **changes: Any) -> "PolicyLossConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def unused_fields(self, names: Iterable[str]) -> dict[str, str]:
+        """Of the field ``names`` (those a caller set explicitly), each one this config never reads, in the loss or
+        its metrics -> why: ``clip_low`` outside ppo_clip / gspo / gspo_token / gmpo, ``clip_high`` also outside
+        cispo, ``sapo_temperature_*`` outside sapo, ``vespo_*`` outside vespo, ``rollout_is_min`` / ``_max``
+        without ``rollout_is``. (Construction refuses the other such fields when they differ from their defaults:
+        ``dual_clip``, ``delta``, ``max_len``, ``kl_bias_correction``.)"""
+        clipped = ("ppo_clip", "gspo", "gspo_token", "gmpo")
+        readers = {"clip_low": (self.policy_loss in clipped, f"is not used by policy_loss {self.policy_loss!r}"),
+                   "clip_high": (self.policy_loss in clipped + ("cispo",),
+                                 f"is not used by policy_loss {self.policy_loss!r}"),
+                   **{name: (self.policy_loss == "sapo", "is only used by policy_loss 'sapo'")
+                      for name in ("sapo_temperature_pos", "sapo_temperature_neg")},
+                   **{name: (self.policy_loss == "vespo", "is only used by policy_loss 'vespo'")
+                      for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
+                   **{name: (self.rollout_is is not None, "is only used with rollout_is")
+                      for name in ("rollout_is_min", "rollout_is_max")}}
+        return {name: readers[name][1] for name in names if name in readers and not readers[name][0]}
 
     @property
     def needs_entropy_grad(self) -> bool:

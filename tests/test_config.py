@@ -195,3 +195,31 @@ def test_numpy_scalars_are_numbers():
     assert a == b and hash(a) == hash(b) and type(a.max_len) is int and type(a.beta) is float
     with pytest.raises(ValueError, match="must be a real number"):
         PolicyLossConfig(clip_low=np.bool_(True))
+
+
+@pytest.mark.parametrize("policy_loss, unused", [
+    ("ppo_clip", {"sapo_temperature_pos", "vespo_k_neg", "rollout_is_max"}),
+    ("gmpo", {"sapo_temperature_pos", "vespo_k_neg", "rollout_is_max"}),
+    ("cispo", {"clip_low", "sapo_temperature_pos", "vespo_k_neg", "rollout_is_max"}),
+    ("sapo", {"clip_low", "clip_high", "vespo_k_neg", "rollout_is_max"}),
+    ("reinforce", {"clip_low", "clip_high", "sapo_temperature_pos", "vespo_k_neg", "rollout_is_max"}),
+    ("vespo", {"clip_low", "clip_high", "sapo_temperature_pos", "rollout_is_max"}),
+])
+def test_unused_fields_name_what_the_loss_never_reads(policy_loss, unused):
+    """Each field's readers, checked against the loss math: a field the loss never reads changes no loss value."""
+    asked = ["clip_low", "clip_high", "sapo_temperature_pos", "vespo_k_neg", "rollout_is_max", "beta", "agg"]
+    config = PolicyLossConfig(policy_loss=policy_loss)
+    assert set(config.unused_fields(asked)) == unused
+    assert not PolicyLossConfig(rollout_is="token_mask").unused_fields(["rollout_is_max", "rollout_is_min"])
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=g) * 2
+    old = logp + 0.5 * torch.randn(3, 5, generator=g)  # ratios well outside every clip range
+    rollout = old + 0.5 * torch.randn(3, 5, generator=g)
+    adv, mask = torch.tensor([[1.0], [-1.0], [0.5]]).expand(3, 5), torch.ones(3, 5, dtype=torch.bool)
+    changed = dict(clip_low=0.05, clip_high=0.05, sapo_temperature_pos=3.0, vespo_k_neg=1.0, rollout_is_max=1.01)
+    for name, value in changed.items():
+        (loss, stats), (loss2, stats2) = [compute_policy_loss(logp, adv, mask, c, old_logprobs=old,
+                                                              rollout_logprobs=rollout)
+                                          for c in (config, config.replace(**{name: value}))]
+        same = bool(loss == loss2) and all(bool(stats[k].eq(stats2[k]) | stats[k].isnan()) for k in stats)
+        assert same == (name in unused), name

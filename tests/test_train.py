@@ -86,6 +86,13 @@ def small(tmp_path, **kw):
      ["loss_options", "'dr_grpo' fixes agg = 'seq-mean-token-sum-norm'", "advantage: dr_grpo"]),
     (["--device", "cuda:x"], ["device", "cuda[:N]"]),
     (["--kl", "k4"], ["kl", "k3+"]),
+    # loss fields the chosen loss does not read (they trained bit-identical weights)
+    (["--loss_options.policy_loss", "sapo", "--clip_low", "0.3"], ["'clip_low' = 0.3", "policy_loss 'sapo'"]),
+    (["--loss_options.policy_loss", "reinforce", "--clip_high", "0.3"], ["'clip_high'", "policy_loss 'reinforce'"]),
+    (["--loss_options.policy_loss", "cispo", "--clip_low", "0.3"], ["'clip_low'", "policy_loss 'cispo'"]),
+    (["--loss_options.sapo_temperature_neg", "2.0"], ["loss_options", "'sapo_temperature_neg' is only used by"]),
+    (["--loss_options.vespo_k_pos", "1.0"], ["loss_options", "'vespo_k_pos' is only used by policy_loss 'vespo'"]),
+    (["--loss_options.rollout_is_max", "3.0"], ["loss_options", "'rollout_is_max' is only used with rollout_is"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:

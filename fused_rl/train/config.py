@@ -376,6 +376,13 @@ class TrainConfig:
         for name, why in unused.items():
             if getattr(self, name) != defaults[name]:
                 raise ConfigError(f"config field {name!r} = {getattr(self, name)!r} {why}")
+        # the loss fields set here or in loss_options that the chosen loss does not read (clip_low with sapo, ...)
+        loss = self.loss_config()
+        explicit = [name for name in ("clip_low", "clip_high") if getattr(self, name) is not None]
+        for name, why in loss.unused_fields(explicit + list(self.loss_options)).items():
+            if name in self.loss_options:
+                raise ConfigError(f"config field 'loss_options' = {self.loss_options!r}: {name!r} {why}")
+            raise ConfigError(f"config field {name!r} = {getattr(self, name)!r} {why}")
 
 
 def _coerce(raw: str, current: Any, name: str) -> Any:
