@@ -1269,3 +1269,22 @@ def test_chat_template_without_a_template_raises(tmp_path):
     cfg.chat_template = True
     with pytest.raises(ValueError, match="no chat template"):
         load_policy(cfg, ReverseTask(3, 3), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("algorithm", ["dr_grpo", "ppo"])
+def test_an_overflowing_gradient_stops_the_run(tmp_path, algorithm):
+    """Rewards of ~1e20 enter dr_grpo's and PPO's loss at their scale: the gradient norm overflows, and
+    ``clip_grad_norm_`` scaled every gradient to 0, so the run finished "fine" without moving a weight. Now an error;
+    grpo divides by the group's std and trains."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, algorithm=algorithm), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    batch.rewards = torch.where(torch.arange(batch.rewards.numel()) % 2 == 0, 1e20, 0.0)
+    before = [p.detach().clone() for p in t.policy.parameters()]
+    with pytest.raises(FloatingPointError, match=rf"gradient norm is (inf|nan).*advantage '{t.advantage}'"):
+        t.update(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, t.policy.parameters()))
+    t = Trainer(small(tmp_path, algorithm="grpo"), quiet=True)
+    assert math.isfinite(t.update(batch)["grad_norm"])

@@ -330,6 +330,12 @@ class Trainer:
                 else:
                     gn = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in self.policy.parameters()
                                         if p.grad is not None))
+                if not torch.isfinite(gn):  # clip_grad_norm_ would scale every gradient to 0 (or NaN): no update
+                    raise FloatingPointError(
+                        f"step {self.step + 1}: the gradient norm is {float(gn)}: the loss or its gradient overflowed "
+                        f"and no update was applied. Rewards up to |{float(batch.rewards.abs().max()):.4g}| enter "
+                        f"the loss at their scale with advantage {self.advantage!r} (grpo divides it by the group's "
+                        "std): scale the rewards down; or the policy diverged: lower lr")
                 grad_norms.append(gn.detach().float())
                 self.optimizer.step()
         n_updates = len(grad_norms)
