@@ -98,7 +98,8 @@ def log_importance_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tens
     if config.policy_loss in ("gspo", "gmpo"):
         log_ratio = _sequence_mean(log_ratio, mask).expand_as(logp)
     elif config.policy_loss == "gspo_token":
-        token = torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))
+        # a -inf log-prob (a sampled token the training logits mask) has s_it = 0 and no slope: 0, not -inf - -inf
+        token = torch.where(mask & torch.isfinite(logp), logp - logp.detach(), torch.zeros_like(logp))
         log_ratio = _sequence_mean(log_ratio, mask).detach() + token
     return log_ratio
 
@@ -299,7 +300,8 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
             raise ValueError("gmpo needs the token log-ratios and the mask")
         sign = torch.sign(a)
         clipped = log_ratio.clamp(min=-config.clip_low, max=config.clip_high)
-        x = sign * torch.minimum(sign * log_ratio, sign * clipped)
+        # A = 0 (a group of equal rewards): x = 0, also where log r is -inf (not 0 * -inf = NaN)
+        x = torch.where(sign == 0, torch.zeros_like(log_ratio), sign * torch.minimum(sign * log_ratio, sign * clipped))
         # ratio_exp: an overflowed term is a constant, so a dropped token (weight 0) gets 0 gradient, not 0 * inf
         return -a * ratio_exp(_sequence_mean(torch.where(mask, x, torch.zeros_like(x)), mask))
     if config.policy_loss == "sapo":

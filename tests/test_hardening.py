@@ -871,6 +871,40 @@ def test_neg_inf_logits_have_p_zero_even_at_the_target(backend, device):
 
 
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
+@pytest.mark.parametrize("policy_loss, advantages", [("gspo_token", [1.0, -1.0]), ("gmpo", [0.0, 0.0]),
+                                                     ("gmpo", [1.0, -1.0]), ("gspo", [1.0, -1.0])])
+def test_a_neg_inf_target_logit_off_policy_has_ratio_zero_in_sequence_losses(backend, device, policy_loss,
+                                                                            advantages):
+    """Off-policy, a sampled token whose training logit is ``-inf`` has ``r = 0`` and a defined loss. gspo_token's
+    token term ``logp - sg(logp)`` was ``-inf - -inf = NaN`` and gmpo's ``sgn(A) log r`` at ``A = 0`` (a group of
+    equal rewards) ``0 * -inf = NaN``: a NaN loss and NaN gradients on every backend. gspo_token's value is gspo's."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 64, generator=g)
+    x[..., :8] = float("-inf")
+    targets = torch.randint(8, 64, (2, 3), generator=g)
+    targets[0, 1] = 3  # masked out in training
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old = torch.randn(2, 3, generator=g) * 0.2 - 4
+    adv = torch.tensor(advantages)
+    results = []
+    runs = ((backend, device, policy_loss), ("reference", "cpu", policy_loss), ("reference", "cpu", "gspo"))
+    for be, dev, pl in runs:
+        xd = x.to(dev, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(xd, targets.to(dev), adv.to(dev), mask.to(dev), old_logprobs=old.to(dev),
+                                   config=PolicyLossConfig(policy_loss=pl), backend=be)
+        out.loss.backward()
+        results.append((out.loss.detach().cpu(), xd.grad.cpu()))
+    (loss, grad), (loss_ref, grad_ref), (loss_gspo, _) = results
+    assert torch.isfinite(loss_ref) and not grad_ref.isnan().any()
+    torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-5)
+    if policy_loss == "gspo_token":
+        torch.testing.assert_close(loss_ref, loss_gspo, atol=1e-6, rtol=1e-6)
+    if not adv.any():
+        assert loss_ref == 0 and (grad_ref == 0).all()
+
+
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
 @pytest.mark.parametrize("temperature", [1.0, 0.3])
 def test_entropy_of_a_near_one_hot_row_is_not_negative(backend, device, temperature):
     """``H = log s - E[z - m]`` cancels to about -1e-8 on a one-hot row whose max logit is large (a fuzz
