@@ -1288,3 +1288,30 @@ def test_an_overflowing_gradient_stops_the_run(tmp_path, algorithm):
     assert all(torch.equal(a, b) for a, b in zip(before, t.policy.parameters()))
     t = Trainer(small(tmp_path, algorithm="grpo"), quiet=True)
     assert math.isfinite(t.update(batch)["grad_norm"])
+
+
+def test_one_update_per_rollout_needs_no_old_logprob_pass(tmp_path, monkeypatch):
+    """One iteration and one minibatch without a value head: the loss is on-policy (``old = sg(logp)``, ratio exactly
+    1, as TRL's) and the old policy's log-prob pass is skipped; the update equals the one with the old log-probs
+    computed (their ratio 1 to rounding); more iterations or minibatches still take the pass."""
+    from fused_rl.train.trainer import Trainer
+
+    def run(on_policy=None, **kw):
+        t = Trainer(small(tmp_path, **kw), quiet=True)
+        torch.manual_seed(0)
+        batch = t.collect()
+        passes = []
+        logprobs = t._logprobs
+        monkeypatch.setattr(t, "_logprobs", lambda module, *a, **k: passes.append(module) or logprobs(module, *a, **k))
+        if on_policy is not None:
+            monkeypatch.setattr(t, "_on_policy_update", lambda n: on_policy)
+        metrics = t.update(batch)
+        return [p.detach().clone() for p in t.policy.parameters()], any(m is t.policy for m in passes), metrics
+
+    params, passed, metrics = run()
+    assert not passed and metrics["clip_frac"] == 0.0
+    expected, passed, _ = run(on_policy=False)  # the old log-probs computed, as before
+    assert passed
+    for got, want in zip(params, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert run(num_iterations=2)[1] and run(minibatch_size=8)[1] and run(algorithm="ppo")[1]

@@ -268,14 +268,22 @@ class Trainer:
         return adv, returns
 
     # ------------------------------------------------------------------ optimisation
+    def _on_policy_update(self, n: int) -> bool:
+        """Whether this process's ``n`` rollout sequences get one update (one iteration, one minibatch) without a
+        value head: the loss is then on-policy and takes ``old = sg(logp)`` itself (ratio exactly 1, as TRL's), with
+        no pass for the old log-probs."""
+        return self.cfg.num_iterations == 1 and self.cfg.resolved_minibatch >= n and self.advantage != "gae"
+
     def update(self, batch: Rollout) -> dict:
         """All optimizer steps of one training step on ``batch`` (this process's share); returns metrics."""
         cfg = self.cfg
-        old, values = self._logprobs(self.policy, batch, with_values=self.advantage == "gae")
-        ref = self._logprobs(self.ref, batch)[0] if self.ref is not None else None
-        advantages, returns = self.advantages(batch, values)
         n = batch.targets.shape[0]
         mb = cfg.resolved_minibatch
+        old = values = None
+        if not self._on_policy_update(n):
+            old, values = self._logprobs(self.policy, batch, with_values=self.advantage == "gae")
+        ref = self._logprobs(self.ref, batch)[0] if self.ref is not None else None
+        advantages, returns = self.advantages(batch, values)
         token_mean = self.loss_config.agg == "token-mean"
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
@@ -302,7 +310,8 @@ class Trainer:
                         out, value = self.model(
                             batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
                             batch.prompt_len, batch.targets[idx], advantages[idx], batch.mask[idx],
-                            old_logprobs=old[idx], ref_logprobs=None if ref is None else ref[idx],
+                            old_logprobs=None if old is None else old[idx],
+                            ref_logprobs=None if ref is None else ref[idx],
                             rollout_logprobs=None if batch.sampler_logprobs is None else batch.sampler_logprobs[idx],
                             truncated=batch.truncated[idx] if self.loss_config.mask_truncated_completions else None,
                             loss_config=self.loss_config, token_normalizer=normalizer, backend=self.backend,
