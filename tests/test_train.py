@@ -1315,3 +1315,32 @@ def test_one_update_per_rollout_needs_no_old_logprob_pass(tmp_path, monkeypatch)
     for got, want in zip(params, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert run(num_iterations=2)[1] and run(minibatch_size=8)[1] and run(algorithm="ppo")[1]
+
+
+def test_correct_reward_decides_what_is_correct(tmp_path):
+    """With several rewards the weighted total counts a wrong but well-formatted answer as correct (accuracy, and
+    the Kimi length bonus the seed reserves for correct answers): ``correct_reward`` names the reward that decides;
+    the Kimi length reward with several rewards requires it, and it must be one of the rewards."""
+    from fused_rl.advantages import kimi_length_reward
+    from fused_rl.train.trainer import Trainer
+
+    rewards = dict(rewards=["exact_match", "partial_match"], reward_weights=[1.0, 2.0])
+    with pytest.raises(ConfigError, match=r"'correct_reward' = 'numeric': not one of the rewards"):
+        Trainer(small(tmp_path, correct_reward="numeric", **rewards), quiet=True)
+    with pytest.raises(ConfigError, match=r"'kimi_length_coef' = 0.5 with the rewards.*set correct_reward"):
+        Trainer(small(tmp_path, kimi_length_coef=0.5, **rewards), quiet=True)
+    t = Trainer(small(tmp_path, kimi_length_coef=0.5, correct_reward="exact_match", **rewards), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    n = batch.rewards.numel()
+    exact = (torch.arange(n) % 4 == 0).float()  # one right answer per group of 4
+    partial = torch.where(exact > 0, 1.0, 0.5)  # the wrong ones half right: total 1.0, "correct" by the total
+    batch.reward_parts = {"exact_match": exact, "partial_match": partial}
+    batch.rewards = exact + 2.0 * partial
+    batch.truncated = torch.zeros(n, dtype=torch.bool)
+    batch.lengths = torch.arange(n) % 3 + 1
+    assert torch.equal(t._correct(batch), exact > 0)
+    adv, _ = t.advantages(batch, None)
+    shaped = batch.rewards + 0.5 * kimi_length_reward(batch.lengths, exact > 0, 4)
+    torch.testing.assert_close(adv, fused_rl.advantages.grpo(shaped, 4))
+    assert t.update(batch)["accuracy"] == pytest.approx(0.25)

@@ -144,6 +144,9 @@ class TrainConfig:
     loss_options: dict = field(default_factory=dict)  # more PolicyLossConfig fields, e.g. {policy_loss: sapo}
     kimi_length_coef: float = 0.0
     correct_threshold: float = 1.0
+    # the reward (as listed in rewards, or a task default's name) whose own value >= correct_threshold makes a
+    # completion correct, for the accuracy metrics and the Kimi length reward; "" = the weighted total
+    correct_reward: str = ""
     num_iterations: int = 1
     minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole rollout batch
     micro_batch_size: int = 0  # sequences per forward/backward, at most (a preset's bound holds for a smaller
@@ -288,6 +291,8 @@ class TrainConfig:
         for name in ("run_dir", "device", "task", "model", "tokenizer", "attn_implementation"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 fail(name, "must be a non-empty string")
+        if not isinstance(self.correct_reward, str):
+            fail("correct_reward", "must be a reward's name, as listed in rewards ('' = the weighted total)")
         if self.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:[0-9]+)?", self.device):
             fail("device", "must be 'auto', 'cpu' or 'cuda[:N]'")
         if not isinstance(self.task_args, dict):
@@ -349,9 +354,12 @@ class TrainConfig:
         def absolute(path: str) -> str:
             return str(Path(path).resolve()) if Path(path).exists() else path
 
-        specs = [spec.rsplit(":", 1) for spec in self.rewards]
-        self.rewards = [f"{absolute(spec[0])}:{spec[1]}" if len(spec) == 2 and spec[0].endswith(".py")
-                        else ":".join(spec) for spec in specs]
+        def reward(spec: str) -> str:  # "file.py:fn" with the file's absolute path
+            parts = spec.rsplit(":", 1)
+            return f"{absolute(parts[0])}:{parts[1]}" if len(parts) == 2 and parts[0].endswith(".py") else spec
+
+        self.rewards = [reward(spec) for spec in self.rewards]
+        self.correct_reward = reward(self.correct_reward)  # spelled as in rewards
         if self.task == "jsonl" and isinstance(self.task_args.get("path"), str):
             self.task_args = {**self.task_args, "path": absolute(self.task_args["path"])}
         if self.model != "tiny" and not self.model.startswith("package:"):

@@ -136,6 +136,13 @@ class Trainer:
         specs = cfg.rewards or list(self.task.default_rewards)
         self.reward_fns = [resolve_reward(s) for s in specs]
         self.reward_weights = [float(w) for w in cfg.reward_weights] or [1.0] * len(specs)
+        names = [name for name, _ in self.reward_fns]
+        if cfg.correct_reward and cfg.correct_reward not in names:
+            raise ConfigError(f"config field 'correct_reward' = {cfg.correct_reward!r}: not one of the rewards {names}")
+        if len(names) > 1 and cfg.kimi_length_coef > 0 and not cfg.correct_reward:
+            raise ConfigError(f"config field 'kimi_length_coef' = {cfg.kimi_length_coef!r} with the rewards {names}: "
+                              "set correct_reward to the one that says an answer is right (the weighted total would "
+                              "count a wrong but well-formatted answer as correct and give it the length bonus)")
         self.loss_config = cfg.loss_config()
         self.advantage = cfg.resolved_advantage
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -234,12 +241,24 @@ class Trainer:
         ``mask_truncated_completions`` drops them (``truncation: mask`` has dropped them from ``mask`` already)."""
         return mask & ~truncated.unsqueeze(1) if self.loss_config.mask_truncated_completions else mask
 
+    def _correct(self, batch: Rollout) -> torch.Tensor:
+        """``(N,)`` bool on the rewards' device: the completions whose reward is ``>= correct_threshold``, the
+        weighted total or ``correct_reward``'s own value (a truncated completion under ``truncation: penalize`` takes
+        the penalty, as the total does)."""
+        cfg = self.cfg
+        values = batch.rewards
+        if cfg.correct_reward:
+            values = batch.reward_parts[cfg.correct_reward].to(batch.rewards.device, batch.rewards.dtype)
+            if cfg.truncation == "penalize":
+                values = torch.where(batch.truncated.to(values.device), cfg.truncation_penalty, values)
+        return values >= cfg.correct_threshold
+
     def advantages(self, batch: Rollout, values: Optional[torch.Tensor]):
         """``(advantages (N,) or (N, T), returns or None)`` from the rollout's rewards."""
         cfg, G = self.cfg, self.cfg.group_size
         rewards = batch.rewards.float()
         if cfg.kimi_length_coef > 0:
-            correct = batch.rewards >= cfg.correct_threshold
+            correct = self._correct(batch)
             length = adv_lib.kimi_length_reward(batch.lengths, correct, G).to(rewards.device)
             rewards = rewards + cfg.kimi_length_coef * length
             if not torch.isfinite(rewards).all():  # as score() checks the weighted reward sum
@@ -354,7 +373,7 @@ class Trainer:
         value_loss = [sums["value_loss"] / n_updates] if "value_loss" in sums else []
         local = torch.stack([sums[k] for k in keys] + [sums["loss"] / n_updates, tokens,
                              batch.rewards.float().sum(), (batch.rewards.float() ** 2).sum(),
-                             (batch.rewards >= cfg.correct_threshold).float().sum(),
+                             self._correct(batch).float().sum(),
                              batch.lengths.float().sum(), batch.truncated.float().sum(),
                              torch.tensor(float(n), device=batch.rewards.device)] + value_loss)
         tot = _all_sum(local.to(self.device).double())
@@ -402,7 +421,7 @@ class Trainer:
                                 truncation=self.cfg.truncation, truncation_penalty=self.cfg.truncation_penalty,
                                 greedy=True, device=self.device)
             rewards = batch.rewards.to(self.device, torch.float64)
-            sums = torch.stack([rewards.sum(), (rewards >= self.cfg.correct_threshold).double().sum(),
+            sums = torch.stack([rewards.sum(), self._correct(batch).double().sum(),
                                 rewards.new_tensor(float(len(examples)))])
             samples = list(zip(batch.prompts[:4], batch.completions[:4]))
         total = _all_sum(sums)
