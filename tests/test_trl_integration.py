@@ -647,3 +647,15 @@ def test_a_subclass_s_own_loss_hooks_are_refused(model_dir, tmp_path, hook, entr
         return
     with pytest.raises(NotImplementedError, match=f"OwnHooks.{hook} overrides GRPOTrainer.{hook}"):
         make()
+
+
+def test_deepspeed_zero3_is_refused(model_dir, tmp_path, monkeypatch):
+    """ZeRO-3 shards ``lm_head.weight`` to an empty tensor outside the head's forward, and the adapter reads it
+    directly (TRL gathers it for its fused head): refused at construction rather than a shape error at step 1."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path))
+    assert not unsupported_options(trainer)
+    monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(NotImplementedError, match="DeepSpeed ZeRO-3"):
+        patch_grpo_trainer(trainer)

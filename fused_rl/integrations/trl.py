@@ -40,7 +40,8 @@ log-ratio 0 in the correction and in the off-policy mask's KL, as TRL's ``nan_to
 Not supported (``NotImplementedError`` at construction, naming the option): the entropy bonus (``entropy_coef != 0``
 / ``use_adaptive_entropy``), MoE router auxiliary loss, models with logit
 soft-capping or logit scaling, sequence-level cispo, sapo and vespo, the vLLM correction with both clip bounds
-``None`` (TRL's unbounded ratio), a subclass's own ``_compute_loss`` or loss hooks (:data:`_LOSS_HOOKS`);
+``None`` (TRL's unbounded ratio), a subclass's own ``_compute_loss`` or loss hooks (:data:`_LOSS_HOOKS`), DeepSpeed
+ZeRO-3 (its sharded ``lm_head`` is not gathered);
 multimodal inputs raise at the first step. The loss config is built from the trainer's options at every step
 (:func:`_checked_config`), so options assigned after construction (a ``beta`` schedule) take effect, as in TRL.
 A value out of fused_rl's range raises ``ValueError`` at construction, naming the GRPOConfig option (``epsilon``
@@ -106,7 +107,16 @@ def unsupported_options(trainer: GRPOTrainer) -> list[str]:
                         f"ratio; fused_rl's rollout correction needs a bound)")
     problems += plain_lm_head_problems(_base_model(trainer.model).config)
     problems += _overridden_loss_hooks(trainer)
+    if _zero3():
+        problems.append("DeepSpeed ZeRO-3 (its lm_head is sharded to empty tensors outside the head's own forward; the "
+                        "adapter does not gather it: use ZeRO-1/2, or FSDP2, whose sharded head it gathers)")
     return problems
+
+
+def _zero3() -> bool:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
 
 
 #: What TRL 1.16's ``_compute_loss`` calls on the trainer, and the loss itself: the fused loss computes all of it
