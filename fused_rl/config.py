@@ -241,7 +241,7 @@ class PolicyLossConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         fields = dict(PRESETS[name])
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - set(cls.__dataclass_fields__)  # dynamo traces this; not dataclasses.fields
         if unknown:
             raise ValueError(f"unknown PolicyLossConfig field(s) in overrides: {sorted(unknown)}")
         fields.update(overrides)

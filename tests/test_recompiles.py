@@ -487,3 +487,19 @@ def test_backend_selection_traces_on_cuda(monkeypatch, name, dtype, expect):
     torch._dynamo.reset()
     torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2))
     assert chosen[-1] == (expect or get_backend(name, torch.device("cuda"), dtype).name)
+
+
+def test_a_preset_built_inside_the_compiled_step_traces():
+    """``PolicyLossConfig.preset`` inside a ``fullgraph`` step: its field check read ``dataclasses.fields``, which
+    dynamo does not trace; a constant config, as the constructor's."""
+    g = torch.Generator().manual_seed(0)
+    x, targets = torch.randn(2, 5, 17, generator=g), torch.randint(0, 17, (2, 5), generator=g)
+    adv, mask = torch.randn(2, generator=g), torch.ones(2, 5, dtype=torch.bool)
+
+    def step(logits):
+        return fused_rl.policy_loss(logits, targets, adv, mask, config=PolicyLossConfig.preset("dapo"),
+                                    backend="torch").loss
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, step(x))
