@@ -93,6 +93,8 @@ def small(tmp_path, **kw):
     (["--loss_options.sapo_temperature_neg", "2.0"], ["loss_options", "'sapo_temperature_neg' is only used by"]),
     (["--loss_options.vespo_k_pos", "1.0"], ["loss_options", "'vespo_k_pos' is only used by policy_loss 'vespo'"]),
     (["--loss_options.rollout_is_max", "3.0"], ["loss_options", "'rollout_is_max' is only used with rollout_is"]),
+    (["--truncation", "penalize", "--loss_options.mask_truncated_completions", "true"],
+     ["'truncation' = 'penalize'", "never trained on"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:
