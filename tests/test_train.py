@@ -1346,3 +1346,24 @@ def test_correct_reward_decides_what_is_correct(tmp_path):
     shaped = batch.rewards + 0.5 * kimi_length_reward(batch.lengths, exact > 0, 4)
     torch.testing.assert_close(adv, fused_rl.advantages.grpo(shaped, 4))
     assert t.update(batch)["accuracy"] == pytest.approx(0.25)
+
+
+def test_kimi_length_warmup_trains_on_the_plain_reward_first(tmp_path):
+    """Kimi k1.5 "warms up with the standard reward before introducing its length penalty" (the seed):
+    ``kimi_length_warmup_steps = W`` leaves the first W steps' advantages those of the plain reward."""
+    from fused_rl.advantages import kimi_length_reward
+    from fused_rl.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="'kimi_length_warmup_steps' = 2 is only used with kimi_length_coef > 0"):
+        small(tmp_path, kimi_length_warmup_steps=2)
+    t = Trainer(small(tmp_path, kimi_length_coef=0.5, kimi_length_warmup_steps=2), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    batch.lengths = torch.arange(batch.lengths.numel()) % 3 + 1
+    plain = fused_rl.advantages.grpo(batch.rewards.float(), 4)
+    shaped = fused_rl.advantages.grpo(batch.rewards.float() + 0.5 * kimi_length_reward(
+        batch.lengths, batch.rewards >= 1.0, 4), 4)
+    assert not torch.allclose(plain, shaped)
+    for step, expected in ((0, plain), (1, plain), (2, shaped), (5, shaped)):
+        t.step = step
+        torch.testing.assert_close(t.advantages(batch, None)[0], expected)

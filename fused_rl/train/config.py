@@ -143,6 +143,7 @@ class TrainConfig:
     entropy_coef: float = 0.0
     loss_options: dict = field(default_factory=dict)  # more PolicyLossConfig fields, e.g. {policy_loss: sapo}
     kimi_length_coef: float = 0.0
+    kimi_length_warmup_steps: int = 0  # the first N steps train on the plain reward (Kimi k1.5 warms up so)
     correct_threshold: float = 1.0
     # the reward (as listed in rewards, or a task default's name) whose own value >= correct_threshold makes a
     # completion correct, for the accuracy metrics and the Kimi length reward; "" = the weighted total
@@ -240,7 +241,7 @@ class TrainConfig:
                 fail(name, f"must be one of {list(choices)}")
 
         for name in ("seed", "threads", "eval_every", "save_every", "minibatch_size", "micro_batch_size",
-                     "warmup_steps"):
+                     "warmup_steps", "kimi_length_warmup_steps"):
             check_int(name, 0)
         for name in ("steps", "prompts_per_step", "max_new_tokens", "num_iterations", "log_every",
                      "eval_prompts"):
@@ -374,6 +375,8 @@ class TrainConfig:
                   for name in ("vf_coef", "value_clip", "gamma", "lam") if self.resolved_advantage != "gae"}
         if self.truncation != "penalize":
             unused["truncation_penalty"] = "is only used with truncation: penalize"
+        if self.kimi_length_coef == 0.0:
+            unused["kimi_length_warmup_steps"] = "is only used with kimi_length_coef > 0"
         if self.beta == 0.0:
             unused["kl"] = "is only used with beta > 0"
         if self.lr_schedule == "constant":

@@ -257,7 +257,7 @@ class Trainer:
         """``(advantages (N,) or (N, T), returns or None)`` from the rollout's rewards."""
         cfg, G = self.cfg, self.cfg.group_size
         rewards = batch.rewards.float()
-        if cfg.kimi_length_coef > 0:
+        if cfg.kimi_length_coef > 0 and self.step >= cfg.kimi_length_warmup_steps:  # self.step: steps done
             correct = self._correct(batch)
             length = adv_lib.kimi_length_reward(batch.lengths, correct, G).to(rewards.device)
             rewards = rewards + cfg.kimi_length_coef * length
