@@ -170,6 +170,30 @@ def test_geo_mean_hand_values():
     assert sum(out[0]) + sum(out[1]) > 0
 
 
+def test_geo_mean_takes_the_geometric_mean_of_a_response_s_rollout_is_weights():
+    """verl's geo_mean weights a response by ``exp(mean_t log(w + 1e-10))`` of its tokens' ``rollout_is_weights``, not
+    each token by its own (the per-token product was 0.1640 where verl's is 0.1821 on a larger case); both entry
+    points; one weight a response (``(B,)``) is the same in both readings."""
+    weights = torch.tensor([[0.5, 2.0, 1.0], [0.25, 1.5, 9.0]], dtype=torch.float64)
+    config = {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4, "policy_loss": {"loss_mode": "geo_mean"}}
+    log_prob = _log_prob()
+    per_response = torch.stack([(weights[0].log().sum() / 3).exp(), (weights[1, :2].log().sum() / 2).exp()])
+    got = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config, weights)[0]
+    expected = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config, per_response)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9)  # verl's +1e-10 in the log, +1e-8 in the count
+    plain = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)[0]
+    assert got != plain
+    # from hidden states: logits h W^T whose log-probs are the same function, checked against the per-response weights
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(11, 8, generator=g)
+    responses = torch.randint(0, 11, (2, 3), generator=g)
+    old = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, responses[..., None])[..., 0].detach() - 0.3
+    args = (hidden, weight, responses, old, torch.tensor([1.0, -2.0]), MASK, "token-mean", config)
+    got = compute_policy_loss_from_hidden(*args, rollout_is_weights=weights.float())[0]
+    expected = compute_policy_loss_from_hidden(*args, rollout_is_weights=per_response.float())[0]
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_rollout_is_weights_hand_values():
     """verl's ``pg_losses * rollout_is_weights``: the token losses of TOKEN_LOSS times the weights
     (row 1's weight 0 silences its dual-capped token; the masked 9.0 is never read), the clip metrics

@@ -209,6 +209,17 @@ def _check_global_batch_info(config: Any, loss_mode: str) -> None:
             "global_batch_size) or pass a config without global_batch_info")
 
 
+def _verl_rollout_weights(weights: Optional[torch.Tensor], mask: torch.Tensor, mode: str) -> Optional[torch.Tensor]:
+    """``rollout_is_weights`` as verl applies them: per token, but for geo_mean one weight a response, the geometric
+    mean ``exp(sum_t m log(w + 1e-10) / (sum_t m + 1e-8))`` of its tokens' (verl's ``compute_policy_loss_geo_mean``),
+    as ``(B,)``."""
+    if weights is None or mode != "geo_mean" or weights.dim() != 2:
+        return weights
+    m = mask.to(torch.float64)
+    log_w = torch.where(mask, torch.log(weights.detach().to(torch.float64) + 1e-10), 0.0)
+    return torch.exp(log_w.sum(dim=-1) / (m.sum(dim=-1) + 1e-8)).to(weights.dtype)
+
+
 def _nonempty_rows_scale(loss: torch.Tensor, config: PolicyLossConfig, mode: str, mask: torch.Tensor) -> torch.Tensor:
     """The newer verl's ``seq-mean-*`` average over the responses with a token (``B / #non-empty`` times fused_rl's
     mean over all ``B`` rows); the 012be9d modes average over all rows as fused_rl does."""
@@ -316,7 +327,8 @@ def compute_policy_loss(
         return (x if x.dim() == 2 else x.unsqueeze(1).expand(shape)).detach().to(log_prob.dtype)
 
     adv = per_token(advantages)
-    weights = None if rollout_is_weights is None else per_token(rollout_is_weights)
+    weights = _verl_rollout_weights(rollout_is_weights, mask, mode)
+    weights = None if weights is None else per_token(weights)
     loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights)
     loss = _nonempty_rows_scale(loss * scale, cfg, mode, mask)
     return (loss,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
@@ -379,7 +391,8 @@ def compute_policy_loss_from_hidden(
             "per-token log-probs with verl's own agg_loss for the KL and entropy terms")
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
                              ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
-                             rollout_is_weights=rollout_is_weights, backend=backend, compute_entropy=True,
+                             rollout_is_weights=_verl_rollout_weights(rollout_is_weights, mask, mode),
+                             backend=backend, compute_entropy=True,
                              check_inputs=check_inputs)
     old = old_log_prob.detach().to(out.logprobs.dtype)
     loss = _nonempty_rows_scale(out.loss * scale, cfg, mode, mask)
