@@ -279,6 +279,20 @@ def test_from_hidden_sequence_modes_refuse_a_second_aggregation(loss_mode):
                                     dict(config, entropy_coeff=0.0))
 
 
+def test_kl_loss_without_ref_log_prob_raises():
+    """``use_kl_loss=True`` without ``ref_log_prob``: verl's actor reads ``data["ref_log_prob"]``; the KL term was
+    silently left out."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(50, 8, generator=g)
+    responses, mask = torch.randint(0, 50, (2, 3), generator=g), torch.ones(2, 3)
+    old, adv = -torch.rand(2, 3, generator=g) * 3, torch.randn(2, 3, generator=g)
+    config = {"use_kl_loss": True, "kl_loss_coef": 0.1}
+    with pytest.raises(ValueError, match="use_kl_loss=True needs ref_log_prob"):
+        compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean", config)
+    compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean", config,
+                                    ref_log_prob=old - 0.1)
+
+
 def test_weighted_response_mask_raises():
     """verl multiplies by ``response_mask``; fused_rl does not weight tokens, so a mask other than 0 / 1
     raises instead of being rounded to 1."""

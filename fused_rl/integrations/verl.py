@@ -94,6 +94,7 @@ UNSUPPORTED_LOSS_MODES = {
     "dppo_tv": "masks tokens by the probability difference pi - pi_old (DPPO binary-TV)",
     "dppo_kl": "masks tokens by the binary KL of pi_old and pi (DPPO binary-KL)",
     "bypass_mode": "dispatches on the rollout-correction config (rollout log-probs as old log-probs)",
+    "dro": "Direct Reward Optimization: -(A logp - dro_beta / 2 (log r)^2), a quadratic log-ratio penalty (verl 0.9)",
 }
 #: Modes transcribed from the newer verl (global_batch_info-aware agg_loss that skips empty responses).
 _NEWER_MODES = ("sapo", "cispo")
@@ -359,7 +360,7 @@ def compute_policy_loss_from_hidden(
     verl's rollout temperature (verl divides the logits by it). Returns verl's
     ``(policy_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` plus the :class:`PolicyLossOutput` (detached
     ``logprobs`` / ``entropy`` for logging). ``policy_loss`` includes ``kl_loss_coef * kl_loss`` when
-    ``ref_log_prob`` is given and ``use_kl_loss`` is true (absent: false, as verl's default), and ``- entropy_coeff
+    ``use_kl_loss`` is true (absent: false, as verl's default; then ``ref_log_prob`` is required), and ``- entropy_coeff
     * entropy_loss``,
     each aggregated with ``loss_agg_mode`` as verl's actor does. ``rollout_is_weights`` as in
     :func:`compute_policy_loss` (the policy term only).
@@ -378,6 +379,8 @@ def compute_policy_loss_from_hidden(
     mask = _check_verl_inputs(shape, hidden.device, "hidden is", old_log_prob, advantages, response_mask,
                               rollout_is_weights, check_inputs)
     mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+    if _get(config, "use_kl_loss", False) and ref_log_prob is None:  # verl's actor reads data["ref_log_prob"]
+        raise ValueError("verl use_kl_loss=True needs ref_log_prob (the KL loss would silently be left out)")
     cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
                                               loss_mode=mode, temperature=temperature,
                                               kl=ref_log_prob is not None, entropy=True)
