@@ -55,7 +55,8 @@ class PolicyLossConfig:
     argument, importance weights the caller computed):
 
     * ``policy_loss`` (``pg_t``):
-        - ``"ppo_clip"``: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``; with ``dual_clip=c``
+        - ``"ppo_clip"``: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)`` (``clip_low >= 1``: no lower
+          clip, TRL's and Liger's ``epsilon = 1``); with ``dual_clip=c``
           the result is further capped at ``-c A`` where ``A < 0``; with ``delta`` (TRL's two-sided
           clip, ``> 1 + clip_high``) the unclipped term uses ``min(r, delta)``.
         - ``"gspo"``: as ppo_clip, with ``r`` replaced by the sequence ratio
@@ -149,12 +150,8 @@ class PolicyLossConfig:
                   for name in ("clip_low", "clip_high", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                                "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "beta", "top_entropy_quantile",
                                "temperature", "entropy_coef")}
-        if self.policy_loss == "gmpo":
-            if floats["clip_low"] < 0.0:
-                raise ValueError(f"PolicyLossConfig.clip_low (gmpo: a log-ratio bound) must be >= 0, "
-                                 f"got {self.clip_low!r}")
-        elif not 0.0 <= floats["clip_low"] < 1.0:
-            raise ValueError(f"PolicyLossConfig.clip_low must be in [0, 1), got {self.clip_low!r}")
+        if floats["clip_low"] < 0.0:  # >= 1: no lower clip (1 - clip_low <= 0 <= r), as TRL's epsilon = 1 means
+            raise ValueError(f"PolicyLossConfig.clip_low must be >= 0, got {self.clip_low!r}")
         if floats["clip_high"] < 0.0:
             raise ValueError(f"PolicyLossConfig.clip_high must be >= 0, got {self.clip_high!r}")
         for name in ("dual_clip", "delta"):

@@ -267,10 +267,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ``rollout_is``, as the TRL adapter does); cispo with
     ``epsilon_high < 1`` (the weight cap itself, as TRL's; Liger's default 0.2 would cap every ratio at 0.2:
     pass e.g. ``epsilon_high=5.0``); ``delta <= 1 + epsilon_high`` (Liger: ``delta > 0``); ``delta`` with cispo,
-    sapo or vespo (``ValueError``; Liger ignores it with sapo); ``beta < 0``; an ``attention_mask`` with values
+    sapo or vespo (``ValueError``; Liger ignores it there); ``beta < 0``; an ``attention_mask`` with values
     other than 0 and 1 (Liger would weight the tokens by it). A ``-100`` in ``selected_token_ids`` is no token (for
-    the loss and ``clip_ratio``). No tokens (``B == 0`` or ``T == 0``): loss 0, metrics 0, zero gradients, as
-    Liger. With ``use_ref_model=False`` the KL term is the KL to the current policy (0, zero gradient), exactly as in
+    the loss and ``clip_ratio``). No tokens (``B == 0`` or ``T == 0``): loss 0, metrics 0, zero gradients (Liger
+    0.8.5: NaN for some loss types). With ``use_ref_model=False`` the KL term is the KL to the current policy (0, zero gradient), exactly as in
     Liger. ``ref_input``/``ref_weight`` compute the reference log-probs under ``no_grad`` with
     :func:`fused_rl.linear_token_logprobs`.
     ``_input``, ``lin_weight`` and ``bias`` (and ``ref_input``, ``ref_weight``, ``ref_bias``) may differ in dtype
@@ -482,8 +482,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         return out.loss, tuple(metrics)
 
     def _no_tokens(self, _input, lin_weight, bias, selected_token_ids, attention_mask):
-        """Liger's result for a micro-batch without tokens (``B == 0`` or ``T == 0``, e.g. a rank that dynamic
-        sampling left empty): loss 0 and metrics 0, with zero gradients for ``_input``, ``lin_weight`` and ``bias``
+        """A micro-batch without tokens (``B == 0`` or ``T == 0``, e.g. a rank that dynamic sampling left empty): loss
+        0 and metrics 0 (Liger 0.8.5 divides 0 by 0 there for some loss types: NaN), with zero gradients for
+        ``_input``, ``lin_weight`` and ``bias``
         (in the graph, so that ``backward`` and DDP's gradient all-reduce run as on the other ranks)."""
         for x, name in ((selected_token_ids, "selected_token_ids"), (attention_mask, "attention_mask")):
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(_input.shape[:2]):

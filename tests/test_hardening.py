@@ -905,6 +905,36 @@ def test_a_neg_inf_target_logit_off_policy_has_ratio_zero_in_sequence_losses(bac
 
 
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
+def test_clip_low_of_one_or_more_is_no_lower_clip(backend, device, policy_loss):
+    """``clip_low >= 1`` (TRL's and Liger's ``epsilon = 1``): the lower bound ``1 - clip_low <= 0`` never binds, so
+    the loss is the one without a lower clip, on every backend; 0.2 clips the low ratios of ``A < 0`` tokens."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (2, 4), generator=g)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    adv = torch.tensor([-1.0, -0.5])
+    logp = torch.log_softmax(x, -1).gather(-1, targets[..., None])[..., 0]
+    old = logp + 1.0  # ratios e^-1 < 0.8: clipped at 1 - 0.2 for A < 0
+    results = {}
+    for clip_low in (0.2, 1.0, 3.0):
+        for be, dev in ((backend, device), ("reference", "cpu")):
+            xd = x.to(dev, copy=True).requires_grad_(True)
+            out = fused_rl.policy_loss(xd, targets.to(dev), adv.to(dev), mask.to(dev), old_logprobs=old.to(dev),
+                                       config=PolicyLossConfig(policy_loss=policy_loss, clip_low=clip_low),
+                                       backend=be)
+            out.loss.backward()
+            results[clip_low, be] = (out.loss.detach().cpu(), xd.grad.cpu(), out.metrics["clip_frac_low"].cpu())
+    for clip_low in (0.2, 1.0, 3.0):
+        for got, want in zip(results[clip_low, backend], results[clip_low, "reference"]):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for got, want in zip(results[3.0, "reference"], results[1.0, "reference"]):
+        torch.testing.assert_close(got, want)
+    assert results[1.0, "reference"][2] == 0 and results[0.2, "reference"][2] > 0
+    assert not torch.allclose(results[1.0, "reference"][1], results[0.2, "reference"][1])
+
+
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
 @pytest.mark.parametrize("temperature", [1.0, 0.3])
 def test_entropy_of_a_near_one_hot_row_is_not_negative(backend, device, temperature):
     """``H = log s - E[z - m]`` cancels to about -1e-8 on a one-hot row whose max logit is large (a fuzz

@@ -548,7 +548,7 @@ def test_more_unsupported_options_raise(model_dir, tmp_path, overrides, needle):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (dict(epsilon=1.0), r"GRPOConfig\.epsilon=1\.0"),  # no lower clip in TRL; fused_rl's clip_low is in [0, 1)
+    (dict(epsilon=-0.1), r"GRPOConfig\.epsilon=-0\.1"),
     (dict(epsilon_high=-0.1), r"GRPOConfig\.epsilon_high=-0\.1"),
     (dict(off_policy_mask_threshold=-0.5), r"GRPOConfig\.off_policy_mask_threshold=-0\.5"),
     (dict(loss_type="vespo", vespo_lambda_neg=-1.0), r"GRPOConfig\.vespo_lambda_neg=-1\.0"),
