@@ -9,6 +9,7 @@ batch. Covers the per-sequence aggregation (grpo, with gradient accumulation) an
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -52,6 +53,11 @@ def _worker(out_dir: str, backend: str) -> None:
         results[algorithm] = {"params": _params(trainer), "metrics": metrics}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "ddp_result.pt"))
+    # the DDP wrapper's reducer holds the process group: freed at interpreter exit it ran the gloo group's destructor
+    # with the GIL held while a gloo thread waited for the GIL to free the barrier's work (torch's known shutdown
+    # deadlock: a hang after the results were written); free it first, then destroy the group
+    del trainer
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
