@@ -271,8 +271,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     other than 0 and 1 (Liger would weight the tokens by it). A ``-100`` in ``selected_token_ids`` is no token (for
     the loss and ``clip_ratio``). No tokens (``B == 0`` or ``T == 0``): loss 0, metrics 0, zero gradients (Liger
     0.8.5: NaN for some loss types). With ``use_ref_model=False`` the KL term is the KL to the current policy (0,
-    zero gradient), exactly as in Liger. ``ref_input``/``ref_weight`` compute the reference log-probs under ``no_grad`` with
-    :func:`fused_rl.linear_token_logprobs`.
+    zero gradient), exactly as in Liger. ``ref_input``/``ref_weight`` compute the reference log-probs under
+    ``no_grad`` with :func:`fused_rl.linear_token_logprobs`.
     ``_input``, ``lin_weight`` and ``bias`` (and ``ref_input``, ``ref_weight``, ``ref_bias``) may differ in dtype
     (a bf16 hidden state and an fp32 ``lm_head``): the log-probs are computed in the widest of them (Liger: in
     ``_input``'s dtype, its logits rounded to it), each gradient comes back in its operand's dtype. Integer

@@ -390,9 +390,9 @@ class TrainConfig:
         # the loss fields set here or in loss_options that the chosen loss does not read (clip_low with sapo, ...)
         loss = self.loss_config()
         if self.truncation == "penalize" and loss.mask_truncated_completions:
-            raise ConfigError("config field 'truncation' = 'penalize' with loss_options.mask_truncated_completions: the "
-                              "loss drops the truncated completions, so their penalty is never trained on (choose one: "
-                              "truncation: mask drops them from the rollout)")
+            raise ConfigError("config field 'truncation' = 'penalize' with loss_options.mask_truncated_completions: "
+                              "the loss drops the truncated completions, so their penalty is never trained on (choose "
+                              "one: truncation: mask drops them from the rollout)")
         explicit = [name for name in ("clip_low", "clip_high") if getattr(self, name) is not None]
         for name, why in loss.unused_fields(explicit + list(self.loss_options)).items():
             if name in self.loss_options:
