@@ -58,7 +58,7 @@ def small(tmp_path, **kw):
     (["--backend", "gpu"], ["backend"]),
     (["--lrr", "1"], ["unknown option --lrr", "did you mean --lr"]),
     (["--steps"], ["--steps needs a value"]),
-    (["--clip_low", "1.5"], ["clip_low"]),
+    (["--clip_low", "-0.1"], ["clip_low"]),
     (["--beta", "-0.1"], ["beta"]),
     (["--loss_options.delta", "1.1"], ["invalid loss settings", "delta"]),
     (["--loss_options.deltaa", "2"], ["invalid loss settings", "deltaa"]),
