@@ -962,6 +962,15 @@ def test_ddp_evaluation_is_shared_by_every_process(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def test_cli_without_a_command_prints_the_usage(tmp_path, monkeypatch, capsys):
+    """A bare ``fused-rl`` prints the commands (it started the 150-step default job, writing ``runs/default``)."""
+    from fused_rl.train.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 2
+    assert "fused-rl train" in capsys.readouterr().out and not (tmp_path / "runs").exists()
+
+
 def test_cli_train_plot_eval_info(tmp_path, capsys):
     from fused_rl.train.cli import main
 

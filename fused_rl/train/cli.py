@@ -107,8 +107,9 @@ COMMANDS = {"train": _train, "eval": _eval, "plot": _plot, "info": _info}
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        argv = ["train"]
+    if not argv:  # no command: the usage, not a 150-step job writing runs/default
+        print(__doc__)
+        return 2
     if argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0

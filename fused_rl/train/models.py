@@ -130,7 +130,8 @@ def load_policy(cfg, task, device: torch.device):
         alphabet = task.alphabet
         if not alphabet:
             raise ValueError(f"model 'tiny' uses a character tokenizer, but task {task.name!r} has no alphabet; "
-                             "use task reverse/add or a pretrained model")
+                             "use task copy, reverse or add, or a pretrained model (a Hugging Face directory or a "
+                             ".gguf file) for its text")
         tok = CharTokenizer(alphabet)
         model = tiny_model(len(tok), cfg.model_config)
         return model.to(device=device, dtype=dtype), tok
