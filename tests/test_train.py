@@ -993,6 +993,8 @@ def test_cli_train_plot_eval_info(tmp_path, capsys):
     assert main(["plot", str(run)]) == 0 and (run / "reward_curve.png").is_file()
     assert main(["eval", str(run), "--prompts", "8"]) == 0
     assert "eval_reward=" in capsys.readouterr().out
+    assert main(["eval", str(run), "--prompts", "500"]) == 0  # the copy task holds out 108: says how many it used
+    assert "on 108 held-out prompts (of 500 asked: the task has no more)" in capsys.readouterr().out
     assert main(["info"]) == 0
     printed = capsys.readouterr().out
     assert "torch" in printed and "backends on cpu:" in printed and "transformers:" in printed

@@ -75,7 +75,10 @@ def _eval(argv: list[str]) -> int:
     trainer = Trainer(cfg, quiet=True)
     trainer.policy.load_state_dict(state["model"])
     result = trainer.evaluate(args.prompts)
-    print(f"step {state['step']}: eval_reward={result['eval_reward']:.4f} eval_accuracy={result['eval_accuracy']:.4f}")
+    asked = cfg.eval_prompts if args.prompts is None else args.prompts
+    used = len(trainer.task.heldout(asked))  # at most the task's held-out prompts, each once
+    print(f"step {state['step']}: eval_reward={result['eval_reward']:.4f} eval_accuracy={result['eval_accuracy']:.4f} "
+          f"on {used} held-out prompts" + (f" (of {asked} asked: the task has no more)" if used < asked else ""))
     for prompt, completion in result["samples"]:
         print(f"  {prompt!r} -> {completion!r}")
     return 0
