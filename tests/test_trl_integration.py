@@ -416,6 +416,19 @@ def _trl_is_ratio(trainer, old, sampling, mask):
     return ratio.masked_fill((ratio < (lo if lo is not None else -math.inf)) | (ratio > hi), 0.0)
 
 
+def _stock_and_fused(trainer, inputs):
+    """``[(loss, grads)]`` of stock ``_compute_loss`` and of the patched trainer's on the same inputs."""
+    model = trainer.model
+    model.train()
+    results = []
+    for compute in (functools.partial(trl.GRPOTrainer._compute_loss, trainer), trainer._compute_loss):
+        model.zero_grad()
+        loss = compute(model, inputs)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    return results
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "vespo"])
 @pytest.mark.parametrize("correction", [True, False], ids=["is-correction", "no-correction"])
 def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction, loss_type):
@@ -433,7 +446,6 @@ def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction, loss_
     patch_grpo_trainer(trainer, backend=LINEAR_BACKEND)
     g = torch.Generator().manual_seed(0)
     inputs, completion_mask, logp = _vllm_batch(trainer, [6, 2, 4, 1], g)
-    model = trainer.model
     sampling = (logp + 0.05 * torch.randn(logp.shape, generator=g)).clamp(max=0.0) * completion_mask
     sampling[0, 1] = float("nan")  # unscored, in the A < 0 sequence 0
     if correction:
@@ -442,14 +454,7 @@ def test_unscored_vllm_tokens_match_stock(model_dir, tmp_path, correction, loss_
         inputs.update(old_per_token_logps=old, importance_sampling_ratio=_trl_is_ratio(trainer, old, sampling,
                                                                                        completion_mask))
     inputs["sampling_per_token_logps"] = sampling
-    model.train()
-    results = []
-    for compute in (functools.partial(trl.GRPOTrainer._compute_loss, trainer), trainer._compute_loss):
-        model.zero_grad()
-        loss = compute(model, inputs)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    (stock, stock_grads), (fused, fused_grads) = results
+    (stock, stock_grads), (fused, fused_grads) = _stock_and_fused(trainer, inputs)
     torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-7)
     assert len(fused_grads) == len(stock_grads)
     assert max(_rel_err(a, b) for a, b in zip(fused_grads, stock_grads)) < 1e-4
@@ -586,19 +591,6 @@ def test_unsupported_models_raise(model_dir, tmp_path, kind, needle):
     kwargs["model"] = _tiny_model(kind)
     with pytest.raises(NotImplementedError, match=needle):
         FusedGRPOTrainer(**kwargs)
-
-
-def _stock_and_fused(trainer, inputs):
-    """``[(loss, grads)]`` of stock ``_compute_loss`` and of the patched trainer's on the same inputs."""
-    model = trainer.model
-    model.train()
-    results = []
-    for compute in (functools.partial(trl.GRPOTrainer._compute_loss, trainer), trainer._compute_loss):
-        model.zero_grad()
-        loss = compute(model, inputs)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    return results
 
 
 @pytest.mark.parametrize("changes", [dict(beta=0.2), dict(beta=0.0), dict(epsilon_high=0.3),
