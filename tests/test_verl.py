@@ -183,6 +183,13 @@ def test_geo_mean_takes_the_geometric_mean_of_a_response_s_rollout_is_weights():
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9)  # verl's +1e-10 in the log, +1e-8 in the count
     plain = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)[0]
     assert got != plain
+    # by hand: -mean_i w_i A_i exp(mean_t of the sign-aware clipped log-ratios), as test_geo_mean_hand_values
+    x = RATIOS.log()
+    row0 = [min(v, min(max(v, -0.4), 0.4)) for v in x[0].tolist()]
+    row1 = [max(v, min(max(v, -0.4), 0.4)) for v in x[1, :2].tolist()]
+    w0, w1 = per_response.tolist()
+    hand = (-1.0 * w0 * math.exp(sum(row0) / 3) + 2.0 * w1 * math.exp(sum(row1) / 2)) / 2
+    assert got.item() == pytest.approx(hand, rel=1e-7)
     # from hidden states: logits h W^T whose log-probs are the same function, checked against the per-response weights
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(11, 8, generator=g)
