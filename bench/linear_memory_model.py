@@ -20,6 +20,8 @@ autograd backward. Stood in for:
 * the ``fused_rl::tiled_linear_policy_loss`` custom op: under fake tensors the dispatcher would run its
   fake implementation (outputs only); the tracker runs the op's body instead, below autograd as the
   dispatcher does, so the body's workspaces are counted;
+* the op's reading of the config's floats (``custom_ops.config_from_args``: a fake tensor holds no values): it
+  gets the step's config;
 * the device: the fake tensors are CPU tensors (autograd on CUDA tensors needs a CUDA build of torch, fake
   or not), so the route's device decisions (:data:`DEVICE_DECISIONS`: GEMM mode, native mixed GEMMs,
   default budget, tile gathering, the route of sequence-level configs) run as asked about ``cuda``
@@ -155,7 +157,7 @@ def model_step(n: int, hidden: int, vocab: int, budget_bytes: Optional[int] = No
     cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
     op = torch.ops.fused_rl.tiled_linear_policy_loss
     body = tiled_linear.tiled_linear_policy_loss_op._init_fn
-    with FakeTensorMode(), _as_on_cuda():
+    with FakeTensorMode(), _as_on_cuda(), mock.patch.object(tiled_linear, "config_from_args", lambda *_: cfg):
         x = torch.empty(b, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
         w = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
         targets = torch.zeros(b, seq, dtype=torch.long)

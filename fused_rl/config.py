@@ -6,6 +6,7 @@ and nothing else describes the loss; the kernels read their compile-time switche
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import numbers
@@ -30,6 +31,24 @@ IGNORE_INDEX = -100
 #: The smallest sampling temperature: below it vLLM's sampler (``_SAMPLING_EPS``) decodes greedily, so there is no
 #: sampling distribution to take log-probs of, and ``logits / temperature`` overflows fp32 for logits ~1e-38 / tau.
 MIN_TEMPERATURE = 1e-5
+
+
+#: The float fields, in :attr:`PolicyLossConfig.float_values` order: the values the custom ops take as a tensor.
+FLOAT_FIELDS = ("clip_low", "clip_high", "dual_clip", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+                "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "beta", "rollout_is_min",
+                "rollout_is_max", "off_policy_mask", "top_entropy_quantile", "temperature", "entropy_coef")
+
+
+def _literal(values: dict[str, Any]) -> str:
+    """:attr:`PolicyLossConfig.literal` of the field values ``values``."""
+    items = ("..." if name in FLOAT_FIELDS and value is not None else repr(value) for name, value in values.items())
+    return "(" + ", ".join(items) + ",)"
+
+
+def literal_fields(literal: str) -> dict[str, Any]:
+    """The fields of :attr:`PolicyLossConfig.literal`, each set float ``Ellipsis``: the structure a fake
+    implementation reads (``kl``, ``policy_loss``, ...) without the values."""
+    return dict(zip(PolicyLossConfig.__dataclass_fields__, ast.literal_eval(literal)))
 
 
 def _finite_number(name: str, value: Any) -> float:
@@ -213,17 +232,33 @@ class PolicyLossConfig:
         for name, value in floats.items():
             object.__setattr__(self, name, value)
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        object.__setattr__(self, "_literal", repr(tuple(values.values())))
+        object.__setattr__(self, "_literal", _literal(values))
         # the same config without rollout correction (the tiled route's kernel config of a folded sequence-level
         # correction), also formed here: under torch.compile(dynamic=True) a new config cannot be validated
-        object.__setattr__(self, "_literal_without_rollout", repr(tuple({**values, "rollout_is": None}.values())))
+        object.__setattr__(self, "_literal_without_rollout", _literal({**values, "rollout_is": None}))
 
     @property
     def literal(self) -> str:
-        """``repr`` of the field tuple, computed once at construction: how the custom ops receive the
-        config (a ``str`` argument). A constant under ``torch.compile``, also with ``dynamic=True``, whose
-        symbolic floats ``repr`` cannot format."""
+        """The config's structure, computed once at construction: the Python literal of its field tuple with
+        each set :data:`FLOAT_FIELDS` value written ``...`` (unset ones ``None``). The custom ops receive a
+        config as this ``str`` and :attr:`float_values` (a tensor, :func:`fused_rl.backends.custom_ops.config_args`),
+        so under ``torch.compile`` the string is a constant that a new float value (a ``beta`` schedule) leaves
+        unchanged: the float is a graph input, not a new graph. :meth:`from_literal` inverts it."""
         return self._literal
+
+    @property
+    def float_values(self) -> tuple[float, ...]:
+        """The :data:`FLOAT_FIELDS` values, in order, ``nan`` for an unset optional one."""
+        return tuple(math.nan if getattr(self, name) is None else getattr(self, name) for name in FLOAT_FIELDS)
+
+    @classmethod
+    def from_literal(cls, literal: str, float_values: Iterable[float]) -> "PolicyLossConfig":
+        """The config of :attr:`literal` (or :attr:`literal_without_rollout`) and :attr:`float_values`."""
+        fields = literal_fields(literal)
+        for name, value in zip(FLOAT_FIELDS, float_values):
+            if fields[name] is Ellipsis:
+                fields[name] = value
+        return cls(**fields)
 
     # ------------------------------------------------------------------ presets
     @classmethod

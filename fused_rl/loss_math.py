@@ -274,11 +274,18 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
         log_w = log_w + torch.where(mask, log_is, zeros).sum(dim=1, keepdim=True)
     log_w = log_w.clamp(min=VESPO_LOG_W_MIN, max=VESPO_LOG_W_MAX)
     pos = advantages >= 0
-    k = torch.where(pos, torch.full_like(zeros, config.vespo_k_pos), torch.full_like(zeros, config.vespo_k_neg))
-    lam = torch.where(pos, torch.full_like(zeros, max(config.vespo_lambda_pos, VESPO_LAMBDA_MIN)),
-                      torch.full_like(zeros, max(config.vespo_lambda_neg, VESPO_LAMBDA_MIN)))
+    k = torch.where(pos, zeros + config.vespo_k_pos, zeros + config.vespo_k_neg)
+    lam = torch.where(pos, zeros + config.vespo_lambda_pos, zeros + config.vespo_lambda_neg).clamp(min=VESPO_LAMBDA_MIN)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.where(torch.isfinite(phi), phi, zeros)
+
+
+def _bound(like: torch.Tensor, value: float) -> torch.Tensor:
+    """A config float as a 0-dim tensor of ``like``'s dtype and device, for a ``clamp`` bound: formed as
+    ``ones * value`` because under ``torch.compile`` dynamo keeps a Python float that changes between steps an input
+    of the graph only where arithmetic uses it; as ``clamp``'s scalar bound (or ``full_like``'s fill) it is a
+    constant, a new graph per value. The same bound in ``like``'s dtype as the scalar's, the same gradient."""
+    return like.new_ones(()) * value
 
 
 def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
@@ -289,8 +296,8 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     (:func:`vespo_weights`)."""
     a = advantages
     if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
-        clipped = ratio.clamp(min=1.0 - config.clip_low, max=1.0 + config.clip_high)
-        unclipped = ratio if config.delta is None else ratio.clamp(max=config.delta)
+        clipped = ratio.clamp(min=_bound(ratio, 1.0 - config.clip_low), max=_bound(ratio, 1.0 + config.clip_high))
+        unclipped = ratio if config.delta is None else ratio.clamp(max=_bound(ratio, config.delta))
         loss = torch.maximum(weighted(-a, unclipped), -a * clipped)  # A = 0: 0 also for an overflowed r
         if config.dual_clip is not None:
             loss = torch.where(a < 0, torch.minimum(loss, -config.dual_clip * a), loss)
@@ -299,19 +306,19 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
         if log_ratio is None or mask is None:
             raise ValueError("gmpo needs the token log-ratios and the mask")
         sign = torch.sign(a)
-        clipped = log_ratio.clamp(min=-config.clip_low, max=config.clip_high)
+        clipped = log_ratio.clamp(min=_bound(log_ratio, -config.clip_low), max=_bound(log_ratio, config.clip_high))
         # A = 0 (a group of equal rewards): x = 0, also where log r is -inf (not 0 * -inf = NaN)
         x = torch.where(sign == 0, torch.zeros_like(log_ratio), sign * torch.minimum(sign * log_ratio, sign * clipped))
         # ratio_exp: an overflowed term is a constant, so a dropped token (weight 0) gets 0 gradient, not 0 * inf
         return -a * ratio_exp(_sequence_mean(torch.where(mask, x, torch.zeros_like(x)), mask))
     if config.policy_loss == "sapo":
-        tau = torch.where(a > 0, torch.full_like(ratio, config.sapo_temperature_pos),
-                          torch.full_like(ratio, config.sapo_temperature_neg))
+        zeros = torch.zeros_like(ratio)
+        tau = torch.where(a > 0, zeros + config.sapo_temperature_pos, zeros + config.sapo_temperature_neg)
         # sigmoid as exp(logsigmoid): autograd's slope is then s sigmoid(-x) (logsigmoid's backward), exact in the
         # tail, where sigmoid's own s (1 - s) is 0 once s rounds to 1 (x > 17 in fp32, 37 in fp64)
         return -a * torch.exp(torch.nn.functional.logsigmoid(tau * (ratio - 1.0))) * (4.0 / tau)
     if config.policy_loss == "cispo":
-        return weighted(-ratio.clamp(max=1.0 + config.clip_high).detach() * a, logp)
+        return weighted(-ratio.clamp(max=_bound(ratio, 1.0 + config.clip_high)).detach() * a, logp)
     if config.policy_loss == "vespo":
         if phi is None:
             raise ValueError("vespo needs its weights phi")
@@ -339,7 +346,7 @@ def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
     rho = torch.exp(diff.clamp(min=-ROLLOUT_LOG_RHO_BOUND, max=ROLLOUT_LOG_RHO_BOUND))
     lo, hi = config.rollout_is_min, config.rollout_is_max
     if config.rollout_is.endswith("truncate"):
-        w = rho.clamp(min=lo, max=hi)
+        w = rho.clamp(min=None if lo is None else _bound(rho, lo), max=None if hi is None else _bound(rho, hi))
     else:
         keep = torch.ones_like(mask) if lo is None else rho >= lo
         if hi is not None:

@@ -222,3 +222,28 @@ def test_unused_fields_name_what_the_loss_never_reads(policy_loss, unused):
                                           for c in (config, config.replace(**{name: value}))]
         same = bool(loss == loss2) and all(bool(stats[k].eq(stats2[k]) | stats[k].isnan()) for k in stats)
         assert same == (name in unused), name
+
+
+def test_literal_holds_the_structure_and_float_values_the_floats():
+    """How the custom ops take a config: :attr:`literal` (the fields, each set float ``...``) and :attr:`float_values`
+    (``nan`` where an optional float is unset). Configs that differ in a float share the literal (under torch.compile
+    a constant string: a new value is not a new graph); :meth:`from_literal` rebuilds each config exactly, unset
+    optional floats included; every float-typed field is in ``FLOAT_FIELDS``."""
+    from fused_rl.config import FLOAT_FIELDS, literal_fields
+
+    annotated = {f.name for f in dataclasses.fields(PolicyLossConfig) if "float" in str(f.type)}
+    assert set(FLOAT_FIELDS) == annotated
+    configs = [PolicyLossConfig(), PolicyLossConfig(beta=0.04, kl="k3", clip_high=0.28, dual_clip=3.0, delta=1.5),
+               PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=0.7, temperature=0.9),
+               PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=None, off_policy_mask=0.3,
+                                top_entropy_quantile=0.2, entropy_coef=1e-3, agg="seq-mean-token-sum-norm", max_len=7)]
+    for config in configs:
+        assert PolicyLossConfig.from_literal(config.literal, config.float_values) == config
+        fields = literal_fields(config.literal)
+        assert all(fields[name] is (None if getattr(config, name) is None else Ellipsis) for name in FLOAT_FIELDS)
+        assert [math.isnan(v) for v in config.float_values] == [getattr(config, n) is None for n in FLOAT_FIELDS]
+    other = configs[1].replace(beta=0.05, clip_high=0.3, dual_clip=2.5, temperature=0.7)
+    assert other.literal == configs[1].literal and other.float_values != configs[1].float_values
+    without = configs[3].replace(rollout_is=None)
+    assert PolicyLossConfig.from_literal(configs[3].literal_without_rollout, configs[3].float_values) == without
+    assert configs[1].replace(kl="k2").literal != configs[1].literal

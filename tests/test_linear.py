@@ -10,6 +10,7 @@ import torch
 
 import fused_rl
 from fused_rl.backends import tiled_linear, torch_linear
+from fused_rl.backends.custom_ops import config_args
 from helpers import CONFIGS, GRAD_TOLERANCES, TOLERANCES, expected_results, logits_gradient_bound
 from helpers import assert_close as _assert_close
 
@@ -612,14 +613,14 @@ def test_bf16_parameter_gradients_rounded_once(backend):
 
 def opcheck_args(dtype=torch.bfloat16, config=None):
     """``(hidden, weight, bias, targets, advantages (B, T), valid, weights, old, ref, config literal)`` of a
-    small case, the leading arguments of the fused-linear loss ops."""
+    small case, the leading arguments of the fused-linear loss ops (the config as `config_args`)."""
     config = config or CONFIGS[1]
     case = make_linear_case(vocab=300, hidden_size=32, seed=3)
     h, w, b = (x.to(dtype).requires_grad_(True) for x in (torch.nan_to_num(case.hidden), case.weight, case.bias))
     adv = case.advantages[:, None].expand_as(case.mask).contiguous()
     weights = fused_rl.loss_math.aggregation_weights(case.mask, config)
     targets = torch.where(case.mask, case.targets, torch.full_like(case.targets, fused_rl.IGNORE_INDEX))
-    return h, w, b, targets, adv, case.mask, weights, case.old, case.ref, config.literal
+    return h, w, b, targets, adv, case.mask, weights, case.old, case.ref, config_args(config)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -628,7 +629,7 @@ def opcheck_args(dtype=torch.bfloat16, config=None):
 def test_loss_op_passes_opcheck(dtype, need):
     """``torch.library.opcheck`` of the chunked torch loss op: schema, fake outputs equal to the real ones
     in shape and dtype (the gradients stay fp32 until the backward, empty ones included), AOT dispatch."""
-    h, w, b, targets, adv, valid, weights, old, ref, literal = opcheck_args(dtype)
-    args = (h, w, b, targets, adv, valid, weights, old, ref, None, None, literal, True, *need, 7)
+    h, w, b, targets, adv, valid, weights, old, ref, config = opcheck_args(dtype)
+    args = (h, w, b, targets, adv, valid, weights, old, ref, None, None, *config, True, *need, 7)
     torch.library.opcheck(torch_linear.linear_policy_loss_op, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -15,6 +15,7 @@ else:
 import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig, _C  # noqa: E402
 from fused_rl.backends import get_backend, native  # noqa: E402
+from fused_rl.backends.custom_ops import config_args  # noqa: E402
 from fused_rl.loss_math import per_token_loss  # noqa: E402
 from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
                      on_device, same_layout)
@@ -118,7 +119,6 @@ def test_inplace(dtype):
 
 def _kernel_args(case, config):
     """The flat per-token arguments the native policy ops take (as NativeBackend.policy_loss builds them)."""
-    from fused_rl.backends.torch_linear import config_literal
     from fused_rl.loss_math import aggregation_weights
 
     mask = case.mask
@@ -126,7 +126,7 @@ def _kernel_args(case, config):
     adv = case.advantages[:, None].expand(mask.shape).reshape(-1).contiguous()
     w = aggregation_weights(mask, config, None).reshape(-1).float().contiguous()
     flat = lambda x: x.reshape(-1).float().contiguous()  # noqa: E731
-    return targets, adv, flat(case.old), flat(case.ref), None, w, config_literal(config)
+    return targets, adv, flat(case.old), flat(case.ref), None, w, *config_args(config)
 
 
 @pytest.mark.parametrize("vocab", [1024, 1003])
@@ -180,11 +180,9 @@ def test_policy_fwd_keeps_a_reshaped_copy_alive(isa):
     x = torch.randn(3, 2, 4, 400_000, generator=g).transpose(0, 1)  # (2, 3, 4, V), not viewable as rows
     targets = torch.randint(0, 400_000, (24,), generator=g)
     adv, w = torch.randn(24, generator=g), torch.full((24,), 1 / 24)
-    from fused_rl.backends.torch_linear import config_literal
-
-    literal = config_literal(CONFIGS[1])
-    got = native.policy_fwd(x, targets, adv, None, None, None, w, literal)
-    want = native.policy_fwd(x.contiguous(), targets, adv, None, None, None, w, literal)
+    config = config_args(CONFIGS[1])
+    got = native.policy_fwd(x, targets, adv, None, None, None, w, *config)
+    want = native.policy_fwd(x.contiguous(), targets, adv, None, None, None, w, *config)
     for a, b in zip(got, want):
         assert torch.equal(a.reshape(b.shape), b)
 

@@ -14,6 +14,7 @@ import torch
 import fused_rl
 from fused_rl import IGNORE_INDEX
 from fused_rl.backends import torch_chunked, torch_linear
+from fused_rl.backends.custom_ops import config_args, host_floats
 from fused_rl.loss_math import aggregation_weights
 from helpers import CONFIGS, make_case
 from test_linear import opcheck_args
@@ -21,6 +22,8 @@ from test_linear import opcheck_args
 GPU = "cuda" if torch.cuda.is_available() else "cpu"
 CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+#: the ops' temperature 0.7: a one-value host tensor (custom_ops.host_floats), as the backends pass it
+TAU = host_floats((0.7,))
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
@@ -65,12 +68,12 @@ def test_token_ops(backend, with_entropy, dtype):
     module, device = _module(backend)
     logits, targets, *_ = _policy_case(dtype, device, CONFIGS[0])
     x = logits.detach().requires_grad_(True)
-    torch.library.opcheck(module.token_stats, (x, targets, 0.7, with_entropy), test_utils=CHECKS)
-    _, entropy, lse = module.token_stats(logits, targets, 0.7, with_entropy)
+    torch.library.opcheck(module.token_stats, (x, targets, TAU, with_entropy), test_utils=CHECKS)
+    _, entropy, lse = module.token_stats(logits, targets, TAU, with_entropy)
     g_logp = torch.randn(targets.numel(), device=device)
     g_ent = torch.randn(targets.numel(), device=device) if with_entropy else None
     torch.library.opcheck(module.token_grad, (logits, targets, lse, g_logp, entropy if with_entropy else None, g_ent,
-                                              0.7), test_utils=CHECKS)
+                                              TAU), test_utils=CHECKS)
 
 
 @_backends("cpu")
@@ -81,7 +84,7 @@ def test_native_policy_ops(backend, config, dtype):
     logits, targets, adv, weights, old, ref = _policy_case(dtype, device, config)
     old = old if config.kl is not None else None
     ref = ref if config.kl is not None else None
-    args = (targets, adv, old, ref, None, weights, config.literal)
+    args = (targets, adv, old, ref, None, weights, *config_args(config))
     torch.library.opcheck(module.policy_fwd, (logits, *args), test_utils=CHECKS)
     torch.library.opcheck(module.policy_fwd_inplace, (logits.clone(), *args), test_utils=CHECKS)
     if dtype == torch.float32:
@@ -105,7 +108,7 @@ def test_triton_policy_ops(backend, config, write, dtype):
     flat = lambda x: None if x is None else x.reshape(-1)
     old = flat(old) if config.kl is not None else None
     ref = flat(ref) if config.kl is not None else None
-    args = (targets.reshape(-1), flat(adv), flat(weights), old, ref, None, config.literal, True)
+    args = (targets.reshape(-1), flat(adv), flat(weights), old, ref, None, *config_args(config), True)
     torch.library.opcheck(module.policy_fwd, (logits, *args, write), test_utils=CHECKS)
     if not write:
         return
@@ -121,11 +124,11 @@ def test_triton_policy_ops(backend, config, write, dtype):
 @DTYPES
 def test_linear_token_ops(with_entropy, dtype):
     h, w, b, targets, *_ = opcheck_args(dtype)
-    torch.library.opcheck(torch_linear.linear_token_stats, (h, w, b, targets, 0.7, with_entropy, 5),
+    torch.library.opcheck(torch_linear.linear_token_stats, (h, w, b, targets, TAU, with_entropy, 5),
                           test_utils=CHECKS)
     g_logp = torch.randn(targets.shape)
     g_ent = torch.randn(targets.shape) if with_entropy else None
     h, w, b = h.detach(), w.detach(), b.detach()  # the grad op runs in a backward: it refuses one of its own
     for need in ((True, True, True), (True, False, False)):
-        torch.library.opcheck(torch_linear.linear_token_grad, (h, w, b, targets, g_logp, g_ent, 0.7, *need, 5),
+        torch.library.opcheck(torch_linear.linear_token_grad, (h, w, b, targets, g_logp, g_ent, TAU, *need, 5),
                               test_utils=CHECKS)

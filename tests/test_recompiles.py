@@ -99,7 +99,8 @@ def _assert_same(got, expected):
 
 def _run_loss_steps(fn, backend, normalizer, *, linear=False, mark=False, dynamic=None, shapes=SHAPES, config=CONFIG):
     """Run ``fn`` eagerly and compiled (``fullgraph=True``, ``aot_eager``) over ``shapes``; compare loss,
-    metrics and gradients (of the logits, or of hidden and weight); return the number of graphs."""
+    metrics and gradients (of the logits, or of hidden and weight); return the number of graphs. ``config``: the
+    config of every step, or a list of one per step."""
     _fresh()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(fn, fullgraph=True, backend=counter, dynamic=dynamic)
@@ -112,7 +113,7 @@ def _run_loss_steps(fn, backend, normalizer, *, linear=False, mark=False, dynami
             args = (t, a, m, old, ref)
             if mark and f is compiled:
                 _mark_dynamic(leaves[0], *args)
-            loss, metrics = f(*leaves, *args, n, backend, config)
+            loss, metrics = f(*leaves, *args, n, backend, config[i] if isinstance(config, list) else config)
             loss.backward()
             results.append((loss, metrics, [leaf.grad for leaf in leaves]))
         (e_loss, e_met, e_grads), (c_loss, c_met, c_grads) = results
@@ -221,10 +222,14 @@ def test_linear_policy_loss_dynamic_true_float_normalizer_one_graph(backend):
 VLLM_IS = PolicyLossConfig(rollout_is="sequence_mask", rollout_is_max=3.0, kl="k3", beta=0.04)
 
 
-def _linear_policy_vllm_is(h, w, t, a, m, old, ref, n, backend, config):
-    """Rollout log-probs between the old and reference ones (derived, so each step's inputs are its own)."""
-    out = fused_rl.linear_policy_loss(h, w, t, a, m, old_logprobs=old, ref_logprobs=ref, config=config,
-                                      rollout_logprobs=0.5 * (old + ref), token_normalizer=n, backend=backend)
+def _policy_rollout(*args):
+    """:func:`_policy` (logits) or :func:`_linear_policy` (hidden states and weight), with rollout log-probs between
+    the old and reference ones (derived, so each step's inputs are its own) where the config reads them."""
+    *lead, t, a, m, old, ref, n, backend, config = args
+    fn = fused_rl.linear_policy_loss if len(lead) == 2 else fused_rl.policy_loss
+    rollout = 0.5 * (old + ref) if config.uses_rollout_logprobs else None
+    out = fn(*lead, t, a, m, old_logprobs=old, ref_logprobs=ref, config=config, rollout_logprobs=rollout,
+             token_normalizer=n, backend=backend)
     return out.loss, out.metrics
 
 
@@ -233,8 +238,79 @@ def _linear_policy_vllm_is(h, w, t, a, m, old, ref, n, backend, config):
 def test_linear_policy_loss_sequence_rollout_correction(backend, dynamic):
     """Under ``dynamic=True`` the config's floats are symbolic: the folded kernel config is formed at the config's
     construction (a config built while tracing re-validates them: ``Unsupported``)."""
-    graphs = _run_loss_steps(_linear_policy_vllm_is, backend, "float", linear=True, dynamic=dynamic, config=VLLM_IS)
+    graphs = _run_loss_steps(_policy_rollout, backend, "float", linear=True, dynamic=dynamic, config=VLLM_IS)
     assert graphs == 1 if dynamic else graphs <= 2
+
+
+# -------------------------------------------------------------------- a config whose floats change every step
+
+#: config kind -> (its fields, the floats a schedule changes every step): each float of PolicyLossConfig is in one
+#: (``test_every_config_float_is_scheduled``), on the single-pass epilogue (cpu / triton), the two passes over
+#: token_logprobs (gspo / gmpo / vespo, the masks) and TRL's vLLM correction (its sequence-level weights folded
+#: into the advantages on the tiled route, the kernel config ``literal_without_rollout``)
+SCHEDULES = {
+    "ppo-kl": (dict(kl="k3", beta=0.04, entropy_coef=0.01),
+               ("beta", "clip_low", "clip_high", "entropy_coef", "temperature")),
+    "dual-clip-delta": (dict(dual_clip=3.0, delta=2.0), ("dual_clip", "delta")),
+    "sapo": (dict(policy_loss="sapo"), ("sapo_temperature_pos", "sapo_temperature_neg")),
+    "cispo": (dict(policy_loss="cispo", clip_high=4.0), ("clip_high",)),
+    "gspo": (dict(policy_loss="gspo", kl="k3", beta=0.04, clip_low=3e-4, clip_high=4e-4),
+             ("beta", "clip_low", "clip_high", "temperature")),
+    "gmpo": (dict(policy_loss="gmpo"), ("clip_low", "clip_high")),
+    "vespo": (dict(policy_loss="vespo"), ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
+    "token-rollout": (dict(rollout_is="token_truncate", rollout_is_min=0.5), ("rollout_is_min", "rollout_is_max")),
+    "sequence-rollout": (dict(rollout_is="sequence_mask", rollout_is_max=3.0, kl="k3", beta=0.04),
+                         ("rollout_is_max", "beta")),
+    "off-policy-mask": (dict(off_policy_mask=0.05), ("off_policy_mask",)),
+    "top-entropy": (dict(top_entropy_quantile=0.5), ("top_entropy_quantile",)),
+}
+SAME_SHAPE = [(2, 5)] * 5
+
+
+def _schedule(kind, steps):
+    """One config a step of ``SCHEDULES[kind]``, each of its floats ``x (1 + 0.03 i)`` at step ``i`` (an adaptive
+    KL controller's ``beta``, a clip or temperature schedule); nothing structural changes."""
+    fields, floats = SCHEDULES[kind]
+    base = PolicyLossConfig(**fields)
+    return [base.replace(**{name: getattr(base, name) * (1.0 + 0.03 * i) for name in floats}) for i in range(steps)]
+
+
+def test_every_config_float_is_scheduled():
+    from fused_rl.config import FLOAT_FIELDS
+
+    assert {name for _, floats in SCHEDULES.values() for name in floats} == set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["policy_loss", "linear_policy_loss"])
+@pytest.mark.parametrize("kind", list(SCHEDULES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_config_floats_changed_every_step_are_not_a_graph_per_value(backend, kind, linear):
+    """Five steps of one shape, every float of the config new each step: equal to eager, and two graphs (the first
+    value's, then one where the floats are symbolic), not five. The custom ops took the config as one string, floats
+    included, so each new value was a new graph, and past torch.compile's recompile limit (8) the step ran eagerly
+    (``fullgraph=True``: raised). Now they take its structure as the string and its floats as a host tensor
+    (``custom_ops.config_args``)."""
+    graphs = _run_loss_steps(_policy_rollout, backend, "tensor", linear=linear, shapes=SAME_SHAPE,
+                             config=_schedule(kind, len(SAME_SHAPE)))
+    assert graphs <= 2
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["policy_loss", "linear_policy_loss"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_config_floats_changed_every_step_dynamic_true_one_graph(backend, linear):
+    """The same under ``dynamic=True``: the floats are symbolic from the first call, one graph."""
+    graphs = _run_loss_steps(_linear_policy if linear else _policy, backend, "tensor", linear=linear, dynamic=True,
+                             shapes=SAME_SHAPE, config=_schedule("ppo-kl", len(SAME_SHAPE)))
+    assert graphs == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason=str(AVAILABLE["triton"]))
+@pytest.mark.parametrize("linear", [False, True], ids=["policy_loss", "linear_policy_loss"])
+def test_triton_config_floats_changed_every_step(linear):
+    """The Triton kernels (interpreter), three tiny steps: two graphs, not three."""
+    graphs = _run_loss_steps(_linear_policy if linear else _policy, "triton", "tensor", linear=linear,
+                             shapes=[(2, 3)] * 3, config=_schedule("ppo-kl", 3))
+    assert graphs <= 2
 
 
 # ------------------------------------------------------------------------------- token_logprobs (and linear)
@@ -365,9 +441,9 @@ def test_temperature_argument_under_dynamic_true(linear):
 
 @pytest.mark.parametrize("linear", [False, True], ids=["token_logprobs", "linear_token_logprobs"])
 def test_new_temperature_traces(linear):
-    """A new temperature each step: a new graph per value (the custom ops take it as a constant, as a config
-    value: docs/native.md), but traced, and equal to eager."""
-    assert _run_logprob_steps("torch", linear, shapes=[(2, 5)] * 3, temperatures=[0.7, 0.8, 0.9]) <= 3
+    """A new temperature each step: equal to eager, and two graphs for four values (the custom ops take it as a
+    host tensor, ``custom_ops.host_floats``; as a ``float`` argument it was a new graph per value)."""
+    assert _run_logprob_steps("torch", linear, shapes=[(2, 5)] * 4, temperatures=[0.7, 0.8, 0.9, 1.1]) <= 2
 
 
 @pytest.mark.parametrize("linear", [False, True], ids=["token_logprobs", "linear_token_logprobs"])
@@ -411,11 +487,14 @@ def test_liger_module_numpy_temperature_traces():
     assert loss_fn.temperature == pytest.approx(0.7) and type(loss_fn.temperature) is float
 
 
-@pytest.mark.parametrize("setting, values", [("beta", [0.04, 0.05, 0.0, 0.06]), ("temperature", [1.0, 0.9, 0.8])])
-def test_liger_module_setting_changed_between_compiled_steps(setting, values):
+@pytest.mark.parametrize("setting, values, graphs", [("beta", [0.04, 0.05, 0.0, 0.06, 0.07], 3),
+                                                     ("temperature", [1.0, 0.9, 0.8, 0.7], 2)])
+def test_liger_module_setting_changed_between_compiled_steps(setting, values, graphs):
     """``FusedLinearGRPOLoss`` with a setting assigned between compiled steps (an adaptive KL controller's ``beta``, a
-    temperature schedule): one graph per value, equal to eager. The config was rebuilt lazily inside ``forward``,
-    i.e. in the traced step, where the changed float is symbolic: ``fullgraph=True`` raised at the second value."""
+    temperature schedule): equal to eager, and not a graph per value: the first value's graph, then one where the
+    float is symbolic (beta 0 is a third: the module drops its KL term there). The config was rebuilt lazily inside
+    ``forward``, i.e. in the traced step, where the changed float is symbolic: ``fullgraph=True`` raised at the second
+    value; then the custom ops took the config's floats in a string, a new graph per value."""
     from fused_rl.nn import FusedLinearGRPOLoss
 
     _fresh()
@@ -437,7 +516,7 @@ def test_liger_module_setting_changed_between_compiled_steps(setting, values):
         for got, expected in zip(results[1], results[0]):
             _assert_same(got, expected)
     _assert_no_graph_break()
-    assert _graphs() == len(values)
+    assert _graphs() == graphs
 
 
 def test_numpy_scalar_normalizer_traces():

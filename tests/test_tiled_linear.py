@@ -12,6 +12,7 @@ import torch
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.backends import get_backend, tiled_linear, torch_linear
+from fused_rl.backends.custom_ops import host_floats
 from helpers import CONFIGS, on_device
 from test_linear import (LINEAR_GRAD_TOLERANCES, _leaves, abs_gemm_bounds, assert_close, compare_linear,
                          make_linear_case, opcheck_args)
@@ -20,6 +21,8 @@ from test_variants import VARIANTS, with_extras
 cid = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}{'-biascorr' if c.kl_bias_correction else ''}"
 
 GPU = "cuda" if torch.cuda.is_available() else "cpu"  # where the triton tests run
+#: the ops' temperature 0.7: a one-value host tensor (custom_ops.host_floats), as the backends pass it
+TAU = host_floats((0.7,))
 _available = fused_rl.available_backends(torch.device("cpu"))
 _gpu_available = fused_rl.available_backends(torch.device(GPU))
 needs_cpu = pytest.mark.skipif(_available["cpu"] is not None, reason=str(_available["cpu"]))
@@ -372,8 +375,8 @@ def test_op_passes_opcheck(mixed, dtype, need):
     ones in shape and dtype (fp32 gradients, empty ones included, and the 0-dim unit), AOT dispatch."""
     if mixed and dtype == torch.float32:
         pytest.skip("the mixed mode is for 16-bit inputs")
-    h, w, b, targets, adv, valid, weights, old, ref, literal = opcheck_args(dtype)
-    args = (h, w, b, targets, adv, valid, weights, old, ref, None, literal, True, *need, 7, "native", mixed)
+    h, w, b, targets, adv, valid, weights, old, ref, config = opcheck_args(dtype)
+    args = (h, w, b, targets, adv, valid, weights, old, ref, None, *config, True, *need, 7, "native", mixed)
     torch.library.opcheck(tiled_linear.tiled_linear_policy_loss_op, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -419,14 +422,14 @@ def test_two_pass_ops_pass_opcheck(mixed, with_entropy):
     """``torch.library.opcheck`` of the two-pass ops (native kernels): the statistics op with its autograd (the
     gradient op inside its backward) and the gradient op alone."""
     h, w, b, targets, *_ = opcheck_args(torch.bfloat16)
-    torch.library.opcheck(tiled_linear.tiled_linear_token_stats_op, (h, w, b, targets, 0.7, with_entropy, 7, "native",
+    torch.library.opcheck(tiled_linear.tiled_linear_token_stats_op, (h, w, b, targets, TAU, with_entropy, 7, "native",
                                                                      mixed),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     with torch.no_grad():
-        _, ent, lse = tiled_linear.tiled_linear_token_stats_op(h, w, b, targets, 0.7, True, 7, "native", mixed)
+        _, ent, lse = tiled_linear.tiled_linear_token_stats_op(h, w, b, targets, TAU, True, 7, "native", mixed)
     g = torch.randn(targets.shape, generator=torch.Generator().manual_seed(0))
     args = (h.detach(), w.detach(), b.detach(), targets, lse, g, ent if with_entropy else None,
-            g if with_entropy else None, 0.7, True, True, True, 7, "native", mixed)
+            g if with_entropy else None, TAU, True, True, True, 7, "native", mixed)
     torch.library.opcheck(tiled_linear.tiled_linear_token_grad_op, args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -2,7 +2,8 @@
 
 Each backend defines two ``torch.library`` custom ops with the same schema:
 
-* ``stats(logits, targets, temperature, with_entropy) -> (logp, entropy, lse)`` (flat, length ``N``;
+* ``stats(logits, targets, temperature, with_entropy) -> (logp, entropy, lse)`` (``temperature`` a
+  :func:`host_floats` of one value; outputs flat, length ``N``;
   ``lse`` in any layout the backend's ``grad`` reads, its last dimension ``N``;
   ``entropy`` empty unless ``with_entropy``);
 * ``grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature) -> dlogits`` with
@@ -14,13 +15,53 @@ not each repeat it. :func:`consume_stored_grad` is the
 one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward already wrote ``dlogits``;
 :func:`refuse_double_backward` the rule of every op whose gradient the forward computed;
 :func:`register_stored_grad` the autograd formula of the single-pass ops' ``attach``.
+
+Floats reach every op as a host tensor, :func:`host_floats` (a config as :func:`config_args`: its structure in a
+string, its floats in the tensor), so that under ``torch.compile`` a value that changes between steps is an input
+of the graph, not a constant of it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import Optional, Sequence
 
 import torch
+
+from ..config import PolicyLossConfig
+
+
+def host_floats(values: Sequence[float]) -> torch.Tensor:
+    """The CPU fp64 vector of ``values``: how the custom ops take floats (a config's, a temperature). Under
+    ``torch.compile`` it is formed by tensor ops from the values, so a Python float that changes between calls (a
+    ``beta`` schedule) is a symbolic input of the graph from its second value on (dynamo's unspecialized floats),
+    not a constant of it: one recompile, then none. As a ``float`` argument of a custom op, or in a ``str``, each
+    new value was a new graph, and past the recompile limit the step ran eagerly. The ops read it on the host
+    (``tolist``: no device sync) and pass the values to their kernels as before."""
+    if torch.compiler.is_compiling():
+        one = torch.ones((), dtype=torch.float64)
+        return torch.stack([one * value for value in values])
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def config_args(config: PolicyLossConfig, literal: Optional[str] = None) -> tuple[str, torch.Tensor]:
+    """``(literal, floats)``: a config as the custom ops take it, its structure :attr:`PolicyLossConfig.literal`
+    (or the given ``literal`` of it, e.g. ``literal_without_rollout``) and its :attr:`~PolicyLossConfig.float_values`
+    as :func:`host_floats`; :func:`config_from_args` inverts it."""
+    return (config.literal if literal is None else literal), host_floats(config.float_values)
+
+
+def config_from_args(literal: str, floats: torch.Tensor) -> PolicyLossConfig:
+    """The config of :func:`config_args`' pair, in a custom op's implementation (``floats`` on the CPU)."""
+    return _config_of(literal, tuple(None if math.isnan(v) else v for v in floats.tolist()))
+
+
+@functools.lru_cache(maxsize=64)
+def _config_of(literal: str, floats: tuple[Optional[float], ...]) -> PolicyLossConfig:
+    """:meth:`PolicyLossConfig.from_literal`, cached (the tiled ops call a kernel op per tile); ``None`` for the
+    ``nan`` of an unset field, which a cache key cannot hold (``nan != nan``)."""
+    return PolicyLossConfig.from_literal(literal, floats)
 
 
 def autocast_free_op(name: str):
@@ -67,19 +108,18 @@ def register_token_ops(stats_op, grad_op) -> None:
     def setup_context(ctx, inputs, output):
         logits, targets, temperature, with_entropy = inputs
         _, entropy, lse = output
-        ctx.save_for_backward(logits, targets, entropy, lse)
-        ctx.temperature = temperature
+        ctx.save_for_backward(logits, targets, entropy, lse, temperature)
         ctx.with_entropy = with_entropy
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # an unused entropy output: g_entropy None, its term not computed
 
     def backward(ctx, g_logp, g_entropy, g_lse):
-        logits, targets, entropy, lse = ctx.saved_tensors
+        logits, targets, entropy, lse, temperature = ctx.saved_tensors
         if g_logp is None:
             g_logp = lse.new_zeros(lse.shape[-1])
         if not ctx.with_entropy or g_entropy is None:
             entropy = g_entropy = None
-        return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, ctx.temperature), None, None, None
+        return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, temperature), None, None, None
 
     stats_op.register_autograd(backward, setup_context=setup_context)
 

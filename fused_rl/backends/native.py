@@ -40,9 +40,9 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs, _is_compiling, check_rows_disjoint
 from . import register, register_missing
 from .base import Backend
-from .custom_ops import fp16_needs_two_passes, register_stored_grad, register_token_ops, writable_in_place
+from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, register_stored_grad,
+                         register_token_ops, writable_in_place)
 from .tiled_linear import TiledLinearMethods
-from .torch_linear import _config_from_literal, config_literal
 
 try:
     from .. import _C  # type: ignore[attr-defined]
@@ -125,9 +125,10 @@ def _f32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 # ---------------------------------------------------------------- token_logprobs: stats + grad ops
 @torch.library.custom_op("fused_rl::native_token_stats", mutates_args=())
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat fp32 ``(logp, entropy, lse)`` of length ``N``; ``entropy`` empty unless ``with_entropy``."""
+    """Flat fp32 ``(logp, entropy, lse)`` of length ``N``; ``entropy`` empty unless ``with_entropy``;
+    ``temperature`` a ``custom_ops.host_floats`` of one value."""
     x, b, t, v, sb, st = _rows(logits)
     n = targets.numel()
     tg = targets.reshape(-1).contiguous()
@@ -135,7 +136,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     lse = torch.empty(2, n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
     args = (x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, v, sb, st, tg.data_ptr(), _INDEX_CODES[tg.dtype],
-            1.0 / temperature, logp.data_ptr(), entropy.data_ptr() if with_entropy else 0, lse.data_ptr())
+            1.0 / float(temperature), logp.data_ptr(), entropy.data_ptr() if with_entropy else 0, lse.data_ptr())
     if logits.is_cuda:
         with torch.cuda.device(logits.device):
             _C.cuda_token_stats(*args, _stream(logits))
@@ -155,11 +156,11 @@ def _(logits, targets, temperature, with_entropy):
 @torch.library.custom_op("fused_rl::native_token_grad", mutates_args=())
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
-               temperature: float) -> torch.Tensor:
+               temperature: torch.Tensor) -> torch.Tensor:
     """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, contiguous, in the logits dtype."""
     out = _new_output(logits.shape, logits)
     _, _, t, v, _, _ = _rows(logits)
-    token_grad_into(logits, out, targets, lse, g_logp, entropy, g_entropy, temperature, t * v, v)
+    token_grad_into(logits, out, targets, lse, g_logp, entropy, g_entropy, float(temperature), t * v, v)
     return out
 
 
@@ -209,10 +210,9 @@ def epilogue_params(config: PolicyLossConfig):
     return p
 
 
-def _policy_args(xr, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost):
+def _policy_args(xr, targets, adv, old, ref, rollout, w, config, logp, ent, out, osb, ost):
     """The kernel's arguments; ``xr`` is ``_rows(logits)[0]`` held by the caller until the kernel returns (above
     3-D it may be a reshape copy: only its pointer goes into the tuple)."""
-    config = _config_from_literal(config_literal)
     _, b, t, v, sb, st = _rows(xr)
     return (xr.data_ptr(), _DTYPE_CODES[xr.dtype], b, t, v, sb, st, targets.data_ptr(), _INDEX_CODES[targets.dtype],
             1.0 / config.temperature, adv.data_ptr(), _ptr(old), _ptr(ref), _ptr(rollout), w.data_ptr(),
@@ -220,14 +220,15 @@ def _policy_args(xr, targets, adv, old, ref, rollout, w, config_literal, logp, e
             _DTYPE_CODES[out.dtype])
 
 
-def _run_policy(logits, out, osb, ost, targets, adv, old, ref, rollout, w, config_literal):
+def _run_policy(logits, out, osb, ost, targets, adv, old, ref, rollout, w, config_literal, config_floats):
     """The single pass over ``logits``, dlogits written to ``out`` (row strides ``osb``, ``ost``); the fp32
     per-token ``(logp, entropy)``."""
+    config = config_from_args(config_literal, config_floats)
     n = targets.numel()
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     ent = torch.empty(n, dtype=torch.float32, device=logits.device)
     x = _rows(logits)[0]  # kept alive through the call (a copy when a > 3-D input cannot be viewed as rows)
-    args = _policy_args(x, targets, adv, old, ref, rollout, w, config_literal, logp, ent, out, osb, ost)
+    args = _policy_args(x, targets, adv, old, ref, rollout, w, config, logp, ent, out, osb, ost)
     if logits.is_cuda:
         with torch.cuda.device(logits.device):
             _C.cuda_policy_fused(*args, _stream(logits))
@@ -251,40 +252,41 @@ def _fake_stats(logits, targets):
 @torch.library.custom_op("fused_rl::native_policy_fwd", mutates_args=())
 def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
                ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
-               config_literal: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               config_literal: str, config_floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token fp32 ``(logp, entropy)`` (flat) and ``dlogits`` of ``sum_t w_t l_t`` (contiguous,
-    logits dtype) for the config ``torch_linear.config_literal(config)``. ``targets`` must be
-    ``IGNORE_INDEX`` wherever the mask is off; per-token tensors are contiguous fp32 of ``B*T`` elements."""
+    logits dtype) for the config of ``(config_literal, config_floats) = custom_ops.config_args(config)``. ``targets``
+    must be ``IGNORE_INDEX`` wherever the mask is off; per-token tensors are contiguous fp32 of ``B*T`` elements."""
     out = _new_output(logits.shape, logits)
     _, _, t, v, _, _ = _rows(logits)  # the row layout the kernel reads: (1, N, V) for 2-D, (-1, T, V) above 3-D
-    logp, ent = _run_policy(logits, out, t * v, v, targets, adv, old, ref, rollout, w, config_literal)
+    logp, ent = _run_policy(logits, out, t * v, v, targets, adv, old, ref, rollout, w, config_literal, config_floats)
     return logp, ent, out
 
 
 @policy_fwd.register_fake
-def _(logits, targets, adv, old, ref, rollout, w, config_literal):
+def _(logits, targets, adv, old, ref, rollout, w, config_literal, config_floats):
     return (*_fake_stats(logits, targets), torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
 
 
 @torch.library.custom_op("fused_rl::native_policy_fwd_inplace", mutates_args=("logits",))
 def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
                        ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
-                       config_literal: str) -> tuple[torch.Tensor, torch.Tensor]:
+                       config_literal: str, config_floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`policy_fwd`, writing ``dlogits`` over ``logits`` (same strides)."""
     _check_3d(logits)
     return _run_policy(logits, logits, logits.stride(0), logits.stride(1), targets, adv, old, ref, rollout, w,
-                       config_literal)
+                       config_literal, config_floats)
 
 
 @policy_fwd_inplace.register_fake
-def _(logits, targets, adv, old, ref, rollout, w, config_literal):
+def _(logits, targets, adv, old, ref, rollout, w, config_literal, config_floats):
     return _fake_stats(logits, targets)
 
 
 @torch.library.custom_op("fused_rl::native_policy_fwd_into", mutates_args=("out",))
 def policy_fwd_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor,
                     old: Optional[torch.Tensor], ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor],
-                    w: torch.Tensor, config_literal: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    w: torch.Tensor, config_literal: str, config_floats: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`policy_fwd`, writing ``dlogits`` into ``out`` (the logits' shape, unit vocabulary stride,
     not overlapping them): in the logits dtype, or bf16 / fp16 for fp32 logits, rounded once on store (the
     tiled fused linear's mixed mode: no fp32 gradient tile and no copy of it)."""
@@ -300,11 +302,12 @@ def policy_fwd_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tens
         raise ValueError(f"out must be {logits.dtype} (or bf16 / fp16 for fp32 logits), got {out.dtype}")
     if out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
         raise ValueError("out shares the logits' storage: use policy_fwd_inplace")
-    return _run_policy(logits, out, out.stride(0), out.stride(1), targets, adv, old, ref, rollout, w, config_literal)
+    return _run_policy(logits, out, out.stride(0), out.stride(1), targets, adv, old, ref, rollout, w, config_literal,
+                       config_floats)
 
 
 @policy_fwd_into.register_fake
-def _(logits, out, targets, adv, old, ref, rollout, w, config_literal):
+def _(logits, out, targets, adv, old, ref, rollout, w, config_literal, config_floats):
     return _fake_stats(logits, targets)
 
 
@@ -349,7 +352,7 @@ class NativeBackend(TiledLinearMethods, Backend):
     linear_kernel = "native"
 
     def token_logprobs(self, logits, targets, temperature, return_entropy):
-        logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
+        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 
@@ -366,7 +369,7 @@ class NativeBackend(TiledLinearMethods, Backend):
         old = _f32(inputs.old)
         ref = _f32(inputs.ref) if config.kl is not None else None
         rollout = _f32(inputs.rollout) if config.rollout_is is not None else None
-        args = (targets, adv, old, ref, rollout, w, config_literal(config))
+        args = (targets, adv, old, ref, rollout, w, *config_args(config))
         x = logits.detach()
         if inplace and writable_in_place(logits) and not _is_compiling():
             logp, ent = policy_fwd_inplace(x, *args)

@@ -65,8 +65,8 @@ from ..loss_math import aggregation_weights, metrics, per_token_loss, rollout_we
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import torch_linear
-from .custom_ops import autocast_free_op, refuse_double_backward
-from .torch_linear import _config_from_literal, _Grads, _needs_grad, _prepare, _tile_inputs, _token_groups
+from .custom_ops import autocast_free_op, config_args, config_from_args, host_floats, refuse_double_backward
+from .torch_linear import _Grads, _needs_grad, _prepare, _tile_inputs, _token_groups
 
 #: Force the tile size in tokens (``None``: derive it from the memory budget, see :func:`chunk_tokens`).
 CHUNK_TOKENS: Optional[int] = None
@@ -125,14 +125,15 @@ def _sequences_in_two_passes(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _fold_sequence_rollout(config: PolicyLossConfig, inputs: PolicyInputs) -> tuple[str, torch.Tensor]:
+def _fold_sequence_rollout(config: PolicyLossConfig, inputs: PolicyInputs) -> tuple[tuple[str, torch.Tensor],
+                                                                                    torch.Tensor]:
     """The kernel config and advantages of a sequence-level rollout correction off-policy: ``w`` of
     :func:`loss_math.rollout_weights` (``rho = exp(sum_t m (old - rollout))`` truncated or masked, detached, a
     function of the old and rollout log-probs only) multiplies the policy term alone, which is positively
     homogeneous in ``A`` (``PolicyInputs.kernel_advantages``): the kernel runs the config without the correction
     on ``A w``."""
     w = rollout_weights(inputs.old, inputs.rollout, inputs.mask, config)[1]
-    return config.literal_without_rollout, inputs.kernel_advantages * w
+    return config_args(config, config.literal_without_rollout), inputs.kernel_advantages * w
 
 
 def _native_kernel(z, targets, adv, w, old, ref, rollout, config: PolicyLossConfig, want_ent: bool,
@@ -143,10 +144,10 @@ def _native_kernel(z, targets, adv, w, old, ref, rollout, config: PolicyLossConf
     from . import native
 
     if not write_grad:
-        logp, ent, _ = native.token_stats(z.unsqueeze(0), targets, float(config.temperature), want_ent)
+        logp, ent, _ = native.token_stats(z.unsqueeze(0), targets, host_floats((config.temperature,)), want_ent)
         return logp, ent
     # (1, n, V) views: the ops take their output row strides from dims 0 and 1
-    args = (targets, adv, old, ref, rollout, w, torch_linear.config_literal(config))
+    args = (targets, adv, old, ref, rollout, w, *config_args(config))
     if out is not None:
         return native.policy_fwd_into(z.unsqueeze(0), out.unsqueeze(0), *args)
     return native.policy_fwd_inplace(z.unsqueeze(0), *args)
@@ -250,8 +251,8 @@ class _MixedGrads(_Grads):
 def tiled_linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
-    ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], config_literal: str, with_entropy: bool,
-    need_h: bool, need_w: bool, need_b: bool, n_tile: int, kernel: str, mixed: bool,
+    ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], config_literal: str, config_floats: torch.Tensor,
+    with_entropy: bool, need_h: bool, need_w: bool, need_b: bool, n_tile: int, kernel: str, mixed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias, unit)`` (fp32;
     gradients empty unless their ``need_*`` flag is set, in units of the 0-dim ``unit``: the backward
@@ -259,7 +260,7 @@ def tiled_linear_policy_loss_op(
     weights, ``kernel`` a key of :data:`KERNELS`. In mixed mode ``unit = max_t w_t`` and the kernel gets
     ``w_t / unit``, so the 16-bit ``dz`` it writes is ``O(dl/dlogp p)`` whatever the token count: inside
     fp16's normal range where ``dz`` itself (``w_t p``, ~1e-9 at N = 8192, V = 128256) would flush to 0."""
-    config = _config_from_literal(config_literal)
+    config = config_from_args(config_literal, config_floats)
     batch, length, _ = hidden.shape
     vocab = weight.shape[0]
     f32 = torch.float32
@@ -318,16 +319,15 @@ def tiled_linear_policy_loss_op(
 
 
 @tiled_linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, config_literal, with_entropy,
-      need_h, need_w, need_b, n_tile, kernel, mixed):
-    return (*torch_linear.fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy,
-                                            need_h, need_w, need_b, torch.float32),
+def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, config_literal, config_floats,
+      with_entropy, need_h, need_w, need_b, n_tile, kernel, mixed):
+    return (*torch_linear.fake_loss_outputs(hidden, weight, with_entropy, need_h, need_w, need_b, torch.float32),
             hidden.new_empty((), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
     _, _, _, gh, gw, gb, unit = output
-    ctx.flags = (inputs[12], inputs[13], inputs[14])  # need_h, need_w, need_b
+    ctx.flags = (inputs[13], inputs[14], inputs[15])  # need_h, need_w, need_b
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
     ctx.save_for_backward(gh, gw, gb, unit)
     ctx.mark_non_differentiable(*output[1:])
@@ -337,44 +337,45 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, g_loss, *_):
     refuse_double_backward("tiled fused-linear policy")
     if g_loss is None:
-        return (None,) * 18
+        return (None,) * 19
     gh, gw, gb, unit = ctx.saved_tensors
-    return torch_linear.scale_grads(ctx, g_loss * unit, (gh, gw, gb)) + (None,) * 15
+    return torch_linear.scale_grads(ctx, g_loss * unit, (gh, gw, gb)) + (None,) * 16
 
 
 tiled_linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------ two passes
-def _native_stats(z, targets, temperature: float, with_entropy: bool):
+# the temperature: the ops' one-value host tensor (``custom_ops.host_floats``)
+def _native_stats(z, targets, temperature: torch.Tensor, with_entropy: bool):
     from . import native
 
     return native.token_stats(z.unsqueeze(0), targets, temperature, with_entropy)
 
 
-def _triton_stats(z, targets, temperature: float, with_entropy: bool):
+def _triton_stats(z, targets, temperature: torch.Tensor, with_entropy: bool):
     from . import triton as tb
 
-    return tb._kernels().token_stats(z.unsqueeze(0), targets, temperature, with_entropy)
+    return tb._kernels().token_stats(z.unsqueeze(0), targets, float(temperature), with_entropy)
 
 
-def _native_grad(z, targets, lse, g_logp, entropy, g_entropy, temperature: float, out=None):
+def _native_grad(z, targets, lse, g_logp, entropy, g_entropy, temperature: torch.Tensor, out=None):
     """dlogits written over the fp32 tile ``z`` (the C++ gradient writes its input's dtype), then rounded into
     ``out`` (16-bit, mixed mode) if given."""
     from . import native
 
-    native.token_grad_into(z.unsqueeze(0), z, targets, lse, g_logp, entropy, g_entropy, temperature, z.numel(),
-                           z.stride(0))
+    native.token_grad_into(z.unsqueeze(0), z, targets, lse, g_logp, entropy, g_entropy, float(temperature),
+                           z.numel(), z.stride(0))
     if out is not None:
         out.copy_(z)
 
 
-def _triton_grad(z, targets, lse, g_logp, entropy, g_entropy, temperature: float, out=None):
+def _triton_grad(z, targets, lse, g_logp, entropy, g_entropy, temperature: torch.Tensor, out=None):
     """dlogits written over the tile ``z``, or straight into ``out`` (the kernel rounds on store)."""
     from . import triton as tb
 
     x = z.unsqueeze(0)
-    tb._kernels().token_grad(x, targets, lse, g_logp, entropy, g_entropy, temperature,
+    tb._kernels().token_grad(x, targets, lse, g_logp, entropy, g_entropy, float(temperature),
                              out=x if out is None else out.unsqueeze(0))
 
 
@@ -385,7 +386,7 @@ TWO_PASS_KERNELS = {"native": (_native_stats, _native_grad), "triton": (_triton_
 
 @autocast_free_op("fused_rl::tiled_linear_token_stats")
 def tiled_linear_token_stats_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                targets: torch.Tensor, temperature: float, with_entropy: bool, n_tile: int,
+                                targets: torch.Tensor, temperature: torch.Tensor, with_entropy: bool, n_tile: int,
                                 kernel: str, mixed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp (B, T), entropy (B, T) or empty, lse (2, N))`` of ``softmax((h W^T + b) / tau)``, fp32:
     per tile ``z = h W^T + b`` and the statistics kernel (one read of ``z``); ``IGNORE_INDEX`` targets give 0;
@@ -426,7 +427,7 @@ def _(hidden, weight, bias, targets, temperature, with_entropy, n_tile, kernel, 
 def tiled_linear_token_grad_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     lse: torch.Tensor, g_logp: torch.Tensor, entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
-    temperature: float, need_h: bool, need_w: bool, need_b: bool, n_tile: int, kernel: str, mixed: bool,
+    temperature: torch.Tensor, need_h: bool, need_w: bool, need_b: bool, n_tile: int, kernel: str, mixed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_hidden, grad_weight, grad_bias, unit)`` (fp32, empty where not needed, in units of the 0-dim
     ``unit``) of ``sum_t g_logp_t logp_t + g_H_t H_t``: each tile recomputed, the gradient kernel's
@@ -489,16 +490,16 @@ tiled_linear_token_grad_op.register_autograd(torch_linear.no_double_backward,
 def _stats_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, temperature, with_entropy, n_tile, kernel, mixed = inputs
     _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-    ctx.args = (temperature, with_entropy, n_tile, kernel, mixed)
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, temperature)
+    ctx.args = (with_entropy, n_tile, kernel, mixed)
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # an unused entropy output: g_entropy None, no entropy term recomputed
 
 
 def _stats_backward(ctx, g_logp, g_entropy, _):
-    hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-    temperature, with_entropy, n_tile, kernel, mixed = ctx.args
+    hidden, weight, bias, targets, lse, entropy, temperature = ctx.saved_tensors
+    with_entropy, n_tile, kernel, mixed = ctx.args
     if g_logp is None and g_entropy is None:
         return (None,) * 9
     need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
@@ -533,10 +534,10 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
         return torch_linear.two_pass_policy_loss(  # the loss math on (B, T) vectors between the two passes
             lambda *args: linear_token_logprobs(*args, kernel=kernel, memory_budget_bytes=memory_budget_bytes),
             hidden, weight, bias, inputs, config, compute_entropy or config.needs_entropy)
-    literal, kernel_adv = torch_linear.config_literal(config), inputs.kernel_advantages
+    kernel_config, kernel_adv = config_args(config), inputs.kernel_advantages
     rollout = inputs.rollout if config.rollout_is is not None else None
     if not config.has_token_epilogue:  # a sequence-level correction off-policy, folded into the advantages
-        literal, kernel_adv = _fold_sequence_rollout(config, inputs)
+        kernel_config, kernel_adv = _fold_sequence_rollout(config, inputs)
         rollout = None
     batch, length, _ = hidden.shape
     mixed = _mode(hidden.device, hidden.dtype) == "mixed"
@@ -545,8 +546,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
     loss, logp, entropy, _, _, _, _ = tiled_linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, kernel_adv, inputs.mask, weights, inputs.old, inputs.ref,
-        rollout, literal,
-        bool(compute_entropy), _needs_grad(hidden), _needs_grad(weight), _needs_grad(bias), n_tile, kernel, mixed)
+        rollout, *kernel_config, bool(want_ent), _needs_grad(hidden), _needs_grad(weight), _needs_grad(bias), n_tile,
+        kernel, mixed)
     entropy = entropy if want_ent else None
     terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
                            ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,
@@ -562,7 +563,7 @@ def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, ret
     gradient of the log-probs and entropies)."""
     mixed = _mode(hidden.device, hidden.dtype) == "mixed"
     n_tile = chunk_tokens(targets.numel(), weight.shape[0], hidden.dtype, hidden.device, memory_budget_bytes, mixed)
-    logp, entropy, _ = tiled_linear_token_stats_op(hidden, weight, bias, targets, float(temperature),
+    logp, entropy, _ = tiled_linear_token_stats_op(hidden, weight, bias, targets, host_floats((temperature,)),
                                                    bool(return_entropy), n_tile, kernel, mixed)
     return logp, (entropy if return_entropy else None)
 

@@ -18,7 +18,7 @@ import torch
 
 from ..config import IGNORE_INDEX
 from .base import Backend
-from .custom_ops import register_token_ops
+from .custom_ops import host_floats, register_token_ops
 
 #: Elements of one fp32 chunk (8 MiB); a few such temporaries are alive at once.
 CHUNK_ELEMENTS = 1 << 21
@@ -51,15 +51,17 @@ def _chunks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
 
 
 @torch.library.custom_op("fused_rl::torch_token_stats", mutates_args=())
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns flat ``(logp, entropy, lse)`` of length ``N = prod(logits.shape[:-1])`` (``entropy``
-    empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``.
+    empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``. ``temperature``:
+    a ``custom_ops.host_floats`` of one value ``tau``.
 
     ``lse`` is ``(2, N)``: the raw row max ``m = max logits`` and ``log s`` (``s = sum exp((logits - m) / tau)``)
     kept apart, so the backward's ``p = exp((logits - m) / tau - log s)`` does not lose ``log s`` to the
     rounding of ``m / tau + log s`` (``1 - p`` of a near-certain token at ``|z| ~ 1e3`` would be 0)."""
     cdtype = _compute_dtype(logits.dtype)
+    tau = float(temperature)
     flat_targets = targets.reshape(-1)
     n = flat_targets.numel()
     logp = torch.empty(n, dtype=cdtype, device=logits.device)
@@ -74,7 +76,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
         # an all -inf row shifts by 0 (s = 0: logp NaN, as log_softmax gives); a NaN or +inf max stays, so
         # the row is NaN as in the reference
         m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-        zs = (z - m) / temperature
+        zs = (z - m) / tau
         e = torch.exp(zs)
         s = e.sum(dim=-1)
         log_s = torch.log(s)
@@ -101,11 +103,12 @@ def _(logits, targets, temperature, with_entropy):
 @torch.library.custom_op("fused_rl::torch_token_grad", mutates_args=())
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
-               temperature: float) -> torch.Tensor:
+               temperature: torch.Tensor) -> torch.Tensor:
     """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``p = exp(zs - log s)``,
     ``zs = (logits - m) / tau`` and ``E[z] - z = (log s - H) - zs`` (``lse = (m, log s)`` of :func:`token_stats`);
     contiguous, in the logits dtype."""
     cdtype = _compute_dtype(logits.dtype)
+    tau = float(temperature)
     vocab = logits.shape[-1]
     flat_targets = targets.reshape(-1)
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -114,7 +117,7 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
         stop = start + chunk.shape[0]
         t = flat_targets[start:stop]
         ignored = (t == IGNORE_INDEX).unsqueeze(-1)
-        zs = (chunk.to(cdtype) - lse[0, start:stop].unsqueeze(-1)) / temperature
+        zs = (chunk.to(cdtype) - lse[0, start:stop].unsqueeze(-1)) / tau
         log_s = lse[1, start:stop].unsqueeze(-1)
         p = torch.exp(zs - log_s)
         gl = torch.where(ignored, 0.0, g_logp[start:stop].to(cdtype).unsqueeze(-1))
@@ -125,7 +128,7 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
             ezs = log_s - entropy[start:stop].unsqueeze(-1)
             g += ge * torch.where(p > 0, p * (ezs - zs), torch.zeros_like(p))
         # ignored rows: exactly 0 (not 0 * NaN from logits never read for the loss)
-        out_rows[start:stop] = torch.where(ignored, 0.0, g / temperature).to(logits.dtype)
+        out_rows[start:stop] = torch.where(ignored, 0.0, g / tau).to(logits.dtype)
     return out
 
 
@@ -139,7 +142,7 @@ class TorchBackend(Backend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
     def token_logprobs(self, logits, targets, temperature, return_entropy):
-        logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
+        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 

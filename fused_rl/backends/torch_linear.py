@@ -33,10 +33,7 @@ so ``torch.compile`` sees one opaque call per operation.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import dataclasses
-from functools import lru_cache
 from typing import Iterator, Optional
 
 import torch
@@ -45,7 +42,7 @@ from ..config import IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import aggregation_weights, compute_policy_loss, metrics, per_token_loss
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
-from .custom_ops import autocast_free_op, refuse_double_backward
+from .custom_ops import autocast_free_op, config_args, config_from_args, host_floats, refuse_double_backward
 
 #: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
 MEMORY_BUDGET_BYTES: Optional[int] = None
@@ -315,20 +312,6 @@ def _prepare(hidden, weight, bias):
 
 
 # ------------------------------------------------------------------------------- fused policy loss
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
-
-
-@lru_cache(maxsize=64)
-def _config_from_literal(text: str) -> PolicyLossConfig:
-    return PolicyLossConfig(**dict(zip(_CONFIG_FIELDS, ast.literal_eval(text))))
-
-
-def config_literal(config: PolicyLossConfig) -> str:
-    """The config as the literal of its field tuple (a string argument of the custom op):
-    :attr:`PolicyLossConfig.literal`, formed at construction."""
-    return config.literal
-
-
 @contextlib.contextmanager
 def _autograd_inside_op():
     """Record autograd inside a custom op's implementation: the dispatcher calls it with the autograd
@@ -389,11 +372,13 @@ def linear_policy_loss_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     advantages: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, old: Optional[torch.Tensor],
     ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], is_weights: Optional[torch.Tensor],
-    config_literal: str, with_entropy: bool, need_h: bool, need_w: bool, need_b: bool, n_tile: int,
+    config_literal: str, config_floats: torch.Tensor, with_entropy: bool, need_h: bool, need_w: bool, need_b: bool,
+    n_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias)``; each
-    gradient is empty unless its ``need_*`` flag is set. ``weights`` are the aggregation weights."""
-    config = _config_from_literal(config_literal)
+    gradient is empty unless its ``need_*`` flag is set. ``weights`` are the aggregation weights;
+    ``with_entropy`` must be set when ``config.needs_entropy``."""
+    config = config_from_args(config_literal, config_floats)
     batch, length, _ = hidden.shape
     cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
     inv_tau = 1.0 / config.temperature
@@ -443,19 +428,17 @@ def linear_policy_loss_op(
 
 @linear_policy_loss_op.register_fake
 def _(hidden, weight, bias, targets, advantages, valid, weights, old, ref, rollout, is_weights, config_literal,
-      with_entropy, need_h, need_w, need_b, n_tile):
-    return fake_loss_outputs(hidden, weight, _config_from_literal(config_literal), with_entropy, need_h, need_w,
-                             need_b, _compute_dtype(hidden.dtype))
+      config_floats, with_entropy, need_h, need_w, need_b, n_tile):
+    return fake_loss_outputs(hidden, weight, with_entropy, need_h, need_w, need_b, _compute_dtype(hidden.dtype))
 
 
-def fake_loss_outputs(hidden, weight, config, with_entropy, need_h, need_w, need_b, dtype):
+def fake_loss_outputs(hidden, weight, with_entropy, need_h, need_w, need_b, dtype):
     """Fake ``(loss, logp, entropy, grad_hidden, grad_weight, grad_bias)`` of a fused-linear loss op
     (this one and :mod:`fused_rl.backends.tiled_linear`'s), values and gradients in the accumulation
     dtype ``dtype`` (``_Grads.results(cast=False)``: :func:`scale_grads` rounds the gradients)."""
     batch, length, _ = hidden.shape
-    want_ent = with_entropy or config.needs_entropy
     return (hidden.new_empty((), dtype=dtype), hidden.new_empty((batch, length), dtype=dtype),
-            hidden.new_empty((batch, length) if want_ent else (0,), dtype=dtype),
+            hidden.new_empty((batch, length) if with_entropy else (0,), dtype=dtype),
             *fake_grads(hidden, weight, need_h, need_w, need_b, dtype=dtype))
 
 
@@ -480,7 +463,7 @@ def scale_grads(ctx, g_loss, grads=None):
 
 def _loss_setup_context(ctx, inputs, output):
     _, _, _, gh, gw, gb = output
-    need_h, need_w, need_b = inputs[13], inputs[14], inputs[15]
+    need_h, need_w, need_b = inputs[14], inputs[15], inputs[16]
     ctx.flags = (need_h, need_w, need_b)
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, inputs[1].dtype)
     ctx.save_for_backward(gh, gw, gb)
@@ -491,8 +474,8 @@ def _loss_setup_context(ctx, inputs, output):
 def _loss_backward(ctx, g_loss, *_):
     refuse_double_backward("chunked fused-linear policy")
     if g_loss is None:  # set_materialize_grads(False): nothing reached the loss
-        return (None,) * 17
-    return scale_grads(ctx, g_loss) + (None,) * 14
+        return (None,) * 18
+    return scale_grads(ctx, g_loss) + (None,) * 15
 
 
 linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
@@ -521,7 +504,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     n_tile = chunk_tokens(batch * length, weight.shape[0], hidden.dtype, memory_budget_bytes, hidden.device)
     loss, logp, entropy, _, _, _ = linear_policy_loss_op(
         hidden, weight, bias, inputs.targets, inputs.advantages, inputs.mask, weights, inputs.old, inputs.ref,
-        inputs.rollout, inputs.is_weights, config_literal(config), bool(compute_entropy), _needs_grad(hidden),
+        inputs.rollout, inputs.is_weights, *config_args(config), bool(want_ent), _needs_grad(hidden),
         _needs_grad(weight), _needs_grad(bias), n_tile)
     entropy = entropy if want_ent else None
     terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
@@ -553,10 +536,10 @@ def _token_groups(valid: torch.Tensor, n_tile: int) -> Iterator[_Tile]:
 
 @autocast_free_op("fused_rl::torch_linear_token_stats")
 def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       targets: torch.Tensor, temperature: float, with_entropy: bool,
+                       targets: torch.Tensor, temperature: torch.Tensor, with_entropy: bool,
                        n_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy or empty)`` of shape ``targets.shape`` for ``softmax((h W^T + b) / tau)``;
-    ``IGNORE_INDEX`` targets give 0."""
+    ``IGNORE_INDEX`` targets give 0; ``temperature``: ``tau`` as a ``custom_ops.host_floats``."""
     batch, length, _ = hidden.shape
     cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
     valid = targets != IGNORE_INDEX
@@ -566,7 +549,7 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     ws = _Workspace(min(n_tile, batch * length), weight.shape[0], cdtype, hidden.device)
     for tile in _token_groups(valid, n_tile):
         h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-        _, lp, ent = _tile_stats(h, t, weight_c, bias_c, 1.0 / temperature, with_entropy, ws)
+        _, lp, ent = _tile_stats(h, t, weight_c, bias_c, 1.0 / float(temperature), with_entropy, ws)
         if ok is not None:
             lp = torch.where(ok, lp, torch.zeros_like(lp))
             ent = None if ent is None else torch.where(ok, ent, torch.zeros_like(ent))
@@ -586,12 +569,12 @@ def _(hidden, weight, bias, targets, temperature, with_entropy, n_tile):
 @autocast_free_op("fused_rl::torch_linear_token_grad")
 def linear_token_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       targets: torch.Tensor, g_logp: torch.Tensor, g_entropy: Optional[torch.Tensor],
-                      temperature: float, need_h: bool, need_w: bool, need_b: bool,
+                      temperature: torch.Tensor, need_h: bool, need_w: bool, need_b: bool,
                       n_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute each tile and apply ``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``; returns
     ``(grad_hidden, grad_weight, grad_bias)``, empty where not needed."""
     cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
-    inv_tau = 1.0 / temperature
+    inv_tau = 1.0 / float(temperature)
     valid = targets != IGNORE_INDEX
     targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
     gl_flat = g_logp.reshape(-1).to(cdtype)
@@ -626,15 +609,15 @@ linear_token_grad.register_autograd(no_double_backward, setup_context=lambda ctx
 
 def _stats_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, temperature, with_entropy, n_tile = inputs
-    ctx.save_for_backward(hidden, weight, bias, targets)
-    ctx.args = (temperature, with_entropy, n_tile)
+    ctx.save_for_backward(hidden, weight, bias, targets, temperature)
+    ctx.args = (with_entropy, n_tile)
     ctx.has_bias = bias is not None
     ctx.set_materialize_grads(False)  # an unused entropy output: g_entropy None, no entropy term recomputed
 
 
 def _stats_backward(ctx, g_logp, g_entropy):
-    hidden, weight, bias, targets = ctx.saved_tensors
-    temperature, with_entropy, n_tile = ctx.args
+    hidden, weight, bias, targets, temperature = ctx.saved_tensors
+    with_entropy, n_tile = ctx.args
     if g_logp is None and g_entropy is None:
         return (None,) * 7
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -653,6 +636,6 @@ linear_token_stats.register_autograd(_stats_backward, setup_context=_stats_setup
 def linear_token_logprobs(hidden, weight, bias, targets, temperature: float, return_entropy: bool,
                           memory_budget_bytes: Optional[int] = None):
     n_tile = chunk_tokens(targets.numel(), weight.shape[0], hidden.dtype, memory_budget_bytes, hidden.device)
-    logp, entropy = linear_token_stats(hidden, weight, bias, targets, float(temperature), bool(return_entropy),
+    logp, entropy = linear_token_stats(hidden, weight, bias, targets, host_floats((temperature,)), bool(return_entropy),
                                        n_tile)
     return logp, (entropy if return_entropy else None)

@@ -31,13 +31,14 @@ from typing import Optional
 
 import torch
 
-from ..config import IGNORE_INDEX, PolicyLossConfig
+from ..config import IGNORE_INDEX, PolicyLossConfig, literal_fields
 from ..loss_math import aggregation_weights, metrics as loss_metrics, rollout_weights
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
-from . import register, register_missing, torch_linear
+from . import register, register_missing
 from .base import Backend
-from .custom_ops import fp16_needs_two_passes, register_stored_grad, register_token_ops, writable_in_place
+from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, register_stored_grad,
+                         register_token_ops, writable_in_place)
 from .tiled_linear import TiledLinearMethods
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
@@ -99,10 +100,11 @@ def _kernels():
 
 # --------------------------------------------------------------------------- token_logprobs ops
 @torch.library.custom_op("fused_rl::triton_token_stats", mutates_args=())
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat fp32 ``(logp, entropy, lse)``; ``entropy`` empty unless ``with_entropy``."""
-    return _kernels().token_stats(logits, targets, temperature, with_entropy)
+    """Flat fp32 ``(logp, entropy, lse)``; ``entropy`` empty unless ``with_entropy``; ``temperature`` a
+    ``custom_ops.host_floats`` of one value."""
+    return _kernels().token_stats(logits, targets, float(temperature), with_entropy)
 
 
 @token_stats.register_fake
@@ -115,22 +117,22 @@ def _(logits, targets, temperature, with_entropy):
 @torch.library.custom_op("fused_rl::triton_token_grad", mutates_args=())
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
-               temperature: float) -> torch.Tensor:
+               temperature: torch.Tensor) -> torch.Tensor:
     """Contiguous dlogits in the logits dtype and shape."""
-    return _kernels().token_grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature)
+    return _kernels().token_grad(logits, targets, lse, g_logp, entropy, g_entropy, float(temperature))
 
 
 register_token_ops(token_stats, token_grad)
 
 
 # --------------------------------------------------------------------------- single-pass policy loss ops
-# The config travels as ``torch_linear.config_literal`` (a str, a schema type): the kernel arguments
-# come from the one map of the epilogue, ``kernels.epilogue.epilogue_args``.
-def _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, out,
-                write_grad):
+# The config travels as ``custom_ops.config_args`` (its literal, a str, and its floats, a host tensor): the kernel
+# arguments come from the one map of the epilogue, ``kernels.epilogue.epilogue_args``.
+def _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, config_floats, with_entropy,
+                out, write_grad):
     from ..kernels.epilogue import epilogue_args
 
-    config = torch_linear._config_from_literal(config_literal)
+    config = config_from_args(config_literal, config_floats)
     return _kernels().policy_fused(logits, targets, advantages, weights, old, ref, out, config.temperature,
                                    epilogue_args(config, on_policy=old is None), with_entropy, write_grad,
                                    rollout=rollout)
@@ -139,26 +141,27 @@ def _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_
 def _fake_token_outputs(logits, targets, config_literal, with_entropy):
     n = targets.numel()
     new = lambda k: logits.new_empty(k, dtype=torch.float32)
-    has_kl = torch_linear._config_from_literal(config_literal).kl is not None
+    has_kl = literal_fields(config_literal)["kl"] is not None
     return new(n), new(n if with_entropy else 0), new(n), new(n), new(n if has_kl else 0)
 
 
 @torch.library.custom_op("fused_rl::triton_policy_fwd", mutates_args=())
 def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                old: Optional[torch.Tensor], ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor],
-               config_literal: str, with_entropy: bool, write_grad: bool
+               config_literal: str, config_floats: torch.Tensor, with_entropy: bool, write_grad: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat fp32 ``(logp, entropy, w * l, ratio, kl)`` and the contiguous ``dlogits`` (empty unless
     ``write_grad``) of the single-pass kernel; ``targets`` flat, IGNORE_INDEX at masked positions;
-    ``config_literal`` of a config with a token epilogue."""
+    ``(config_literal, config_floats)`` the ``custom_ops.config_args`` of a config with a token epilogue."""
     out = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
-    outs = _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, out,
-                       write_grad)
+    outs = _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, config_floats,
+                       with_entropy, out, write_grad)
     return (*outs, out)
 
 
 @policy_fwd.register_fake
-def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, write_grad):
+def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, config_floats, with_entropy,
+      write_grad):
     out = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
     return (*_fake_token_outputs(logits, targets, config_literal, with_entropy), out)
 
@@ -166,16 +169,17 @@ def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, w
 @torch.library.custom_op("fused_rl::triton_policy_fwd_inplace", mutates_args=("logits",))
 def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
                        weights: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
-                       rollout: Optional[torch.Tensor], config_literal: str, with_entropy: bool
+                       rollout: Optional[torch.Tensor], config_literal: str, config_floats: torch.Tensor,
+                       with_entropy: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As ``triton_policy_fwd`` but writes ``dlogits`` over ``logits`` (each block is read before it is
     overwritten by the same program)."""
-    return _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy, logits,
-                       True)
+    return _run_policy(logits, targets, advantages, weights, old, ref, rollout, config_literal, config_floats,
+                       with_entropy, logits, True)
 
 
 @policy_fwd_inplace.register_fake
-def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, with_entropy):
+def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, config_floats, with_entropy):
     return _fake_token_outputs(logits, targets, config_literal, with_entropy)
 
 
@@ -224,7 +228,7 @@ class TritonBackend(TiledLinearMethods, Backend):
         return error
 
     def token_logprobs(self, logits, targets, temperature, return_entropy):
-        logp, entropy, _ = token_stats(logits, targets, float(temperature), bool(return_entropy))
+        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 
@@ -245,8 +249,7 @@ class TritonBackend(TiledLinearMethods, Backend):
         rollout = flat(inputs.rollout) if config.rollout_is is not None else None
         want_entropy = bool(compute_entropy or config.needs_entropy)
         write_grad = logits.requires_grad and torch.is_grad_enabled()
-        args = (targets.contiguous(), adv, weights, old, ref, rollout, torch_linear.config_literal(config),
-                want_entropy)
+        args = (targets.contiguous(), adv, weights, old, ref, rollout, *config_args(config), want_entropy)
         x = logits.detach()
         if inplace and write_grad and writable_in_place(logits):
             logp, entropy, loss_terms, ratio, kl = policy_fwd_inplace(x, *args)
