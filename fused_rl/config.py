@@ -58,7 +58,7 @@ def _finite_number(name: str, value: Any) -> float:
         number = float(value)
     except OverflowError:  # an int beyond float's range (10**400)
         number = math.inf
-    if not math.isfinite(number):
+    if not -math.inf < number < math.inf:  # not math.isfinite: dynamo traces comparisons of a symbolic float
         raise ValueError(f"PolicyLossConfig.{name} must be finite, got {value!r}")
     return number
 
@@ -234,7 +234,7 @@ class PolicyLossConfig:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         object.__setattr__(self, "_literal", _literal(values))
         # the same config without rollout correction (the tiled route's kernel config of a folded sequence-level
-        # correction), also formed here: under torch.compile(dynamic=True) a new config cannot be validated
+        # correction), also formed once here
         object.__setattr__(self, "_literal_without_rollout", _literal({**values, "rollout_is": None}))
 
     @property

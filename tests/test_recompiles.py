@@ -236,8 +236,8 @@ def _policy_rollout(*args):
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_policy_loss_sequence_rollout_correction(backend, dynamic):
-    """Under ``dynamic=True`` the config's floats are symbolic: the folded kernel config is formed at the config's
-    construction (a config built while tracing re-validates them: ``Unsupported``)."""
+    """TRL's vLLM correction on the tiled route, whose kernel runs the config without the correction (its literal
+    formed at the config's construction): one graph under ``dynamic=True``."""
     graphs = _run_loss_steps(_policy_rollout, backend, "float", linear=True, dynamic=dynamic, config=VLLM_IS)
     assert graphs == 1 if dynamic else graphs <= 2
 
@@ -582,3 +582,30 @@ def test_a_preset_built_inside_the_compiled_step_traces():
     torch._dynamo.reset()
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(got, step(x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_config_built_inside_the_compiled_step_from_changing_floats(backend):
+    """``PolicyLossConfig(beta=b, clip_high=c, temperature=tau)`` built inside a ``fullgraph`` step from the step's
+    float arguments, new each step: two graphs, equal to eager. The validation's ``math.isfinite`` on the second
+    value (symbolic) broke the graph (``torch.* op returned non-Tensor``); it compares now, so an invalid value is
+    still refused (a guard fails, the retrace raises)."""
+    def step(x, t, a, m, old, ref, n, beta, clip, tau):
+        config = PolicyLossConfig(kl="k3", beta=beta, clip_high=clip, temperature=tau, dual_clip=3.0)
+        return _policy(x, t, a, m, old, ref, n, backend, config)
+
+    _fresh()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for i, floats in enumerate([(0.04, 0.2, 1.0), (0.05, 0.3, 0.9), (0.06, 0.25, 0.8), (0.07, 0.22, 0.7)]):
+        x, t, a, m, old, ref, n = _step_inputs(i, 2, 5, "tensor")
+        (got, got_metrics), (expected, expected_metrics) = compiled(x, t, a, m, old, ref, n, *floats), \
+            step(x, t, a, m, old, ref, n, *floats)
+        _assert_same(got, expected)
+        for k in expected_metrics:
+            _assert_same(got_metrics[k], expected_metrics[k])
+    _assert_no_graph_break()
+    assert _graphs() == 2
+    with pytest.raises(Exception):  # fullgraph: torch's error for the raise it traced (its wording varies)
+        compiled(x, t, a, m, old, ref, n, -1.0, 0.2, 1.0)
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        torch.compile(step, backend="aot_eager")(x, t, a, m, old, ref, n, -1.0, 0.2, 1.0)
