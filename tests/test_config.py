@@ -247,3 +247,15 @@ def test_literal_holds_the_structure_and_float_values_the_floats():
     without = configs[3].replace(rollout_is=None)
     assert PolicyLossConfig.from_literal(configs[3].literal_without_rollout, configs[3].float_values) == without
     assert configs[1].replace(kl="k2").literal != configs[1].literal
+
+
+def test_the_ops_floats_stay_on_the_host_under_a_default_device():
+    """``custom_ops.config_args``' floats are read on the host inside the ops: under ``torch.set_default_device``
+    (here ``meta``; ``cuda`` in a user's script) they are still a CPU tensor, never a device one (a sync to read)."""
+    from fused_rl.backends.custom_ops import config_args, config_from_args
+
+    config = PolicyLossConfig(beta=0.04, kl="k3", rollout_is="token_truncate", rollout_is_max=2.5)
+    with torch.device("meta"):
+        literal, floats = config_args(config)
+    assert floats.device == torch.device("cpu") and floats.dtype == torch.float64
+    assert config_from_args(literal, floats) == config

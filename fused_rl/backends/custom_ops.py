@@ -39,10 +39,11 @@ def host_floats(values: Sequence[float]) -> torch.Tensor:
     not a constant of it: one recompile, then none. As a ``float`` argument of a custom op, or in a ``str``, each
     new value was a new graph, and past the recompile limit the step ran eagerly. The ops read it on the host
     (``tolist``: no device sync) and pass the values to their kernels as before."""
+    cpu = torch.device("cpu")  # also under torch.set_default_device("cuda"): a device tensor would be a sync to read
     if torch.compiler.is_compiling():
-        one = torch.ones((), dtype=torch.float64)
+        one = torch.ones((), dtype=torch.float64, device=cpu)
         return torch.stack([one * value for value in values])
-    return torch.tensor(values, dtype=torch.float64)
+    return torch.tensor(values, dtype=torch.float64, device=cpu)
 
 
 def config_args(config: PolicyLossConfig, literal: Optional[str] = None) -> tuple[str, torch.Tensor]:
