@@ -633,3 +633,22 @@ def test_loss_op_passes_opcheck(dtype, need):
     args = (h, w, b, targets, adv, valid, weights, old, ref, None, None, *config, True, *need, 7)
     torch.library.opcheck(torch_linear.linear_policy_loss_op, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("op", ["torch", "tiled"])
+def test_loss_ops_refuse_a_config_reading_the_entropy_without_with_entropy(op):
+    """The fake implementations give the entropy output the shape ``with_entropy`` says (they cannot read the
+    config's floats: ``entropy_coef`` is in a tensor); the ops computed it whenever the config read it, a shape
+    the fake did not have. A config that reads the entropy without ``with_entropy`` is refused now."""
+    config = fused_rl.PolicyLossConfig(entropy_coef=0.01)
+    h, w, b, targets, adv, valid, weights, old, ref, _ = opcheck_args(torch.float32, config)
+    lead = (h.detach(), w.detach(), b.detach(), targets, adv, valid, weights, old, ref, None)
+    if op == "torch":
+        run = lambda with_entropy: torch_linear.linear_policy_loss_op(  # noqa: E731
+            *lead, None, *config_args(config), with_entropy, False, False, False, 7)
+    else:
+        run = lambda with_entropy: tiled_linear.tiled_linear_policy_loss_op(  # noqa: E731
+            *lead, *config_args(config), with_entropy, False, False, False, 7, "native", False)
+    with pytest.raises(ValueError, match="with_entropy must be set"):
+        run(False)
+    assert run(True)[2].shape == targets.shape

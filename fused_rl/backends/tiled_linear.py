@@ -257,16 +257,18 @@ def tiled_linear_policy_loss_op(
     """``(loss, logp (B,T), entropy (B,T) or empty, grad_hidden, grad_weight, grad_bias, unit)`` (fp32;
     gradients empty unless their ``need_*`` flag is set, in units of the 0-dim ``unit``: the backward
     multiplies them by ``unit * grad_output``) of a token-level config; ``weights`` are the aggregation
-    weights, ``kernel`` a key of :data:`KERNELS`. In mixed mode ``unit = max_t w_t`` and the kernel gets
-    ``w_t / unit``, so the 16-bit ``dz`` it writes is ``O(dl/dlogp p)`` whatever the token count: inside
-    fp16's normal range where ``dz`` itself (``w_t p``, ~1e-9 at N = 8192, V = 128256) would flush to 0."""
+    weights, ``kernel`` a key of :data:`KERNELS`, ``with_entropy`` set when ``config.needs_entropy``. In mixed
+    mode ``unit = max_t w_t`` and the kernel gets ``w_t / unit``, so the 16-bit ``dz`` it writes is
+    ``O(dl/dlogp p)`` whatever the token count: inside fp16's normal range where ``dz`` itself (``w_t p``, ~1e-9
+    at N = 8192, V = 128256) would flush to 0."""
     config = config_from_args(config_literal, config_floats)
     batch, length, _ = hidden.shape
     vocab = weight.shape[0]
     f32 = torch.float32
     hidden_flat, weight_c, bias_c, hdtype = _operands(hidden, weight, bias, mixed)
     run_kernel = KERNELS[kernel]
-    want_ent = with_entropy or config.needs_entropy
+    if config.needs_entropy and not with_entropy:  # the fake implementation's entropy shape is with_entropy's
+        raise ValueError("with_entropy must be set for a config that reads the entropy")
     need_grad = need_h or need_w or need_b
     dev = hidden.device
     targets_flat, valid_flat = targets.reshape(-1), valid.reshape(-1)
@@ -280,7 +282,7 @@ def tiled_linear_policy_loss_op(
     ref_flat = vec(ref) if config.kl is not None else None
     rollout_flat = vec(rollout) if config.rollout_is is not None else None
     logp = torch.zeros(batch * length, dtype=f32, device=dev)
-    entropy = torch.zeros(batch * length if want_ent else 0, dtype=f32, device=dev)
+    entropy = torch.zeros(batch * length if with_entropy else 0, dtype=f32, device=dev)
     grads = (_MixedGrads if mixed else _Grads)(hidden, weight, need_h, need_w, need_b, f32)
     rows = min(n_tile, batch * length)
     ws = torch.empty(rows * vocab, dtype=f32, device=dev)
@@ -297,10 +299,10 @@ def tiled_linear_policy_loss_op(
         lp, ent = run_kernel(z, t.contiguous(), take(adv_flat).contiguous(), take(w_flat).contiguous(),
                              None if old_flat is None else take(old_flat).contiguous(),
                              None if ref_flat is None else take(ref_flat).contiguous(),
-                             None if rollout_flat is None else take(rollout_flat).contiguous(), config, want_ent,
+                             None if rollout_flat is None else take(rollout_flat).contiguous(), config, with_entropy,
                              need_grad, out=dz16)
         logp[tile.idx] = lp
-        if want_ent:
+        if with_entropy:
             entropy[tile.idx] = ent
         if not need_grad:
             continue
@@ -310,12 +312,12 @@ def tiled_linear_policy_loss_op(
             grads.add(tile, z.t(), h, weight_c, ok)  # _Grads takes the transposed (V, n) gradient
     del ws, ws16
     shape = (batch, length)
-    ent_bt = entropy.view(shape) if want_ent else None
+    ent_bt = entropy.view(shape) if with_entropy else None
     loss_t = per_token_loss(logp.view(shape), advantages, valid, config, old_logprobs=old, ref_logprobs=ref,
                             entropy=ent_bt, rollout_logprobs=rollout).loss
     loss = (loss_t * weights).sum().to(f32)
     gh, gw, gb = grads.results(hidden, weight, cast=False)
-    return loss, logp.view(shape), entropy.view(shape) if want_ent else entropy, gh, gw, gb, unit
+    return loss, logp.view(shape), entropy.view(shape) if with_entropy else entropy, gh, gw, gb, unit
 
 
 @tiled_linear_policy_loss_op.register_fake

@@ -382,12 +382,13 @@ def linear_policy_loss_op(
     batch, length, _ = hidden.shape
     cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
     inv_tau = 1.0 / config.temperature
-    want_ent = with_entropy or config.needs_entropy
+    if config.needs_entropy and not with_entropy:  # the fake implementation's entropy shape is with_entropy's
+        raise ValueError("with_entropy must be set for a config that reads the entropy")
     need_grad = need_h or need_w or need_b
     targets_flat = targets.reshape(-1)
     valid_flat = valid.reshape(-1)
     logp = torch.zeros(batch * length, dtype=cdtype, device=hidden.device)
-    entropy = torch.zeros(batch * length if want_ent else 0, dtype=cdtype, device=hidden.device)
+    entropy = torch.zeros(batch * length if with_entropy else 0, dtype=cdtype, device=hidden.device)
     grads = _Grads(hidden, weight, need_h, need_w, need_b, cdtype)
     ws = _Workspace(min(n_tile, batch * length), weight.shape[0], cdtype, hidden.device)
     loss = torch.zeros((), dtype=cdtype, device=hidden.device)
@@ -396,7 +397,7 @@ def linear_policy_loss_op(
         kept, lp_parts, ent_parts = [], [], []
         for tile in group:
             h, t, ok = _tile_inputs(tile, hidden_flat, targets_flat, valid_flat, cdtype)
-            tile_state, lp, ent = _tile_stats(h, t, weight_c, bias_c, inv_tau, want_ent, ws)
+            tile_state, lp, ent = _tile_stats(h, t, weight_c, bias_c, inv_tau, with_entropy, ws)
             if ok is not None:
                 zero = torch.zeros_like(lp)
                 lp = torch.where(ok, lp, zero)
@@ -405,12 +406,12 @@ def linear_policy_loss_op(
             ent_parts.append(ent)
             kept.append((h, t, ok, tile_state) if one_pass else None)
             del tile_state
-        g_loss, coeffs = _coefficients(group, lp_parts, ent_parts if want_ent else None, config, advantages,
+        g_loss, coeffs = _coefficients(group, lp_parts, ent_parts if with_entropy else None, config, advantages,
                                        valid, weights, old, ref, rollout, is_weights, length, need_grad)
         loss = loss + g_loss
         for tile, lp, ent in zip(group, lp_parts, ent_parts):
             logp[tile.idx] = lp
-            if want_ent:
+            if with_entropy:
                 entropy[tile.idx] = ent
         if not need_grad:
             continue
@@ -423,7 +424,7 @@ def linear_policy_loss_op(
             grads.add(tile, _tile_dlogits(tile_state, t, g_lp, g_ent, inv_tau), h, weight_c, ok)
         del kept, state
     gh, gw, gb = grads.results(hidden, weight, cast=False)
-    return (loss, logp.view(batch, length), entropy.view(batch, length) if want_ent else entropy, gh, gw, gb)
+    return (loss, logp.view(batch, length), entropy.view(batch, length) if with_entropy else entropy, gh, gw, gb)
 
 
 @linear_policy_loss_op.register_fake
