@@ -609,3 +609,33 @@ def test_a_config_built_inside_the_compiled_step_from_changing_floats(backend):
         compiled(x, t, a, m, old, ref, n, -1.0, 0.2, 1.0)
     with pytest.raises(ValueError, match="beta must be >= 0"):
         torch.compile(step, backend="aot_eager")(x, t, a, m, old, ref, n, -1.0, 0.2, 1.0)
+
+
+CUDA_AVAILABLE = fused_rl.available_backends(torch.device("cuda")) if torch.cuda.is_available() else {}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("linear", [False, True], ids=["policy_loss", "linear_policy_loss"])
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_cuda_config_schedule_under_inductor(backend, linear):
+    """On the GPU, under the default ``torch.compile`` (inductor): a config whose floats change every step is two
+    graphs, equal to eager; the floats' host tensor is built by a CPU kernel inside a CUDA graph (the ops read it
+    on the host: no sync)."""
+    if CUDA_AVAILABLE.get(backend, "no CUDA device") is not None:
+        pytest.skip(str(CUDA_AVAILABLE.get(backend, "no CUDA device")))
+    fn = _linear_policy if linear else _policy
+    _fresh()
+    compiled = torch.compile(fn, fullgraph=True)
+    weight = _weight().cuda()
+    for i, config in enumerate(_schedule("ppo-kl", 4)):
+        x, t, a, m, old, ref, n = (v.cuda() for v in _step_inputs(i, 4, 64, "tensor", linear=linear))
+        results = []
+        for f in (fn, compiled):
+            leaves = [x.clone().requires_grad_(True)] + ([weight.clone().requires_grad_(True)] if linear else [])
+            loss, metrics = f(*leaves, t, a, m, old, ref, n, backend, config)
+            loss.backward()
+            results.append([loss, *metrics.values(), *(leaf.grad for leaf in leaves)])
+        for got, expected in zip(*results[::-1]):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    _assert_no_graph_break()
+    assert _graphs() <= 2
