@@ -130,7 +130,8 @@ wanted linear_profile && TAIL=45 step linear_profile 45 "$PY" bench/gpu_linear_p
 wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
-  tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py tests/test_recompiles.py
+  tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py \
+  tests/test_recompiles.py
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish
