@@ -259,3 +259,17 @@ def test_the_ops_floats_stay_on_the_host_under_a_default_device():
         literal, floats = config_args(config)
     assert floats.device == torch.device("cpu") and floats.dtype == torch.float64
     assert config_from_args(literal, floats) == config
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "luspo"])
+def test_gspo_presets_clip_range(name):
+    """GSPO's clip range (the paper's and TRL's ``epsilon=3e-4``, ``epsilon_high=4e-4``): a sequence ratio of
+    ``e^3.5e-4`` with ``A > 0`` is inside it, so its tokens keep their gradient (the two swapped survived the
+    suite: only a ratio between the bounds tells them apart)."""
+    config = PolicyLossConfig.preset(name)
+    assert (config.clip_low, config.clip_high) == (3e-4, 4e-4)
+    logp = torch.full((1, 2), -1.0, dtype=torch.float64, requires_grad=True)
+    loss, _ = compute_policy_loss(logp, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool),
+                                  config, old_logprobs=logp.detach() - 3.5e-4)
+    loss.backward()
+    assert (logp.grad != 0).all()

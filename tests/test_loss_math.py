@@ -644,3 +644,34 @@ def test_reference_policy_loss_is_log_softmax_plus_loss_math():
     out.loss.backward()
     # d(-logp_target)/dz = p - onehot
     torch.testing.assert_close(logits.grad, torch.tensor([[[0.25, -0.25], [-0.5, 0.5]]]))
+
+
+def test_off_policy_mask_boundaries_as_trl():
+    """TRL's off-policy sequence mask keeps ``A >= 0`` or ``mean KL <= delta``: a sequence whose mean KL equals
+    ``delta`` is kept (``off_policy_mask=0`` on-policy: nothing dropped, every token's gradient there), and an
+    ``A = 0`` token is never counted as dropped (a mutation to ``<`` / ``A > 0`` survived the suite)."""
+    logp = (-2.0 * torch.rand(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    logp.requires_grad_(True)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    adv = torch.tensor([[-1.0] * 4, [1.0] * 4], dtype=torch.float64)
+    loss, metrics = compute_policy_loss(logp, adv, mask, PolicyLossConfig(off_policy_mask=0.0))
+    loss.backward()
+    assert metrics["off_policy_mask_frac"].item() == 0.0 and loss.item() == pytest.approx(0.0)
+    torch.testing.assert_close(logp.grad[0], torch.full((4,), 0.125, dtype=torch.float64))
+    adv = torch.tensor([[0.0, 0.0, -1.0, 1.0], [0.0] * 4], dtype=torch.float64)
+    _, metrics = compute_policy_loss(logp.detach(), adv, mask, PolicyLossConfig(off_policy_mask=0.1),
+                                     old_logprobs=logp.detach(), rollout_logprobs=logp.detach() + 1.0)
+    assert metrics["off_policy_mask_frac"].item() == pytest.approx(1 / 8)  # the one A < 0 token of a KL-1 sequence
+
+
+@pytest.mark.parametrize("rollout_is", ["token_mask", "sequence_mask"])
+@pytest.mark.parametrize("bounds", [dict(rollout_is_max=1.0), dict(rollout_is_min=1.0, rollout_is_max=2.0)],
+                         ids=["max", "min"])
+def test_rollout_mask_bounds_are_inclusive(rollout_is, bounds):
+    """``rho`` exactly at a bound is kept (``min <= rho <= max``, as TRL's and verl's masks): with the rollout
+    log-probs equal to the old ones (``rho = 1``) and a bound at 1 the loss is the uncorrected one."""
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    config = PolicyLossConfig(rollout_is=rollout_is, **bounds)
+    args = (logp, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool), config)
+    loss, metrics = compute_policy_loss(*args, old_logprobs=logp, rollout_logprobs=logp.clone())
+    assert metrics["rollout_is_mean"].item() == 1.0 and loss.item() == pytest.approx(-1.0)

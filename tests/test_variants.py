@@ -289,3 +289,27 @@ def test_modules_pass_rollout_and_truncated():
     expected = fused_rl.reference.policy_loss(case.logits, case.targets, case.advantages, case.mask, config=config,
                                               **case.kwargs(), **extra)
     torch.testing.assert_close(got.loss, expected.loss)
+
+
+@pytest.mark.parametrize("rollout_is", ["token_mask", "sequence_mask"])
+@pytest.mark.parametrize("device,backend", [pytest.param("cpu", "reference", id="reference")] + device_backends())
+def test_rollout_mask_keeps_a_weight_at_its_bound(device, backend, rollout_is):
+    """``rho`` exactly at ``rollout_is_max`` (and at ``rollout_is_min``) is kept on every backend, as the reference
+    (``min <= rho <= max``): rollout log-probs equal to the old ones give ``rho = 1``, so with the bounds at 1 the
+    loss and gradient are those of the config without the correction (the kernels' epilogues compare on their
+    own: a strict bound there would drop every token)."""
+    case = on_device(make_case(batch=3, length=5, vocab=VOCAB.get(backend, 1000) if device == "cpu" else 1000,
+                               seed=3), device)
+    results = []
+    for config in (PolicyLossConfig(), PolicyLossConfig(rollout_is=rollout_is, rollout_is_max=1.0),
+                   PolicyLossConfig(rollout_is=rollout_is, rollout_is_min=1.0, rollout_is_max=3.0)):
+        logits = case.logits.clone().requires_grad_(True)
+        rollout = case.old.clone() if config.rollout_is else None
+        out = fused_rl.policy_loss(logits, case.targets, case.advantages, case.mask, old_logprobs=case.old,
+                                   rollout_logprobs=rollout, config=config, backend=backend)
+        out.loss.backward()
+        results.append((out.loss, logits.grad))
+    assert results[0][1].abs().max() > 0
+    for loss, grad in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(grad, results[0][1], rtol=1e-6, atol=1e-7)
