@@ -44,13 +44,14 @@ GRAD_TOLERANCES = {
 def make_logits(shape, kind: str = "randn", dtype=torch.float32, generator: Optional[torch.Generator] = None,
                 scale: float = 2.0) -> torch.Tensor:
     """Random logits of ``shape (..., V)``: ``randn * scale``, ``peaked`` (one entry +25 per row), or
-    ``negative`` (``randn - 30``, every logit far below 0)."""
+    ``negative`` (``randn - 200``, every logit far below 0: below -88, where ``exp`` of a logit underflows fp32, so a
+    running max that starts at 0 instead of -inf gives ``log 0``)."""
     x = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
     if kind == "peaked":
         idx = torch.randint(0, shape[-1], shape[:-1] + (1,), generator=generator)
         x.scatter_add_(-1, idx, torch.full(idx.shape, 25.0))
     elif kind == "negative":
-        x = x - 30.0
+        x = x - 200.0
     elif kind != "randn":
         raise ValueError(kind)
     return x.to(dtype)

@@ -87,7 +87,8 @@ def make_linear_case(batch: int = 4, length: int = 6, vocab: int = 1000, hidden_
                      per_token_adv: bool = False, spread: float = 0.3) -> LinearCase:
     """A ragged batch like ``helpers.make_case``: row 0 fully masked, row 1 a length-1 response, the
     rest random right padding, an ``IGNORE_INDEX`` target, NaN hidden states in the padding. ``kind``
-    shapes the logits through the bias: ``peaked`` (one vocabulary entry +25), ``negative`` (-30)."""
+    shapes the logits through the bias: ``peaked`` (one vocabulary entry +25), ``negative`` (-200: every ``exp`` of a
+    logit underflows fp32 without the row max subtracted)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(batch, length, hidden_size, generator=g)
     weight = torch.randn(vocab, hidden_size, generator=g) * (2.0 / hidden_size ** 0.5)
@@ -97,7 +98,7 @@ def make_linear_case(batch: int = 4, length: int = 6, vocab: int = 1000, hidden_
         if kind == "peaked":
             b[int(torch.randint(0, vocab, (1,), generator=g))] += 25.0
         elif kind == "negative":
-            b -= 30.0
+            b -= 200.0
         else:
             raise ValueError(kind)
     targets = torch.randint(0, vocab, (batch, length), generator=g)
