@@ -532,6 +532,9 @@ def test_metrics_hand_computed():
     assert m["clip_frac_high"].item() == pytest.approx(0.25)  # r=1.5 with A>0
     assert m["clip_frac"].item() == pytest.approx(0.5)
     assert m["clip_frac_dual"].item() == pytest.approx(0.25)  # r=4 > c=3 with A<0
+    # asymmetric bounds [0.4, 1.2]: r=0.5 is inside, r=1.5 still above (each fraction reads its own bound)
+    _, m2 = compute_policy_loss(logp, adv, mask, cfg.replace(clip_low=0.6), old_logprobs=old, ref_logprobs=ref)
+    assert (m2["clip_frac_low"].item(), m2["clip_frac_high"].item()) == (0.0, pytest.approx(0.25))
     assert m["ratio_mean"].item() == pytest.approx((0.5 + 1 + 1.5 + 4) / 4, rel=1e-6)
     k3 = [math.exp(d) - d - 1 for d in (0.0, 1.0, -1.0, 0.5)]
     assert m["kl_mean"].item() == pytest.approx(sum(k3) / 4, rel=1e-6)
