@@ -615,3 +615,23 @@ def test_out_of_range_ids_raise_with_a_reference_model(bad_id):
     with pytest.raises(ValueError, match=r"ref_weight must have as many rows as lin_weight \(the vocabulary, 50\)"):
         loss(h, w, targets.clamp(0, 39), mask, adv, bias=b, old_per_token_logps=old, ref_input=h,
              ref_weight=w[:40], ref_bias=b[:40])
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_liger_ref_pass_tolerates_an_id_equal_to_the_vocabulary_in_padding(backend):
+    """A padding id equal to ``V`` (one past the last) where the mask is 0, with ``ref_input``: the reference pass
+    reads it as a valid id, as any padding id (the loss and KL of an in-range padding id); an off-by-one in that
+    clean-up (``<= V``) indexed out of bounds and survived the suite (a mutation audit)."""
+    torch.manual_seed(0)
+    batch, length, hidden, vocab = 2, 3, 4, 5
+    h = torch.randn(batch, length, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    ids = torch.tensor([[1, 2, vocab], [3, 0, 4]])  # the id V only where the mask is 0
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([1.0, -0.5])
+    loss_fn = FusedLinearGRPOLoss(beta=0.1, backend=backend)
+    ref = dict(ref_input=h.detach(), ref_weight=w.detach() * 0.9)
+    loss, (kl, _) = loss_fn(h, w, ids, mask, adv, **ref)
+    loss0, (kl0, _) = loss_fn(h, w, torch.where(mask.bool(), ids, 0), mask, adv, **ref)
+    torch.testing.assert_close(loss, loss0)
+    torch.testing.assert_close(kl, kl0)

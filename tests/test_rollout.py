@@ -202,6 +202,19 @@ def test_eos_masking_and_truncation_by_hand(case):
     assert model.seen_config.max_new_tokens == 4 and model.seen_config.top_k == 0
 
 
+def test_penalize_replaces_the_reward_of_truncated_completions():
+    """``truncation="penalize"``: a completion without a stop token within ``max_new_tokens`` gets
+    ``truncation_penalty`` as its reward, the others keep theirs, and the truncated row's tokens stay in the loss
+    (the replacement removed survived the suite: a mutation audit)."""
+    one = lambda prompts, completions, **_: [1.0] * len(completions)  # noqa: E731
+    b = rollout(_Scripted([[7, 2, 0, 0], [7, 8, 9, 9]]), _tok(0, (2,)), [{"prompt": "abc"}, {"prompt": "ab"}],
+                [("one", one)], [1.0], group_size=1, max_new_tokens=4, temperature=1.0, top_p=1.0,
+                truncation="penalize", truncation_penalty=-0.5)
+    assert b.truncated.tolist() == [False, True]
+    assert b.rewards.tolist() == [1.0, -0.5]
+    assert b.mask[1].all()
+
+
 def test_eos_from_a_real_generate_is_scored_and_masks_the_rest():
     """With a real ``generate`` (EOS made likely at a high temperature): the EOS is a loss token scored by
     the sampling distribution, nothing after it is, and rows without EOS are truncated."""

@@ -1378,3 +1378,25 @@ def test_kimi_length_warmup_trains_on_the_plain_reward_first(tmp_path):
     for step, expected in ((0, plain), (1, plain), (2, shaped), (5, shaped)):
         t.step = step
         torch.testing.assert_close(t.advantages(batch, None)[0], expected)
+
+
+def test_warmup_starts_at_one_over_warmup_steps_and_cosine_ends_at_the_floor():
+    """``make_scheduler``: the first step's learning rate is ``lr / warmup_steps`` (not 0), the cosine decay starts
+    at the end of the warm-up and reaches ``min_lr_ratio`` at ``steps`` (both off-by-ones survived the suite: every
+    other trainer test runs without warm-up)."""
+    from types import SimpleNamespace
+
+    from fused_rl.train.trainer import make_scheduler
+
+    cfg = SimpleNamespace(warmup_steps=4, steps=12, min_lr_ratio=0.1, lr_schedule="cosine")
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = make_scheduler(opt, cfg)
+    lrs = []
+    for _ in range(cfg.steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])  # step 4: the decay's progress 0
+    assert lrs[8] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # at ``steps``: the floor
