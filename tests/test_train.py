@@ -1357,6 +1357,11 @@ def test_correct_reward_decides_what_is_correct(tmp_path):
     shaped = batch.rewards + 0.5 * kimi_length_reward(batch.lengths, exact > 0, 4)
     torch.testing.assert_close(adv, fused_rl.advantages.grpo(shaped, 4))
     assert t.update(batch)["accuracy"] == pytest.approx(0.25)
+    # under truncation: penalize a right answer cut at max_new_tokens takes the penalty (0), as the total does:
+    # not correct (ignoring the penalty there survived a mutation audit)
+    penalize = Trainer(small(tmp_path, correct_reward="exact_match", truncation="penalize", **rewards), quiet=True)
+    batch.truncated = torch.arange(n) == 0
+    assert torch.equal(penalize._correct(batch), (exact > 0) & ~batch.truncated)
 
 
 def test_kimi_length_warmup_trains_on_the_plain_reward_first(tmp_path):
