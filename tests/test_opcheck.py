@@ -132,3 +132,33 @@ def test_linear_token_ops(with_entropy, dtype):
     for need in ((True, True, True), (True, False, False)):
         torch.library.opcheck(torch_linear.linear_token_grad, (h, w, b, targets, g_logp, g_ent, TAU, *need, 5),
                               test_utils=CHECKS)
+
+
+def _fused_rl_ops() -> dict[str, torch._ops.OpOverload]:
+    """Every registered ``fused_rl::`` op (the lazily imported backends imported first)."""
+    from fused_rl.backends import native, tiled_linear, triton  # noqa: F401  (their ops register on import)
+
+    ops = {}
+    for name in dir(torch.ops.fused_rl):
+        packet = getattr(torch.ops.fused_rl, name)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            ops[name] = packet.default
+    return ops
+
+
+def test_ops_that_read_host_floats_are_cudagraph_unsafe():
+    """An op with a host-floats argument (``config_floats``, ``temperature``: ``custom_ops.host_floats``) reads it
+    on the host when it runs, so a CUDA graph (``torch.compile(mode="reduce-overhead")``) that recorded it would
+    replay the recorded values whatever the step's config: each such op carries ``cudagraph_unsafe`` (inductor runs
+    it outside its CUDA graphs); the ops without one (the gradient scaling reads ``g`` on the device, ``attach``
+    reads nothing) do not, and stay in the graph."""
+    from fused_rl.backends.custom_ops import HOST_READ_TAGS
+
+    if not HOST_READ_TAGS:
+        pytest.skip("this torch has no cudagraph_unsafe tag (or custom_op takes no tags)")
+    ops = _fused_rl_ops()
+    reads = {name for name, op in ops.items()
+             if {a.name for a in op._schema.arguments} & {"config_floats", "temperature"}}
+    assert len(reads) == 17 and len(ops) == 21, sorted(ops)
+    for name, op in ops.items():
+        assert (torch.Tag.cudagraph_unsafe in op.tags) == (name in reads), name

@@ -615,19 +615,22 @@ CUDA_AVAILABLE = fused_rl.available_backends(torch.device("cuda")) if torch.cuda
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("linear", [False, True], ids=["policy_loss", "linear_policy_loss"])
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_cuda_config_schedule_under_inductor(backend, linear):
-    """On the GPU, under the default ``torch.compile`` (inductor): a config whose floats change every step is two
-    graphs, equal to eager; the floats' host tensor is built by a CPU kernel inside a CUDA graph (the ops read it
-    on the host: no sync)."""
+def test_cuda_config_schedule_under_inductor(backend, linear, mode):
+    """On the GPU, under ``torch.compile`` (inductor): a config whose floats change every step is two graphs, equal
+    to eager; the floats' host tensor is built by a CPU kernel inside a CUDA graph (the ops read it on the host: no
+    sync). Under ``mode="reduce-overhead"`` (CUDA graphs: recorded at the second call of a graph, replayed from the
+    third) too: the ops read their floats on the host, so they carry ``cudagraph_unsafe`` and run outside the
+    recorded graphs; a replay of a recorded op would repeat the recorded floats, not the step's."""
     if CUDA_AVAILABLE.get(backend, "no CUDA device") is not None:
         pytest.skip(str(CUDA_AVAILABLE.get(backend, "no CUDA device")))
     fn = _linear_policy if linear else _policy
     _fresh()
-    compiled = torch.compile(fn, fullgraph=True)
+    compiled = torch.compile(fn, fullgraph=True, mode=mode)
     weight = _weight().cuda()
-    for i, config in enumerate(_schedule("ppo-kl", 4)):
+    for i, config in enumerate(_schedule("ppo-kl", 6)):
         x, t, a, m, old, ref, n = (v.cuda() for v in _step_inputs(i, 4, 64, "tensor", linear=linear))
         results = []
         for f in (fn, compiled):

@@ -24,6 +24,7 @@ of the graph, not a constant of it.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Optional, Sequence
 
@@ -46,6 +47,28 @@ def host_floats(values: Sequence[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64, device=cpu)
 
 
+def _host_read_tags() -> tuple:
+    """``(torch.Tag.cudagraph_unsafe,)`` where this torch has the tag and ``custom_op`` takes tags, else ``()``."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    takes_tags = "tags" in inspect.signature(torch.library.custom_op).parameters
+    return (tag,) if tag is not None and takes_tags else ()
+
+
+#: The tags of an op that reads a :func:`host_floats` tensor when it runs: ``cudagraph_unsafe``. A CUDA graph
+#: (``torch.compile(mode="reduce-overhead")``) records the kernels an op launched with the arguments of the
+#: recording and a replay runs no Python: an op that read its floats on the host would repeat the recorded
+#: ``beta`` / clip / temperature on every replay, whatever the step's config said. With the tag inductor runs
+#: these ops outside its CUDA graphs (graph partitions), or records no CUDA graph for a graph that holds one.
+HOST_READ_TAGS = _host_read_tags()
+
+
+def host_reading_op(name: str, *, mutates_args=(), schema: Optional[str] = None):
+    """``torch.library.custom_op(name, ...)`` for an op that reads a :func:`host_floats` tensor: tagged
+    :data:`HOST_READ_TAGS`."""
+    tags = {"tags": HOST_READ_TAGS} if HOST_READ_TAGS else {}
+    return torch.library.custom_op(name, mutates_args=mutates_args, schema=schema, **tags)
+
+
 def config_args(config: PolicyLossConfig, literal: Optional[str] = None) -> tuple[str, torch.Tensor]:
     """``(literal, floats)``: a config as the custom ops take it, its structure :attr:`PolicyLossConfig.literal`
     (or the given ``literal`` of it, e.g. ``literal_without_rollout``) and its :attr:`~PolicyLossConfig.float_values`
@@ -66,7 +89,7 @@ def _config_of(literal: str, floats: tuple[Optional[float], ...]) -> PolicyLossC
 
 
 def autocast_free_op(name: str):
-    """``torch.library.custom_op(name)`` whose implementation (first argument a tensor) runs with autocast
+    """:func:`host_reading_op` ``(name)`` whose implementation (first argument a tensor) runs with autocast
     off on that tensor's device: the fused-linear ops pick their GEMM precision themselves (fp32
     accumulation, or the tiled mixed mode) and compute the gradients in their forward, which runs inside
     the caller's autocast region; there a ``torch.mm`` without ``out=`` would run in fp16 / bf16 and round
@@ -79,7 +102,7 @@ def autocast_free_op(name: str):
                 return op_body(first, *args, **kwargs)
 
         schema = torch.library.infer_schema(op_body, mutates_args=())
-        return torch.library.custom_op(name, run, mutates_args=(), schema=schema)
+        return host_reading_op(name, schema=schema)(run)
 
     return register
 

@@ -40,8 +40,8 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs, _is_compiling, check_rows_disjoint
 from . import register, register_missing
 from .base import Backend
-from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, register_stored_grad,
-                         register_token_ops, writable_in_place)
+from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, host_reading_op,
+                         register_stored_grad, register_token_ops, writable_in_place)
 from .tiled_linear import TiledLinearMethods
 
 try:
@@ -124,7 +124,7 @@ def _f32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- token_logprobs: stats + grad ops
-@torch.library.custom_op("fused_rl::native_token_stats", mutates_args=())
+@host_reading_op("fused_rl::native_token_stats", mutates_args=())
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat fp32 ``(logp, entropy, lse)`` of length ``N``; ``entropy`` empty unless ``with_entropy``;
@@ -153,7 +153,7 @@ def _(logits, targets, temperature, with_entropy):
             logits.new_empty((2, n), dtype=f))
 
 
-@torch.library.custom_op("fused_rl::native_token_grad", mutates_args=())
+@host_reading_op("fused_rl::native_token_grad", mutates_args=())
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                temperature: torch.Tensor) -> torch.Tensor:
@@ -249,7 +249,7 @@ def _fake_stats(logits, targets):
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
-@torch.library.custom_op("fused_rl::native_policy_fwd", mutates_args=())
+@host_reading_op("fused_rl::native_policy_fwd", mutates_args=())
 def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
                ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
                config_literal: str, config_floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,7 +267,7 @@ def _(logits, targets, adv, old, ref, rollout, w, config_literal, config_floats)
     return (*_fake_stats(logits, targets), torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
 
 
-@torch.library.custom_op("fused_rl::native_policy_fwd_inplace", mutates_args=("logits",))
+@host_reading_op("fused_rl::native_policy_fwd_inplace", mutates_args=("logits",))
 def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor, old: Optional[torch.Tensor],
                        ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor], w: torch.Tensor,
                        config_literal: str, config_floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +282,7 @@ def _(logits, targets, adv, old, ref, rollout, w, config_literal, config_floats)
     return _fake_stats(logits, targets)
 
 
-@torch.library.custom_op("fused_rl::native_policy_fwd_into", mutates_args=("out",))
+@host_reading_op("fused_rl::native_policy_fwd_into", mutates_args=("out",))
 def policy_fwd_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tensor, adv: torch.Tensor,
                     old: Optional[torch.Tensor], ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor],
                     w: torch.Tensor, config_literal: str, config_floats: torch.Tensor

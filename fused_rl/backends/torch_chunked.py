@@ -18,7 +18,7 @@ import torch
 
 from ..config import IGNORE_INDEX
 from .base import Backend
-from .custom_ops import host_floats, register_token_ops
+from .custom_ops import host_floats, host_reading_op, register_token_ops
 
 #: Elements of one fp32 chunk (8 MiB); a few such temporaries are alive at once.
 CHUNK_ELEMENTS = 1 << 21
@@ -50,7 +50,7 @@ def _chunks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
             yield first + start, block[start:start + rows]
 
 
-@torch.library.custom_op("fused_rl::torch_token_stats", mutates_args=())
+@host_reading_op("fused_rl::torch_token_stats", mutates_args=())
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns flat ``(logp, entropy, lse)`` of length ``N = prod(logits.shape[:-1])`` (``entropy``
@@ -100,7 +100,7 @@ def _(logits, targets, temperature, with_entropy):
             logits.new_empty((2, n), dtype=cdtype))
 
 
-@torch.library.custom_op("fused_rl::torch_token_grad", mutates_args=())
+@host_reading_op("fused_rl::torch_token_grad", mutates_args=())
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                temperature: torch.Tensor) -> torch.Tensor:

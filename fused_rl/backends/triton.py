@@ -37,8 +37,8 @@ from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing
 from .base import Backend
-from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, register_stored_grad,
-                         register_token_ops, writable_in_place)
+from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, host_reading_op,
+                         register_stored_grad, register_token_ops, writable_in_place)
 from .tiled_linear import TiledLinearMethods
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
@@ -99,7 +99,7 @@ def _kernels():
 
 
 # --------------------------------------------------------------------------- token_logprobs ops
-@torch.library.custom_op("fused_rl::triton_token_stats", mutates_args=())
+@host_reading_op("fused_rl::triton_token_stats", mutates_args=())
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat fp32 ``(logp, entropy, lse)``; ``entropy`` empty unless ``with_entropy``; ``temperature`` a
@@ -114,7 +114,7 @@ def _(logits, targets, temperature, with_entropy):
             logits.new_empty((2, n), dtype=torch.float32))
 
 
-@torch.library.custom_op("fused_rl::triton_token_grad", mutates_args=())
+@host_reading_op("fused_rl::triton_token_grad", mutates_args=())
 def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
                entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                temperature: torch.Tensor) -> torch.Tensor:
@@ -145,7 +145,7 @@ def _fake_token_outputs(logits, targets, config_literal, with_entropy):
     return new(n), new(n if with_entropy else 0), new(n), new(n), new(n if has_kl else 0)
 
 
-@torch.library.custom_op("fused_rl::triton_policy_fwd", mutates_args=())
+@host_reading_op("fused_rl::triton_policy_fwd", mutates_args=())
 def policy_fwd(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                old: Optional[torch.Tensor], ref: Optional[torch.Tensor], rollout: Optional[torch.Tensor],
                config_literal: str, config_floats: torch.Tensor, with_entropy: bool, write_grad: bool
@@ -166,7 +166,7 @@ def _(logits, targets, advantages, weights, old, ref, rollout, config_literal, c
     return (*_fake_token_outputs(logits, targets, config_literal, with_entropy), out)
 
 
-@torch.library.custom_op("fused_rl::triton_policy_fwd_inplace", mutates_args=("logits",))
+@host_reading_op("fused_rl::triton_policy_fwd_inplace", mutates_args=("logits",))
 def policy_fwd_inplace(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
                        weights: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                        rollout: Optional[torch.Tensor], config_literal: str, config_floats: torch.Tensor,
