@@ -145,32 +145,49 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
             x_next = _load_block(x_ptr, x_off, valid, start + BLOCK_V, V, BLOCK_V, EVICT)
         else:
             x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
-        xf = x_raw.to(tl.float32)
-        m_new = tl.maximum(m, tl.max(xf, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m - m_safe) * scale)
-        uc = (xf - m_safe[:, None]) * scale
-        e = tl.exp2(uc)
-        if WITH_ENT:
-            # clamped where alpha = 2^shift is 0 anyway: shift * s overflowed to -inf (a max gap over ~1e33 tau)
-            # and alpha * -inf made H NaN
-            shift = tl.where(s > 0.0, tl.maximum((m - m_safe) * scale, -256.0), 0.0)
-            q = alpha * (q + shift * s) + tl.sum(e * tl.where(e > 0.0, uc, 0.0), axis=1)  # no 0 * -inf
-        s = alpha * s + tl.sum(e, axis=1)
-        m = m_new
-    m_fin = tl.where(m == float("-inf"), 0.0, m)
-    # ignored rows (nothing loaded): lse = 0 there, masked by the caller; valid rows: NaN unless s > 0
-    s = tl.where(s > 0.0, s, tl.where(valid, float("nan"), 1.0))
-    log2_s = tl.log2(s)
+        m, s, q = _block_update(x_raw, m, s, q, scale, WITH_ENT)
     # in-row address even for ignored rows; rows past N (valid is False there too) load nothing, and so
     # does a target outside [0, V) (only with check_inputs=False): NaN logp, as the C++ kernels give
     in_vocab = (tgt >= 0) & (tgt < V)
     xt = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=in_rows & in_vocab,
                  other=float("nan")).to(tl.float32)
+    return _finish_stats(m, s, q, valid, xt, scale, WITH_ENT)
+
+
+@triton.jit
+def _block_update(x_raw, m, s, q, scale, WITH_ENT: tl.constexpr):
+    """``(m, s, q)`` of each row of ``x_raw`` (``BLOCK_N x BLOCK_V``, in the logits' dtype) after one more block
+    of it: ``m`` the raw max so far (``-inf`` before any finite entry), ``s = sum 2^u``, ``q = sum 2^u u`` with
+    ``u = (x - m) scale`` relative to the new max; the old sums are rescaled by ``alpha = 2^((m_old - m) scale)``
+    (``q`` also gains ``(m_old - m) scale s``)."""
+    xf = x_raw.to(tl.float32)
+    m_new = tl.maximum(m, tl.max(xf, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m - m_safe) * scale)
+    uc = (xf - m_safe[:, None]) * scale
+    e = tl.exp2(uc)
+    if WITH_ENT:
+        # clamped where alpha = 2^shift is 0 anyway: shift * s overflowed to -inf (a max gap over ~1e33 tau)
+        # and alpha * -inf made H NaN
+        shift = tl.where(s > 0.0, tl.maximum((m - m_safe) * scale, -256.0), 0.0)
+        q = alpha * (q + shift * s) + tl.sum(e * tl.where(e > 0.0, uc, 0.0), axis=1)  # no 0 * -inf
+    s = alpha * s + tl.sum(e, axis=1)
+    return m_new, s, q
+
+
+@triton.jit
+def _finish_stats(m, s, q, valid, xt, scale, WITH_ENT: tl.constexpr):
+    """``(m, log2 s, logp, H)`` of rows from their statistics ``(m, s, q)`` (:func:`_block_update`) and target
+    logits ``xt`` (NaN where none was read): ``m`` 0 where ``-inf``; ``s`` NaN on a valid row unless
+    ``s > 0``, 1 on an ignored one."""
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
+    # ignored rows (nothing loaded): lse = 0 there, masked by the caller; valid rows: NaN unless s > 0
+    s = tl.where(s > 0.0, s, tl.where(valid, float("nan"), 1.0))
+    log2_s = tl.log2(s)
     logp = LN2 * ((xt - m_fin) * scale - log2_s)
     # log p <= 0 (FMA contraction of ut can round it to +1e-8 for a near-certain token); NaN passes
     logp = tl.where(logp > 0.0, 0.0, logp)
-    ent = tl.zeros([BLOCK_N], tl.float32)
+    ent = tl.zeros_like(logp)
     if WITH_ENT:
         ent = LN2 * (log2_s - q / s)
         ent = tl.where(ent < 0.0, 0.0, ent)  # H >= 0 (its cancellation near a one-hot row gives -1e-8); NaN passes
@@ -196,34 +213,51 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
     ``a = g_logp / tau``, ``b = g_h ln2 / tau``: no division in the loop, and no rounding of
     ``m + log2 s`` (``1 - p`` of a near-certain token stays exact at any ``|u|``)."""
     scale = LOG2E / temperature
-    in_vocab = (tgt >= 0) & (tgt < V)  # else (only with check_inputs=False) a NaN row, reading nothing
-    a = tl.where(valid, tl.where(in_vocab, g_logp / temperature, float("nan")), 0.0)
-    b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
-    h2 = ent * LOG2E
-    # the target's 1 - p by expm1 (a near-certain token's 1 - p is below the error of exp2)
+    in_vocab = (tgt >= 0) & (tgt < V)
     xt = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=valid & in_vocab,
                  other=0.0).to(tl.float32)
-    one_minus_pt = -expm1(((xt - m_row) * scale - log2_s) * LN2)
+    a, b, h2, one_minus_pt = _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
     n_blocks = tl.cdiv(V, BLOCK_V)
     if PREFETCH:  # the first block before the loop; each iteration loads the next (none past the row)
         x_next = _load_block(x_ptr, x_off, valid, _block_start(0, n_blocks, BLOCK_V, REVERSE), V, BLOCK_V, EVICT)
     for k in range(0, n_blocks):  # ignored rows load nothing and store zeros
         start = _block_start(k, n_blocks, BLOCK_V, REVERSE)
         cols = start + tl.arange(0, BLOCK_V)
-        inb = cols[None, :] < V
         if PREFETCH:
             x_raw = x_next
             x_next = _load_block(x_ptr, x_off, valid, _block_start(k + 1, n_blocks, BLOCK_V, REVERSE), V, BLOCK_V,
                                  EVICT)
         else:
             x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
-        d = (x_raw.to(tl.float32) - m_row[:, None]) * scale - log2_s[:, None]
-        p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
-        g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
-        if GRAD_ENT:
-            g += b[:, None] * p * tl.where(p > 0.0, -h2[:, None] - d, 0.0)  # no 0 * inf
+        g = _grad_block(x_raw, cols, tgt, m_row, log2_s, a, b, h2, one_minus_pt, scale, GRAD_ENT)
         tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
-                 mask=in_rows[:, None] & inb, eviction_policy=EVICT)
+                 mask=in_rows[:, None] & (cols[None, :] < V), eviction_policy=EVICT)
+
+
+@triton.jit
+def _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h):
+    """The per-row ``(a, b, H log2(e), 1 - p_target)`` of :func:`_grad_block`: ``a = g_logp / tau``,
+    ``b = g_h ln2 / tau`` (0 on rows not ``valid``; ``a`` NaN for a target outside ``[0, V)``, only with
+    ``check_inputs=False``: a NaN row), the target's ``1 - p`` by expm1 (a near-certain token's ``1 - p`` is
+    below the error of exp2) from its logit ``xt`` (ignored where the row is not valid or the target outside)."""
+    in_vocab = (tgt >= 0) & (tgt < V)
+    a = tl.where(valid, tl.where(in_vocab, g_logp / temperature, float("nan")), 0.0)
+    b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
+    xt = tl.where(valid & in_vocab, xt, 0.0)
+    one_minus_pt = -expm1(((xt - m_row) * (LOG2E / temperature) - log2_s) * LN2)
+    return a, b, ent * LOG2E, one_minus_pt
+
+
+@triton.jit
+def _grad_block(x_raw, cols, tgt, m_row, log2_s, a, b, h2, one_minus_pt, scale, GRAD_ENT: tl.constexpr):
+    """``dlogits`` (fp32) of a ``BLOCK_N x BLOCK_V`` block at columns ``cols`` (``x_raw`` ``-inf`` outside the row
+    and on ignored rows: 0 there): ``a onehot - a p + b p (E[u] - u)`` (:func:`_row_grad`)."""
+    d = (x_raw.to(tl.float32) - m_row[:, None]) * scale - log2_s[:, None]
+    p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
+    g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
+    if GRAD_ENT:
+        g += b[:, None] * p * tl.where(p > 0.0, -h2[:, None] - d, 0.0)  # no 0 * inf
+    return g
 
 
 @triton.jit
@@ -278,34 +312,54 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
         x_off = _row_offset(rows, T, xs0, xs1)
         m_row, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
                                            WITH_ENT, "evict_last" if HINTS else "", PREFETCH)
-        logp = tl.where(valid, logp, 0.0)
-        ent = tl.where(valid, ent, 0.0)
-        adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
-        w = tl.load(w_ptr + rows, mask=in_rows, other=0.0)
-        old = logp
-        ref = logp
-        rollout = logp
-        if not ON_POLICY:
-            old = tl.load(old_ptr + rows, mask=in_rows, other=0.0)
-        if KL != 0:
-            ref = tl.load(ref_ptr + rows, mask=in_rows, other=0.0)
-        if ROLLOUT != 0:
-            rollout = tl.load(rollout_ptr + rows, mask=in_rows, other=0.0)
-        loss, dlogp, dh, ratio, kl = token_epilogue(
-            logp, ent, old, ref, rollout, adv, valid, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
-            entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
-            HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
-        tl.store(logp_ptr + rows, logp, mask=in_rows)
-        if WITH_ENT:
-            tl.store(ent_ptr + rows, ent, mask=in_rows)
-        tl.store(loss_ptr + rows, w * loss, mask=in_rows)
-        tl.store(ratio_ptr + rows, ratio, mask=in_rows)
-        if KL != 0:
-            tl.store(kl_ptr + rows, kl, mask=in_rows)
+        g_logp, g_h = _token_outputs(
+            rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr, ent_ptr,
+            loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef,
+            ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT, HAS_RIS_MIN,
+            HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT)
         if WRITE_GRAD:
             _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
-                      m_row, log2_s, ent, w * dlogp, w * dh, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "",
+                      m_row, log2_s, ent, g_logp, g_h, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "",
                       PREFETCH)
+
+
+@triton.jit
+def _token_outputs(rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr, ent_ptr,
+                   loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
+                   entropy_coef, ris_min, ris_max, POLICY: tl.constexpr, HAS_DUAL: tl.constexpr,
+                   HAS_DELTA: tl.constexpr, KL: tl.constexpr, KL_ST: tl.constexpr, ADD_KL: tl.constexpr,
+                   KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr, HAS_RIS_MIN: tl.constexpr,
+                   HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr,
+                   WITH_ENT: tl.constexpr):
+    """The policy kernels' per-token part: reads ``A, w`` (and ``old``, ``ref``, the rollout log-probs where the
+    constexprs use them) of ``rows``, runs :func:`~fused_rl.kernels.epilogue.token_epilogue` on the rows'
+    ``logp``, ``H`` (0 where not ``valid``), stores ``logp, H, w l, r, kl`` where ``in_rows``, and returns the
+    gradient coefficients ``(w dl/dlogp, w dl/dH)``."""
+    logp = tl.where(valid, logp, 0.0)
+    ent = tl.where(valid, ent, 0.0)
+    adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
+    w = tl.load(w_ptr + rows, mask=in_rows, other=0.0)
+    old = logp
+    ref = logp
+    rollout = logp
+    if not ON_POLICY:
+        old = tl.load(old_ptr + rows, mask=in_rows, other=0.0)
+    if KL != 0:
+        ref = tl.load(ref_ptr + rows, mask=in_rows, other=0.0)
+    if ROLLOUT != 0:
+        rollout = tl.load(rollout_ptr + rows, mask=in_rows, other=0.0)
+    loss, dlogp, dh, ratio, kl = token_epilogue(
+        logp, ent, old, ref, rollout, adv, valid, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
+        entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
+        HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
+    tl.store(logp_ptr + rows, logp, mask=in_rows)
+    if WITH_ENT:
+        tl.store(ent_ptr + rows, ent, mask=in_rows)
+    tl.store(loss_ptr + rows, w * loss, mask=in_rows)
+    tl.store(ratio_ptr + rows, ratio, mask=in_rows)
+    if KL != 0:
+        tl.store(kl_ptr + rows, kl, mask=in_rows)
+    return w * dlogp, w * dh
 
 
 @triton.jit
