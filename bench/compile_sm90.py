@@ -114,6 +114,13 @@ def main(full: bool) -> None:
             print(xdt, f"policy {tag}{' cache-hints' if hints else ''}", resource_usage(k))
         k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
         print(xdt, "policy BLOCK_N=4 BLOCK_V=1024", resource_usage(k))
+        split = {n: v for n, v in consts.items() if n not in ("BLOCK_N", "BLOCK_V", "REVERSE", "PREFETCH")}
+        for chunk, warps in K.SPLIT_CANDIDATES:  # the rows split over programs; PHASE 0, the GPU's
+            k = compile_kernel(K._policy_split_kernel, {**types, **floats, "sync_ptr": "*i32", "part_ptr": "*fp32"},
+                               {**split, "CHUNK": chunk, "K_POW2": K.triton.next_power_of_2(-(-151936 // chunk)),
+                                "PHASE": 0}, warps)
+            atomics = "atom.global" in k.asm["ptx"] or "atom.acq_rel" in k.asm["ptx"]
+            print(xdt, f"policy split CHUNK={chunk} warps={warps}{' atomics' if atomics else ''}", resource_usage(k))
         k = compile_kernel(K._scale_kernel, dict(x_ptr="*" + xdt, s0="i64", g_ptr="*fp32"),
                            dict(BLOCK_N=1, BLOCK_V=block), warps)
         print(xdt, "scale", resource_usage(k))

@@ -282,19 +282,23 @@ def main():
     except torch.cuda.OutOfMemoryError as exc:
         results.append(dict(name="reference", error=str(exc)))
 
-    # full-size agreement of triton (and cuda) with the reference (loss, metrics, a few rows of dlogits)
-    checked = ("triton", "cuda") if cuda_reason is None and not DRY else ("triton",)
+    # full-size agreement of triton (row and split single pass) and cuda with the reference (loss, metrics, a few
+    # rows of dlogits)
+    checked = ("triton", "triton-split") + (("cuda",) if cuda_reason is None and not DRY else ())
     try:
         got = {}
         for backend in checked + ("reference",):
             x.grad = None
             try:  # one backend failing must not lose the others' agreement
+                K.SPLIT_CHUNK = K.SPLIT_CANDIDATES[0][0] if backend == "triton-split" else None
                 out = fused_rl.policy_loss(x, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
-                                           backend=backend, check_inputs=False)
+                                           backend=backend.split("-")[0], check_inputs=False)
                 out.loss.backward()
             except Exception as exc:  # noqa: BLE001
                 info.setdefault("check_errors", {})[backend] = f"{type(exc).__name__}: {exc}"
                 continue
+            finally:
+                K.SPLIT_CHUNK = None
             got[backend] = (out.loss.item(), {k: v.item() for k, v in out.metrics.items()},
                             x.grad[:, :4].float().clone())
         checked = tuple(b for b in checked if b in got)
@@ -407,6 +411,23 @@ def main():
         finally:
             K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
             K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH = knob_defaults
+        # the single pass with each row split over programs (kernels/logits.py SPLIT_CHUNK: the logits read once,
+        # each chunk held in registers while the row's programs wait for each other), by chunk x warps, then the
+        # best without the eviction hints
+        try:
+            def run_split(chunk, warps, hints=knob_defaults[1]):
+                K.SPLIT_CHUNK, K.NUM_WARPS, K.CACHE_HINTS = chunk, warps, hints
+                measure(f"sweep triton split CHUNK={chunk} warps={warps} hints={hints}", step_for("triton"), x,
+                        results, extra=dict(chunk=chunk, warps=warps, hints=hints), **one)
+
+            for chunk, warps in (((256, 4),) if DRY else K.SPLIT_CANDIDATES):
+                run_split(chunk, warps)
+            top = best("sweep triton split")
+            if top:
+                run_split(top["chunk"], top["warps"], hints=not knob_defaults[1])
+        finally:
+            K.SPLIT_CHUNK = K.NUM_WARPS = None
+            K.CACHE_HINTS = knob_defaults[1]
 
     dump(args.out, info, results, final=True)
 

@@ -16,7 +16,10 @@ pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 wha
   row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): reads the
   per-token ``A, w`` and, where the epilogue's constexprs use them, ``old``, ``ref`` and the rollout
   log-probs; writes the per-token ``logp, H, w l, r, kl`` and ``dlogits`` (optionally over the logits
-  themselves).
+  themselves);
+* **split single pass** (``SPLIT_CHUNK`` set, a tuning knob off until measured on a GPU): the fused policy loss
+  with each row's ``SPLIT_CHUNK``-column chunks on programs of their own, which wait for each other between the
+  statistics and the gradient (:func:`_policy_split_kernel`): the logits read from memory once, not twice.
 
 Rows whose target is ``IGNORE_INDEX`` (the callers also set it at masked positions) read nothing and
 get ``logp = H = 0`` and zero ``dlogits``. A valid row whose softmax is undefined (a NaN or ``+inf``
@@ -60,6 +63,14 @@ CACHE_HINTS = True
 #: results do not change). A tuning knob for ``bench/gpu_logits_bench.py``'s sweep, not yet measured
 #: on a GPU: off until it is.
 PREFETCH = False
+#: The single pass with each row split over programs of this many columns (:func:`_policy_split_kernel`: the
+#: logits read once, each program's chunk kept in registers while the row's programs wait for each other), where
+#: it gives a row two or more programs. A tuning knob for ``bench/gpu_logits_bench.py``'s sweep (the results
+#: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
+SPLIT_CHUNK: Optional[int] = None
+#: ``(SPLIT_CHUNK, num_warps)`` pairs that ``bench/gpu_logits_bench.py`` measures and ``bench/compile_sm90.py``
+#: compiles (16 or 32 columns a thread; the first also checks the split pass at full size there).
+SPLIT_CANDIDATES = ((2048, 4), (4096, 8), (8192, 16), (4096, 4), (8192, 8))
 
 
 def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -313,7 +324,7 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
         m_row, log2_s, logp, ent = _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N, BLOCK_V,
                                            WITH_ENT, "evict_last" if HINTS else "", PREFETCH)
         g_logp, g_h = _token_outputs(
-            rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr, ent_ptr,
+            rows, in_rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr, ent_ptr,
             loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef,
             ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT, HAS_RIS_MIN,
             HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT)
@@ -324,8 +335,8 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
 
 
 @triton.jit
-def _token_outputs(rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr, ent_ptr,
-                   loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
+def _token_outputs(rows, in_rows, store, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr,
+                   ent_ptr, loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
                    entropy_coef, ris_min, ris_max, POLICY: tl.constexpr, HAS_DUAL: tl.constexpr,
                    HAS_DELTA: tl.constexpr, KL: tl.constexpr, KL_ST: tl.constexpr, ADD_KL: tl.constexpr,
                    KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr, HAS_RIS_MIN: tl.constexpr,
@@ -333,8 +344,8 @@ def _token_outputs(rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref
                    WITH_ENT: tl.constexpr):
     """The policy kernels' per-token part: reads ``A, w`` (and ``old``, ``ref``, the rollout log-probs where the
     constexprs use them) of ``rows``, runs :func:`~fused_rl.kernels.epilogue.token_epilogue` on the rows'
-    ``logp``, ``H`` (0 where not ``valid``), stores ``logp, H, w l, r, kl`` where ``in_rows``, and returns the
-    gradient coefficients ``(w dl/dlogp, w dl/dH)``."""
+    ``logp``, ``H`` (0 where not ``valid``), stores ``logp, H, w l, r, kl`` where ``store`` (and ``in_rows``), and
+    returns the gradient coefficients ``(w dl/dlogp, w dl/dH)``."""
     logp = tl.where(valid, logp, 0.0)
     ent = tl.where(valid, ent, 0.0)
     adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
@@ -352,14 +363,133 @@ def _token_outputs(rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref
         logp, ent, old, ref, rollout, adv, valid, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
         entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
         HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
-    tl.store(logp_ptr + rows, logp, mask=in_rows)
+    out = in_rows & store
+    tl.store(logp_ptr + rows, logp, mask=out)
     if WITH_ENT:
-        tl.store(ent_ptr + rows, ent, mask=in_rows)
-    tl.store(loss_ptr + rows, w * loss, mask=in_rows)
-    tl.store(ratio_ptr + rows, ratio, mask=in_rows)
+        tl.store(ent_ptr + rows, ent, mask=out)
+    tl.store(loss_ptr + rows, w * loss, mask=out)
+    tl.store(ratio_ptr + rows, ratio, mask=out)
     if KL != 0:
-        tl.store(kl_ptr + rows, kl, mask=in_rows)
+        tl.store(kl_ptr + rows, kl, mask=out)
     return w * dlogp, w * dh
+
+
+#: Polls of a row's arrival counter before the split kernel gives up on it (a row's programs not all resident
+#: at once: not expected, see :func:`_policy_split_kernel`); the row's outputs are then NaN, not a hang.
+MAX_POLLS = tl.constexpr(1 << 22)
+
+
+@triton.jit
+def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, out_ptr,
+                         os0, os1, logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr, temperature,
+                         clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef, ris_min,
+                         ris_max, sync_ptr, part_ptr, K,
+                         POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr, KL: tl.constexpr,
+                         KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
+                         HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
+                         ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                         CHUNK: tl.constexpr, K_POW2: tl.constexpr, PHASE: tl.constexpr, HINTS: tl.constexpr):
+    """The single pass with each row split over ``K`` programs of ``CHUNK`` columns: a program loads its chunk
+    once and keeps it in registers, publishes the chunk's ``(m_k, s_k, q_k)`` (:func:`_block_update`) in
+    ``part`` and counts itself in the row's arrival counter ``sync[row]``; once all ``K`` have arrived each
+    combines the row's statistics (:func:`_combine_chunks`, the same for all), runs the epilogue (the chunk-0
+    program stores the per-token outputs) and writes its chunk's ``dlogits`` from its registers. So the logits
+    are read from memory once (the row-per-program kernel reads a row twice, the second time from L2 only while
+    few enough rows are in flight). The target logit goes through ``part`` too, stored by the chunk-0 program
+    before it arrives: read after the wait from there, it cannot be one that an in-place gradient has
+    overwritten.
+
+    ``PHASE`` 0 (GPU): both halves, with the wait between them. Programs take their item (row, chunk) from a
+    ticket counter (``sync[N]``) in the order they start, so the programs of a row that is waited on have
+    either started or are the next to start: with at least ``K`` programs resident at once (the launcher
+    checks ``K`` <= the SM count) every row completes. The wait gives up after ``MAX_POLLS`` polls: NaN
+    statistics (a NaN loss), not a hang. The interpreter runs programs one after the other, so it launches
+    ``PHASE`` 1 (load, publish, arrive) and then ``PHASE`` 2 (load again, combine, epilogue, gradient): the
+    same code, without the wait.
+
+    Offsets are int64 (``rows`` int64; ``N K < 2^31`` items, checked by the launcher)."""
+    scale = LOG2E / temperature
+    if PHASE == 0:
+        item = tl.atomic_add(sync_ptr + N, 1, sem="relaxed")
+    else:
+        item = tl.program_id(0)
+    row = item // K
+    k = item - row * K
+    rows = row.to(tl.int64) + tl.zeros([1], tl.int64)
+    in_rows = rows < N
+    tgt = _load_targets(tgt_ptr, rows, in_rows, V)
+    valid = tgt != IGNORE_INDEX
+    valid_row = tl.sum(valid.to(tl.int32), axis=0) > 0
+    first = (k + tl.zeros([1], tl.int32)) == 0  # the chunk-0 program (as a row vector)
+    x_off = _row_offset(rows, T, xs0, xs1)
+    # ignored rows: all -inf, nothing read
+    x_raw = _load_block(x_ptr, x_off, valid, k * CHUNK, V, CHUNK, "evict_first" if HINTS else "")
+    nk = N.to(tl.int64) * K
+    part_row = part_ptr + rows * K  # per chunk: m_k at [0, nk), s_k at [nk, 2 nk), q_k at [2 nk, 3 nk)
+    xt_ptr = part_ptr + 3 * nk + rows  # the target logit
+    arrived = K
+    if PHASE != 2:
+        m_k, s_k, q_k = _block_update(x_raw, tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32),
+                                      tl.zeros([1], tl.float32), scale, WITH_ENT)
+        tl.store(part_row + k, m_k)
+        tl.store(part_row + nk + k, s_k)
+        if WITH_ENT:
+            tl.store(part_row + 2 * nk + k, q_k)
+        in_vocab = (tgt >= 0) & (tgt < V)
+        xt = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=valid & in_vocab & first,
+                     other=float("nan"))
+        tl.store(xt_ptr, xt.to(tl.float32), mask=first)
+        tl.debug_barrier()  # every thread's stores before the arrival (a release: they are visible after it)
+        arrived = tl.atomic_add(sync_ptr + row, 1, mask=valid_row, sem="acq_rel") + 1
+    if PHASE != 1:
+        done = tl.where(valid_row, arrived, K)  # ignored rows: nothing to wait for, their statistics unread
+        if PHASE == 2:  # every program has run PHASE 1: the count is K (unless one failed to arrive)
+            done = tl.where(valid_row, tl.atomic_add(sync_ptr + row, 0, mask=valid_row, sem="acquire"), K)
+        if PHASE == 0:
+            polls = 0
+            while (done < K) & (polls < MAX_POLLS):
+                done = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
+                polls += 1
+        ks = tl.arange(0, K_POW2)
+        read = (ks < K) & ((tl.zeros([K_POW2], tl.int32) + valid_row.to(tl.int32)) > 0)
+        m_all = tl.load(part_row + ks, mask=read, other=float("-inf"), cache_modifier=".cg")
+        s_all = tl.load(part_row + nk + ks, mask=read, other=0.0, cache_modifier=".cg")
+        q_all = s_all
+        if WITH_ENT:
+            q_all = tl.load(part_row + 2 * nk + ks, mask=read, other=0.0, cache_modifier=".cg")
+        m, s, q = _combine_chunks(m_all, s_all, q_all, scale, WITH_ENT)
+        s = tl.where(done < K, float("nan"), s)  # gave up waiting: NaN, not a result from part of the row
+        xt = tl.load(xt_ptr, mask=valid, other=float("nan"), cache_modifier=".cg")
+        m_row, log2_s, logp, ent = _finish_stats(m + tl.zeros([1], tl.float32), s + tl.zeros([1], tl.float32),
+                                                 q + tl.zeros([1], tl.float32), valid, xt, scale, WITH_ENT)
+        g_logp, g_h = _token_outputs(
+            rows, in_rows, first, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr,
+            ent_ptr, loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
+            entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
+            HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT)
+        if WRITE_GRAD:
+            a, b, h2, one_minus_pt = _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
+            cols = k * CHUNK + tl.arange(0, CHUNK)
+            g = _grad_block(x_raw, cols, tgt, m_row, log2_s, a, b, h2, one_minus_pt, scale, ADD_ENT)
+            o_off = _row_offset(rows, T, os0, os1)
+            tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
+                     mask=in_rows[:, None] & (cols[None, :] < V), eviction_policy="evict_first" if HINTS else "")
+
+
+@triton.jit
+def _combine_chunks(m_k, s_k, q_k, scale, WITH_ENT: tl.constexpr):
+    """A row's ``(m, s, q)`` (:func:`_block_update`) from its chunks' (vectors; absent chunks ``m_k = -inf``,
+    ``s_k = q_k = 0``): ``m = max m_k``, ``s = sum a_k s_k``, ``q = sum a_k (q_k + d_k s_k)`` with
+    ``d_k = (m_k - m) scale``, ``a_k = 2^d_k``. A NaN or ``+inf`` in a chunk makes ``s`` NaN (its ``a_k`` is NaN)."""
+    m = tl.max(m_k, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    d_k = (m_k - m_safe) * scale
+    a_k = tl.exp2(d_k)
+    s = tl.sum(a_k * s_k, axis=0)
+    q = s
+    if WITH_ENT:
+        q = tl.sum(a_k * (q_k + tl.where(s_k > 0.0, tl.maximum(d_k, -256.0), 0.0) * s_k), axis=0)  # no 0 * -inf
+    return m, s, q
 
 
 @triton.jit
@@ -461,15 +591,43 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
     if epilogue["ROLLOUT"] != 0 and rollout is None:
         raise ValueError("token rollout correction needs the rollout log-probs")
     unused = advantages  # any pointer for the arguments the constexprs leave unread
-    with _on(x):
-        _policy_kernel[_grid(n, bn)](
-            x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
+    args = (x, x.stride(0), x.stride(1), n, T, V, targets, advantages, weights,
             unused if old is None else old, unused if ref is None else ref, unused if rollout is None else rollout,
             o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
-            kl if epilogue["KL"] != 0 else logp, float(temperature),
-            WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), BLOCK_N=bn, BLOCK_V=block, num_warps=warps,
-            REVERSE=bool(GRAD_REVERSE), HINTS=bool(CACHE_HINTS), PREFETCH=bool(PREFETCH), **epilogue)
+            kl if epilogue["KL"] != 0 else logp, float(temperature))
+    flags = dict(WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), **epilogue)
+    chunks = _split_chunks(n, V, x)
+    with _on(x):
+        if chunks:
+            _launch_split(args, flags, n, chunks, x)
+        else:
+            _policy_kernel[_grid(n, bn)](*args, BLOCK_N=bn, BLOCK_V=block, num_warps=warps, REVERSE=bool(GRAD_REVERSE),
+                                         HINTS=bool(CACHE_HINTS), PREFETCH=bool(PREFETCH), **flags)
     return logp, ent, loss, ratio, kl
+
+
+def _split_chunks(rows: int, vocab: int, x: torch.Tensor) -> int:
+    """The programs per row of :func:`_policy_split_kernel` with ``SPLIT_CHUNK`` (0: the row kernel): where it
+    gives a row at least two, the ``rows x chunks`` items fit int32, and on a GPU at most one program per SM
+    is needed per row (all of a row's programs resident at once)."""
+    if SPLIT_CHUNK is None:
+        return 0
+    chunks = triton.cdiv(vocab, SPLIT_CHUNK)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else chunks
+    return chunks if 2 <= chunks <= sms and rows * chunks < 2**31 else 0
+
+
+def _launch_split(args, flags, rows: int, chunks: int, x: torch.Tensor) -> None:
+    """:func:`_policy_split_kernel` over ``rows x chunks`` items: one launch on a GPU; two in the interpreter,
+    which runs programs one after the other (``PHASE`` 1, then 2)."""
+    sync = torch.zeros(rows + 1, dtype=torch.int32, device=x.device)  # arrival counters, then the ticket
+    part = torch.empty(3 * rows * chunks + rows, dtype=torch.float32, device=x.device)
+    warps = NUM_WARPS or (4 if SPLIT_CHUNK <= 4096 else 8)
+    interpreted = not isinstance(_policy_split_kernel, triton.runtime.JITFunction)
+    for phase in ((1, 2) if interpreted else (0,)):
+        _policy_split_kernel[(rows * chunks,)](*args, sync_ptr=sync, part_ptr=part, K=chunks, CHUNK=SPLIT_CHUNK,
+                                               K_POW2=triton.next_power_of_2(chunks), PHASE=phase,
+                                               HINTS=bool(CACHE_HINTS), num_warps=warps, **flags)
 
 
 def scale_(x: torch.Tensor, g: torch.Tensor) -> None:

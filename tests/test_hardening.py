@@ -224,13 +224,18 @@ def _undefined_ids(c):
     return f"{c.policy_loss}-dual{c.dual_clip}-{c.kl}"
 
 
-@pytest.fixture
-def small_triton_blocks(monkeypatch):
-    """Several vocabulary blocks per row in the Triton kernels (the bad entry in a later block)."""
+@pytest.fixture(params=["rows", "split"])
+def small_triton_blocks(request, monkeypatch):
+    """Several vocabulary blocks per row in the Triton kernels (the bad entry in a later block); the single pass
+    as the row kernel and with the rows split over programs of 16 columns (``SPLIT_CHUNK``: the bad entry in
+    another program than the target's), for the triton backend (the split variant of the others skips)."""
+    if request.param == "split" and request.node.callspec.params.get("backend") != "triton":
+        pytest.skip("the split single pass is the triton backend's")
     if "triton" in BACKENDS + CUDA_BACKENDS:
         from fused_rl.kernels import logits as K
 
         monkeypatch.setattr(K, "MAX_BLOCK_V", 16)
+        monkeypatch.setattr(K, "SPLIT_CHUNK", None if request.param == "rows" else 16)
 
 
 def _make_undefined(x: torch.Tensor, targets: torch.Tensor, kind: str, row=BAD) -> None:

@@ -47,6 +47,14 @@ def small_blocks(monkeypatch):
     return K
 
 
+@pytest.fixture(params=["rows", "split"])
+def layout(request, monkeypatch, small_blocks):
+    """The single pass as the row kernel (a program a row) and split (``SPLIT_CHUNK = 256``: 4 programs a row at
+    V = 1000, 17 at 4099, their statistics combined; two launches in the interpreter, one on a GPU)."""
+    monkeypatch.setattr(small_blocks, "SPLIT_CHUNK", None if request.param == "rows" else 256)
+    return request.param
+
+
 # --------------------------------------------------------------------------- the epilogue helper
 #: Each option of the epilogue alone and combined (the inputs below reach both sides of every bound).
 EPILOGUE_CONFIGS = TOKEN_CONFIGS + [
@@ -171,7 +179,7 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ci", range(len(CONFIGS)), ids=lambda i: cfg_id(CONFIGS[i]))
 @pytest.mark.parametrize("device", DEVICES)
-def test_policy_loss_matches_reference(ci, dtype, device):
+def test_policy_loss_matches_reference(ci, dtype, device, layout):
     kind = LOGIT_KINDS[ci % len(LOGIT_KINDS)]
     case = on_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=3 + ci), device)
     compare_policy_loss("triton", case, CONFIGS[ci])
@@ -179,7 +187,7 @@ def test_policy_loss_matches_reference(ci, dtype, device):
 
 @pytest.mark.parametrize("kind,dtype", [(k, torch.float32) for k in LOGIT_KINDS] + [("peaked", torch.float16)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, dtype, device):
+def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, dtype, device, layout):
     cfg = PolicyLossConfig(clip_low=0.1, clip_high=0.3, dual_clip=3.0, kl="k3", beta=0.05, entropy_coef=0.01,
                            temperature=0.8)
     case = on_device(make_case(vocab=1000, kind=kind, dtype=dtype, seed=11, off_policy=False, per_token_adv=True),
@@ -188,7 +196,7 @@ def test_policy_loss_logit_kinds_on_policy_per_token_adv(kind, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, small_blocks):
+def test_vocab_4099_sliced_view_int32_targets_temperature(device, monkeypatch, small_blocks, layout):
     """V = 4099 (partial last block), a non-contiguous ``logits[:, :-1]`` view (no copy), int32 targets,
     and a capped grid: 2 programs loop over the row tiles."""
     monkeypatch.setattr(small_blocks, "MAX_PROGRAMS", 2)
@@ -300,7 +308,7 @@ def test_grad_loop_order_and_cache_hints_change_nothing(device, vocab, monkeypat
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_grad_output_scaling_and_single_backward(device):
+def test_grad_output_scaling_and_single_backward(device, layout):
     """The stored gradient is scaled by ``grad_output`` on the device (no ``== 1`` host check)."""
     case = on_device(make_case(vocab=1000, seed=9), device)
     cfg = CONFIGS[1]
@@ -318,7 +326,7 @@ def test_grad_output_scaling_and_single_backward(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", DEVICES)
-def test_inplace_writes_grad_over_logits(dtype, device):
+def test_inplace_writes_grad_over_logits(dtype, device, layout):
     case = on_device(make_case(vocab=1000, seed=10, dtype=dtype), device)
     full = make_logits((4, 7, 1000), generator=torch.Generator().manual_seed(3), dtype=dtype).to(device)
     case.logits = full[:, 1:].clone()
@@ -362,7 +370,7 @@ def test_failed_check_writes_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_no_grad_path_matches(device):
+def test_no_grad_path_matches(device, layout):
     case = on_device(make_case(vocab=1000, seed=13), device)
     with torch.no_grad():
         got = _loss(case, case.logits, CONFIGS[3], backend="triton")
@@ -430,6 +438,7 @@ def test_kernels_compile_for_sm90():
             assert "vec16" in line, line
     assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=0 cache-hints" in res.stdout  # the eviction hints reach the PTX
     assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=1 cache-hints" in res.stdout
+    assert "bf16 policy split CHUNK=2048 warps=4 atomics" in res.stdout  # the split pass's arrival counters
 
 
 # --------------------------------------------------------------------------- availability, heuristics
@@ -569,3 +578,40 @@ def test_cuda_many_rows_and_int64_offsets(backend, monkeypatch):
     assert_close(lp[-8:], lp_ref, torch.bfloat16, "logp past 2^31")
     assert_close(xr.grad[-8:], tail.grad, torch.bfloat16, "grad past 2^31", grad=True)
     assert xr.grad[:-8].abs().max() == 0
+
+
+class _OneProgramMissing:
+    """Stands in for ``_policy_split_kernel``: after the interpreter's PHASE 1 launch, row ``row``'s arrival count
+    is one short, as if one of its programs had never arrived (what the GPU's wait gives up on)."""
+
+    def __init__(self, kernel, row):
+        self.kernel, self.row = kernel, row
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kernel[grid](*args, **kwargs)
+            if kwargs["PHASE"] == 1:
+                kwargs["sync_ptr"][self.row] -= 1
+        return launch
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_split_row_with_a_missing_program_is_nan_not_a_partial_sum(device, monkeypatch, small_blocks):
+    """The split single pass combines a row's statistics only once all its programs have arrived; where they did
+    not (on a GPU: the wait gave up after ``MAX_POLLS``), that row's log-prob, loss and ``dlogits`` are NaN (so the
+    loss is NaN), not values from part of the row; every other row is as when all arrived."""
+    monkeypatch.setattr(small_blocks, "SPLIT_CHUNK", 256)
+    case = on_device(make_case(batch=3, length=4, vocab=1000, seed=21), device)
+    bad = int((case.mask & (case.targets != fused_rl.IGNORE_INDEX)).flatten().nonzero()[-1])  # a loss token's row
+    results = []
+    for kernel in (small_blocks._policy_split_kernel, _OneProgramMissing(small_blocks._policy_split_kernel, bad)):
+        monkeypatch.setattr(small_blocks, "_policy_split_kernel", kernel)
+        x = case.logits.clone().requires_grad_(True)
+        out = _loss(case, x, CONFIGS[1], backend="triton")
+        out.loss.backward()
+        results.append((out.loss, out.logprobs.flatten(), x.grad.flatten(0, 1)))
+    (loss, logp, grad), (bad_loss, bad_logp, bad_grad) = results
+    assert torch.isfinite(loss) and torch.isnan(bad_loss)
+    assert torch.isnan(bad_logp[bad]) and torch.isnan(bad_grad[bad]).all()
+    others = torch.arange(logp.numel()) != bad
+    assert torch.equal(bad_logp[others], logp[others]) and torch.equal(bad_grad[others], grad[others])
