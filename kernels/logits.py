@@ -69,8 +69,10 @@ PREFETCH = False
 #: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
 SPLIT_CHUNK: Optional[int] = None
 #: ``(SPLIT_CHUNK, num_warps)`` pairs that ``bench/gpu_logits_bench.py`` measures and ``bench/compile_sm90.py``
-#: compiles (16 or 32 columns a thread; the first also checks the split pass at full size there).
-SPLIT_CANDIDATES = ((2048, 4), (4096, 8), (8192, 16), (4096, 4), (8192, 8))
+#: compiles (16 or 32 columns a thread; the first also checks the split pass at full size there). Each program
+#: takes one ticket from one counter (an atomic on one address): 2048 columns are 1.2M tickets at N = 16384,
+#: V = 151936, near what one address takes in the time the pass should take, so the larger chunks come first.
+SPLIT_CANDIDATES = ((4096, 8), (8192, 16), (2048, 4), (4096, 4), (8192, 8))
 
 
 def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
