@@ -9,8 +9,9 @@ its mixed GEMM mode) and tile budgets (``memory_budget_bytes``) of 1 GiB (the CU
 largest whose peak ``linear_memory_model.py`` puts under issue 4's bound: 1422 MiB) and 1.35 GiB:
 median forward+backward ms, TFLOP/s on the ``6 N H V`` FLOPs and the peak memory beyond the inputs and
 the fp32 weight-gradient buffer; triton at 1 GiB also with other settings of the Triton single
-pass's knobs (``GRAD_REVERSE`` + ``CACHE_HINTS``, ``PREFETCH``, ``MAX_PROGRAMS``, ``MAX_BLOCK_V``,
-``NUM_WARPS``: tuned on bf16 logits, here the kernel reads fp32 tiles the GEMM has just written; a row
+pass's knobs (``SPLIT_CHUNK``: the split single pass, each fp32 row read once; ``GRAD_REVERSE`` +
+``CACHE_HINTS``, ``PREFETCH``, ``MAX_PROGRAMS``, ``MAX_BLOCK_V``, ``NUM_WARPS``: tuned on bf16 logits, here the
+kernel reads fp32 tiles the GEMM has just written; a row
 "knobs" names the ones that differ from the defaults); both backends at 1 GiB also with TRL's vLLM correction at
 its defaults (rows ``variant: vllm_is``: ``sequence_mask``, bound 3, folded into the advantages) and with gspo
 (``variant: gspo``: on CUDA the two tiled passes, four GEMMs; the FLOP column stays on ``6 N H V``). Then the
@@ -101,7 +102,7 @@ def main():
 
     # the Triton single pass's knobs (module globals of fused_rl.kernels.logits), by name
     knob_attrs = dict(reverse="GRAD_REVERSE", hints="CACHE_HINTS", prefetch="PREFETCH", programs="MAX_PROGRAMS",
-                      block="MAX_BLOCK_V", warps="NUM_WARPS")
+                      block="MAX_BLOCK_V", warps="NUM_WARPS", split="SPLIT_CHUNK")
     knob_defaults = {k: getattr(K, a) for k, a in knob_attrs.items()}
     r, h_, p = knob_defaults["reverse"], knob_defaults["hints"], knob_defaults["prefetch"]
     sms = 2 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
@@ -116,7 +117,9 @@ def main():
             for backend in ("triton", native_backend) for gib in (1.0, 1.2, 1.35)]
     runs += [(backend, 1.0, {} if backend == "triton" else None, variant)
              for variant in ("vllm_is", "gspo") for backend in ("triton", native_backend)]
+    split_chunks = (128,) if dry else (4096, 2048)  # the split single pass (fp32 tiles: 16 KiB / 8 KiB chunks)
     runs += [("triton", 1.0, knobs, None) for knobs in (
+        *(dict(split=chunk, warps=8 if chunk >= 4096 else 4) for chunk in split_chunks),
         dict(reverse=not r, hints=not h_), dict(prefetch=not p), dict(reverse=not r, hints=not h_, prefetch=not p),
         dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
         dict(block=8192), dict(block=8192, warps=16, programs=sms))]

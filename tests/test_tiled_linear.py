@@ -472,6 +472,23 @@ def test_triton_dtypes_bias_small_tiles(dtype, bias, tiles):
 
 @on_gpu
 @needs_triton
+@pytest.mark.parametrize("tiles", ["small"], indirect=True)
+@pytest.mark.parametrize("mode", ["fp32", "mixed"])
+def test_triton_split_single_pass_on_the_tiles(mode, tiles, kernel_calls, monkeypatch):
+    """The tiles through the split single pass (``SPLIT_CHUNK = 64``: 5 programs a row at V = 300), fp32 tiles
+    to fp32 / bf16 gradients and the mixed mode's bf16 ``dz``: the reference's values."""
+    from fused_rl.kernels import logits as K
+
+    monkeypatch.setattr(K, "SPLIT_CHUNK", 64)
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", mode)
+    for dtype in ((torch.bfloat16,) if mode == "mixed" else (torch.float32, torch.bfloat16)):
+        compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, dtype=dtype, seed=25), GPU),
+                       CONFIGS[5], backend="triton")
+    assert kernel_calls and all(k == "triton" for k, _ in kernel_calls)
+
+
+@on_gpu
+@needs_triton
 @pytest.mark.parametrize("tiles", ["fixed"], indirect=True)
 def test_triton_frozen_weight_and_mixed_mode(tiles, monkeypatch):
     compare_linear(on_device(make_linear_case(batch=3, length=5, vocab=300, seed=23), GPU), CONFIGS[1],
