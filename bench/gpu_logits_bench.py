@@ -352,6 +352,26 @@ def main():
         rows = [r for r in results if r["name"].startswith(prefix) and "ms" in r]
         return min(rows, key=lambda r: r["ms"]) if rows else None
 
+    if not args.quick:  # first of the sweeps: the one not yet run on a GPU
+        hints_default = K.CACHE_HINTS
+        # the single pass with each row split over programs (kernels/logits.py SPLIT_CHUNK: the logits read once,
+        # each chunk held in registers while the row's programs wait for each other), by chunk x warps, then the
+        # best without the eviction hints
+        try:
+            def run_split(chunk, warps, hints=hints_default):
+                K.SPLIT_CHUNK, K.NUM_WARPS, K.CACHE_HINTS = chunk, warps, hints
+                measure(f"sweep triton split CHUNK={chunk} warps={warps} hints={hints}", step_for("triton"), x,
+                        results, extra=dict(chunk=chunk, warps=warps, hints=hints), **one)
+
+            for chunk, warps in (((256, 4),) if DRY else K.SPLIT_CANDIDATES):
+                run_split(chunk, warps)
+            top = best("sweep triton split")
+            if top:
+                run_split(top["chunk"], top["warps"], hints=not hints_default)
+        finally:
+            K.SPLIT_CHUNK = K.NUM_WARPS = None
+            K.CACHE_HINTS = hints_default
+
     if not args.quick and cuda_reason is None and not DRY and hasattr(native._C, "cuda_set_threads"):
         # the CUDA kernels' launch shape (threads per block x blocks per SM) at the default loop knobs, then at
         # the best shape the loads in flight per thread and each other setting of the gradient sweep's order
@@ -396,7 +416,7 @@ def main():
             for block, warps in (((256, 8),) if DRY else ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8),
                                                           (8192, 16), (16384, 16))):
                 run_triton(block, warps)
-            top = best("sweep triton")
+            top = best("sweep triton single-pass")
             bw = (top["block_v"], top["warps"]) if top else (256, 8)
             r, h, p = knob_defaults
             for reverse, hints in ((not r, h), (r, not h), (not r, not h)):
@@ -411,23 +431,6 @@ def main():
         finally:
             K.MAX_BLOCK_V = K.NUM_WARPS = K.MAX_PROGRAMS = None
             K.GRAD_REVERSE, K.CACHE_HINTS, K.PREFETCH = knob_defaults
-        # the single pass with each row split over programs (kernels/logits.py SPLIT_CHUNK: the logits read once,
-        # each chunk held in registers while the row's programs wait for each other), by chunk x warps, then the
-        # best without the eviction hints
-        try:
-            def run_split(chunk, warps, hints=knob_defaults[1]):
-                K.SPLIT_CHUNK, K.NUM_WARPS, K.CACHE_HINTS = chunk, warps, hints
-                measure(f"sweep triton split CHUNK={chunk} warps={warps} hints={hints}", step_for("triton"), x,
-                        results, extra=dict(chunk=chunk, warps=warps, hints=hints), **one)
-
-            for chunk, warps in (((256, 4),) if DRY else K.SPLIT_CANDIDATES):
-                run_split(chunk, warps)
-            top = best("sweep triton split")
-            if top:
-                run_split(top["chunk"], top["warps"], hints=not knob_defaults[1])
-        finally:
-            K.SPLIT_CHUNK = K.NUM_WARPS = None
-            K.CACHE_HINTS = knob_defaults[1]
 
     dump(args.out, info, results, final=True)
 
