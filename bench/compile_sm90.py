@@ -72,6 +72,19 @@ POLICY_VARIANTS_FULL = POLICY_VARIANTS + [
 ] + [(PolicyLossConfig(policy_loss="sapo", rollout_is="token_truncate", rollout_is_min=0.5), True)]
 
 
+def split_ordering(kernel) -> str:
+    """`` ordered`` when the split pass's PTX synchronizes as its docstring says: a ``bar.sync`` right before the
+    ``acq_rel`` arrival atomic (every thread's statistics stored first), an ``acquire`` load of the count in the
+    wait, and the statistics read through L2 (``ld.global.cg``) after it; else what is missing."""
+    ptx = kernel.asm["ptx"]
+    arrival = re.search(r"bar\.sync[^\n]*\n(?:(?!bar\.sync)[^\n]*\n){0,12}?[^\n]*atom\.global\.gpu\.acq_rel\.add", ptx)
+    wait = re.search(r"ld\.global\.gpu\.acquire", ptx)
+    after = wait and re.search(r"ld\.global\.cg", ptx[wait.end():])
+    missing = [name for name, found in (("barrier+arrival", arrival), ("acquire wait", wait), ("L2 reads", after))
+               if not found]
+    return " ordered" if not missing else " UNORDERED: " + ", ".join(missing)
+
+
 def epilogue_signature(config, on_policy: bool) -> tuple[dict, dict]:
     """``(runtime float types, constexprs)`` of the epilogue arguments of ``config``."""
     args = E.epilogue_args(config, on_policy)
@@ -115,12 +128,16 @@ def main(full: bool) -> None:
         k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
         print(xdt, "policy BLOCK_N=4 BLOCK_V=1024", resource_usage(k))
         split = {n: v for n, v in consts.items() if n not in ("BLOCK_N", "BLOCK_V", "REVERSE", "PREFETCH")}
+        split_types = {**types, **floats, "sync_ptr": "*i32", "part_ptr": "*fp32"}
         for chunk, warps in K.SPLIT_CANDIDATES:  # the rows split over programs; PHASE 0, the GPU's
-            k = compile_kernel(K._policy_split_kernel, {**types, **floats, "sync_ptr": "*i32", "part_ptr": "*fp32"},
+            k = compile_kernel(K._policy_split_kernel, split_types,
                                {**split, "CHUNK": chunk, "K_POW2": K.triton.next_power_of_2(-(-151936 // chunk)),
                                 "PHASE": 0}, warps)
-            atomics = "atom.global" in k.asm["ptx"] or "atom.acq_rel" in k.asm["ptx"]
-            print(xdt, f"policy split CHUNK={chunk} warps={warps}{' atomics' if atomics else ''}", resource_usage(k))
+            print(xdt, f"policy split CHUNK={chunk} warps={warps}{split_ordering(k)}", resource_usage(k))
+        # one row: the runtime passes an int argument equal to 1 as a constexpr (N = 1 failed to compile once)
+        k = compile_kernel(K._policy_split_kernel, split_types, {**split, "N": 1, "CHUNK": 4096, "K_POW2": 64,
+                                                                 "PHASE": 0}, 8)
+        print(xdt, "policy split N=1", resource_usage(k))
         k = compile_kernel(K._scale_kernel, dict(x_ptr="*" + xdt, s0="i64", g_ptr="*fp32"),
                            dict(BLOCK_N=1, BLOCK_V=block), warps)
         print(xdt, "scale", resource_usage(k))

@@ -102,7 +102,7 @@ def main():
 
     # the Triton single pass's knobs (module globals of fused_rl.kernels.logits), by name
     knob_attrs = dict(reverse="GRAD_REVERSE", hints="CACHE_HINTS", prefetch="PREFETCH", programs="MAX_PROGRAMS",
-                      block="MAX_BLOCK_V", warps="NUM_WARPS", split="SPLIT_CHUNK")
+                      block="MAX_BLOCK_V", warps="NUM_WARPS", split="SPLIT_CHUNK", split_warps="SPLIT_WARPS")
     knob_defaults = {k: getattr(K, a) for k, a in knob_attrs.items()}
     r, h_, p = knob_defaults["reverse"], knob_defaults["hints"], knob_defaults["prefetch"]
     sms = 2 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
@@ -119,7 +119,7 @@ def main():
              for variant in ("vllm_is", "gspo") for backend in ("triton", native_backend)]
     split_chunks = (128,) if dry else (4096, 2048)  # the split single pass (fp32 tiles: 16 KiB / 8 KiB chunks)
     runs += [("triton", 1.0, knobs, None) for knobs in (
-        *(dict(split=chunk, warps=8 if chunk >= 4096 else 4) for chunk in split_chunks),
+        *(dict(split=chunk) for chunk in split_chunks),  # 16 columns a thread (SPLIT_WARPS' default)
         dict(reverse=not r, hints=not h_), dict(prefetch=not p), dict(reverse=not r, hints=not h_, prefetch=not p),
         dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
         dict(block=8192), dict(block=8192, warps=16, programs=sms))]

@@ -290,7 +290,11 @@ def main():
         for backend in checked + ("reference",):
             x.grad = None
             try:  # one backend failing must not lose the others' agreement
-                K.SPLIT_CHUNK = K.SPLIT_CANDIDATES[0][0] if backend == "triton-split" else None
+                if backend == "triton-split":  # the first candidate, counting its launches (0: it did not run)
+                    K.SPLIT_CHUNK, K.SPLIT_WARPS = K.SPLIT_CANDIDATES[0]
+                    launch = K._launch_split
+                    K._launch_split = lambda *a: (info.update(split_launches=info.get("split_launches", 0) + 1),
+                                                  launch(*a))
                 out = fused_rl.policy_loss(x, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, config=cfg,
                                            backend=backend.split("-")[0], check_inputs=False)
                 out.loss.backward()
@@ -298,7 +302,9 @@ def main():
                 info.setdefault("check_errors", {})[backend] = f"{type(exc).__name__}: {exc}"
                 continue
             finally:
-                K.SPLIT_CHUNK = None
+                if backend == "triton-split":
+                    K.SPLIT_CHUNK = K.SPLIT_WARPS = None
+                    K._launch_split = launch
             got[backend] = (out.loss.item(), {k: v.item() for k, v in out.metrics.items()},
                             x.grad[:, :4].float().clone())
         checked = tuple(b for b in checked if b in got)
@@ -359,7 +365,7 @@ def main():
         # best without the eviction hints
         try:
             def run_split(chunk, warps, hints=hints_default):
-                K.SPLIT_CHUNK, K.NUM_WARPS, K.CACHE_HINTS = chunk, warps, hints
+                K.SPLIT_CHUNK, K.SPLIT_WARPS, K.CACHE_HINTS = chunk, warps, hints
                 measure(f"sweep triton split CHUNK={chunk} warps={warps} hints={hints}", step_for("triton"), x,
                         results, extra=dict(chunk=chunk, warps=warps, hints=hints), **one)
 
@@ -369,7 +375,7 @@ def main():
             if top:
                 run_split(top["chunk"], top["warps"], hints=not hints_default)
         finally:
-            K.SPLIT_CHUNK = K.NUM_WARPS = None
+            K.SPLIT_CHUNK = K.SPLIT_WARPS = None
             K.CACHE_HINTS = hints_default
 
     if not args.quick and cuda_reason is None and not DRY and hasattr(native._C, "cuda_set_threads"):

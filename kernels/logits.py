@@ -68,6 +68,11 @@ PREFETCH = False
 #: it gives a row two or more programs. A tuning knob for ``bench/gpu_logits_bench.py``'s sweep (the results
 #: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
 SPLIT_CHUNK: Optional[int] = None
+#: num_warps of the split pass (None: ``SPLIT_CHUNK / 512``, 16 columns a thread, at most 16 warps).
+SPLIT_WARPS: Optional[int] = None
+#: Polls of a row's arrival count before a program of the split pass gives up waiting (~1 us each: ~1 s; a
+#: row's programs wait for each other microseconds); then every other wait gives up at once, and the loss is NaN.
+SPLIT_MAX_POLLS = 1 << 20
 #: ``(SPLIT_CHUNK, num_warps)`` pairs that ``bench/gpu_logits_bench.py`` measures and ``bench/compile_sm90.py``
 #: compiles (16 or 32 columns a thread; the first also checks the split pass at full size there). Each program
 #: takes one ticket from one counter (an atomic on one address): 2048 columns are 1.2M tickets at N = 16384,
@@ -329,7 +334,7 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
             rows, in_rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr, ent_ptr,
             loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef,
             ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT, HAS_RIS_MIN,
-            HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT)
+            HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT, False)
         if WRITE_GRAD:
             _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
                       m_row, log2_s, ent, g_logp, g_h, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "",
@@ -343,11 +348,12 @@ def _token_outputs(rows, in_rows, store, valid, logp, ent, adv_ptr, w_ptr, old_p
                    HAS_DELTA: tl.constexpr, KL: tl.constexpr, KL_ST: tl.constexpr, ADD_KL: tl.constexpr,
                    KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr, HAS_RIS_MIN: tl.constexpr,
                    HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr,
-                   WITH_ENT: tl.constexpr):
+                   WITH_ENT: tl.constexpr, ADD_LOSS: tl.constexpr):
     """The policy kernels' per-token part: reads ``A, w`` (and ``old``, ``ref``, the rollout log-probs where the
     constexprs use them) of ``rows``, runs :func:`~fused_rl.kernels.epilogue.token_epilogue` on the rows'
-    ``logp``, ``H`` (0 where not ``valid``), stores ``logp, H, w l, r, kl`` where ``store`` (and ``in_rows``), and
-    returns the gradient coefficients ``(w dl/dlogp, w dl/dH)``."""
+    ``logp``, ``H`` (0 where not ``valid``), stores ``logp, H, w l, r, kl`` where ``store`` (and ``in_rows``; ``w l``
+    added atomically with ``ADD_LOSS``, into zeros), and returns the gradient coefficients
+    ``(w dl/dlogp, w dl/dH)``."""
     logp = tl.where(valid, logp, 0.0)
     ent = tl.where(valid, ent, 0.0)
     adv = tl.load(adv_ptr + rows, mask=in_rows, other=0.0)
@@ -369,23 +375,21 @@ def _token_outputs(rows, in_rows, store, valid, logp, ent, adv_ptr, w_ptr, old_p
     tl.store(logp_ptr + rows, logp, mask=out)
     if WITH_ENT:
         tl.store(ent_ptr + rows, ent, mask=out)
-    tl.store(loss_ptr + rows, w * loss, mask=out)
+    if ADD_LOSS:
+        tl.atomic_add(loss_ptr + rows, w * loss, mask=out, sem="relaxed")
+    else:
+        tl.store(loss_ptr + rows, w * loss, mask=out)
     tl.store(ratio_ptr + rows, ratio, mask=out)
     if KL != 0:
         tl.store(kl_ptr + rows, kl, mask=out)
     return w * dlogp, w * dh
 
 
-#: Polls of a row's arrival counter before the split kernel gives up on it (a row's programs not all resident
-#: at once: not expected, see :func:`_policy_split_kernel`); the row's outputs are then NaN, not a hang.
-MAX_POLLS = tl.constexpr(1 << 22)
-
-
 @triton.jit
 def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, out_ptr,
                          os0, os1, logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr, temperature,
                          clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef, ris_min,
-                         ris_max, sync_ptr, part_ptr, K,
+                         ris_max, sync_ptr, part_ptr, K, max_polls,
                          POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr, KL: tl.constexpr,
                          KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
                          HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
@@ -404,10 +408,13 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
     ``PHASE`` 0 (GPU): both halves, with the wait between them. Programs take their item (row, chunk) from a
     ticket counter (``sync[N]``) in the order they start, so the programs of a row that is waited on have
     either started or are the next to start: with at least ``K`` programs resident at once (the launcher
-    checks ``K`` <= the SM count) every row completes. The wait gives up after ``MAX_POLLS`` polls: NaN
-    statistics (a NaN loss), not a hang. The interpreter runs programs one after the other, so it launches
-    ``PHASE`` 1 (load, publish, arrive) and then ``PHASE`` 2 (load again, combine, epilogue, gradient): the
-    same code, without the wait.
+    checks ``K`` <= the SM count) every row completes. A wait gives up after ``max_polls`` polls of the count,
+    or at once once another program has given up (the flag ``sync[N + 1]``, so that a launch where fewer than
+    ``K`` programs fit, e.g. beside other kernels, ends after one such wait, not one per row); a program that
+    gave up makes its chunk's ``dlogits`` NaN and adds NaN to its row's loss term (the chunk-0 program adds the
+    term itself into zeros, ``ADD_LOSS``), so the loss is NaN whichever program gave up. The interpreter runs
+    programs one after the other, so it launches ``PHASE`` 1 (load, publish, arrive) and then ``PHASE`` 2 (load
+    again, read the count, combine, epilogue, gradient): the same code, without the wait.
 
     Offsets are int64 (``rows`` int64; ``N K < 2^31`` items, checked by the launcher)."""
     scale = LOG2E / temperature
@@ -426,7 +433,7 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
     x_off = _row_offset(rows, T, xs0, xs1)
     # ignored rows: all -inf, nothing read
     x_raw = _load_block(x_ptr, x_off, valid, k * CHUNK, V, CHUNK, "evict_first" if HINTS else "")
-    nk = N.to(tl.int64) * K
+    nk = tl.cast(N, tl.int64) * K  # N == 1 is a constexpr int on a GPU (no .to)
     part_row = part_ptr + rows * K  # per chunk: m_k at [0, nk), s_k at [nk, 2 nk), q_k at [2 nk, 3 nk)
     xt_ptr = part_ptr + 3 * nk + rows  # the target logit
     arrived = K
@@ -449,9 +456,12 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
             done = tl.where(valid_row, tl.atomic_add(sync_ptr + row, 0, mask=valid_row, sem="acquire"), K)
         if PHASE == 0:
             polls = 0
-            while (done < K) & (polls < MAX_POLLS):
+            stop = tl.atomic_add(sync_ptr + N + 1, 0, sem="relaxed")
+            while (done < K) & (polls < max_polls) & (stop == 0):
                 done = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
+                stop = tl.atomic_add(sync_ptr + N + 1, 0, sem="relaxed")
                 polls += 1
+            tl.atomic_xchg(sync_ptr + N + 1, 1, mask=done < K, sem="relaxed")  # gave up: the others need not wait
         ks = tl.arange(0, K_POW2)
         read = (ks < K) & ((tl.zeros([K_POW2], tl.int32) + valid_row.to(tl.int32)) > 0)
         m_all = tl.load(part_row + ks, mask=read, other=float("-inf"), cache_modifier=".cg")
@@ -460,7 +470,10 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
         if WITH_ENT:
             q_all = tl.load(part_row + 2 * nk + ks, mask=read, other=0.0, cache_modifier=".cg")
         m, s, q = _combine_chunks(m_all, s_all, q_all, scale, WITH_ENT)
+        gave_up = (done + tl.zeros([1], tl.int32)) < K  # (as a row vector)
         s = tl.where(done < K, float("nan"), s)  # gave up waiting: NaN, not a result from part of the row
+        tl.atomic_add(loss_ptr + rows, tl.full([1], float("nan"), tl.float32), mask=in_rows & gave_up,
+                      sem="relaxed")  # and a NaN loss, also where the chunk-0 program saw the whole row
         xt = tl.load(xt_ptr, mask=valid, other=float("nan"), cache_modifier=".cg")
         m_row, log2_s, logp, ent = _finish_stats(m + tl.zeros([1], tl.float32), s + tl.zeros([1], tl.float32),
                                                  q + tl.zeros([1], tl.float32), valid, xt, scale, WITH_ENT)
@@ -468,7 +481,7 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
             rows, in_rows, first, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr,
             ent_ptr, loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
             entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
-            HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT)
+            HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT, True)
         if WRITE_GRAD:
             a, b, h2, one_minus_pt = _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
             cols = k * CHUNK + tl.arange(0, CHUNK)
@@ -482,7 +495,9 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
 def _combine_chunks(m_k, s_k, q_k, scale, WITH_ENT: tl.constexpr):
     """A row's ``(m, s, q)`` (:func:`_block_update`) from its chunks' (vectors; absent chunks ``m_k = -inf``,
     ``s_k = q_k = 0``): ``m = max m_k``, ``s = sum a_k s_k``, ``q = sum a_k (q_k + d_k s_k)`` with
-    ``d_k = (m_k - m) scale``, ``a_k = 2^d_k``. A NaN or ``+inf`` in a chunk makes ``s`` NaN (its ``a_k`` is NaN)."""
+    ``d_k = (m_k - m) scale``, ``a_k = 2^d_k``. A NaN or ``+inf`` in a chunk makes ``s`` NaN: its ``s_k`` is NaN
+    (``_block_update``'s ``2^u`` of that entry; on a GPU ``max`` drops NaN, so ``m_k`` may be finite) or, at
+    ``+inf``, ``a_k`` (``inf - inf``)."""
     m = tl.max(m_k, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     d_k = (m_k - m_safe) * scale
@@ -598,9 +613,10 @@ def policy_fused(logits, targets, advantages, weights, old, ref, out, temperatur
             o, o.stride(0), o.stride(1), logp, ent if with_entropy else logp, loss, ratio,
             kl if epilogue["KL"] != 0 else logp, float(temperature))
     flags = dict(WITH_ENT=bool(with_entropy), WRITE_GRAD=bool(write_grad), **epilogue)
-    chunks = _split_chunks(n, V, x)
+    chunks = _split_chunks(n, V, x) if write_grad else 0  # without a gradient the row kernel reads a row once too
     with _on(x):
         if chunks:
+            loss.zero_()  # the split pass adds the loss terms
             _launch_split(args, flags, n, chunks, x)
         else:
             _policy_kernel[_grid(n, bn)](*args, BLOCK_N=bn, BLOCK_V=block, num_warps=warps, REVERSE=bool(GRAD_REVERSE),
@@ -619,15 +635,21 @@ def _split_chunks(rows: int, vocab: int, x: torch.Tensor) -> int:
     return chunks if 2 <= chunks <= sms and rows * chunks < 2**31 else 0
 
 
+def _split_phases() -> tuple[int, ...]:
+    """The ``PHASE`` launches of :func:`_policy_split_kernel`: ``(0,)`` compiled, ``(1, 2)`` in the interpreter,
+    which runs programs one after the other (the row kernel's type tells; it is never wrapped)."""
+    return (0,) if isinstance(_policy_kernel, triton.runtime.JITFunction) else (1, 2)
+
+
 def _launch_split(args, flags, rows: int, chunks: int, x: torch.Tensor) -> None:
-    """:func:`_policy_split_kernel` over ``rows x chunks`` items: one launch on a GPU; two in the interpreter,
-    which runs programs one after the other (``PHASE`` 1, then 2)."""
-    sync = torch.zeros(rows + 1, dtype=torch.int32, device=x.device)  # arrival counters, then the ticket
+    """:func:`_policy_split_kernel` over ``rows x chunks`` items (``SPLIT_WARPS`` warps, by default 16 columns a
+    thread); the loss terms' buffer must hold zeros (the kernel adds into it)."""
+    sync = torch.zeros(rows + 2, dtype=torch.int32, device=x.device)  # arrival counters, the ticket, the flag
     part = torch.empty(3 * rows * chunks + rows, dtype=torch.float32, device=x.device)
-    warps = NUM_WARPS or (4 if SPLIT_CHUNK <= 4096 else 8)
-    interpreted = not isinstance(_policy_split_kernel, triton.runtime.JITFunction)
-    for phase in ((1, 2) if interpreted else (0,)):
-        _policy_split_kernel[(rows * chunks,)](*args, sync_ptr=sync, part_ptr=part, K=chunks, CHUNK=SPLIT_CHUNK,
+    warps = SPLIT_WARPS or min(16, max(1, SPLIT_CHUNK // 512))
+    for phase in _split_phases():
+        _policy_split_kernel[(rows * chunks,)](*args, sync_ptr=sync, part_ptr=part, K=chunks,
+                                               max_polls=SPLIT_MAX_POLLS, CHUNK=SPLIT_CHUNK,
                                                K_POW2=triton.next_power_of_2(chunks), PHASE=phase,
                                                HINTS=bool(CACHE_HINTS), num_warps=warps, **flags)
 

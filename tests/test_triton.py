@@ -438,7 +438,9 @@ def test_kernels_compile_for_sm90():
             assert "vec16" in line, line
     assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=0 cache-hints" in res.stdout  # the eviction hints reach the PTX
     assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=1 cache-hints" in res.stdout
-    assert "bf16 policy split CHUNK=2048 warps=4 atomics" in res.stdout  # the split pass's arrival counters
+    # the split pass's synchronization in the PTX (barrier, acq_rel arrival, acquire wait, L2 reads), and one row
+    assert "UNORDERED" not in res.stdout and "bf16 policy split CHUNK=4096 warps=8 ordered" in res.stdout
+    assert "bf16 policy split N=1" in res.stdout
 
 
 # --------------------------------------------------------------------------- availability, heuristics
@@ -615,3 +617,43 @@ def test_split_row_with_a_missing_program_is_nan_not_a_partial_sum(device, monke
     assert torch.isnan(bad_logp[bad]) and torch.isnan(bad_grad[bad]).all()
     others = torch.arange(logp.numel()) != bad
     assert torch.equal(bad_logp[others], logp[others]) and torch.equal(bad_grad[others], grad[others])
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_split_one_launch_form_in_the_interpreter(device, monkeypatch, small_blocks):
+    """The GPU's one-launch form (``PHASE`` 0: tickets, the wait, the give-up) where programs run one after the
+    other, with the wait cut to 3 polls: a row's last program finds all of the row arrived and writes its chunk as
+    the row kernel does (the ticket -> (row, chunk) map and the statistics read after the wait); each earlier one
+    waits for programs that have not run, gives up (the first one waiting out its 3 polls, the rest at once on the
+    flag it set), and makes its chunk NaN and the loss NaN; ignored rows wait for nothing and stay 0."""
+    monkeypatch.setattr(small_blocks, "SPLIT_CHUNK", 256)
+    case = on_device(make_case(batch=3, length=4, vocab=1000, seed=22), device)
+    x = case.logits.clone().requires_grad_(True)
+    _loss(case, x, CONFIGS[1], backend="triton").loss.backward()
+    syncs = []
+    original = small_blocks._policy_split_kernel
+
+    class _KeepSync:  # the launch's counters: the tickets taken and the give-up flag
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                syncs.append(kwargs["sync_ptr"])
+                return original[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(small_blocks, "_policy_split_kernel", _KeepSync())
+    monkeypatch.setattr(small_blocks, "_split_phases", lambda: (0,))
+    monkeypatch.setattr(small_blocks, "SPLIT_MAX_POLLS", 3)
+    y = case.logits.clone().requires_grad_(True)
+    out = _loss(case, y, CONFIGS[1], backend="triton")
+    out.loss.backward()
+    assert torch.isnan(out.loss)
+    (sync,) = syncs
+    n = case.mask.numel()
+    assert sync[n] == 4 * n and sync[n + 1] == 1  # every item ticketed once; the flag set
+    valid = (case.mask & (case.targets != fused_rl.IGNORE_INDEX)).flatten()
+    got, want = y.grad.flatten(0, 1), x.grad.flatten(0, 1)
+    last = 3 * 256  # the last of the 4 chunks of V = 1000
+    assert valid.any() and (~valid).any()
+    torch.testing.assert_close(got[valid, last:], want[valid, last:], rtol=1e-5, atol=1e-7)
+    assert torch.isnan(got[valid, :last]).all()
+    assert (got[~valid] == 0).all()
