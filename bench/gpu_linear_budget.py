@@ -16,8 +16,8 @@ kernel reads fp32 tiles the GEMM has just written; a row
 its defaults (rows ``variant: vllm_is``: ``sequence_mask``, bound 3, folded into the advantages) and with gspo
 (``variant: gspo``: on CUDA the two tiled passes, four GEMMs; the FLOP column stays on ``6 N H V``). Then the
 same tiles' three GEMMs alone (``z = h W^T``, ``dh = dz W``, ``dW += dz^T h``, cuBLAS as the tiled route calls
-them): the time the route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints one JSON
-line per measurement.
+them): the time the route cannot go below without a GEMM of its own. Writes OUTDIR/linear_budget.json and prints
+one JSON line per measurement.
 """
 
 from __future__ import annotations
