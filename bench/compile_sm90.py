@@ -47,6 +47,18 @@ def vector_loads(kernel) -> str:
     return "vec16" if re.search(r"ld\.global(\.[\w:]+)*\.v4", kernel.asm["ptx"]) else "SCALAR-LOADS"
 
 
+def sass_instructions(kernel) -> int:
+    """The number of SASS instructions of ``kernel`` (``nvdisasm`` of its cubin; 0 without the tool)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(tool) or "cubin" not in kernel.asm:
+        return 0
+    path = "/tmp/fused_rl_sm90_sass.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    out = subprocess.run([tool, "-c", path], capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line))
+
+
 def resource_usage(kernel) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool) or "cubin" not in kernel.asm:
@@ -133,7 +145,10 @@ def main(full: bool) -> None:
             k = compile_kernel(K._policy_split_kernel, split_types,
                                {**split, "CHUNK": chunk, "K_POW2": K.triton.next_power_of_2(-(-151936 // chunk)),
                                 "PHASE": 0}, warps)
-            print(xdt, f"policy split CHUNK={chunk} warps={warps}{split_ordering(k)}", resource_usage(k))
+            # instructions a column: a program runs each once (no loop but the wait), over chunk / (32 warps) columns
+            per_column = sass_instructions(k) * 32 * warps / chunk
+            print(xdt, f"policy split CHUNK={chunk} warps={warps}{split_ordering(k)} SASS/column:{per_column:.1f}",
+                  resource_usage(k))
         # one row: the runtime passes an int argument equal to 1 as a constexpr (N = 1 failed to compile once)
         k = compile_kernel(K._policy_split_kernel, split_types, {**split, "N": 1, "CHUNK": 4096, "K_POW2": 64,
                                                                  "PHASE": 0}, 8)

@@ -117,9 +117,9 @@ def main():
             for backend in ("triton", native_backend) for gib in (1.0, 1.2, 1.35)]
     runs += [(backend, 1.0, {} if backend == "triton" else None, variant)
              for variant in ("vllm_is", "gspo") for backend in ("triton", native_backend)]
-    split_chunks = (128,) if dry else (4096, 2048)  # the split single pass (fp32 tiles: 16 KiB / 8 KiB chunks)
+    split_chunks = (128,) if dry else (8192, 4096)  # the split single pass (fp32 tiles: 32 KiB / 16 KiB chunks)
     runs += [("triton", 1.0, knobs, None) for knobs in (
-        *(dict(split=chunk) for chunk in split_chunks),  # 16 columns a thread (SPLIT_WARPS' default)
+        *(dict(split=chunk) for chunk in split_chunks),  # 64 columns a thread (SPLIT_WARPS' default)
         dict(reverse=not r, hints=not h_), dict(prefetch=not p), dict(reverse=not r, hints=not h_, prefetch=not p),
         dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
         dict(block=8192), dict(block=8192, warps=16, programs=sms))]

@@ -68,16 +68,18 @@ PREFETCH = False
 #: it gives a row two or more programs. A tuning knob for ``bench/gpu_logits_bench.py``'s sweep (the results
 #: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
 SPLIT_CHUNK: Optional[int] = None
-#: num_warps of the split pass (None: ``SPLIT_CHUNK / 512``, 16 columns a thread, at most 16 warps).
+#: num_warps of the split pass (None: ``SPLIT_CHUNK / 2048``, 64 columns a thread, 1 to 16 warps: a program's
+#: fixed instructions, ~660 a warp (combining, epilogue, wait), are then ~10 a column; at 16 columns ~40).
 SPLIT_WARPS: Optional[int] = None
 #: Polls of a row's arrival count before a program of the split pass gives up waiting (~1 us each: ~1 s; a
 #: row's programs wait for each other microseconds); then every other wait gives up at once, and the loss is NaN.
 SPLIT_MAX_POLLS = 1 << 20
 #: ``(SPLIT_CHUNK, num_warps)`` pairs that ``bench/gpu_logits_bench.py`` measures and ``bench/compile_sm90.py``
-#: compiles (16 or 32 columns a thread; the first also checks the split pass at full size there). Each program
-#: takes one ticket from one counter (an atomic on one address): 2048 columns are 1.2M tickets at N = 16384,
-#: V = 151936, near what one address takes in the time the pass should take, so the larger chunks come first.
-SPLIT_CANDIDATES = ((4096, 8), (8192, 16), (2048, 4), (4096, 4), (8192, 8))
+#: compiles, the first also checked at full size there. By sm_90 instruction count (``compile_sm90.py``, bf16,
+#: ppo_clip + k3 with entropy; the row kernel: ~24 a column, ~1.9 ms of issue at N = 16384, V = 151936): 64 columns
+#: a thread ~32 a column (2.4-2.7 ms of issue, 128 registers), 32 ~42 (3.2 ms), so 64 first. Each program takes one
+#: ticket (an atomic on one address): 2048 columns would be 1.2M of them.
+SPLIT_CANDIDATES = ((8192, 4), (16384, 8), (32768, 16), (4096, 4), (8192, 8))
 
 
 def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -642,11 +644,11 @@ def _split_phases() -> tuple[int, ...]:
 
 
 def _launch_split(args, flags, rows: int, chunks: int, x: torch.Tensor) -> None:
-    """:func:`_policy_split_kernel` over ``rows x chunks`` items (``SPLIT_WARPS`` warps, by default 16 columns a
+    """:func:`_policy_split_kernel` over ``rows x chunks`` items (``SPLIT_WARPS`` warps, by default 64 columns a
     thread); the loss terms' buffer must hold zeros (the kernel adds into it)."""
     sync = torch.zeros(rows + 2, dtype=torch.int32, device=x.device)  # arrival counters, the ticket, the flag
     part = torch.empty(3 * rows * chunks + rows, dtype=torch.float32, device=x.device)
-    warps = SPLIT_WARPS or min(16, max(1, SPLIT_CHUNK // 512))
+    warps = SPLIT_WARPS or min(16, max(1, SPLIT_CHUNK // 2048))
     for phase in _split_phases():
         _policy_split_kernel[(rows * chunks,)](*args, sync_ptr=sync, part_ptr=part, K=chunks,
                                                max_polls=SPLIT_MAX_POLLS, CHUNK=SPLIT_CHUNK,

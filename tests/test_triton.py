@@ -439,7 +439,7 @@ def test_kernels_compile_for_sm90():
     assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=0 cache-hints" in res.stdout  # the eviction hints reach the PTX
     assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=1 cache-hints" in res.stdout
     # the split pass's synchronization in the PTX (barrier, acq_rel arrival, acquire wait, L2 reads), and one row
-    assert "UNORDERED" not in res.stdout and "bf16 policy split CHUNK=4096 warps=8 ordered" in res.stdout
+    assert "UNORDERED" not in res.stdout and "bf16 policy split CHUNK=8192 warps=4 ordered" in res.stdout
     assert "bf16 policy split N=1" in res.stdout
 
 
