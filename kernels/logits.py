@@ -69,15 +69,15 @@ PREFETCH = False
 #: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
 SPLIT_CHUNK: Optional[int] = None
 #: num_warps of the split pass (None: ``SPLIT_CHUNK / 2048``, 64 columns a thread, 1 to 16 warps: a program's
-#: fixed instructions, ~660 a warp (combining, epilogue, wait), are then ~10 a column; at 16 columns ~40).
+#: fixed instructions, ~650 a warp (combining, epilogue, wait), are then ~10 a column; at 16 columns ~40).
 SPLIT_WARPS: Optional[int] = None
 #: Polls of a row's arrival count before a program of the split pass gives up waiting (~1 us each: ~1 s; a
 #: row's programs wait for each other microseconds); then every other wait gives up at once, and the loss is NaN.
 SPLIT_MAX_POLLS = 1 << 20
 #: ``(SPLIT_CHUNK, num_warps)`` pairs that ``bench/gpu_logits_bench.py`` measures and ``bench/compile_sm90.py``
 #: compiles, the first also checked at full size there. By sm_90 instruction count (``compile_sm90.py``, bf16,
-#: ppo_clip + k3 with entropy; the row kernel: ~24 a column, ~1.9 ms of issue at N = 16384, V = 151936): 64 columns
-#: a thread ~32 a column (2.4-2.7 ms of issue, 128 registers), 32 ~42 (3.2 ms), so 64 first. Each program takes one
+#: ppo_clip + k3 with entropy; the row kernel: ~21 a column, ~1.6 ms of issue at N = 16384, V = 151936): 64 columns
+#: a thread ~27 a column (2.0-2.3 ms of issue, 128 registers), 32 ~40 (3.0 ms), so 64 first. Each program takes one
 #: ticket (an atomic on one address): 2048 columns would be 1.2M of them.
 SPLIT_CANDIDATES = ((8192, 4), (16384, 8), (32768, 16), (4096, 4), (8192, 8))
 
@@ -190,7 +190,8 @@ def _block_update(x_raw, m, s, q, scale, WITH_ENT: tl.constexpr):
         # clamped where alpha = 2^shift is 0 anyway: shift * s overflowed to -inf (a max gap over ~1e33 tau)
         # and alpha * -inf made H NaN
         shift = tl.where(s > 0.0, tl.maximum((m - m_safe) * scale, -256.0), 0.0)
-        q = alpha * (q + shift * s) + tl.sum(e * tl.where(e > 0.0, uc, 0.0), axis=1)  # no 0 * -inf
+        # no 0 * -inf: where e > 0, uc > -150 (one max, not a compare and a select, per element)
+        q = alpha * (q + shift * s) + tl.sum(e * tl.maximum(uc, -1e30), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
     return m_new, s, q
 
@@ -249,9 +250,11 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
                                  EVICT)
         else:
             x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
-        g = _grad_block(x_raw, cols, tgt, m_row, log2_s, a, b, h2, one_minus_pt, scale, GRAD_ENT)
+        g = _grad_block(x_raw, m_row, log2_s, a, b, h2, scale, GRAD_ENT)
         tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
                  mask=in_rows[:, None] & (cols[None, :] < V), eviction_policy=EVICT)
+    _store_target_grad(out_ptr, o_off, tgt, valid & in_vocab & in_rows, xt, m_row, log2_s, a, b, h2, one_minus_pt,
+                       scale, GRAD_ENT)
 
 
 @triton.jit
@@ -269,15 +272,31 @@ def _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
 
 
 @triton.jit
-def _grad_block(x_raw, cols, tgt, m_row, log2_s, a, b, h2, one_minus_pt, scale, GRAD_ENT: tl.constexpr):
-    """``dlogits`` (fp32) of a ``BLOCK_N x BLOCK_V`` block at columns ``cols`` (``x_raw`` ``-inf`` outside the row
-    and on ignored rows: 0 there): ``a onehot - a p + b p (E[u] - u)`` (:func:`_row_grad`)."""
+def _grad_block(x_raw, m_row, log2_s, a, b, h2, scale, GRAD_ENT: tl.constexpr):
+    """``dlogits`` (fp32) of a ``BLOCK_N x BLOCK_V`` block but at the target (``x_raw`` ``-inf`` outside the row and
+    on ignored rows: 0 there): ``-a p + b p (E[u] - u)`` (:func:`_row_grad`); the target's entry, ``a`` more, is
+    :func:`_store_target_grad`'s (no compare and select per element)."""
     d = (x_raw.to(tl.float32) - m_row[:, None]) * scale - log2_s[:, None]
     p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
-    g = tl.where(cols[None, :] == tgt[:, None], a[:, None] * one_minus_pt[:, None], -a[:, None] * p)
+    g = -a[:, None] * p
     if GRAD_ENT:
         g += b[:, None] * p * tl.where(p > 0.0, -h2[:, None] - d, 0.0)  # no 0 * inf
     return g
+
+
+@triton.jit
+def _store_target_grad(out_ptr, o_off, tgt, store, xt, m_row, log2_s, a, b, h2, one_minus_pt, scale,
+                       GRAD_ENT: tl.constexpr):
+    """Overwrites the target entry of each row where ``store`` (valid, in-vocabulary target; in the program that
+    wrote that entry's block) with ``a (1 - p_t) + b p_t (E[u] - u_t)``, ``1 - p_t`` by expm1 (:func:`_grad_coefs`),
+    after a barrier: the block store that wrote ``-a p_t`` there may be another thread's."""
+    d = (xt - m_row) * scale - log2_s
+    g = a * one_minus_pt
+    if GRAD_ENT:
+        p = tl.exp2(d)
+        g += b * p * tl.where(p > 0.0, -h2 - d, 0.0)
+    tl.debug_barrier()
+    tl.store(out_ptr + o_off + tl.where(store, tgt, 0), g.to(out_ptr.dtype.element_ty), mask=store)
 
 
 @triton.jit
@@ -487,10 +506,13 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
         if WRITE_GRAD:
             a, b, h2, one_minus_pt = _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
             cols = k * CHUNK + tl.arange(0, CHUNK)
-            g = _grad_block(x_raw, cols, tgt, m_row, log2_s, a, b, h2, one_minus_pt, scale, ADD_ENT)
+            g = _grad_block(x_raw, m_row, log2_s, a, b, h2, scale, ADD_ENT)
             o_off = _row_offset(rows, T, os0, os1)
             tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
                      mask=in_rows[:, None] & (cols[None, :] < V), eviction_policy="evict_first" if HINTS else "")
+            owner = (tgt >= k * CHUNK) & (tgt < k * CHUNK + CHUNK) & (tgt < V)  # its chunk holds the target
+            _store_target_grad(out_ptr, o_off, tgt, valid & owner & in_rows, xt, m_row, log2_s, a, b, h2,
+                               one_minus_pt, scale, ADD_ENT)
 
 
 @triton.jit
