@@ -620,8 +620,8 @@ CUDA_AVAILABLE = fused_rl.available_backends(torch.device("cuda")) if torch.cuda
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_cuda_config_schedule_under_inductor(backend, linear, mode):
     """On the GPU, under ``torch.compile`` (inductor): a config whose floats change every step is two graphs, equal
-    to eager; the floats' host tensor is built by a CPU kernel inside a CUDA graph (the ops read it on the host: no
-    sync). Under ``mode="reduce-overhead"`` (CUDA graphs: recorded at the second call of a graph, replayed from the
+    to eager; the floats' host tensor is built by a CPU kernel inside the compiled graph (the ops read it on the host:
+    no sync). Under ``mode="reduce-overhead"`` (CUDA graphs: recorded at the second call of a graph, replayed from the
     third) too: the ops read their floats on the host, so they carry ``cudagraph_unsafe`` and run outside the
     recorded graphs; a replay of a recorded op would repeat the recorded floats, not the step's."""
     if CUDA_AVAILABLE.get(backend, "no CUDA device") is not None:
