@@ -657,3 +657,25 @@ def test_split_one_launch_form_in_the_interpreter(device, monkeypatch, small_blo
     torch.testing.assert_close(got[valid, last:], want[valid, last:], rtol=1e-5, atol=1e-7)
     assert torch.isnan(got[valid, :last]).all()
     assert (got[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_pass_on_drawn_shapes(seed, device, monkeypatch, small_blocks):
+    """The split single pass against the reference on drawn shapes: vocabularies from 17 to 1100 over chunks of 16,
+    64 or 256 columns (2 to 69 programs a row, the last chunk partial or not), 1-3 x 1-5 tokens, every logit kind
+    and dtype, a token-level config drawn from the suite's."""
+    import random
+
+    draw = random.Random(seed)
+    chunk = draw.choice([16, 64, 256])
+    vocab = draw.choice([2 * chunk, 3 * chunk + 1, draw.randint(17, 1100), draw.randint(700, 1100)])
+    monkeypatch.setattr(small_blocks, "SPLIT_CHUNK", chunk)
+    monkeypatch.setattr(small_blocks, "MAX_BLOCK_V", 64)
+    case = make_case(batch=draw.randint(1, 3), length=draw.randint(1, 5), vocab=vocab, kind=draw.choice(LOGIT_KINDS),
+                     dtype=draw.choice([torch.float32, torch.bfloat16]), seed=100 + seed)
+    launches = []
+    launch = small_blocks._launch_split
+    monkeypatch.setattr(small_blocks, "_launch_split", lambda *a: (launches.append(a[3]), launch(*a)))
+    compare_policy_loss("triton", on_device(case, device), draw.choice(TOKEN_CONFIGS))
+    assert launches == [-(-vocab // chunk)] or vocab <= chunk
