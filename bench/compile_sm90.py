@@ -47,16 +47,42 @@ def vector_loads(kernel) -> str:
     return "vec16" if re.search(r"ld\.global(\.[\w:]+)*\.v4", kernel.asm["ptx"]) else "SCALAR-LOADS"
 
 
-def sass_instructions(kernel) -> int:
-    """The number of SASS instructions of ``kernel`` (``nvdisasm`` of its cubin; 0 without the tool)."""
+def sass_lines(kernel) -> list[str]:
+    """The SASS of ``kernel`` (``nvdisasm`` of its cubin), one line per instruction or label; empty without the
+    tool."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(tool) or "cubin" not in kernel.asm:
-        return 0
+        return []
     path = "/tmp/fused_rl_sm90_sass.cubin"
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
     out = subprocess.run([tool, "-c", path], capture_output=True, text=True).stdout
-    return sum(1 for line in out.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line))
+    return [line for line in out.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/|^\s*\.L_x_\d+:", line)]
+
+
+def is_instruction(line: str) -> bool:
+    return re.search(r"/\*[0-9a-f]{4}\*/", line) is not None
+
+
+def sass_instructions(kernel) -> int:
+    """The number of SASS instructions of ``kernel`` (0 without ``nvdisasm``)."""
+    return sum(map(is_instruction, sass_lines(kernel)))
+
+
+def sass_loops(kernel) -> list[int]:
+    """The instructions of each loop body of ``kernel`` that holds no other loop (from a label to the branch back to
+    it), in code order: for the row kernel, its statistics and gradient loops over one block."""
+    lines, labels, bodies = sass_lines(kernel), {}, []
+    for i, line in enumerate(lines):
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = i
+        back = re.search(r"BRA\s+`?\(?\.(L_x_\d+)", line)
+        if back and labels.get(back.group(1), i) < i:
+            body = lines[labels[back.group(1)]:i + 1]
+            if not any(re.match(r"\s*\.L_x_", b) for b in body[1:]) and sum(map(is_instruction, body)) > 1:
+                bodies.append(sum(map(is_instruction, body)))
+    return bodies
 
 
 def resource_usage(kernel) -> str:
@@ -69,6 +95,9 @@ def resource_usage(kernel) -> str:
     out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
     return vector_loads(kernel) + " " + " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
 
+
+#: The config of ``bench/gpu_logits_bench.py`` (off-policy, with the entropy): the instruction counts are its.
+BENCH_CONFIG = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
 
 #: ``(config, on_policy)`` of the policy kernels compiled: the hot configuration, then every option at
 #: once (``--all``: each policy loss with each KL estimator, and both rollout corrections, too).
@@ -139,8 +168,18 @@ def main(full: bool) -> None:
             print(xdt, f"policy {tag}{' cache-hints' if hints else ''}", resource_usage(k))
         k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
         print(xdt, "policy BLOCK_N=4 BLOCK_V=1024", resource_usage(k))
-        split = {n: v for n, v in consts.items() if n not in ("BLOCK_N", "BLOCK_V", "REVERSE", "PREFETCH")}
-        split_types = {**types, **floats, "sync_ptr": "*i32", "part_ptr": "*fp32"}
+        # the benchmark's config: the row kernel's instructions per block of its two loops, and the split's per column
+        bench_floats, bench_consts = epilogue_signature(BENCH_CONFIG, False)
+        bench_consts.update(WITH_ENT=True, WRITE_GRAD=True, HINTS=K.CACHE_HINTS)
+        k = compile_kernel(K._policy_kernel, {**types, **bench_floats},
+                           {**bench_consts, "BLOCK_N": 1, "BLOCK_V": block, "REVERSE": K.GRAD_REVERSE,
+                            "PREFETCH": K.PREFETCH}, warps)
+        loops = sass_loops(k)
+        columns = block / (32 * warps)  # a thread's columns of one block
+        print(xdt, f"policy bench-config SASS loops:{'+'.join(map(str, loops))} a block "
+                   f"({sum(loops) / columns:.1f} a column)", resource_usage(k))
+        split = bench_consts
+        split_types = {**types, **bench_floats, "sync_ptr": "*i32", "part_ptr": "*fp32"}
         for chunk, warps in K.SPLIT_CANDIDATES:  # the rows split over programs; PHASE 0, the GPU's
             k = compile_kernel(K._policy_split_kernel, split_types,
                                {**split, "CHUNK": chunk, "K_POW2": K.triton.next_power_of_2(-(-151936 // chunk)),

@@ -69,7 +69,7 @@ PREFETCH = False
 #: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
 SPLIT_CHUNK: Optional[int] = None
 #: num_warps of the split pass (None: ``SPLIT_CHUNK / 2048``, 64 columns a thread, 1 to 16 warps: a program's
-#: fixed instructions, ~650 a warp (combining, epilogue, wait), are then ~10 a column; at 16 columns ~40).
+#: fixed instructions, ~850 a warp (combining, epilogue, wait), are then ~13 a column, ~27 in all; ~40 at 32).
 SPLIT_WARPS: Optional[int] = None
 #: Polls of a row's arrival count before a program of the split pass gives up waiting (~1 us each: ~1 s; a
 #: row's programs wait for each other microseconds); then every other wait gives up at once, and the loss is NaN.
@@ -267,8 +267,21 @@ def _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
     a = tl.where(valid, tl.where(in_vocab, g_logp / temperature, float("nan")), 0.0)
     b = tl.where(valid, g_h * (LN2 / temperature), 0.0)
     xt = tl.where(valid & in_vocab, xt, 0.0)
-    one_minus_pt = -expm1(((xt - m_row) * (LOG2E / temperature) - log2_s) * LN2)
+    one_minus_pt = -expm1(_log2_p(xt, m_row, log2_s, LOG2E / temperature) * LN2)
     return a, b, ent * LOG2E, one_minus_pt
+
+
+@triton.jit
+def _log2_p(x, m_row, log2_s, scale):
+    """``log2 p = (x - m) scale - log2 s`` of logits ``x`` (fp32) of a row with statistics ``m``, ``log2 s``."""
+    return (x - m_row) * scale - log2_s
+
+
+@triton.jit
+def _entropy_grad(p, d, b, h2):
+    """The entropy's part of an entry's gradient, ``b p (E[u] - u)`` with ``E[u] - u = -H log2(e) - d``, ``d = log2 p``
+    (0 where ``p = 0``: no ``0 * inf``)."""
+    return b * p * tl.where(p > 0.0, -h2 - d, 0.0)
 
 
 @triton.jit
@@ -276,11 +289,11 @@ def _grad_block(x_raw, m_row, log2_s, a, b, h2, scale, GRAD_ENT: tl.constexpr):
     """``dlogits`` (fp32) of a ``BLOCK_N x BLOCK_V`` block but at the target (``x_raw`` ``-inf`` outside the row and
     on ignored rows: 0 there): ``-a p + b p (E[u] - u)`` (:func:`_row_grad`); the target's entry, ``a`` more, is
     :func:`_store_target_grad`'s (no compare and select per element)."""
-    d = (x_raw.to(tl.float32) - m_row[:, None]) * scale - log2_s[:, None]
+    d = _log2_p(x_raw.to(tl.float32), m_row[:, None], log2_s[:, None], scale)
     p = tl.exp2(d)  # 0 on masked lanes and ignored rows (x = -inf there)
     g = -a[:, None] * p
     if GRAD_ENT:
-        g += b[:, None] * p * tl.where(p > 0.0, -h2[:, None] - d, 0.0)  # no 0 * inf
+        g += _entropy_grad(p, d, b[:, None], h2[:, None])
     return g
 
 
@@ -290,11 +303,10 @@ def _store_target_grad(out_ptr, o_off, tgt, store, xt, m_row, log2_s, a, b, h2, 
     """Overwrites the target entry of each row where ``store`` (valid, in-vocabulary target; in the program that
     wrote that entry's block) with ``a (1 - p_t) + b p_t (E[u] - u_t)``, ``1 - p_t`` by expm1 (:func:`_grad_coefs`),
     after a barrier: the block store that wrote ``-a p_t`` there may be another thread's."""
-    d = (xt - m_row) * scale - log2_s
     g = a * one_minus_pt
     if GRAD_ENT:
-        p = tl.exp2(d)
-        g += b * p * tl.where(p > 0.0, -h2 - d, 0.0)
+        d = _log2_p(xt, m_row, log2_s, scale)
+        g += _entropy_grad(tl.exp2(d), d, b, h2)
     tl.debug_barrier()
     tl.store(out_ptr + o_off + tl.where(store, tgt, 0), g.to(out_ptr.dtype.element_ty), mask=store)
 

@@ -441,6 +441,7 @@ def test_kernels_compile_for_sm90():
     # the split pass's synchronization in the PTX (barrier, acq_rel arrival, acquire wait, L2 reads), and one row
     assert "UNORDERED" not in res.stdout and "bf16 policy split CHUNK=8192 warps=4 ordered" in res.stdout
     assert "bf16 policy split N=1" in res.stdout
+    assert "bf16 policy bench-config SASS loops:" in res.stdout  # the instruction counts docs/triton.md cites
 
 
 # --------------------------------------------------------------------------- availability, heuristics
