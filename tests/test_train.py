@@ -913,7 +913,7 @@ _DDP_EVAL_WORKER = """
 import sys
 
 from fused_rl.train.config import load_config
-from fused_rl.train.trainer import Trainer
+from fused_rl.train.trainer import Trainer, close_distributed
 
 out = sys.argv[1]
 cfg = load_config(None, [], run_dir=out + "/run", steps=2, warmup_steps=0, prompts_per_step=2, group_size=2,
@@ -922,6 +922,7 @@ cfg = load_config(None, [], run_dir=out + "/run", steps=2, warmup_steps=0, promp
                   model_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                 "num_attention_heads": 2})
 Trainer(cfg, quiet=True).train()
+close_distributed()  # the group ended here, not in the interpreter's teardown (where gloo once aborted the run)
 """
 
 

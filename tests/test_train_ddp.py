@@ -9,7 +9,6 @@ batch. Covers the per-sequence aggregation (grpo, with gradient accumulation) an
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -37,9 +36,7 @@ def _params(trainer) -> dict:
 
 
 def _worker(out_dir: str, backend: str) -> None:
-    import torch.distributed as dist
-
-    from fused_rl.train.trainer import Trainer
+    from fused_rl.train.trainer import Trainer, close_distributed
 
     results = {}
     for algorithm in ALGORITHMS:
@@ -55,11 +52,9 @@ def _worker(out_dir: str, backend: str) -> None:
         torch.save(results, os.path.join(out_dir, "ddp_result.pt"))
     # the DDP wrapper's reducer holds the process group: freed at interpreter exit it ran the gloo group's destructor
     # with the GIL held while a gloo thread waited for the GIL to free the barrier's work (torch's known shutdown
-    # deadlock: a hang after the results were written); free it first, then destroy the group
+    # deadlock: a hang after the results were written); free it first, then end the group
     del trainer
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_distributed()
 
 
 def test_ddp_step_equals_single_process(tmp_path):

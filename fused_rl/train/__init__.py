@@ -21,7 +21,7 @@ def __getattr__(name):
 def train(config=None, overrides=None, **kwargs):
     """Load a config (path / bundled name / None for the default), apply overrides, train; returns history.
     A :class:`TrainConfig` is validated and trained as it is (overrides or keywords with it raise)."""
-    from .trainer import Trainer
+    from .trainer import Trainer, close_distributed
 
     if isinstance(config, TrainConfig):
         if overrides or kwargs:
@@ -30,4 +30,6 @@ def train(config=None, overrides=None, **kwargs):
         cfg = config
     else:
         cfg = load_config(config, overrides, **kwargs)
-    return Trainer(cfg).train()
+    history = Trainer(cfg).train()
+    close_distributed()
+    return history

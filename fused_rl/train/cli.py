@@ -15,7 +15,7 @@ from typing import Optional
 
 def _train(argv: list[str]) -> int:
     from .config import load_config
-    from .trainer import Trainer
+    from .trainer import Trainer, close_distributed
 
     config = None
     rest: list[str] = []
@@ -40,6 +40,7 @@ def _train(argv: list[str]) -> int:
             i += 1
     cfg = load_config(config, rest)
     Trainer(cfg).train()
+    close_distributed()
     return 0
 
 

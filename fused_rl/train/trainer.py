@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import math
 import os
@@ -51,11 +52,31 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+#: Whether :func:`init_distributed` started the process group (so :func:`close_distributed` ends it; a group the
+#: caller started is the caller's).
+_STARTED_GROUP = False
+
+
 def init_distributed(device_type: str) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun's environment (``WORLD_SIZE > 1``); gloo on CPU."""
+    global _STARTED_GROUP
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        _STARTED_GROUP = True
     return _world()
+
+
+def close_distributed() -> None:
+    """Ends the process group :func:`init_distributed` started, once every process is done (a barrier), after the
+    trainers are released (``fused-rl train`` and :func:`fused_rl.train.train` call it). Left to interpreter exit,
+    the group was destroyed while a DDP wrapper still held it, in torch's teardown: the gloo threads then aborted
+    the process ("terminate called without an active exception", a torchrun test once) or deadlocked on the GIL."""
+    global _STARTED_GROUP
+    if _STARTED_GROUP and dist.is_initialized():
+        gc.collect()  # a released Trainer's DDP wrapper in reference cycles
+        dist.barrier()
+        dist.destroy_process_group()
+    _STARTED_GROUP = False
 
 
 def _all_sum(x: torch.Tensor) -> torch.Tensor:
