@@ -280,12 +280,19 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     return torch.where(torch.isfinite(phi), phi, zeros)
 
 
-def _bound(like: torch.Tensor, value: float) -> torch.Tensor:
-    """A config float as a 0-dim tensor of ``like``'s dtype and device, for a ``clamp`` bound: formed as
-    ``ones * value`` because under ``torch.compile`` dynamo keeps a Python float that changes between steps an input
-    of the graph only where arithmetic uses it; as ``clamp``'s scalar bound (or ``full_like``'s fill) it is a
-    constant, a new graph per value. The same bound in ``like``'s dtype as the scalar's, the same gradient."""
+def config_scalar(like: torch.Tensor, value: float) -> torch.Tensor:
+    """A config float as a 0-dim tensor of ``like``'s dtype and device (``ones * value``), for a ``clamp`` bound or
+    any arithmetic on the float: under ``torch.compile`` dynamo keeps a Python float that changes between steps an
+    input of the graph only where it meets a tensor directly; as ``clamp``'s scalar bound (or ``full_like``'s fill)
+    it is a constant, and torch < 2.12 (checked on 2.11) also specializes one that Python arithmetic touches first
+    (``1 - clip_low``, ``-clip_low``): a new graph per value either way. So ``1 - c`` is ``1 - config_scalar(x, c)``,
+    rounded in ``x``'s dtype as the fused kernels round it."""
     return like.new_ones(()) * value
+
+
+def ratio_bounds(like: torch.Tensor, config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip range of the ratio, ``(1 - clip_low, 1 + clip_high)``, as :func:`config_scalar` tensors."""
+    return 1.0 - config_scalar(like, config.clip_low), 1.0 + config_scalar(like, config.clip_high)
 
 
 def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
@@ -296,17 +303,19 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     (:func:`vespo_weights`)."""
     a = advantages
     if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
-        clipped = ratio.clamp(min=_bound(ratio, 1.0 - config.clip_low), max=_bound(ratio, 1.0 + config.clip_high))
-        unclipped = ratio if config.delta is None else ratio.clamp(max=_bound(ratio, config.delta))
+        low, high = ratio_bounds(ratio, config)
+        clipped = ratio.clamp(min=low, max=high)
+        unclipped = ratio if config.delta is None else ratio.clamp(max=config_scalar(ratio, config.delta))
         loss = torch.maximum(weighted(-a, unclipped), -a * clipped)  # A = 0: 0 also for an overflowed r
         if config.dual_clip is not None:
-            loss = torch.where(a < 0, torch.minimum(loss, -config.dual_clip * a), loss)
+            loss = torch.where(a < 0, torch.minimum(loss, -config_scalar(a, config.dual_clip) * a), loss)
         return loss
     if config.policy_loss == "gmpo":
         if log_ratio is None or mask is None:
             raise ValueError("gmpo needs the token log-ratios and the mask")
         sign = torch.sign(a)
-        clipped = log_ratio.clamp(min=_bound(log_ratio, -config.clip_low), max=_bound(log_ratio, config.clip_high))
+        clipped = log_ratio.clamp(min=-config_scalar(log_ratio, config.clip_low),
+                                  max=config_scalar(log_ratio, config.clip_high))
         # A = 0 (a group of equal rewards): x = 0, also where log r is -inf (not 0 * -inf = NaN)
         x = torch.where(sign == 0, torch.zeros_like(log_ratio), sign * torch.minimum(sign * log_ratio, sign * clipped))
         # ratio_exp: an overflowed term is a constant, so a dropped token (weight 0) gets 0 gradient, not 0 * inf
@@ -318,7 +327,7 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
         # tail, where sigmoid's own s (1 - s) is 0 once s rounds to 1 (x > 17 in fp32, 37 in fp64)
         return -a * torch.exp(torch.nn.functional.logsigmoid(tau * (ratio - 1.0))) * (4.0 / tau)
     if config.policy_loss == "cispo":
-        return weighted(-ratio.clamp(max=_bound(ratio, 1.0 + config.clip_high)).detach() * a, logp)
+        return weighted(-ratio.clamp(max=ratio_bounds(ratio, config)[1]).detach() * a, logp)
     if config.policy_loss == "vespo":
         if phi is None:
             raise ValueError("vespo needs its weights phi")
@@ -346,7 +355,7 @@ def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
     rho = torch.exp(diff.clamp(min=-ROLLOUT_LOG_RHO_BOUND, max=ROLLOUT_LOG_RHO_BOUND))
     lo, hi = config.rollout_is_min, config.rollout_is_max
     if config.rollout_is.endswith("truncate"):
-        w = rho.clamp(min=None if lo is None else _bound(rho, lo), max=None if hi is None else _bound(rho, hi))
+        w = rho.clamp(min=None if lo is None else config_scalar(rho, lo), max=None if hi is None else config_scalar(rho, hi))
     else:
         keep = torch.ones_like(mask) if lo is None else rho >= lo
         if hi is not None:
@@ -391,7 +400,7 @@ def entropy_quantile_across(gather: EntropyGather) -> Iterator[None]:
         _entropy_gather = previous
 
 
-def _quantile_of_sorted(values: torch.Tensor, count: torch.Tensor, q: float) -> torch.Tensor:
+def _quantile_of_sorted(values: torch.Tensor, count: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The ``q`` quantile of the first ``count`` entries of the ascending 1-D ``values``, linearly
     interpolated as ``torch.quantile`` does, with a tensor index (no data-dependent int under
     torch.compile); ``values[0]`` when ``count`` is 0."""
@@ -417,7 +426,7 @@ def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
         if values.numel() == 0:  # no unmasked token anywhere: nothing to keep (as TRL)
             return torch.zeros_like(mask)
         count = torch.tensor(values.numel(), device=values.device)
-    threshold = _quantile_of_sorted(values, count, 1.0 - quantile).to(h.dtype)
+    threshold = _quantile_of_sorted(values, count, 1.0 - config_scalar(values, quantile)).to(h.dtype)
     return mask & (h >= threshold)
 
 
@@ -567,17 +576,17 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     false = torch.zeros_like(mask)
     low = high = dual = false
     if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
-        low = (ratio < 1.0 - config.clip_low) & (a < 0)
-        high = (ratio > 1.0 + config.clip_high) & (a > 0)
+        lo, hi = ratio_bounds(ratio, config)
+        low, high = (ratio < lo) & (a < 0), (ratio > hi) & (a > 0)
         if config.dual_clip is not None:
             # for A < 0 the clipped surrogate is |A| max(r, 1 - clip_low); the cap |A| c binds when r > c.
             dual = (a < 0) & (ratio > config.dual_clip)
     elif config.policy_loss == "gmpo":
         log_ratio = extras["log_ratio"]
-        low = (log_ratio < -config.clip_low) & (a < 0)
+        low = (log_ratio < -config_scalar(log_ratio, config.clip_low)) & (a < 0)
         high = (log_ratio > config.clip_high) & (a > 0)
     elif config.policy_loss == "cispo":
-        high = ratio > 1.0 + config.clip_high
+        high = ratio > ratio_bounds(ratio, config)[1]
     clip_mean = mean
     if config.policy_loss == "gspo":
         clip_mean = lambda x: (x & mask).any(dim=-1).to(torch.float32).mean()  # noqa: E731

@@ -503,14 +503,15 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             return out.metrics["clip_frac"]
         # Liger counts tokens: cispo's truncated weights only where A > 0 (fused_rl's clip_frac_high counts all),
         # gspo's clipped tokens (fused_rl's metrics count sequences, as TRL)
-        from .loss_math import importance_ratio
+        from .loss_math import importance_ratio, ratio_bounds
 
         logp = out.logprobs
         ratio = importance_ratio(logp, logp if old is None else old.to(logp.dtype), mask, cfg)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
-        hit = (ratio > cfg.clip_high + 1.0) & (adv > 0)
+        low, high = ratio_bounds(ratio, cfg)
+        hit = (ratio > high) & (adv > 0)
         if cfg.policy_loss == "gspo":
-            hit = hit | ((ratio < 1.0 - cfg.clip_low) & (adv < 0))
+            hit = hit | ((ratio < low) & (adv < 0))
         return (hit & mask).sum().to(torch.float32) / mask.sum().clamp(min=1).to(torch.float32)
 
     def extra_repr(self) -> str:

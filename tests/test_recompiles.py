@@ -281,6 +281,35 @@ def test_every_config_float_is_scheduled():
     assert {name for _, floats in SCHEDULES.values() for name in floats} == set(FLOAT_FIELDS)
 
 
+#: Python arithmetic on a config float inside a custom op's body, which runs eagerly (dynamo does not trace it)
+ARITHMETIC_IN_OPS = {("fused_rl/backends/native.py", "1.0 / config.temperature"),
+                     ("fused_rl/backends/torch_linear.py", "1.0 / config.temperature")}
+
+
+def test_no_python_arithmetic_on_config_floats():
+    """The traced code does arithmetic on a config float only as a tensor (``loss_math.config_scalar``): torch 2.11
+    (the GPU image's) specializes a float that Python arithmetic touches first (``1.0 - config.clip_low``,
+    ``-config.clip_low``), a new graph per value, which ``test_config_floats_changed_every_step_are_not_a_graph_per_
+    value`` shows only on such a torch (2.13 traces it: measured, 5 graphs on 2.11, 2 on 2.13, for the ppo-kl,
+    cispo, gspo, gmpo and top-entropy schedules). So this reads the package's source for the pattern: a unary
+    operator on ``x.<float field>``, or a binary one between it and a number or another such field."""
+    import ast
+    import pathlib
+
+    from fused_rl.config import FLOAT_FIELDS
+
+    root = pathlib.Path(fused_rl.__file__).parent
+    field = lambda n: isinstance(n, ast.Attribute) and n.attr in FLOAT_FIELDS  # noqa: E731
+    number = lambda n: field(n) or isinstance(n, ast.Constant) and isinstance(n.value, (int, float))  # noqa: E731
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.UnaryOp) and field(node.operand)) or (
+                    isinstance(node, ast.BinOp) and (field(node.left) or field(node.right))
+                    and number(node.left) and number(node.right)):
+                found.add((path.relative_to(root.parent).as_posix(), ast.unparse(node)))
+    assert found == ARITHMETIC_IN_OPS
+
 @pytest.mark.parametrize("linear", [False, True], ids=["policy_loss", "linear_policy_loss"])
 @pytest.mark.parametrize("kind", list(SCHEDULES))
 @pytest.mark.parametrize("backend", BACKENDS)

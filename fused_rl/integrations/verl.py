@@ -80,7 +80,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import AGGREGATIONS, PolicyLossConfig
-from ..loss_math import compute_policy_loss as _compute_policy_loss
+from ..loss_math import compute_policy_loss as _compute_policy_loss, config_scalar
 from ..ops import _check_linear, linear_policy_loss
 from ..outputs import PolicyLossOutput
 from ..validation import (INDEX_DTYPES, _check_per_token, _fail, _is_compiling, advantages_check, binary_mask,
@@ -274,7 +274,7 @@ def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig
         return m.new_zeros(()), ppo_kl, m.new_zeros(())
     if loss_mode == "geo_mean":  # verl: token log-ratios outside the bounds, split by the advantage's sign
         log_ratio = logp.detach() - old
-        clipped = (log_ratio < -config.clip_low) | (log_ratio > config.clip_high)
+        clipped = (log_ratio < -config_scalar(log_ratio, config.clip_low)) | (log_ratio > config.clip_high)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
         return masked_mean(clipped & (adv > 0)), ppo_kl, masked_mean(clipped & (adv < 0))
     # cispo: fused_rl's clip_frac is verl's, the tokens with r > 1 + clip_ratio_high (clip_ratio_low >= 1)
