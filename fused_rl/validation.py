@@ -126,11 +126,29 @@ def target_range_ok(targets: torch.Tensor, vocab: int, where: Optional[torch.Ten
     return ok.all()
 
 
+def _check_values(checks: list[tuple[str, torch.Tensor]]) -> list[bool]:
+    """The checks' values on the host: one stacked read; inside a ``torch.func`` transform one read per check, of the
+    tensor under its wrappers (grad and jvp levels, vmap's batch dimension), which hold no storage to read
+    ("Cannot access data pointer of Tensor that doesn't have storage": under every ``vmap``, and under ``grad`` on
+    torch <= 2.8, where even a stack of the unwrapped values is wrapped again); under ``vmap`` a check then covers
+    every sample."""
+    functorch = torch._C._functorch
+    if functorch.peek_interpreter_stack() is None:
+        return torch.stack([c.reshape(()) for _, c in checks]).cpu().tolist()
+    values = []
+    for _, check in checks:
+        while functorch.is_functorch_wrapped_tensor(check):
+            check = functorch.get_unwrapped(check)
+        values.append(bool(check.all()))
+    return values
+
+
 def run_value_checks(checks: list[tuple[str, torch.Tensor]]) -> None:
-    """Evaluate all 0-dim bool checks with one host sync; raise naming every failed one."""
+    """Evaluate all 0-dim bool checks with one host sync (one per check inside ``torch.func`` transforms); raise
+    naming every failed one."""
     if not checks:
         return
-    flags = torch.stack([c.reshape(()) for _, c in checks]).cpu().tolist()
+    flags = _check_values(checks)
     failed = [msg for (msg, _), ok in zip(checks, flags) if not ok]
     if failed:
         _fail("; ".join(failed))

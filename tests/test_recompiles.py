@@ -434,7 +434,7 @@ def test_float_normalizer_is_a_graph_input_not_a_host_read(backend, linear):
     """Once symbolic, a Python-float normalizer enters the forward graph as a 0-dim tensor input (torch's
     tensorified scalar): no ``.item()`` (``_local_scalar_dense``, a device sync on CUDA) in the forward or
     backward graph of any step."""
-    from functorch.compile import make_boxed_func
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = []
@@ -445,7 +445,9 @@ def test_float_normalizer_is_a_graph_input_not_a_host_read(backend, linear):
 
     _fresh()
     fn = _linear_policy if linear else _policy
-    compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    # inductor's partitioner (torch 2.8's default one fails an assertion on a custom op's tuple output)
+    backend_fn = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
+    compiled = torch.compile(fn, fullgraph=True, backend=backend_fn)
     weight = _weight()
     for i, (batch, length) in enumerate(SHAPES[:3]):
         x, *args = _step_inputs(i, batch, length, "float", linear=linear)
@@ -475,6 +477,14 @@ def test_new_temperature_traces(linear):
     assert _run_logprob_steps("torch", linear, shapes=[(2, 5)] * 4, temperatures=[0.7, 0.8, 0.9, 1.1]) <= 2
 
 
+def _traced_raise(message: str) -> str:
+    """The error of a ``raise`` dynamo traced under ``fullgraph=True``: torch 2.11 and 2.13 keep the exception's
+    message; 2.8's reports "Observed exception" instead (its user stack names the call; 2.9 and 2.10 not checked)."""
+    from torch.torch_version import TorchVersion
+
+    return message if TorchVersion(torch.__version__) >= (2, 11) else f"{message}|Observed exception"
+
+
 @pytest.mark.parametrize("linear", [False, True], ids=["token_logprobs", "linear_token_logprobs"])
 def test_numpy_scalar_temperature_argument_of_a_compiled_step(linear):
     """A numpy-float temperature passed to a compiled step: dynamo traces it as an ``ndarray`` of unknown value (its
@@ -485,7 +495,7 @@ def test_numpy_scalar_temperature_argument_of_a_compiled_step(linear):
     fn = fused_rl.linear_token_logprobs if linear else fused_rl.token_logprobs
     expected = fn(*args, temperature=0.7, backend="torch")
     _fresh()
-    with pytest.raises(Exception, match="pass a Python float"):
+    with pytest.raises(Exception, match=_traced_raise("pass a Python float")):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(*args, temperature=np.float64(0.7), backend="torch")
     got = torch.compile(fn, backend="aot_eager")(*args, temperature=np.float64(0.7), backend="torch")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -497,7 +507,7 @@ def test_numpy_bool_flag_in_a_compiled_step():
     x, t, a, m, *_ = _step_inputs(0, 2, 5, "none")
     step = lambda x: fused_rl.policy_loss(x, t, a, m, compute_entropy=np.bool_(True), backend="torch").loss  # noqa
     _fresh()
-    with pytest.raises(Exception, match="pass a Python bool"):
+    with pytest.raises(Exception, match=_traced_raise("pass a Python bool")):
         torch.compile(step, fullgraph=True, backend="aot_eager")(x)
 
 

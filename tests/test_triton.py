@@ -466,7 +466,8 @@ def test_unavailable_reason(monkeypatch):
 
 def test_old_interpreter_with_new_numpy_names_the_reason(monkeypatch):
     """Triton < 3.7's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses: the
-    backend says so instead of failing inside the first kernel."""
+    backend says so instead of failing inside the first kernel; so does a Triton older than ``MIN_TRITON`` (3.4),
+    compiled too (3.1's frontend refuses the kernels)."""
     import numpy
     import triton
 
@@ -490,6 +491,13 @@ def test_old_interpreter_with_new_numpy_names_the_reason(monkeypatch):
     triton_backend._CHECKS.clear()
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels on a GPU are not affected
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tb.unavailable_reason(torch.device("cuda")) is None
+    for old in ("3.1.0", "3.3.1"):  # older than the kernels need: unavailable, compiled or not
+        monkeypatch.setattr(triton, "__version__", old)
+        triton_backend._CHECKS.clear()
+        assert f"triton {old} is older than 3.4" in tb.unavailable_reason(torch.device("cuda"))
+    monkeypatch.setattr(triton, "__version__", "3.4.0")
+    triton_backend._CHECKS.clear()
     assert tb.unavailable_reason(torch.device("cuda")) is None
     monkeypatch.undo()
     triton_backend._CHECKS.clear()

@@ -405,6 +405,26 @@ def test_torch_func_grad_runs_on_the_reference():
         torch.testing.assert_close(torch.func.grad(fn)(x), expected, msg=name)
 
 
+def test_torch_func_vmap_runs_on_the_reference_with_its_value_checks():
+    """``vmap`` over the reference with ``check_inputs`` on (the default): the value checks read their values from
+    under vmap's wrapper (reading the wrapper raised torch's "Cannot access data pointer of Tensor that doesn't have
+    storage"; under ``grad`` too on torch <= 2.8), the results equal a loop, and a bad target in one sample of the
+    batch is refused."""
+    logits, hidden, calls = _functorch_calls("reference")
+    for name, fn, arg in calls:
+        x = logits if arg == "logits" else hidden
+        xs = torch.stack([x, 2.0 * x])
+        torch.testing.assert_close(torch.func.vmap(fn)(xs), torch.stack([fn(xs[0]), fn(xs[1])]), msg=name)
+    args = good()
+    loss = lambda t: fused_rl.policy_loss(args["logits"], t, args["advantages"], args["mask"],  # noqa: E731
+                                          backend="reference").loss
+    targets = torch.stack([args["targets"], args["targets"].flip(0)])
+    torch.testing.assert_close(torch.func.vmap(loss)(targets), torch.stack([loss(targets[0]), loss(targets[1])]))
+    targets[1, 0, 0] = _V
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 11\)"):
+        torch.func.vmap(loss)(targets)
+
+
 # --------------------------------------------------------------------------------- bad-input fuzz
 _B, _T, _V, _H = 2, 3, 11, 4  # good()'s shape, and a hidden size
 

@@ -67,12 +67,24 @@ def _memoized(check):
     return cached
 
 
+#: The oldest Triton the kernels were run with: 3.4 (torch 2.8's; the test suite passes under its interpreter, and
+#: ``bench/compile_sm90.py`` compiles every kernel for sm_90); 3.1 (torch 2.5's) refuses them ("arange's arguments
+#: must be of type tl.constexpr")
+MIN_TRITON = (3, 4)
+
+
+def _major_minor(version: str) -> tuple:
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
 @_memoized
 def _import_error() -> Optional[str]:
     try:
-        import triton  # noqa: F401
+        import triton
     except Exception as exc:  # ImportError, or a broken install raising something else
         return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    if _major_minor(triton.__version__) < MIN_TRITON:
+        return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, which the kernels need"
     return None
 
 
@@ -83,10 +95,7 @@ def _interpreter_error() -> Optional[str]:
     import numpy
     import triton
 
-    def major_minor(version: str) -> tuple:
-        return tuple(int(part) for part in version.split(".")[:2])
-
-    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+    if _major_minor(triton.__version__) < (3, 7) and _major_minor(numpy.__version__) >= (2, 4):
         return (f"the interpreter of triton {triton.__version__} fails with numpy {numpy.__version__} "
                 "(int() of a 1-element array); use triton >= 3.7 or numpy < 2.4 for TRITON_INTERPRET=1")
     return None
