@@ -355,7 +355,8 @@ def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
     rho = torch.exp(diff.clamp(min=-ROLLOUT_LOG_RHO_BOUND, max=ROLLOUT_LOG_RHO_BOUND))
     lo, hi = config.rollout_is_min, config.rollout_is_max
     if config.rollout_is.endswith("truncate"):
-        w = rho.clamp(min=None if lo is None else config_scalar(rho, lo), max=None if hi is None else config_scalar(rho, hi))
+        w = rho.clamp(min=None if lo is None else config_scalar(rho, lo),
+                      max=None if hi is None else config_scalar(rho, hi))
     else:
         keep = torch.ones_like(mask) if lo is None else rho >= lo
         if hi is not None:

@@ -282,8 +282,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     A setting assigned after construction (``loss_fn.beta = 0.0``) takes effect, as in Liger (which reads them at
     every ``forward``): :attr:`config` is rebuilt at the assignment, outside any compiled step (a ``beta`` that an
     adaptive KL controller sets between compiled steps is a second graph, where it is symbolic, then no more; a
-    structural change, ``beta`` to 0, is a new graph); settings that depend on each other can be assigned in any order (``loss_type = "cispo"``,
-    then ``epsilon_high = 5.0``): an invalid combination raises at the next ``forward`` (or read of ``config``),
+    structural change, ``beta`` to 0, is a new graph); settings that depend on each other can be assigned in any
+    order (``loss_type = "cispo"``, then ``epsilon_high = 5.0``): an invalid combination raises at the next
+    ``forward`` (or read of ``config``),
     naming the setting. Invalid constructor arguments raise at construction,
     except a missing ``max_completion_length`` of dr_grpo, which Liger needs at ``forward`` only.
 
