@@ -62,9 +62,11 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
     ``"X+"``: straight-through, the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
     """
     if kind.endswith("+"):
-        # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32)
+        # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), also where
+        # k2 is infinite (a -inf log-prob): X there, as the fused epilogues give, not inf - inf
         k2 = kl_estimator(logp, ref, "k2")
-        return kl_estimator(logp, ref, kind[:-1]).detach() + (k2 - k2.detach())
+        slope = torch.where(torch.isinf(k2), torch.zeros_like(k2), k2 - k2.detach())
+        return kl_estimator(logp, ref, kind[:-1]).detach() + slope
     d = ref - logp
     if kind == "k1":
         return -d

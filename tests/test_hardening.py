@@ -909,6 +909,29 @@ def test_a_neg_inf_target_logit_off_policy_has_ratio_zero_in_sequence_losses(bac
         assert loss_ref == 0 and (grad_ref == 0).all()
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
+@pytest.mark.parametrize("kl", ["k1+", "abs+", "low_var_kl+"])
+def test_a_straight_through_kl_at_a_neg_inf_target_logit_has_its_estimators_value(backend, device, kl):
+    """Off-policy, at a sampled token whose training logit is ``-inf`` (``d = ref - logp = inf``), ``"X+"``'s value is
+    X's (``-inf``, ``inf``, low_var_kl's clamp 10: a finite loss), as for ``kl = X``. The torch loss math's
+    ``k2 + sg(X - k2)`` was ``inf - inf = NaN`` on the reference, torch and cpu backends; the kernels gave X."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 50, generator=g)
+    targets = torch.randint(0, 50, (2, 3), generator=g)
+    x[0, 1, targets[0, 1]] = float("-inf")
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old, ref = (torch.randn(2, 3, generator=g) - 3 for _ in range(2))
+    losses = []
+    for be, dev, estimator in ((backend, device, kl), ("reference", "cpu", kl[:-1])):
+        out = fused_rl.policy_loss(x.to(dev), targets.to(dev), torch.tensor([0.5, -1.0], device=dev), mask.to(dev),
+                                   old_logprobs=old.to(dev), ref_logprobs=ref.to(dev),
+                                   config=PolicyLossConfig(kl=estimator, beta=0.1), backend=be)
+        losses.append(out.loss.cpu())
+    assert not losses[1].isnan() and losses[1].isfinite() == (kl == "low_var_kl+")
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
 @pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
 def test_clip_low_of_one_or_more_is_no_lower_clip(backend, device, policy_loss):
