@@ -286,29 +286,71 @@ ARITHMETIC_IN_OPS = {("fused_rl/backends/native.py", "1.0 / config.temperature")
                      ("fused_rl/backends/torch_linear.py", "1.0 / config.temperature")}
 
 
+def _config_float_arithmetic(source: str, float_fields) -> set:
+    """The expressions of ``source`` that do Python arithmetic on a config float: a unary operator on ``x.<float
+    field>``, or a binary one between it and a number or another such field; a local name bound to a field
+    (``q = config.top_entropy_quantile``, or a conditional of fields and numbers) counts as the field in its
+    function."""
+    import ast
+
+    def bound_names(function):
+        return {target.id for node in ast.walk(function) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name) and is_float(node.value, set())}
+
+    def is_float(node, names):
+        if isinstance(node, ast.IfExp):
+            return is_number(node.body, names) and is_number(node.orelse, names) and (
+                is_float(node.body, names) or is_float(node.orelse, names))
+        return (isinstance(node, ast.Attribute) and node.attr in float_fields) or (
+            isinstance(node, ast.Name) and node.id in names)
+
+    def is_number(node, names):
+        return is_float(node, names) or isinstance(node, ast.Constant) and isinstance(node.value, (int, float))
+
+    tree = ast.parse(source)
+    scopes = [(tree, set())] + [(f, bound_names(f)) for f in ast.walk(tree)
+                                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    found = set()
+    for scope, names in scopes:
+        for node in ast.walk(scope):
+            if (isinstance(node, ast.UnaryOp) and is_float(node.operand, names)) or (
+                    isinstance(node, ast.BinOp) and (is_float(node.left, names) or is_float(node.right, names))
+                    and is_number(node.left, names) and is_number(node.right, names)):
+                found.add(ast.unparse(node))
+    return found
+
+
 def test_no_python_arithmetic_on_config_floats():
     """The traced code does arithmetic on a config float only as a tensor (``loss_math.config_scalar``): torch 2.11
     (the GPU image's) specializes a float that Python arithmetic touches first (``1.0 - config.clip_low``,
     ``-config.clip_low``), a new graph per value, which ``test_config_floats_changed_every_step_are_not_a_graph_per_
     value`` shows only on such a torch (2.13 traces it: measured, 5 graphs on 2.11, 2 on 2.13, for the ppo-kl,
-    cispo, gspo, gmpo and top-entropy schedules). So this reads the package's source for the pattern: a unary
-    operator on ``x.<float field>``, or a binary one between it and a number or another such field."""
-    import ast
+    cispo, gspo, gmpo and top-entropy schedules). So this reads the package's source for the pattern
+    (``_config_float_arithmetic``)."""
     import pathlib
 
     from fused_rl.config import FLOAT_FIELDS
 
     root = pathlib.Path(fused_rl.__file__).parent
-    field = lambda n: isinstance(n, ast.Attribute) and n.attr in FLOAT_FIELDS  # noqa: E731
-    number = lambda n: field(n) or isinstance(n, ast.Constant) and isinstance(n.value, (int, float))  # noqa: E731
-    found = set()
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.UnaryOp) and field(node.operand)) or (
-                    isinstance(node, ast.BinOp) and (field(node.left) or field(node.right))
-                    and number(node.left) and number(node.right)):
-                found.add((path.relative_to(root.parent).as_posix(), ast.unparse(node)))
+    found = {(path.relative_to(root.parent).as_posix(), expression) for path in sorted(root.rglob("*.py"))
+             for expression in _config_float_arithmetic(path.read_text(), FLOAT_FIELDS)}
     assert found == ARITHMETIC_IN_OPS
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("def f(c, t):\n    return t * (1.0 - c.clip_low)", {"1.0 - c.clip_low"}),
+    ("def f(c, t):\n    return t < -c.clip_low", {"-c.clip_low"}),
+    ("def f(c, t):\n    q = c.top_entropy_quantile\n    return t.quantile(1 - q)", {"1 - q"}),
+    ("def f(c, t):\n    b = c.beta if c.kl else 0.0\n    return t * (b * 2)", {"b * 2"}),
+    ("def f(c, t):\n    q = c.top_entropy_quantile\n    return t * q + t < c.clip_high", set()),
+    ("def f(c, t):\n    return t * -config_scalar(t, c.clip_low)", set()),
+    ("def f(q):\n    return 1 - q\ndef g(c):\n    q = c.beta\n    return q", set()),
+])
+def test_the_config_float_check_finds_the_pattern(source, expected):
+    """The source check of ``test_no_python_arithmetic_on_config_floats`` on snippets: the patterns torch 2.11
+    specializes (through a local name too), not tensor arithmetic, and a name only in the function that binds it."""
+    assert _config_float_arithmetic(source, {"clip_low", "clip_high", "beta", "top_entropy_quantile"}) == expected
+
 
 @pytest.mark.parametrize("linear", [False, True], ids=["policy_loss", "linear_policy_loss"])
 @pytest.mark.parametrize("kind", list(SCHEDULES))
