@@ -39,6 +39,15 @@ def test_logits_bench_dry_run(tmp_path):
     check = report["info"]["check_loss"]
     assert check["triton"] == pytest.approx(check["reference"], rel=1e-5, abs=1e-6)
     assert (tmp_path / "logits_bench.md").read_text().startswith("# logits-pass benchmark")
+    # issue 3's verdict: the goal's ms from the run's own copy bandwidth, over the single-pass rows (not the
+    # no-entropy or grad_output = 2 ones)
+    info, goal = report["info"], report["issue3_goal"]
+    assert goal["goal_ms"] == pytest.approx(2 * info["pass_bytes"] / (0.8 * info["copy_GBps"] * 1e9) * 1e3)
+    single = [r for r in rows if r["name"] in ("triton single-pass", "triton single-pass in place")
+              or r["name"].startswith(("sweep triton single-pass", "sweep triton split"))]
+    assert any(n.startswith("sweep triton split") for n in names) and len(single) > 4
+    assert goal["best_ms"] == min(r["ms"] for r in single) and goal["met"] == (goal["best_ms"] <= goal["goal_ms"])
+    assert "Issue 3's goal (80% of the copy bandwidth" in (tmp_path / "logits_bench.md").read_text()
 
 
 def test_linear_profile_dry_run(tmp_path):
@@ -58,5 +67,8 @@ def test_linear_budget_dry_run(tmp_path):
     assert backends.count("gemms only") == 3 and backends.count("cpu") == 5
     assert [(r["backend"], r["variant"]) for r in rows if r.get("variant")] == [
         ("triton", "vllm_is"), ("cpu", "vllm_is"), ("triton", "gspo"), ("cpu", "gspo")]
+    # issue 4's verdicts are GPU-only: present in every timed row, None in the dry run
+    assert all(r["issue4_flop_goal_met"] is None and r["issue4_memory_goal_met"] is None
+               for r in rows if r["backend"] != "gemms only")
     knobs = [r["knobs"] for r in rows if r["backend"] == "triton"]
     assert {} in knobs and dict(programs=2, prefetch=True) in knobs and dict(block=8192) in knobs
