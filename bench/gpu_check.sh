@@ -127,6 +127,10 @@ wanted linear && TAIL=20 step linear 90 "$PY" -m bench.report --set gpu --ops li
 
 wanted linear_profile && TAIL=45 step linear_profile 45 "$PY" bench/gpu_linear_profile.py "$WORK/linear_profile"
 
+# the issues' verdicts from the benchmarks' JSON, before the tests (which the budget may cut)
+"$PY" bench/gpu_verdicts.py "$WORK" 2>&1 | tee -a "$SUMMARY"
+publish
+
 wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pytest -m cuda -n 8 -q -p no:cacheprovider -rfEs --durations=15 \
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \

@@ -72,3 +72,42 @@ def test_linear_budget_dry_run(tmp_path):
                for r in rows if r["backend"] != "gemms only")
     knobs = [r["knobs"] for r in rows if r["backend"] == "triton"]
     assert {} in knobs and dict(programs=2, prefetch=True) in knobs and dict(block=8192) in knobs
+
+
+def test_verdicts_from_the_benchmarks_json(tmp_path):
+    """``bench/gpu_verdicts.py`` (the summary lines of ``gpu_check.sh``) on the JSON the two benchmarks write: issue
+    3's goal as ``gpu_logits_bench.py`` states it, issue 4's fastest row of the issue's config per backend (not the
+    variants, not the GEMMs alone) with its goals, and a line that says so where a result is missing."""
+    (tmp_path / "logits").mkdir()
+    (tmp_path / "logits" / "logits_bench.json").write_text(json.dumps(dict(info={}, results=[], issue3_goal=dict(
+        goal_ms=2.897, best="sweep triton split CHUNK=8192 warps=4 hints=True", best_ms=2.85,
+        best_percent_of_copy_bw=81.3, met=True))))
+    row = dict(backend="triton", budget_gib=1.0, knobs={}, variant=None, ms=40.0, tflops=645.0,
+               peak_extra_beyond_fp32_dw_mib=1206.0, issue4_memory_goal_met=True, issue4_flop_goal_met=False)
+    rows = [row, {**row, "budget_gib": 1.35, "ms": 38.0, "tflops": 679.0, "peak_extra_beyond_fp32_dw_mib": 1584.0,
+                  "issue4_memory_goal_met": False, "issue4_flop_goal_met": True},
+            {**row, "knobs": {"split": 8192}, "ms": 39.0, "tflops": 662.0},
+            {**row, "variant": "gspo", "ms": 1.0, "tflops": 1e5, "issue4_flop_goal_met": None},
+            dict(backend="gemms only", budget_gib=1.0, ms=34.0, tflops=760.0),
+            {**row, "backend": "cuda", "ms": 43.0, "tflops": 600.0, "issue4_memory_goal_met": False},
+            dict(backend="cuda", budget_gib=1.2, knobs=None, variant=None, error="RuntimeError: x")]
+    (tmp_path / "linear_budget").mkdir()
+    (tmp_path / "linear_budget" / "linear_budget.json").write_text(json.dumps(dict(results=rows)))
+    res = subprocess.run([sys.executable, "bench/gpu_verdicts.py", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, check=True)
+    lines = res.stdout.splitlines()
+    assert lines[0] == "== verdicts"
+    assert lines[1] == ("issue 3: goal <= 2.897 ms; fastest sweep triton split CHUNK=8192 warps=4 hints=True "
+                        "2.850 ms (81.3% of copy BW): MET")
+    assert lines[2] == ("issue 4 (triton): fastest 38.00 ms (679 TFLOP/s, 1.35 GiB tiles, knobs default): FLOP goal "
+                        "MET; memory goal MET at 1.0 GiB (peak beyond the fp32 dW: 1.0 GiB 1206 MiB, "
+                        "1.35 GiB 1584 MiB)")
+    assert lines[3].startswith("issue 4 (cuda): fastest 43.00 ms")
+    assert "FLOP goal not met; memory goal not met" in lines[3]
+    assert len(lines) == 4
+    (tmp_path / "linear_budget" / "linear_budget.json").unlink()
+    (tmp_path / "logits" / "logits_bench.json").write_text(json.dumps(dict(info={}, results=[], issue3_goal=None)))
+    res = subprocess.run([sys.executable, "bench/gpu_verdicts.py", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, check=True)
+    assert res.stdout.splitlines()[1:] == ["issue 3: no single-pass row measured",
+                                           "issue 4: no linear_budget result (FileNotFoundError)"]
