@@ -26,10 +26,20 @@ def _run(args, tmp_path, timeout=600):
     return res
 
 
+def _verdicts(work) -> list[str]:
+    """``bench/gpu_verdicts.py`` on ``work`` (``gpu_check.sh``'s WORK: the benchmarks' outputs under ``logits/``
+    and ``linear_budget/``), its lines after the heading."""
+    res = subprocess.run([sys.executable, "bench/gpu_verdicts.py", str(work)], capture_output=True, text=True,
+                         cwd=ROOT, check=True)
+    heading, *lines = res.stdout.splitlines()
+    assert heading == "== verdicts"
+    return lines
+
+
 def test_logits_bench_dry_run(tmp_path):
     pytest.importorskip("triton")
-    _run(["bench/gpu_logits_bench.py", str(tmp_path), "--cpu-dry-run"], tmp_path)
-    report = json.loads((tmp_path / "logits_bench.json").read_text())
+    _run(["bench/gpu_logits_bench.py", str(tmp_path / "logits"), "--cpu-dry-run"], tmp_path)
+    report = json.loads((tmp_path / "logits" / "logits_bench.json").read_text())
     rows = report["results"]
     assert not [r for r in rows if "error" in r], rows
     names = [r["name"] for r in rows]
@@ -38,7 +48,7 @@ def test_logits_bench_dry_run(tmp_path):
     # the script's own agreement check: the same loss as the reference
     check = report["info"]["check_loss"]
     assert check["triton"] == pytest.approx(check["reference"], rel=1e-5, abs=1e-6)
-    assert (tmp_path / "logits_bench.md").read_text().startswith("# logits-pass benchmark")
+    assert (tmp_path / "logits" / "logits_bench.md").read_text().startswith("# logits-pass benchmark")
     # issue 3's verdict: the goal's ms from the run's own copy bandwidth, over the single-pass rows (not the
     # no-entropy or grad_output = 2 ones)
     info, goal = report["info"], report["issue3_goal"]
@@ -47,7 +57,10 @@ def test_logits_bench_dry_run(tmp_path):
               or r["name"].startswith(("sweep triton single-pass", "sweep triton split"))]
     assert any(n.startswith("sweep triton split") for n in names) and len(single) > 4
     assert goal["best_ms"] == min(r["ms"] for r in single) and goal["met"] == (goal["best_ms"] <= goal["goal_ms"])
-    assert "Issue 3's goal (80% of the copy bandwidth" in (tmp_path / "logits_bench.md").read_text()
+    assert "Issue 3's goal (80% of the copy bandwidth" in (tmp_path / "logits" / "logits_bench.md").read_text()
+    assert _verdicts(tmp_path)[0] == (f"issue 3: goal <= {goal['goal_ms']:.3f} ms; fastest {goal['best']} "
+                                      f"{goal['best_ms']:.3f} ms ({goal['best_percent_of_copy_bw']:.1f}% of copy "
+                                      f"BW): {'MET' if goal['met'] else 'not met'}")
 
 
 def test_linear_profile_dry_run(tmp_path):
@@ -60,8 +73,8 @@ def test_linear_profile_dry_run(tmp_path):
 
 def test_linear_budget_dry_run(tmp_path):
     pytest.importorskip("triton")
-    _run(["bench/gpu_linear_budget.py", str(tmp_path), "--cpu-dry-run"], tmp_path)
-    rows = json.loads((tmp_path / "linear_budget.json").read_text())["results"]
+    _run(["bench/gpu_linear_budget.py", str(tmp_path / "linear_budget"), "--cpu-dry-run"], tmp_path)
+    rows = json.loads((tmp_path / "linear_budget" / "linear_budget.json").read_text())["results"]
     assert not [r for r in rows if "error" in r], rows
     backends = [r["backend"] for r in rows]
     assert backends.count("gemms only") == 3 and backends.count("cpu") == 5
@@ -72,6 +85,9 @@ def test_linear_budget_dry_run(tmp_path):
                for r in rows if r["backend"] != "gemms only")
     knobs = [r["knobs"] for r in rows if r["backend"] == "triton"]
     assert {} in knobs and dict(programs=2, prefetch=True) in knobs and dict(block=8192) in knobs
+    verdicts = _verdicts(tmp_path)[1:]  # after issue 3's "no logits result"
+    assert [line.split(":")[0] for line in verdicts] == ["issue 4 (triton)", "issue 4 (cpu)"]
+    assert all("FLOP goal not met; memory goal not met" in line for line in verdicts)  # None in the dry run
 
 
 def test_verdicts_from_the_benchmarks_json(tmp_path):
@@ -93,21 +109,16 @@ def test_verdicts_from_the_benchmarks_json(tmp_path):
             dict(backend="cuda", budget_gib=1.2, knobs=None, variant=None, error="RuntimeError: x")]
     (tmp_path / "linear_budget").mkdir()
     (tmp_path / "linear_budget" / "linear_budget.json").write_text(json.dumps(dict(results=rows)))
-    res = subprocess.run([sys.executable, "bench/gpu_verdicts.py", str(tmp_path)], capture_output=True, text=True,
-                         cwd=ROOT, check=True)
-    lines = res.stdout.splitlines()
-    assert lines[0] == "== verdicts"
-    assert lines[1] == ("issue 3: goal <= 2.897 ms; fastest sweep triton split CHUNK=8192 warps=4 hints=True "
+    lines = _verdicts(tmp_path)
+    assert lines[0] == ("issue 3: goal <= 2.897 ms; fastest sweep triton split CHUNK=8192 warps=4 hints=True "
                         "2.850 ms (81.3% of copy BW): MET")
-    assert lines[2] == ("issue 4 (triton): fastest 38.00 ms (679 TFLOP/s, 1.35 GiB tiles, knobs default): FLOP goal "
+    assert lines[1] == ("issue 4 (triton): fastest 38.00 ms (679 TFLOP/s, 1.35 GiB tiles, knobs default): FLOP goal "
                         "MET; memory goal MET at 1.0 GiB (peak beyond the fp32 dW: 1.0 GiB 1206 MiB, "
                         "1.35 GiB 1584 MiB)")
-    assert lines[3].startswith("issue 4 (cuda): fastest 43.00 ms")
-    assert "FLOP goal not met; memory goal not met" in lines[3]
-    assert len(lines) == 4
+    assert lines[2].startswith("issue 4 (cuda): fastest 43.00 ms")
+    assert "FLOP goal not met; memory goal not met" in lines[2]
+    assert len(lines) == 3
     (tmp_path / "linear_budget" / "linear_budget.json").unlink()
     (tmp_path / "logits" / "logits_bench.json").write_text(json.dumps(dict(info={}, results=[], issue3_goal=None)))
-    res = subprocess.run([sys.executable, "bench/gpu_verdicts.py", str(tmp_path)], capture_output=True, text=True,
-                         cwd=ROOT, check=True)
-    assert res.stdout.splitlines()[1:] == ["issue 3: no single-pass row measured",
-                                           "issue 4: no linear_budget result (FileNotFoundError)"]
+    assert _verdicts(tmp_path) == ["issue 3: no single-pass row measured",
+                                   "issue 4: no linear_budget result (FileNotFoundError)"]
