@@ -83,31 +83,55 @@ def table(rows: list[dict], device: str) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Writes :func:`figure` of ``rows`` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(rows: list[dict]):
+    """Time (top) and extra peak memory (bottom) of each implementation, a column per (op, mode): against N where
+    the rows have several token counts, else one bar per implementation; an implementation keeps its colour in
+    every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["op"], r["mode"]) for r in rows})
+    colors = {impl: f"C{i % 10}" for i, impl in enumerate(sorted({r["impl"] for r in rows}))}
     fig, axes = plt.subplots(2, len(groups), figsize=(4 * len(groups), 7), squeeze=False)
     for col, (op, mode) in enumerate(groups):
-        for impl in sorted({r["impl"] for r in rows}):
-            pts = sorted((r["n"], r["time_s"], r.get("peak_extra_bytes")) for r in rows
-                         if r["op"] == op and r["mode"] == mode and r["impl"] == impl and "error" not in r)
-            if not pts:
-                continue
-            axes[0][col].plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=impl)
-            mem = [(p[0], p[2]) for p in pts if p[2] is not None]
-            if mem:
-                axes[1][col].plot([m[0] for m in mem], [m[1] / 2**20 for m in mem], marker="o", label=impl)
-        axes[0][col].set_title(f"{op} {mode}")
-        axes[0][col].set_ylabel("time (ms)")
-        axes[1][col].set_ylabel("extra peak memory (MiB)")
-        axes[1][col].set_xlabel("tokens N")
-        axes[0][col].legend(fontsize=7)
+        ok = [r for r in rows if r["op"] == op and r["mode"] == mode and "error" not in r]
+        series = {impl: sorted((r["n"], r["time_s"] * 1e3, r.get("peak_extra_bytes")) for r in ok if r["impl"] == impl)
+                  for impl in colors}
+        series = {impl: pts for impl, pts in series.items() if pts}
+        top, bottom = axes[0][col], axes[1][col]
+        ns = sorted({r["n"] for r in ok})
+        if len(ns) == 1:  # one shape: bars
+            names = list(series)
+            top.barh(names, [series[i][0][1] for i in names], color=[colors[i] for i in names])
+            mem = [i for i in names if series[i][0][2] is not None]
+            bottom.barh(mem, [series[i][0][2] / 2**20 for i in mem], color=[colors[i] for i in mem])
+            top.set_xlabel(f"time (ms), N = {ns[0]}")
+            bottom.set_xlabel(f"extra peak memory (MiB), N = {ns[0]}")
+            top.invert_yaxis()
+            bottom.invert_yaxis()
+        else:
+            for impl, pts in series.items():
+                top.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, color=colors[impl])
+                mem = [(p[0], p[2] / 2**20) for p in pts if p[2] is not None]
+                if mem:
+                    bottom.plot(*zip(*mem), marker="o", label=impl, color=colors[impl])
+            top.set_ylabel("time (ms)")
+            bottom.set_ylabel("extra peak memory (MiB)")
+            bottom.set_xlabel("tokens N")
+            top.legend(fontsize=7)
+        top.set_title(f"{op} {mode}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> None:
