@@ -62,10 +62,12 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
     ``"X+"``: straight-through, the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
     """
     if kind.endswith("+"):
-        # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), also where
-        # k2 is infinite (a -inf log-prob): X there, as the fused epilogues give, not inf - inf
-        k2 = kl_estimator(logp, ref, "k2")
-        slope = torch.where(torch.isinf(k2), torch.zeros_like(k2), k2 - k2.detach())
+        # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), plus
+        # k2 - sg(k2) = (d - sg(d)) (d + sg(d)) / 2: 0, k2's first and second derivatives, and no inf - inf where d^2
+        # overflows; 0 at an infinite d (a -inf log-prob), so the value is X's there, as the fused epilogues give
+        d = ref - logp
+        d_sg = d.detach()
+        slope = torch.where(torch.isinf(d), torch.zeros_like(d), 0.5 * (d - d_sg) * (d + d_sg))
         return kl_estimator(logp, ref, kind[:-1]).detach() + slope
     d = ref - logp
     if kind == "k1":

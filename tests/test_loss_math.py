@@ -389,6 +389,24 @@ def test_straight_through_kl_bias_correction_gradient_is_exact_in_fp32(policy, k
     torch.testing.assert_close(x.grad.double(), 0.1 / 3.0 * r * (value - d), rtol=2e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("kl", ["abs+", "k1+", "k3+", "low_var_kl+"])
+def test_straight_through_kl_where_k2_overflows(kl):
+    """``"X+"`` at a gap ``|d|`` whose square overflows fp32 (``d^2 / 2 = inf`` beyond ~1.8e19) and at an infinite
+    one (a ``-inf`` log-prob): X's value (``k2 + sg(X - k2)`` was ``inf - inf = NaN``), and where ``d`` is finite
+    k2's first and second derivatives, ``-d`` and 1."""
+    d = torch.tensor([1e20, -1e20, 3e19, float("inf"), 0.5])
+    logp = torch.full_like(d, -2.0).requires_grad_(True)
+    ref = logp.detach() + d
+    value = kl_estimator(logp, ref, kl)
+    (grad,) = torch.autograd.grad(value.sum(), logp, create_graph=True)
+    (second,) = torch.autograd.grad(grad.sum(), logp)
+    finite = torch.isfinite(d)
+    torch.testing.assert_close(value.detach(), kl_estimator(logp.detach(), ref, kl[:-1]), equal_nan=True)
+    assert not value[finite].isnan().any()
+    torch.testing.assert_close(grad[finite].detach(), -d[finite].float())
+    torch.testing.assert_close(second[finite], torch.ones(int(finite.sum())))
+
+
 @pytest.mark.parametrize("policy", ["ppo_clip", "gspo_token"])
 def test_kl_bias_correction_gradient_is_exact_in_fp32(policy):
     """``d (r k3) / d logp = -r d`` in fp32 up to d = 40, where autograd of the plain product cancels two
