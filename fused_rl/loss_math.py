@@ -63,11 +63,13 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
     """
     if kind.endswith("+"):
         # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), plus
-        # k2 - sg(k2) = (d - sg(d)) (d + sg(d)) / 2: 0, k2's first and second derivatives, and no inf - inf where d^2
-        # overflows; 0 at an infinite d (a -inf log-prob), so the value is X's there, as the fused epilogues give
+        # k2 - sg(k2) as u sg(d) + u^2 / 2 with u = d - sg(d): 0, k2's first and second derivatives (-d, 1), and no
+        # overflow at any finite d (d^2 / 2 is inf beyond |d| ~ 2.6e19 in fp32); 0 at an infinite d (a -inf
+        # log-prob), so the value is X's there, as the fused epilogues give (its gradient is not finite anyway)
         d = ref - logp
         d_sg = d.detach()
-        slope = torch.where(torch.isinf(d), torch.zeros_like(d), 0.5 * (d - d_sg) * (d + d_sg))
+        u = d - d_sg
+        slope = torch.where(torch.isinf(d), torch.zeros_like(d), u * d_sg + 0.5 * u * u)
         return kl_estimator(logp, ref, kind[:-1]).detach() + slope
     d = ref - logp
     if kind == "k1":

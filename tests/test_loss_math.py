@@ -391,10 +391,10 @@ def test_straight_through_kl_bias_correction_gradient_is_exact_in_fp32(policy, k
 
 @pytest.mark.parametrize("kl", ["abs+", "k1+", "k3+", "low_var_kl+"])
 def test_straight_through_kl_where_k2_overflows(kl):
-    """``"X+"`` at a gap ``|d|`` whose square overflows fp32 (``d^2 / 2 = inf`` beyond ~1.8e19) and at an infinite
-    one (a ``-inf`` log-prob): X's value (``k2 + sg(X - k2)`` was ``inf - inf = NaN``), and where ``d`` is finite
-    k2's first and second derivatives, ``-d`` and 1."""
-    d = torch.tensor([1e20, -1e20, 3e19, float("inf"), 0.5])
+    """``"X+"`` at a gap ``|d|`` whose square overflows fp32 (``d^2 / 2 = inf`` beyond ~2.6e19; ``2 d`` beyond
+    ~1.7e38) and at an infinite one (a ``-inf`` log-prob): X's value (``k2 + sg(X - k2)`` was ``inf - inf = NaN``),
+    and where ``d`` is finite k2's first and second derivatives, ``-d`` and 1."""
+    d = torch.tensor([1e20, -1e20, 3e19, 3e38, -3e38, float("inf"), 0.5])
     logp = torch.full_like(d, -2.0).requires_grad_(True)
     ref = logp.detach() + d
     value = kl_estimator(logp, ref, kl)

@@ -289,13 +289,28 @@ ARITHMETIC_IN_OPS = {("fused_rl/backends/native.py", "1.0 / config.temperature")
 def _config_float_arithmetic(source: str, float_fields) -> set:
     """The expressions of ``source`` that do Python arithmetic on a config float: a unary operator on ``x.<float
     field>``, or a binary one between it and a number or another such field; a local name bound to a field
-    (``q = config.top_entropy_quantile``, or a conditional of fields and numbers) counts as the field in its
-    function."""
+    (``q = config.top_entropy_quantile``, ``lo, hi = c.rollout_is_min, c.rollout_is_max``, an annotated assignment,
+    a conditional of fields and numbers, or another such name) counts as the field in its function."""
     import ast
 
+    def bindings(node):
+        """``(name, value)`` pairs an assignment makes (tuple targets matched with tuple values)."""
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            if isinstance(target, ast.Name):
+                yield target.id, node.value
+            elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                yield from ((t.id, v) for t, v in zip(target.elts, node.value.elts) if isinstance(t, ast.Name))
+
     def bound_names(function):
-        return {target.id for node in ast.walk(function) if isinstance(node, ast.Assign)
-                for target in node.targets if isinstance(target, ast.Name) and is_float(node.value, set())}
+        pairs = [pair for node in ast.walk(function) if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value
+                 for pair in bindings(node)]
+        names: set = set()
+        while True:  # to a fixed point: a name bound to such a name is one too
+            more = {name for name, value in pairs if is_float(value, names)} - names
+            if not more:
+                return names
+            names |= more
 
     def is_float(node, names):
         if isinstance(node, ast.IfExp):
@@ -345,6 +360,8 @@ def test_no_python_arithmetic_on_config_floats():
     ("def f(c, t):\n    q = c.top_entropy_quantile\n    return t * q + t < c.clip_high", set()),
     ("def f(c, t):\n    return t * -config_scalar(t, c.clip_low)", set()),
     ("def f(q):\n    return 1 - q\ndef g(c):\n    q = c.beta\n    return q", set()),
+    ("def f(c, t):\n    lo, hi = c.clip_low, c.clip_high\n    return t < 1.0 / hi", {"1.0 / hi"}),
+    ("def f(c, t):\n    q: float = c.beta\n    b = q\n    return t * -b", {"-b"}),
 ])
 def test_the_config_float_check_finds_the_pattern(source, expected):
     """The source check of ``test_no_python_arithmetic_on_config_floats`` on snippets: the patterns torch 2.11
