@@ -105,9 +105,9 @@ def figure(rows: list[dict]):
     fig, axes = plt.subplots(2, len(groups), figsize=(4 * len(groups), 7), squeeze=False)
     for col, (op, mode) in enumerate(groups):
         ok = [r for r in rows if r["op"] == op and r["mode"] == mode and "error" not in r]
-        series = {impl: sorted((r["n"], r["time_s"] * 1e3, r.get("peak_extra_bytes")) for r in ok if r["impl"] == impl)
+        points = {impl: [(r["n"], r["time_s"] * 1e3, r.get("peak_extra_bytes")) for r in ok if r["impl"] == impl]
                   for impl in colors}
-        series = {impl: pts for impl, pts in series.items() if pts}
+        series = {impl: sorted(pts, key=lambda p: p[0]) for impl, pts in points.items() if pts}
         top, bottom = axes[0][col], axes[1][col]
         ns = sorted({r["n"] for r in ok})
         if len(ns) == 1:  # one shape: bars
@@ -160,7 +160,8 @@ def main(argv=None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.md").write_text(md + "\n")
         (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-        plot(rows, args.out / "report.png")
+        if rows:
+            plot(rows, args.out / "report.png")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_linear_budget_dry_run(tmp_path):
     assert {} in knobs and dict(programs=2, prefetch=True) in knobs and dict(block=8192) in knobs
     verdicts = _verdicts(tmp_path)[1:]  # after issue 3's "no logits result"
     assert [line.split(":")[0] for line in verdicts] == ["issue 4 (triton)", "issue 4 (cpu)"]
-    assert all("FLOP goal not met; memory goal not met" in line for line in verdicts)  # None in the dry run
+    assert all("FLOP goal not measured; memory goal not measured" in line for line in verdicts)  # a dry run
 
 
 def test_verdicts_from_the_benchmarks_json(tmp_path):
@@ -120,5 +120,17 @@ def test_verdicts_from_the_benchmarks_json(tmp_path):
     assert len(lines) == 3
     (tmp_path / "linear_budget" / "linear_budget.json").unlink()
     (tmp_path / "logits" / "logits_bench.json").write_text(json.dumps(dict(info={}, results=[], issue3_goal=None)))
-    assert _verdicts(tmp_path) == ["issue 3: no single-pass row measured",
-                                   "issue 4: no linear_budget result (FileNotFoundError)"]
+    assert _verdicts(tmp_path) == [
+        "issue 3: no verdict in the logits result (no single-pass row yet, a --ragged run, or older JSON)",
+        "issue 4: no linear_budget result (FileNotFoundError)"]
+    # JSON the scripts do not write: one issue's line survives the other's
+    (tmp_path / "logits" / "logits_bench.json").write_text("[]")
+    (tmp_path / "linear_budget" / "linear_budget.json").write_text(json.dumps(dict(results=[
+        {**row, "peak_extra_beyond_fp32_dw_mib": None, "issue4_memory_goal_met": None, "issue4_flop_goal_met": None},
+        {**row, "budget_gib": 1.2, "issue4_memory_goal_met": False}])))
+    assert _verdicts(tmp_path) == [
+        "issue 3: no logits result (ValueError)",
+        "issue 4 (triton): fastest 40.00 ms (645 TFLOP/s, 1.0 GiB tiles, knobs default): FLOP goal not measured; "
+        "memory goal not met (peak beyond the fp32 dW: 1.0 GiB ? MiB, 1.2 GiB 1206 MiB)"]
+    (tmp_path / "linear_budget" / "linear_budget.json").write_text(json.dumps(dict(results=[{"ms": 1.0}])))
+    assert _verdicts(tmp_path)[1] == "issue 4: no verdict (KeyError: 'backend')"
