@@ -132,7 +132,13 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     switch (p.kl) {
       case kK1: k = -d; dk_dd = -1.0f; break;
       case kK2: k = 0.5f * d * d; dk_dd = d; break;
-      case kK3: { const float e = expm1f(d); k = e - d; dk_dd = e; k3_slope = true; break; }
+      case kK3: {  // +inf at d = +inf (a -inf log-prob), not inf - inf = NaN
+        const float e = expm1f(d);
+        k = d == INFINITY ? d : e - d;
+        dk_dd = e;
+        k3_slope = true;
+        break;
+      }
       case kKlAbs: k = fabsf(d); dk_dd = (d > 0.0f) ? 1.0f : ((d < 0.0f) ? -1.0f : 0.0f); break;
       case kLowVarKl: {
         const float dc = frl_clamp(d, -20.0f, 20.0f);

@@ -58,7 +58,8 @@ def aggregation_weights(mask: torch.Tensor, config: PolicyLossConfig,
 def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimator of KL(pi || ref) with ``d = ref - logp``.
 
-    k1 ``-d``; k2 ``d^2 / 2``; k3 ``exp(d) - d - 1``; abs ``|d|``; low_var_kl ``clamp(k3, -10, 10)``;
+    k1 ``-d``; k2 ``d^2 / 2``; k3 ``exp(d) - d - 1`` (``+inf`` at ``d = +inf``, a ``-inf`` log-prob: not
+    ``expm1(inf) - inf = NaN``); abs ``|d|``; low_var_kl ``clamp(k3, -10, 10)``;
     ``"X+"``: straight-through, the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
     """
     if kind.endswith("+"):
@@ -77,7 +78,7 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
-        return torch.expm1(d) - d
+        return torch.where(torch.isposinf(d), d, torch.expm1(d) - d)
     if kind == "abs":
         return d.abs()
     if kind == "low_var_kl":

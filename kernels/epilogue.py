@@ -202,7 +202,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             dkl = -d
         elif KL == 3:  # k3
             em1 = expm1(d)
-            kl = em1 - d
+            kl = tl.where(d == float("inf"), d, em1 - d)  # not inf - inf = NaN at a -inf log-prob
             dkl = -em1
         elif KL == 4:  # abs
             kl = tl.abs(d)

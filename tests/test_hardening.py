@@ -101,7 +101,7 @@ def test_differential_fuzz(backend, device, dtype):
         # a near-certain target's 1 - p carries the rounding of d = (z - m) - log s, a few |z| 2^-24, times
         # its coefficient (at most max |dlogits|): beyond magnitude_scale's relative model when |z| ~ 1e3 and
         # a batch of 1-3 tokens makes the coefficient ~1 (reference and kernels alike)
-        z_max = float(torch.nan_to_num(case.logits.float().abs(), posinf=0.0).max()) / config.temperature
+        z_max = float(torch.nan_to_num(case.logits.detach().float().abs(), posinf=0.0).max()) / config.temperature
         dlogits_atol = float(torch.nan_to_num(x.grad.abs()).max()) * z_max * 2.0 ** -22
         compare_policy_loss(backend, on_device(case, device), config, tol_scale=scale, dlogits_atol=dlogits_atol)
 
@@ -911,11 +911,12 @@ def test_a_neg_inf_target_logit_off_policy_has_ratio_zero_in_sequence_losses(bac
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
-@pytest.mark.parametrize("kl", ["k1+", "abs+", "low_var_kl+"])
+@pytest.mark.parametrize("kl", ["k1+", "abs+", "low_var_kl+", "k3+", "k3"])
 def test_a_straight_through_kl_at_a_neg_inf_target_logit_has_its_estimators_value(backend, device, kl):
     """Off-policy, at a sampled token whose training logit is ``-inf`` (``d = ref - logp = inf``), ``"X+"``'s value is
-    X's (``-inf``, ``inf``, low_var_kl's clamp 10: a finite loss), as for ``kl = X``. The torch loss math's
-    ``k2 + sg(X - k2)`` was ``inf - inf = NaN`` on the reference, torch and cpu backends; the kernels gave X."""
+    X's (``-inf``, ``inf``, low_var_kl's clamp 10: a finite loss; k3's ``inf``), as for ``kl = X``. The torch loss
+    math's ``k2 + sg(X - k2)`` was ``inf - inf = NaN`` on the reference, torch and cpu backends; the kernels gave X.
+    k3 itself, ``expm1(d) - d``, was ``inf - inf = NaN`` on every backend: it is ``+inf``, its limit."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 3, 50, generator=g)
     targets = torch.randint(0, 50, (2, 3), generator=g)
@@ -923,12 +924,13 @@ def test_a_straight_through_kl_at_a_neg_inf_target_logit_has_its_estimators_valu
     mask = torch.ones(2, 3, dtype=torch.bool)
     old, ref = (torch.randn(2, 3, generator=g) - 3 for _ in range(2))
     losses = []
-    for be, dev, estimator in ((backend, device, kl), ("reference", "cpu", kl[:-1])):
+    for be, dev, estimator in ((backend, device, kl), ("reference", "cpu", kl.rstrip("+"))):
         out = fused_rl.policy_loss(x.to(dev), targets.to(dev), torch.tensor([0.5, -1.0], device=dev), mask.to(dev),
                                    old_logprobs=old.to(dev), ref_logprobs=ref.to(dev),
                                    config=PolicyLossConfig(kl=estimator, beta=0.1), backend=be)
         losses.append(out.loss.cpu())
     assert not losses[1].isnan() and losses[1].isfinite() == (kl == "low_var_kl+")
+    assert (losses[1] == -float("inf")) == (kl == "k1+")
     torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-5)
 
 
