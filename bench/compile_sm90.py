@@ -64,9 +64,13 @@ def is_instruction(line: str) -> bool:
     return re.search(r"/\*[0-9a-f]{4}\*/", line) is not None
 
 
-def sass_instructions(kernel) -> int:
-    """The number of SASS instructions of ``kernel`` (0 without ``nvdisasm``)."""
-    return sum(map(is_instruction, sass_lines(kernel)))
+def sass_instructions(kernel) -> tuple[int, int]:
+    """``(in all, in line)``: the number of SASS instructions of ``kernel`` (0 without ``nvdisasm``), and of those up
+    to its last ``EXIT``, i.e. without the out-of-line routines after it (the 64-bit integer division that
+    ``row // T`` calls only when an operand needs 64 bits, and the padding): what a program runs once."""
+    lines = [line for line in sass_lines(kernel) if is_instruction(line)]
+    exits = [i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line)]
+    return len(lines), (exits[-1] + 1 if exits else len(lines))
 
 
 def sass_loops(kernel) -> list[int]:
@@ -184,10 +188,12 @@ def main(full: bool) -> None:
             k = compile_kernel(K._policy_split_kernel, split_types,
                                {**split, "CHUNK": chunk, "K_POW2": K.triton.next_power_of_2(-(-151936 // chunk)),
                                 "PHASE": 0}, warps)
-            # instructions a column: a program runs each once (no loop but the wait), over chunk / (32 warps) columns
-            per_column = sass_instructions(k) * 32 * warps / chunk
-            print(xdt, f"policy split CHUNK={chunk} warps={warps}{split_ordering(k)} SASS/column:{per_column:.1f}",
-                  resource_usage(k))
+            # instructions a column: a program runs each in-line one once (no loop but the wait, whose body is
+            # counted once), over chunk / (32 warps) columns; in all, the out-of-line routines too
+            total, in_line = sass_instructions(k)
+            columns = chunk / (32 * warps)
+            print(xdt, f"policy split CHUNK={chunk} warps={warps}{split_ordering(k)} SASS/column:"
+                       f"{in_line / columns:.1f} ({total / columns:.1f} in all)", resource_usage(k))
         # one row: the runtime passes an int argument equal to 1 as a constexpr (N = 1 failed to compile once)
         k = compile_kernel(K._policy_split_kernel, split_types, {**split, "N": 1, "CHUNK": 4096, "K_POW2": 64,
                                                                  "PHASE": 0}, 8)
