@@ -122,9 +122,10 @@ def main():
             for backend in ("triton", native_backend) for gib in (1.0, 1.2, 1.35)]
     runs += [(backend, 1.0, {} if backend == "triton" else None, variant)
              for variant in ("vllm_is", "gspo") for backend in ("triton", native_backend)]
-    split_chunks = (128,) if dry else (8192, 4096)  # the split single pass (fp32 tiles: 32 KiB / 16 KiB chunks)
+    # the split single pass on the fp32 tiles: 128 columns a thread (SPLIT_WARPS' default; 168 registers) and 64
+    split_runs = ((128, None),) if dry else ((16384, 4), (8192, 4))
     runs += [("triton", 1.0, knobs, None) for knobs in (
-        *(dict(split=chunk) for chunk in split_chunks),  # 64 columns a thread (SPLIT_WARPS' default)
+        *(dict(split=chunk, split_warps=warps) for chunk, warps in split_runs),
         dict(reverse=not r, hints=not h_), dict(prefetch=not p), dict(reverse=not r, hints=not h_, prefetch=not p),
         dict(programs=sms, prefetch=True), dict(programs=2 * sms, prefetch=True), dict(programs=2 * sms),
         dict(block=8192), dict(block=8192, warps=16, programs=sms))]

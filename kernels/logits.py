@@ -68,18 +68,21 @@ PREFETCH = False
 #: it gives a row two or more programs. A tuning knob for ``bench/gpu_logits_bench.py``'s sweep (the results
 #: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
 SPLIT_CHUNK: Optional[int] = None
-#: num_warps of the split pass (None: ``SPLIT_CHUNK / 2048``, 64 columns a thread, 1 to 16 warps: a program's
-#: fixed instructions, ~850 a warp (combining, epilogue, wait), are then ~13 a column, ~27 in all; ~40 at 32).
+#: num_warps of the split pass (None: ``SPLIT_CHUNK / 4096``, 128 columns a thread, 1 to 16 warps: a program's
+#: fixed sm_90 instructions (combining, epilogue, wait; ~760 a warp) count for less the more columns it has: ~21 a
+#: column in all, as many as the row kernel's, in 168 registers; ~25 at 64, ~37 at 32; bf16 and fp32 alike).
 SPLIT_WARPS: Optional[int] = None
 #: Polls of a row's arrival count before a program of the split pass gives up waiting (~1 us each: ~1 s; a
 #: row's programs wait for each other microseconds); then every other wait gives up at once, and the loss is NaN.
 SPLIT_MAX_POLLS = 1 << 20
 #: ``(SPLIT_CHUNK, num_warps)`` pairs that ``bench/gpu_logits_bench.py`` measures and ``bench/compile_sm90.py``
 #: compiles, the first also checked at full size there. By sm_90 instruction count (``compile_sm90.py``, bf16,
-#: ppo_clip + k3 with entropy; the row kernel: ~21 a column, ~1.6 ms of issue at N = 16384, V = 151936): 64 columns
-#: a thread ~27 a column (2.0-2.3 ms of issue, 128 registers), 32 ~40 (3.0 ms), so 64 first. Each program takes one
-#: ticket (an atomic on one address): 2048 columns would be 1.2M of them.
-SPLIT_CANDIDATES = ((8192, 4), (16384, 8), (32768, 16), (4096, 4), (8192, 8))
+#: ppo_clip + k3 with entropy, triton 3.9 / 3.6; the row kernel: ~21 a column, ~1.55 ms of issue at N = 16384,
+#: V = 151936): 128 columns a thread 21.0 / 22.0 a column (1.55-1.65 ms of issue, 168 registers: 3 programs of 4
+#: warps an SM), 64 ~25 / 27 (1.9-2.0 ms, 128 registers), 32 ~37 (2.8 ms), so 128 first, with 4 and 2 warps (10 and
+#: 19 programs a row); 256 spill. Each program takes one ticket (an atomic on one address): 2048 columns would be
+#: 1.2M of them.
+SPLIT_CANDIDATES = ((16384, 4), (8192, 2), (8192, 4), (16384, 8), (32768, 8), (4096, 4))
 
 
 def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -678,11 +681,11 @@ def _split_phases() -> tuple[int, ...]:
 
 
 def _launch_split(args, flags, rows: int, chunks: int, x: torch.Tensor) -> None:
-    """:func:`_policy_split_kernel` over ``rows x chunks`` items (``SPLIT_WARPS`` warps, by default 64 columns a
+    """:func:`_policy_split_kernel` over ``rows x chunks`` items (``SPLIT_WARPS`` warps, by default 128 columns a
     thread); the loss terms' buffer must hold zeros (the kernel adds into it)."""
     sync = torch.zeros(rows + 2, dtype=torch.int32, device=x.device)  # arrival counters, the ticket, the flag
     part = torch.empty(3 * rows * chunks + rows, dtype=torch.float32, device=x.device)
-    warps = SPLIT_WARPS or min(16, max(1, SPLIT_CHUNK // 2048))
+    warps = SPLIT_WARPS or min(16, max(1, SPLIT_CHUNK // 4096))
     for phase in _split_phases():
         _policy_split_kernel[(rows * chunks,)](*args, sync_ptr=sync, part_ptr=part, K=chunks,
                                                max_polls=SPLIT_MAX_POLLS, CHUNK=SPLIT_CHUNK,
