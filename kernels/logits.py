@@ -69,8 +69,8 @@ PREFETCH = False
 #: equal the row kernel's to rounding), not yet measured on a GPU: None (off) until it is.
 SPLIT_CHUNK: Optional[int] = None
 #: num_warps of the split pass (None: ``SPLIT_CHUNK / 4096``, 128 columns a thread, 1 to 16 warps: a program's
-#: fixed sm_90 instructions (combining, epilogue, wait; ~760 a warp) count for less the more columns it has: ~21 a
-#: column in all, as many as the row kernel's, in 168 registers; ~25 at 64, ~37 at 32; bf16 and fp32 alike).
+#: fixed sm_90 instructions (combining, epilogue, wait; ~740 a warp) count for less the more columns it has: ~18 a
+#: column in all, fewer than the row kernel's ~21, in 168 registers; ~22 at 64, ~34 at 32; bf16 and fp32 alike).
 SPLIT_WARPS: Optional[int] = None
 #: Polls of a row's arrival count before a program of the split pass gives up waiting (~1 us each: ~1 s; a
 #: row's programs wait for each other microseconds); then every other wait gives up at once, and the loss is NaN.
@@ -78,10 +78,10 @@ SPLIT_MAX_POLLS = 1 << 20
 #: ``(SPLIT_CHUNK, num_warps)`` pairs that ``bench/gpu_logits_bench.py`` measures and ``bench/compile_sm90.py``
 #: compiles, the first also checked at full size there. By sm_90 instruction count (``compile_sm90.py``, bf16,
 #: ppo_clip + k3 with entropy, triton 3.9 / 3.6; the row kernel: ~21 a column, ~1.55 ms of issue at N = 16384,
-#: V = 151936): 128 columns a thread 21.0 / 22.0 a column (1.55-1.65 ms of issue, 168 registers: 3 programs of 4
-#: warps an SM), 64 ~25 / 27 (1.9-2.0 ms, 128 registers), 32 ~37 (2.8 ms), so 128 first, with 4 and 2 warps (10 and
-#: 19 programs a row); 256 spill. Each program takes one ticket (an atomic on one address): 2048 columns would be
-#: 1.2M of them.
+#: V = 151936): 128 columns a thread 18.1 / 19.1 a column (1.35-1.4 ms of issue, 160-168 registers: 3 programs of
+#: 4 warps an SM), 64 ~22 / 24 (1.65-1.8 ms, 128 registers), 32 ~34 / 38 (2.5-2.8 ms), so 128 first, with 4 and 2
+#: warps (10 and 19 programs a row); 256 spill. Each program takes one ticket (an atomic on one address): 2048
+#: columns would be 1.2M of them.
 SPLIT_CANDIDATES = ((16384, 4), (8192, 2), (8192, 4), (16384, 8), (32768, 8), (4096, 4))
 
 
@@ -168,7 +168,7 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
             x_next = _load_block(x_ptr, x_off, valid, start + BLOCK_V, V, BLOCK_V, EVICT)
         else:
             x_raw = _load_block(x_ptr, x_off, valid, start, V, BLOCK_V, EVICT)
-        m, s, q = _block_update(x_raw, m, s, q, scale, WITH_ENT)
+        m, s, q, _, _ = _block_update(x_raw, m, s, q, scale, WITH_ENT)
     # in-row address even for ignored rows; rows past N (valid is False there too) load nothing, and so
     # does a target outside [0, V) (only with check_inputs=False): NaN logp, as the C++ kernels give
     in_vocab = (tgt >= 0) & (tgt < V)
@@ -179,10 +179,11 @@ def _row_stats(x_ptr, x_off, in_rows, tgt, valid, V, temperature, BLOCK_N: tl.co
 
 @triton.jit
 def _block_update(x_raw, m, s, q, scale, WITH_ENT: tl.constexpr):
-    """``(m, s, q)`` of each row of ``x_raw`` (``BLOCK_N x BLOCK_V``, in the logits' dtype) after one more block
-    of it: ``m`` the raw max so far (``-inf`` before any finite entry), ``s = sum 2^u``, ``q = sum 2^u u`` with
-    ``u = (x - m) scale`` relative to the new max; the old sums are rescaled by ``alpha = 2^((m_old - m) scale)``
-    (``q`` also gains ``(m_old - m) scale s``)."""
+    """``(m, s, q, 2^u, u)`` of each row of ``x_raw`` (``BLOCK_N x BLOCK_V``, in the logits' dtype) after one more
+    block of it: ``m`` the raw max so far (``-inf`` before any finite entry), ``s = sum 2^u``, ``q = sum 2^u u`` with
+    ``u = (x - m) scale`` relative to the new max (``m`` taken as 0 while ``-inf``); the old sums are rescaled by
+    ``alpha = 2^((m_old - m) scale)`` (``q`` also gains ``(m_old - m) scale s``). The block's ``2^u`` and ``u``
+    are for the split pass's gradient (:func:`_chunk_grad`); the row kernel's loop drops them."""
     xf = x_raw.to(tl.float32)
     m_new = tl.maximum(m, tl.max(xf, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -196,7 +197,7 @@ def _block_update(x_raw, m, s, q, scale, WITH_ENT: tl.constexpr):
         # no 0 * -inf: where e > 0, uc > -150 (one max, not a compare and a select, per element)
         q = alpha * (q + shift * s) + tl.sum(e * tl.maximum(uc, -1e30), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
-    return m_new, s, q
+    return m_new, s, q, e, uc
 
 
 @triton.jit
@@ -297,6 +298,23 @@ def _grad_block(x_raw, m_row, log2_s, a, b, h2, scale, GRAD_ENT: tl.constexpr):
     g = -a[:, None] * p
     if GRAD_ENT:
         g += _entropy_grad(p, d, b[:, None], h2[:, None])
+    return g
+
+
+@triton.jit
+def _chunk_grad(e, u, m_k, m_row, log2_s, a, b, h2, scale, GRAD_ENT: tl.constexpr):
+    """:func:`_grad_block` of a split-pass chunk from its statistics' terms (:func:`_block_update` with ``m = m_k``,
+    the chunk's max): ``log2 p = u + c`` with ``c = (m_k - m) scale - log2 s`` per row, so ``p = 2^u 2^c``, one
+    multiply an entry (no second ``exp2``) where the entropy has no gradient (``-a p = 2^u (-a 2^c)``); with it,
+    ``-a p + b p (E[u] - u)`` at ``log2 p = u + c``. ``c <= 0`` (``m_k <= m``, ``s >= 1``), ``-inf`` for a chunk of
+    ``-inf`` (``m`` is taken as 0 only where the whole row is): ``2^c`` is never inf, so no ``0 * inf``."""
+    c = (m_k - m_row) * scale - log2_s
+    if GRAD_ENT:
+        d = u + c[:, None]
+        p = tl.exp2(d)
+        g = -a[:, None] * p + _entropy_grad(p, d, b[:, None], h2[:, None])
+    else:
+        g = e * (-a * tl.exp2(c))[:, None]
     return g
 
 
@@ -473,9 +491,9 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
     part_row = part_ptr + rows * K  # per chunk: m_k at [0, nk), s_k at [nk, 2 nk), q_k at [2 nk, 3 nk)
     xt_ptr = part_ptr + 3 * nk + rows  # the target logit
     arrived = K
+    m_k, s_k, q_k, e, u = _block_update(x_raw, tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32),
+                                        tl.zeros([1], tl.float32), scale, WITH_ENT)
     if PHASE != 2:
-        m_k, s_k, q_k = _block_update(x_raw, tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32),
-                                      tl.zeros([1], tl.float32), scale, WITH_ENT)
         tl.store(part_row + k, m_k)
         tl.store(part_row + nk + k, s_k)
         if WITH_ENT:
@@ -521,7 +539,7 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
         if WRITE_GRAD:
             a, b, h2, one_minus_pt = _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
             cols = k * CHUNK + tl.arange(0, CHUNK)
-            g = _grad_block(x_raw, m_row, log2_s, a, b, h2, scale, ADD_ENT)
+            g = _chunk_grad(e, u, m_k, m_row, log2_s, a, b, h2, scale, ADD_ENT)
             o_off = _row_offset(rows, T, os0, os1)
             tl.store(out_ptr + o_off[:, None] + cols[None, :], g.to(out_ptr.dtype.element_ty),
                      mask=in_rows[:, None] & (cols[None, :] < V), eviction_policy="evict_first" if HINTS else "")
