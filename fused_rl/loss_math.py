@@ -78,7 +78,8 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
-        return torch.where(torch.isposinf(d), d, torch.expm1(d) - d)
+        # d taken as 0 in the subtraction at d = +inf: the value inf, and no 0 * inf = NaN in where's backward
+        return torch.expm1(d) - torch.where(torch.isposinf(d), torch.zeros_like(d), d)
     if kind == "abs":
         return d.abs()
     if kind == "low_var_kl":

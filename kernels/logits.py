@@ -70,7 +70,8 @@ PREFETCH = False
 SPLIT_CHUNK: Optional[int] = None
 #: num_warps of the split pass (None: ``SPLIT_CHUNK / 4096``, 128 columns a thread, 1 to 16 warps: a program's
 #: fixed sm_90 instructions (combining, epilogue, wait; ~740 a warp) count for less the more columns it has: ~18 a
-#: column in all, fewer than the row kernel's ~21, in 168 registers; ~22 at 64, ~34 at 32; bf16 and fp32 alike).
+#: column, fewer than the row kernel's ~21, in 168 registers with a 16-bit gradient (bf16 or fp32 logits; 174 for
+#: fp32 logits and gradient); ~22 at 64, ~34 at 32).
 SPLIT_WARPS: Optional[int] = None
 #: Polls of a row's arrival count before a program of the split pass gives up waiting (~1 us each: ~1 s; a
 #: row's programs wait for each other microseconds); then every other wait gives up at once, and the loss is NaN.
@@ -79,9 +80,9 @@ SPLIT_MAX_POLLS = 1 << 20
 #: compiles, the first also checked at full size there. By sm_90 instruction count (``compile_sm90.py``, bf16,
 #: ppo_clip + k3 with entropy, triton 3.9 / 3.6; the row kernel: ~21 a column, ~1.55 ms of issue at N = 16384,
 #: V = 151936): 128 columns a thread 18.1 / 19.1 a column (1.35-1.4 ms of issue, 160-168 registers: 3 programs of
-#: 4 warps an SM), 64 ~22 / 24 (1.65-1.8 ms, 128 registers), 32 ~34 / 38 (2.5-2.8 ms), so 128 first, with 4 and 2
-#: warps (10 and 19 programs a row); 256 spill. Each program takes one ticket (an atomic on one address): 2048
-#: columns would be 1.2M of them.
+#: 4 warps an SM; fp32 logits and gradient 174: 2), 64 ~22 / 24 (1.65-1.8 ms, 128 registers), 32 ~34 / 38
+#: (2.5-2.8 ms), so 128 first, with 4 and 2 warps (10 and 19 programs a row); 256 spill. Each program takes one
+#: ticket (an atomic on one address): 2048 columns would be 1.2M of them.
 SPLIT_CANDIDATES = ((16384, 4), (8192, 2), (8192, 4), (16384, 8), (32768, 8), (4096, 4))
 
 
@@ -307,7 +308,9 @@ def _chunk_grad(e, u, m_k, m_row, log2_s, a, b, h2, scale, GRAD_ENT: tl.constexp
     the chunk's max): ``log2 p = u + c`` with ``c = (m_k - m) scale - log2 s`` per row, so ``p = 2^u 2^c``, one
     multiply an entry (no second ``exp2``) where the entropy has no gradient (``-a p = 2^u (-a 2^c)``); with it,
     ``-a p + b p (E[u] - u)`` at ``log2 p = u + c``. ``c <= 0`` (``m_k <= m``, ``s >= 1``), ``-inf`` for a chunk of
-    ``-inf`` (``m`` is taken as 0 only where the whole row is): ``2^c`` is never inf, so no ``0 * inf``."""
+    ``-inf`` (``m`` is taken as 0 only where the whole row is): ``2^c`` is never inf, so no ``0 * inf``. One
+    difference from :func:`_grad_block`, where the loss is infinite anyway: at an infinite ``a`` (k3 of ``d > 88``)
+    an entry whose ``p`` underflows to 0 but ``2^u`` does not is ``inf`` here, NaN there (``inf * 0``)."""
     c = (m_k - m_row) * scale - log2_s
     if GRAD_ENT:
         d = u + c[:, None]
