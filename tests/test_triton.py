@@ -442,6 +442,13 @@ def test_kernels_compile_for_sm90():
     assert "UNORDERED" not in res.stdout and "bf16 policy split CHUNK=8192 warps=4 ordered" in res.stdout
     assert "bf16 policy split N=1" in res.stdout
     assert "bf16 policy bench-config SASS loops:" in res.stdout  # the instruction counts docs/triton.md cites
+    # the first split candidate (the sweep's first, kernels/logits.py SPLIT_CANDIDATES) issues fewer sm_90
+    # instructions a column than the row kernel (where nvdisasm is there to count them)
+    row = re.search(r"bf16 policy bench-config SASS loops:\S* a block \(([\d.]+) a column\)", res.stdout)
+    split = re.search(r"bf16 policy split CHUNK=\d+ warps=\d+ ordered SASS/column:([\d.]+)", res.stdout)
+    assert row and split, res.stdout
+    if float(row.group(1)) > 0:
+        assert float(split.group(1)) < float(row.group(1)), (split.group(0), row.group(0))
 
 
 # --------------------------------------------------------------------------- availability, heuristics
