@@ -20,7 +20,8 @@
 //             multiplied by clamp(rho, lo, hi) (truncate) or rho 1[lo <= rho <= hi] (mask)
 //   kl (d = ref - logp): k1 -d, k2 d^2/2, k3 expm1(d) - d, abs |d|, low_var_kl clamp(k3(clamp(d,+-20)), +-10);
 //             straight-through "X+": the value of X with the gradient of k2 (dk/dd = d);
-//             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r)
+//             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r), each product 0 where r = 0
+//             meets an infinite term, k3's r expm1(d) as exp(ref - old) - r past d = 20 (loss_math.bias_corrected_kl)
 //   l += beta kl;  l -= entropy_coef H
 //   a NaN logp (a row whose softmax is undefined: NaN / +inf logits, or all -inf) gives l = dl/dlogp = NaN
 //             for every option, as autograd of the reference does (the on-policy r = 1, the clamps and
@@ -65,6 +66,9 @@ FRL_HD float frl_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo),
 
 // d(clamp(x, lo, hi))/dx as torch computes it: 1 on the closed interval, else 0.
 FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x <= hi) ? 1.0f : 0.0f; }
+
+// The gap d past which the bias-corrected k3 takes r expm1(d) as exp(log r + d) - r (loss_math.KL_BIAS_FAR).
+constexpr float kKlBiasFar = 20.0f;
 
 // dl/dlogp = dl/dr * r (dr/dlogp = r); r overflowed to inf is a constant (loss_math.ratio_exp): 0, not
 // 0 * inf = NaN for a clipped token (where the loss depends on r it is inf anyway).
@@ -153,10 +157,15 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     }
     if (p.kl_straight) { dk_dd = d; k3_slope = false; }  // the gradient of k2 = d^2 / 2
     if (p.beta != 0.0f) {
-      if (p.kl_bias) {  // beta r kl: d/dlogp = beta (r dkl/dlogp + kl r) = beta r (kl - dkl/dd)
-        loss += p.beta * r * k;
-        // k3: kl - dkl/dd = -d, without cancelling two terms of size exp(d)
-        dl_dlogp += p.beta * r * (k3_slope ? -d : k - dk_dd);
+      if (p.kl_bias) {  // beta r kl: d/dlogp = beta (r kl + r dkl/dlogp) = beta (r kl - r dkl/dd)
+        // each product 0 where r = 0 meets an infinite term (a -inf log-prob off-policy: the limit)
+        const float rd = frl_weighted(r, d);
+        float rk = frl_weighted(r, k);
+        // k3: r expm1(d) as exp(log r + d) - r past kKlBiasFar (exp(d) overflows past 88 where r is small)
+        if (p.kl == kK3 && d > kKlBiasFar) rk = expf(p.has_old ? ref - old : d) - r - rd;
+        loss += p.beta * rk;
+        // k3: r kl - r dkl/dd = -r d, without cancelling two terms of size r exp(d)
+        dl_dlogp += p.beta * (k3_slope ? -rd : rk - frl_weighted(r, dk_dd));
       } else {
         loss += p.beta * k;
         dl_dlogp += -p.beta * dk_dd;  // dd/dlogp = -1

@@ -63,15 +63,9 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
     ``"X+"``: straight-through, the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
     """
     if kind.endswith("+"):
-        # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), plus
-        # k2 - sg(k2) as u sg(d) + u^2 / 2 with u = d - sg(d): 0, k2's first and second derivatives (-d, 1), and no
-        # overflow at any finite d (d^2 / 2 is inf beyond |d| ~ 2.6e19 in fp32); 0 at an infinite d (a -inf
-        # log-prob), so the value is X's there, as the fused epilogues give (its gradient is not finite anyway)
-        d = ref - logp
-        d_sg = d.detach()
-        u = d - d_sg
-        slope = torch.where(torch.isinf(d), torch.zeros_like(d), u * d_sg + 0.5 * u * u)
-        return kl_estimator(logp, ref, kind[:-1]).detach() + slope
+        # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), plus a 0 with
+        # k2's derivatives; X's value also at an infinite d (a -inf log-prob), as the fused epilogues give
+        return kl_estimator(logp, ref, kind[:-1]).detach() + _k2_slope(ref - logp)
     d = ref - logp
     if kind == "k1":
         return -d
@@ -88,6 +82,14 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
         d = d.clamp(min=-20.0, max=20.0)
         return (torch.expm1(d) - d).clamp(min=-10.0, max=10.0)
     raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def _k2_slope(d: torch.Tensor) -> torch.Tensor:
+    """0 in value, with k2's derivatives in ``d`` (``d``, 1): ``u sg(d) + u^2 / 2``, ``u = d - sg(d)``; no overflow at
+    any finite ``d`` (``d^2 / 2`` is inf beyond ``|d| ~ 2.6e19`` in fp32), 0 at an infinite one."""
+    d_sg = d.detach()
+    u = d - d_sg
+    return torch.where(torch.isinf(d), torch.zeros_like(d), u * d_sg + 0.5 * u * u)
 
 
 def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -140,19 +142,94 @@ def _ratio_kind(config: PolicyLossConfig) -> str:
     return "gspo_token" if config.policy_loss == "gspo_token" else "token"
 
 
+#: Beyond this gap ``d = ref - logp`` the bias-corrected k3 takes ``r expm1(d)`` as ``exp(log r + d) - r`` (token
+#: ratio: ``exp(ref - old) - r``): ``exp(d)`` overflows fp32 past 88 where ``r`` is small enough for the product to
+#: be finite (an old log-prob far above the new one), or is infinite where ``r = 0`` (a ``-inf`` log-prob
+#: off-policy); past 20 the form has no cancellation (``r <= 2.1e-9 exp(log r + d)``). The kernels' epilogues
+#: switch at the same gap.
+KL_BIAS_FAR = 20.0
+
+
+def _times(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``r x`` with ``x`` taken as 0 where ``r == 0`` and ``x`` is infinite: the limit of ``r x`` for the ratio of a
+    ``-inf`` log-prob (``r -> 0`` faster than a KL term grows), the value of :func:`weighted`, and no ``0 * inf`` in
+    its derivatives either."""
+    return r * torch.where((r == 0) & torch.isinf(x), torch.zeros_like(x), x)
+
+
+def _ratio_kl_parts(logp, ref, r, log_r, log_rd, kind: str):
+    """``(r kl, r K', r d, r expm1(d) or None)`` of :func:`bias_corrected_kl`, each the limit where ``r = 0`` meets an
+    infinite ``d`` (:func:`_times`): ``log_r`` the log of ``r`` (with its derivatives), ``log_rd = log r + d``,
+    ``kl`` the estimator ``kind`` of ``d = ref - logp``, ``K' = d kl / d logp`` (``"X+"``: ``-d``, k2's); k3's ``r
+    kl = r expm1(d) - r d`` with ``r expm1(d)`` taken as ``exp(log_rd) - r`` past :data:`KL_BIAS_FAR` (``r exp(d)``,
+    finite, where ``exp(d)`` alone overflows). ``r kl`` carries the derivatives of the product (k3+ past the switch
+    too: its value times ``r / sg(r)`` plus ``r`` times k2's slope)."""
+    d = ref - logp
+    zeros = torch.zeros_like(d)
+    rd = _times(r, d)
+    base = kind.rstrip("+")
+    r_em1 = None
+    if base == "k3":
+        far = d > KL_BIAS_FAR
+        logp_near = torch.where(far, ref, logp)  # d = 0 in the unselected branch: no inf in its derivatives
+        value = _times(r, kl_estimator(logp_near, ref, kind))
+        near = ref - logp_near
+        r_em1 = torch.where(far, torch.exp(torch.where(far, log_rd, zeros)) - r, r * torch.expm1(near))
+        far_value = r_em1 - rd
+        if kind == "k3+":  # k3's value, the derivatives of r k2
+            own = torch.where(torch.isfinite(log_r), log_r - log_r.detach(), zeros)
+            far_value = far_value.detach() * torch.exp(own) + _times(r, _k2_slope(d))
+        value = torch.where(far, far_value, value)
+    else:
+        value = _times(r, kl_estimator(logp, ref, kind))
+    if kind.endswith("+") or base == "k2":
+        r_slope = -rd
+    elif base == "k3":
+        r_slope = -r_em1
+    elif base == "k1":
+        r_slope = r
+    elif base == "abs":
+        r_slope = -r * torch.sign(d)
+    else:  # low_var_kl: -expm1(d) inside both of its clamps (as autograd of kl_estimator), else 0
+        dc = d.clamp(min=-20.0, max=20.0)
+        em1 = torch.expm1(dc)
+        inside = (d >= -20.0) & (d <= 20.0) & (em1 - dc >= -10.0) & (em1 - dc <= 10.0)
+        r_slope = -r * torch.where(inside, em1, zeros)
+    return value, r_slope, rd, r_em1
+
+
+def _ratio(logp, ref, old, mask, ratio_kind: str):
+    """``(r, log r, log r + d)`` of a ratio kind (:func:`_ratio_kind`) on masked inputs, carrying their derivatives:
+    token ``r = exp(logp - old)`` (``log r + d = ref - old``: finite at a ``-inf`` log-prob, whose ``r`` is 0);
+    sequence ``s = exp(mean_t m (logp - old))`` on every token; gspo_token ``s``'s value with the token's own
+    slope (0 at a ``-inf`` log-prob, as :func:`log_importance_ratio`)."""
+    if ratio_kind == "token":
+        log_r = logp - old
+        return torch.exp(log_r), log_r, ref - old
+    log_s = _sequence_mean(logp - old, mask).expand_as(logp)
+    if ratio_kind == "gspo_token":
+        log_s = log_s.detach() + torch.where(torch.isfinite(logp), logp - logp.detach(), torch.zeros_like(logp))
+    return torch.exp(log_s), log_s, log_s + (ref - logp)
+
+
 class _RatioTimesKL(torch.autograd.Function):
     """``r kl`` (see :func:`bias_corrected_kl`) on masked inputs (0 at masked positions), with a backward of its own:
     the exact gradients, formed from the incoming per-token gradient ``g`` with differentiable ops (so a double
-    backward is exact too) and ``vmap`` by torch's generated rule; forward mode: :class:`_RatioTimesKLWithJvp`."""
+    backward is exact too) and ``vmap`` by torch's generated rule; forward mode: :class:`_RatioTimesKLWithJvp`.
+    The sequence ratio's terms are formed in fp64 (``s exp(d)`` finite to ``d ~ 700``; the row means below)."""
 
     generate_vmap_rule = True
 
     @staticmethod
+    def _parts(logp, ref, old, mask, kind: str, ratio_kind: str):
+        if ratio_kind == "sequence":
+            logp, ref, old = logp.double(), ref.double(), old.double()
+        return _ratio_kl_parts(logp, ref, *_ratio(logp, ref, old, mask, ratio_kind), kind)
+
+    @staticmethod
     def forward(logp, ref, old, mask, kind: str, ratio_kind: str):
-        log_r = logp - old
-        if ratio_kind != "token":
-            log_r = _sequence_mean(log_r, mask).expand_as(logp)
-        return torch.where(mask, torch.exp(log_r) * kl_estimator(logp, ref, kind), torch.zeros_like(logp))
+        value = _RatioTimesKL._parts(logp, ref, old, mask, kind, ratio_kind)[0]
+        return torch.where(mask, value.to(logp.dtype), torch.zeros_like(logp))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -167,32 +244,23 @@ class _RatioTimesKL(torch.autograd.Function):
         kind, ratio_kind = ctx.kind, ctx.ratio_kind
         zeros = torch.zeros_like(logp)
         g = torch.where(mask, g, zeros)  # the masked outputs are the constant 0
-        d = ref - logp
-        kl = kl_estimator(logp, ref, kind)  # "X+": X's value with k2's derivatives
-        kl_slope = -d if kind.endswith("+") else -torch.expm1(d)  # K' = d kl / d logp = -d kl / d ref
-        grad_ref = g * -kl_slope
+        value, r_slope, rd, r_em1 = _RatioTimesKL._parts(logp, ref, old, mask, kind, ratio_kind)
         if ratio_kind == "sequence":
-            s = torch.exp(_sequence_mean(logp - old, mask))
-            # s (g_u K'_u + mean_t g_t kl_t) in fp64: k3 (mean_t g_t e_t - g_u e_u) - mean_t g_t d_t, e = expm1(d);
-            # "X+" mean_t g_t X_t - g_u d_u (terms of size exp(d) and the spread of near-equal d cancel in fp32)
-            g64, d64 = g.double(), ref.double() - logp.double()
-            if kind.endswith("+"):
-                inner = _sequence_mean(g64 * kl_estimator(logp.double(), ref.double(), kind), mask) - g64 * d64
+            # d (sum_t g_t s kl_t) / d logp_u = g_u s K'_u + mean_t g_t s kl_t; k3 as (mean_t g_t s e_t - g_u s e_u) -
+            # mean_t g_t s d_t, e = expm1(d) (terms of size s exp(d) and the spread of near-equal d cancel in fp32)
+            g64 = g.double()
+            if kind == "k3":
+                ge = g64 * r_em1
+                inner = (_sequence_mean(ge, mask) - ge) - _sequence_mean(g64 * rd, mask)
             else:
-                ge = g64 * torch.expm1(d64)
-                inner = (_sequence_mean(ge, mask) - ge) - _sequence_mean(g64 * d64, mask)
-            grad_logp, grad_ref = s * inner.to(logp.dtype), s * grad_ref
-            grad_old = (-s * _sequence_mean(g * kl, mask)).expand_as(logp)
+                inner = _sequence_mean(g64 * value, mask) + g64 * r_slope
+            grad_logp = inner.to(logp.dtype)
+            grad_old = -_sequence_mean(g64 * value, mask).expand_as(logp).to(logp.dtype)
         else:
-            # d (r kl) / d logp = r (kl + K'): k3 -r d, "X+" r (X - d); gspo_token: r is s in value, old under sg
-            own = -d if kind == "k3" else kl - d
-            if ratio_kind == "gspo_token":
-                r = torch.exp(_sequence_mean(logp - old, mask)).detach() * torch.exp(logp - logp.detach())
-                grad_old = None
-            else:
-                r = torch.exp(logp - old)
-                grad_old = -g * r * kl
-            grad_logp, grad_ref = g * r * own, r * grad_ref
+            # d (r kl) / d logp = r kl + r K' (d r / d logp = r): k3 -r d, taken so (two terms of size r exp(d) cancel)
+            grad_logp = g * (-rd if kind == "k3" else value + r_slope)
+            grad_old = None if ratio_kind == "gspo_token" else -g * value  # gspo_token: old under the stop-gradient
+        grad_ref = (-g.to(r_slope.dtype) * r_slope).to(logp.dtype)
         masked = lambda x: None if x is None else torch.where(mask, x, zeros)
         return masked(grad_logp), masked(grad_ref), masked(grad_old), None, None, None
 
@@ -203,42 +271,38 @@ class _RatioTimesKLWithJvp(_RatioTimesKL):
 
     @staticmethod
     def jvp(ctx, t_logp, t_ref, t_old, *_):
-        """Forward mode, term by term: ``r (kl + K') t_logp - r K' t_ref - r kl t_old`` for a token-level gradient
-        (no ``t_old`` term for gspo_token: its ``old`` is under the stop-gradient); ``s (K'_t (t_logp,t - t_ref,t) +
-        kl_t mean_u (t_logp,u - t_old,u))`` for the sequence ratio."""
+        """Forward mode, term by term: ``(r kl + r K') t_logp - r K' t_ref - r kl t_old`` for a token-level gradient
+        (no ``t_old`` term for gspo_token: its ``old`` is under the stop-gradient); ``s K'_t (t_logp,t - t_ref,t) +
+        s kl_t mean_u (t_logp,u - t_old,u)`` for the sequence ratio."""
         logp, ref, old, mask = ctx.saved_tensors
         zeros = torch.zeros_like(logp)
         tangent = lambda t: zeros if t is None else torch.where(mask, t, zeros)
         t_logp, t_ref, t_old = tangent(t_logp), tangent(t_ref), tangent(t_old)
-        d = ref - logp
-        kl = kl_estimator(logp, ref, ctx.kind)
-        kl_slope = -d if ctx.kind.endswith("+") else -torch.expm1(d)
+        value, r_slope, rd, _ = _RatioTimesKL._parts(logp, ref, old, mask, ctx.kind, ctx.ratio_kind)
         if ctx.ratio_kind == "sequence":
-            s = torch.exp(_sequence_mean(logp - old, mask))
-            out = s * (kl_slope * (t_logp - t_ref) + kl * _sequence_mean(t_logp - t_old, mask))
+            value, r_slope = value.to(logp.dtype), r_slope.to(logp.dtype)
+            out = r_slope * (t_logp - t_ref) + value * _sequence_mean(t_logp - t_old, mask)
         else:
-            own = -d if ctx.kind == "k3" else kl - d
-            log_r = _sequence_mean(logp - old, mask).expand_as(logp) if ctx.ratio_kind == "gspo_token" else logp - old
-            r = torch.exp(log_r)
-            out = r * (own * t_logp - kl_slope * t_ref)
+            own = -rd if ctx.kind == "k3" else value + r_slope
+            out = own * t_logp - r_slope * t_ref
             if ctx.ratio_kind == "token":
-                out = out - r * kl * t_old
+                out = out - value * t_old
         return torch.where(mask, out, zeros)
 
 
 def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                       config: PolicyLossConfig) -> torch.Tensor:
-    """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for ``config.kl`` k3 or a straight-through ``"X+"``, ``r``
-    the ratio of :func:`importance_ratio`, with exact gradients: ``K'`` is the slope ``kl`` carries,
-    ``d = ref - logp``: k3 ``K' = -expm1(d)``, ``"X+"`` ``K' = -d`` (k2's); ``g`` the per-token gradient of the
-    output.
+    """``r_t kl_t`` (DeepSeek-V3.2's bias-corrected KL) for every ``config.kl``, ``r`` the ratio of
+    :func:`importance_ratio`, with exact gradients: ``K'`` is the slope ``kl`` carries, ``d = ref - logp``: k1
+    ``K' = 1``, k2 ``-d``, k3 ``-expm1(d)``, abs ``-sign(d)``, low_var_kl ``-expm1(d)`` inside its clamps (else 0),
+    ``"X+"`` ``-d`` (k2's); ``g`` the per-token gradient of the output.
 
     * a ratio whose gradient is token-level (``d r_t / d logp_t = r_t``: every policy loss but gspo and gmpo;
       gspo_token's value is the sequence ratio): ``d (r kl) / d logp = r (kl + K')``: k3 ``-r d``; ``"X+"``
       ``r (X - d)``;
     * the sequence ratio ``s`` of gspo and gmpo (``d s / d logp_u = s / n``, ``n`` the row's valid tokens):
       ``d (sum_t g_t s kl_t) / d logp_u = s (g_u K'_u + mean_t g_t kl_t)``: k3 ``s ((mean_t g_t e_t - g_u e_u) -
-      mean_t g_t d_t)`` with ``e = expm1(d)``; ``"X+"`` ``s (mean_t g_t X_t - g_u d_u)``; both in fp64.
+      mean_t g_t d_t)`` with ``e = expm1(d)``; ``"X+"`` ``s (mean_t g_t X_t - g_u d_u)``; in fp64.
 
     Autograd of the product would add ``r kl`` and ``r K'`` as two terms that cancel: k3's ``r expm1(d)``
     (in fp32: -32 for the exact -20 at ``d = 20``; for gspo's one-token row, a logit gradient 1.78 for the
@@ -247,6 +311,13 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     (:class:`_RatioTimesKL`), written with differentiable ops: a double backward differentiates the exact slope
     (an earlier ``sg(slope) (logp - sg(logp))`` form had the right first derivative but no second one); the
     ``ref`` and ``old`` gradients (no such cancellation) are the product rule's. 0 where masked.
+
+    Far off-policy, where ``r`` is small and ``d`` large, each term is its limit (:func:`_ratio_kl_parts`): at a
+    ``-inf`` log-prob (``r = 0``, ``d = inf``) a token-level ``r kl`` is ``exp(ref - old)`` for k3 and k3+ and 0 for
+    the others, its gradient 0 (the plain product was ``0 * inf = NaN``); past ``d = 88``, where fp32's ``exp(d)``
+    overflows, k3's ``r kl`` is ``exp(ref - old) - r (d + 1)``, finite (the product was ``inf``). A sequence ratio
+    (gspo, gmpo, gspo_token's value) at a ``-inf`` log-prob: 0 for the estimators other than k3, k3's ``s exp(d)``
+    NaN (``exp(-inf + inf)``; its limit is ``+inf`` for a row of two tokens or more).
     """
     zeros = torch.zeros_like(logp)
     masked = lambda x: torch.where(mask, x, zeros)
@@ -517,11 +588,10 @@ def per_token_loss(
         if ref_logprobs is None:
             raise ValueError(f"config.kl={config.kl!r} needs ref_logprobs")
         safe_ref = torch.where(mask, ref_logprobs, zeros)
-        kl = torch.where(mask, kl_estimator(safe_logp, safe_ref, config.kl), zeros)
-        if config.kl_bias_correction and (config.kl == "k3" or config.kl.endswith("+")):
+        if config.kl_bias_correction:
             kl = bias_corrected_kl(logp, safe_ref, old, mask, config)
-        elif config.kl_bias_correction:
-            kl = kl * ratio
+        else:
+            kl = torch.where(mask, kl_estimator(safe_logp, safe_ref, config.kl), zeros)
         if config.beta != 0.0:
             loss = loss + config.beta * kl
     if config.entropy_coef != 0.0:

@@ -28,7 +28,9 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   (``-expm1(d)`` inside both clamps, else 0); ``"X+"``: the value of ``X``, the derivative of k2
   (``-d``); ``kl_bias_correction``: ``kl <- r kl`` (the returned ``kl`` too), so
   ``dl/dlogp += beta r (dkl/dlogp + kl)``, which is ``-beta r d`` for k3 (taken so: the two terms
-  cancel to ``|d|`` from ``exp(d)``);
+  cancel to ``|d|`` from ``exp(d)``); each product 0 where ``r = 0`` meets an infinite term (a ``-inf``
+  log-prob off-policy), and k3's ``r expm1(d)`` taken as ``exp(ref - old) - r`` past ``d = 20``
+  (``loss_math.bias_corrected_kl``: finite where ``exp(d)`` overflows but ``r`` is small);
 * entropy bonus: ``l -= entropy_coef H``, ``dl/dH = -entropy_coef``;
 * a NaN ``logp`` (a row whose softmax is undefined: NaN / ``+inf`` logits, or all ``-inf``) gives
   ``l = dl/dlogp = r = NaN`` (and ``kl = NaN`` with ``KL``) at a valid token for every option, as
@@ -217,12 +219,21 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         if KL_ST:  # "X+": the value of X, the gradient of k2
             dkl = -d
         kl = tl.where(valid, kl, zero)
-        if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r (dkl + kl)
+        if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r kl + r dkl, each product 0 at r = 0
+            rd = _weighted(ratio, d)
+            r_kl = _weighted(ratio, kl)
+            if KL == 3:  # r expm1(d) as exp(log r + d) - r past d = 20 (loss_math.KL_BIAS_FAR; exp(d) overflows)
+                if ON_POLICY:
+                    log_rd = d
+                else:
+                    log_rd = tl.where(valid, ref - old, zero)
+                far = d > 20.0
+                r_kl = tl.where(far, tl.exp(tl.where(far, log_rd, zero)) - ratio - rd, r_kl)
             if KL == 3 and not KL_ST:
-                dkl = ratio * (zero - d)  # k3: -expm1(d) + expm1(d) - d, without the cancellation
+                dkl = zero - rd  # k3: -r expm1(d) + r expm1(d) - r d, without the cancellation
             else:
-                dkl = ratio * (dkl + kl)
-            kl = ratio * kl
+                dkl = r_kl + _weighted(ratio, dkl)
+            kl = r_kl
         if ADD_KL:
             loss = loss + beta * kl
             dlogp = dlogp + beta * dkl

@@ -821,6 +821,52 @@ def test_weight_zero_rules_agree_on_every_backend(backend, device, case):
     torch.testing.assert_close(out.loss.detach().cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("kl", ["k3", "k3+", "k1", "k2", "abs+", "low_var_kl"])
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "cispo", "gspo"])
+@pytest.mark.parametrize("backend, device", on(BACKENDS))
+def test_bias_corrected_kl_far_off_policy_is_finite_on_every_backend(backend, device, policy_loss, kl):
+    """``kl_bias_correction`` at an off-policy token whose log-prob is ``-inf`` (``r = 0``, ``d = inf``: the limit,
+    ``exp(ref - old)`` for k3, was ``0 * inf = NaN``) and at one with ``d = 95`` and ``r = e^-80`` (k3's ``r kl`` is
+    ``e^15``; the product was ``inf``): a finite loss and finite gradients equal to the reference's, logits-level
+    and fused-linear. gspo (a sequence ratio, whose k3 term at a ``-inf`` token is NaN) has the far token only."""
+    g = torch.Generator().manual_seed(12)
+    B, T, V, H = 2, 3, 37, 8
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    bias = torch.zeros(V)
+    targets = torch.randint(0, V - 2, (B, T), generator=g)
+    bias[V - 1], bias[V - 2] = float("-inf"), -100.0
+    targets[1, 0] = V - 2  # log p ~ -100
+    if policy_loss != "gspo":
+        targets[0, 1] = V - 1  # log p = -inf
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logp = fused_rl.reference.token_logprobs(logits, targets)
+    old, ref = (torch.randn(B, T, generator=g) * 0.3 + logp.clamp(min=-10.0) for _ in range(2))
+    old[1, 0], ref[1, 0] = logp[1, 0] + 80.0, logp[1, 0] + 95.0
+    config = PolicyLossConfig(policy_loss=policy_loss, kl=kl, beta=0.1, kl_bias_correction=True)
+    adv = torch.tensor([0.8, -0.7])
+    mask = torch.ones(B, T, dtype=torch.bool)
+    results = []
+    for be, dev in ((backend, device), ("reference", "cpu")):
+        x = logits.to(dev, copy=True).requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets.to(dev), adv.to(dev), mask.to(dev), old_logprobs=old.to(dev),
+                                   ref_logprobs=ref.to(dev), config=config, backend=be)
+        out.loss.backward()
+        results.append((out.loss.detach().cpu(), x.grad.cpu()))
+    (loss, grad), (expected, expected_grad) = results
+    assert torch.isfinite(expected) and torch.isfinite(expected_grad).all()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
+    h = hidden.to(device, copy=True).requires_grad_(True)
+    out = fused_rl.linear_policy_loss(h, weight.to(device), targets.to(device), adv.to(device), mask.to(device),
+                                      bias=bias.to(device), old_logprobs=old.to(device), ref_logprobs=ref.to(device),
+                                      config=config, backend=backend)
+    out.loss.backward()
+    assert torch.isfinite(h.grad).all()
+    torch.testing.assert_close(out.loss.detach().cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
 def test_nan_upstream_gradient_gives_a_nan_row_also_where_p_is_0(backend, device):
     """A NaN upstream gradient of a token's log-prob makes its whole logits-gradient row NaN, entries with

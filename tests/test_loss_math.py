@@ -441,8 +441,22 @@ def test_kl_bias_correction_gradient_is_exact_in_fp32(policy):
         torch.testing.assert_close(got_old, exp_old.float(), rtol=2e-6, atol=1e-10)
 
 
+def _plain_ratio_times_kl(policy, kl, x, rf, od, mask):
+    """``r kl`` as autograd of the plain product (exact in fp64 for gaps ``d`` below ~700), 0 where masked."""
+    n = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    seq = torch.where(mask, x - od, 0.0).sum(dim=1, keepdim=True) / n
+    log_r = {"ppo_clip": x - od, "cispo": x - od, "gspo": seq.expand(x.shape), "gmpo": seq.expand(x.shape),
+             "gspo_token": seq.detach() + x - x.detach()}[policy]
+    d = rf - x
+    k2 = 0.5 * d * d
+    x_val = {"k1": -d, "k2": k2, "k3": torch.expm1(d) - d, "abs": d.abs(),
+             "low_var_kl": (torch.expm1(d) - d).clamp(-10.0, 10.0)}[kl.rstrip("+")]
+    value = x_val.detach() + k2 - k2.detach() if kl.endswith("+") else x_val
+    return torch.where(mask, torch.exp(log_r) * value, 0.0)
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func's own
-@pytest.mark.parametrize("kl", ["k3", "k3+", "abs+", "low_var_kl+"])
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"])
 @pytest.mark.parametrize("policy", ["ppo_clip", "gspo", "gspo_token", "gmpo"])
 def test_kl_bias_correction_derivatives_of_every_order_match_the_plain_product(policy, kl):
     """``beta r kl_t`` (fp64, moderate ``d``: autograd of the plain product, written here, is exact enough) under
@@ -464,16 +478,7 @@ def test_kl_bias_correction_derivatives_of_every_order_match_the_plain_product(p
     zeros = torch.zeros(shape, dtype=torch.float64)
 
     def plain(x, rf, od):
-        n = mask.sum(dim=1, keepdim=True).clamp(min=1)
-        seq = torch.where(mask, x - od, 0.0).sum(dim=1, keepdim=True) / n
-        log_r = {"ppo_clip": x - od, "gspo": seq.expand(shape), "gmpo": seq.expand(shape),
-                 "gspo_token": seq.detach() + x - x.detach()}[policy]
-        d = rf - x
-        k2 = 0.5 * d * d
-        x_val = {"k3": torch.expm1(d) - d, "k3+": torch.expm1(d) - d, "abs+": d.abs(),
-                 "low_var_kl+": (torch.expm1(d) - d).clamp(-10.0, 10.0)}[kl]
-        value = x_val if kl == "k3" else x_val.detach() + k2 - k2.detach()
-        return torch.where(mask, 0.7 * torch.exp(log_r) * value, 0.0)
+        return 0.7 * _plain_ratio_times_kl(policy, kl, x, rf, od, mask)
 
     def fused(x, rf, od):
         return per_token_loss(x, zeros, mask, cfg, old_logprobs=od, ref_logprobs=rf).loss
@@ -493,6 +498,121 @@ def test_kl_bias_correction_derivatives_of_every_order_match_the_plain_product(p
     names = ["value", "d/dlogp", "d/dref", "d/dold", "hvp logp", "hvp ref", "jvp"]
     for name, got, want in zip(names, *results):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+ALL_KL = ["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"]
+
+
+def _mp_ratio_times_kl(policy, kl, lp, ref, old, mask, w):
+    """``(r kl, d (sum w r kl) / d logp, / d ref, / d old)`` at 60 digits (mpmath, central differences of the plain
+    product; ``"X+"`` as ``X(d_0) + k2(d) - k2(d_0)``, gspo_token's ratio ``s_0 exp(logp - logp_0)`` with ``old``
+    under the stop-gradient), for float64 ``(B, T)`` inputs: exact where fp64 autograd of the product cancels."""
+    import mpmath
+
+    mp = mpmath.mp
+    mp.dps = 60
+    base = kl.rstrip("+")
+    shape = lp.shape
+    lp, ref, old, mask, w = (x.tolist() for x in (lp, ref, old, mask, w))
+
+    def estimator(d):
+        k3 = mpmath.expm1(d) - d
+        return {"k1": -d, "k2": d * d / 2, "k3": k3, "abs": abs(d),
+                "low_var_kl": max(min(mpmath.expm1(max(min(d, 20), -20)) - max(min(d, 20), -20), 10), -10)}[base]
+
+    def terms(row, lps, refs, olds):
+        valid = [t for t in range(len(lps)) if mask[row][t]]
+        log_s = mpmath.fsum(lps[t] - olds[t] for t in valid) / max(len(valid), 1)
+        log_s0 = mpmath.fsum(mpmath.mpf(lp[row][t]) - mpmath.mpf(old[row][t]) for t in valid) / max(len(valid), 1)
+        out = []
+        for t in range(len(lps)):
+            if not mask[row][t]:
+                out.append(mpmath.mpf(0))
+                continue
+            d, d0 = refs[t] - lps[t], mpmath.mpf(ref[row][t]) - mpmath.mpf(lp[row][t])
+            x = estimator(d0) + d * d / 2 - d0 * d0 / 2 if kl.endswith("+") else estimator(d)
+            log_r = {"gspo": log_s, "gmpo": log_s, "gspo_token": log_s0 + lps[t] - mpmath.mpf(lp[row][t])}.get(
+                policy, lps[t] - olds[t])
+            out.append(mpmath.exp(log_r) * x)
+        return out
+
+    values = torch.zeros(shape, dtype=torch.float64)
+    grads = [torch.zeros(shape, dtype=torch.float64) for _ in range(3)]
+    for row in range(shape[0]):
+        point = [[mpmath.mpf(v) for v in x[row]] for x in (lp, ref, old)]
+        for t, v in enumerate(terms(row, *point)):
+            values[row, t] = float(v)
+        for which in range(3):
+            for t in range(shape[1]):
+                def f(h):
+                    moved = [list(p) for p in point]
+                    moved[which][t] += h
+                    return mpmath.fsum(mpmath.mpf(w[row][u]) * v for u, v in enumerate(terms(row, *moved)))
+                grads[which][row, t] = float(mpmath.diff(f, 0))
+    if policy == "gspo_token":
+        grads[2].zero_()
+    return values, grads
+
+
+@pytest.mark.parametrize("kl", ALL_KL)
+@pytest.mark.parametrize("policy", ["ppo_clip", "cispo", "gspo", "gspo_token", "gmpo"])
+def test_kl_bias_correction_far_off_policy_is_finite_where_the_product_is(policy, kl):
+    """``r kl`` in fp32 where the new log-prob is far below the old and reference ones (``d = 95``: fp32's
+    ``exp(d)`` overflows, ``r = e^-80``; k3's product is ``e^15``), and around the switch at ``d = 20``: the value and
+    the ``logp``, ``ref`` and ``old`` gradients against the plain product at 60 digits, and a finite second
+    derivative. The fp32 product was ``inf`` (the value and the ``ref`` gradient) for k3 and k3+."""
+    lp = torch.tensor([[-100.0, -1.0, -2.0, -0.5], [-30.0, -40.0, -3.0, -1.0], [-25.0, -24.9, -25.1, -2.0]])
+    ref = torch.tensor([[-5.0, -1.2, -2.5, -0.1], [-10.05, -19.95, -3.1, -1.3], [-5.0, -5.0, -5.0, -2.0]])
+    old = torch.tensor([[-20.0, -1.1, -2.2, -0.4], [-29.0, -38.5, -3.2, -1.1], [-24.0, -24.5, -25.0, -2.1]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    w = torch.tensor([[0.5, 1.0, 2.0, 1.0], [1.0, 0.3, 1.0, 1.0], [1.0, 2.0, 0.7, 1.0]])
+    cfg = PolicyLossConfig(policy_loss=policy, kl=kl, beta=1.0, kl_bias_correction=True)
+    x, rf, od = (t.clone().requires_grad_(True) for t in (lp, ref, old))
+    got = per_token_loss(x, torch.zeros_like(x), mask, cfg, old_logprobs=od, ref_logprobs=rf).kl
+    grads = torch.autograd.grad((got * w).sum(), (x, rf, od), allow_unused=True, create_graph=True)
+    grads = [torch.zeros_like(lp) if g is None else g for g in grads]
+    second = torch.autograd.grad(grads[0].sum(), (x, rf), allow_unused=True)  # a Hessian-vector product
+    want, want_grads = _mp_ratio_times_kl(policy, kl, lp.double(), ref.double(), old.double(), mask, w.double())
+    assert got.isfinite().all() and all(g.isfinite().all() for g in [*grads, *second] if g is not None)
+    got, grads = got.detach(), [g.detach() for g in grads]
+    for name, g, wt in zip(["value", "d/dlogp", "d/dref", "d/dold"], [got, *grads], [want, *want_grads]):
+        # relative to each element; the second bound for an exact 0 (abs+ at d > 0) or a term below fp32's range
+        torch.testing.assert_close(g.double(), wt, rtol=1e-5, atol=1e-38, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kl", ALL_KL)
+@pytest.mark.parametrize("policy", ["ppo_clip", "cispo", "gspo_token"])
+def test_kl_bias_correction_at_a_neg_inf_logprob_is_its_limit(policy, kl):
+    """Off-policy, a sampled token whose log-prob is ``-inf`` (``r = 0``, ``d = inf``) has ``r kl`` at its limit:
+    ``exp(ref - old)`` for k3 and k3+ (``r exp(d)``), 0 for the other estimators (``r`` falls faster than their
+    terms grow); the gradients the limits of theirs: ``logp`` ``r (kl + K')``, k3's ``-r d`` 0, k3+'s ``r (k3 - d)``
+    ``exp(ref - old)``; ``ref`` ``-r K'``, k3's ``r expm1(d)`` ``exp(ref - old)``; ``old`` minus the value. It was
+    ``0 * inf = NaN``. gspo_token's value is the sequence ratio ``s``: ``s exp(d)`` at a ``-inf`` token is
+    ``exp(-inf + inf)``, NaN (its limit is ``+inf`` in a row of two tokens or more)."""
+    lp = torch.tensor([[float("-inf"), -1.0], [float("-inf"), -2.0]])
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    ref = torch.tensor([[-2.0, -1.5], [-3.0, -2.0]])
+    old = torch.tensor([[-2.5, -0.8], [-1.0, -2.2]])
+    cfg = PolicyLossConfig(policy_loss=policy, kl=kl, beta=1.0, kl_bias_correction=True)
+    x, rf, od = (t.clone().requires_grad_(True) for t in (lp, ref, old))
+    kl_t = per_token_loss(x, torch.zeros_like(x), mask, cfg, old_logprobs=od, ref_logprobs=rf).kl
+    k3 = kl.rstrip("+") == "k3"
+    limit = (torch.exp(ref - old) if k3 else torch.zeros_like(ref))[:, 0]
+    if policy == "gspo_token":  # row 0: s = 0 times the finite term of token 1
+        assert (kl_t[:, 0].isnan() == k3).all() and kl_t[0, 1] == 0
+        if k3:
+            return
+    else:
+        finite = _mp_ratio_times_kl(policy, kl, lp[:1, 1:].double(), ref[:1, 1:].double(), old[:1, 1:].double(),
+                                    mask[:1, 1:], torch.ones(1, 1, dtype=torch.float64))[0]
+        torch.testing.assert_close(kl_t[0, 1], finite[0, 0].float())
+    torch.testing.assert_close(kl_t[:, 0], limit)
+    gx, gref, gold = torch.autograd.grad(kl_t.sum(), (x, rf, od), allow_unused=True)
+    zero = torch.zeros_like(limit)
+    torch.testing.assert_close(gx[:, 0], limit if kl == "k3+" else zero)
+    torch.testing.assert_close(gref[:, 0], limit if kl == "k3" else zero)
+    if policy != "gspo_token":  # gspo_token's old is under the stop-gradient
+        torch.testing.assert_close(gold[:, 0], -limit)
 
 
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
