@@ -20,8 +20,9 @@
 //             multiplied by clamp(rho, lo, hi) (truncate) or rho 1[lo <= rho <= hi] (mask)
 //   kl (d = ref - logp): k1 -d, k2 d^2/2, k3 expm1(d) - d, abs |d|, low_var_kl clamp(k3(clamp(d,+-20)), +-10);
 //             straight-through "X+": the value of X with the gradient of k2 (dk/dd = d);
-//             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r), each product 0 where r = 0
-//             meets an infinite term, k3's r expm1(d) as exp(ref - old) - r past d = 20 (loss_math.bias_corrected_kl)
+//             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r), each product 0 where one
+//             factor is 0 and the other infinite, no kl r where r overflowed, k3's r expm1(d) as exp(ref - old) - r
+//             past d = 20 for a finite r (loss_math.bias_corrected_kl)
 //   l += beta kl;  l -= entropy_coef H
 //   a NaN logp (a row whose softmax is undefined: NaN / +inf logits, or all -inf) gives l = dl/dlogp = NaN
 //             for every option, as autograd of the reference does (the on-policy r = 1, the clamps and
@@ -69,6 +70,12 @@ FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x 
 
 // The gap d past which the bias-corrected k3 takes r expm1(d) as exp(log r + d) - r (loss_math.KL_BIAS_FAR).
 constexpr float kKlBiasFar = 20.0f;
+
+// r x, but 0 where one factor is 0 and the other infinite (loss_math._times: the bias-corrected KL's limits at a
+// -inf log-prob, r = 0, and at an overflowed ratio, a constant, times a zero slope).
+FRL_HD float frl_times_limit(float r, float x) {
+  return ((r == 0.0f && fabsf(x) == INFINITY) || (r == INFINITY && x == 0.0f)) ? 0.0f : r * x;
+}
 
 // dl/dlogp = dl/dr * r (dr/dlogp = r); r overflowed to inf is a constant (loss_math.ratio_exp): 0, not
 // 0 * inf = NaN for a clipped token (where the loss depends on r it is inf anyway).
@@ -158,14 +165,15 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     if (p.kl_straight) { dk_dd = d; k3_slope = false; }  // the gradient of k2 = d^2 / 2
     if (p.beta != 0.0f) {
       if (p.kl_bias) {  // beta r kl: d/dlogp = beta (r kl + r dkl/dlogp) = beta (r kl - r dkl/dd)
-        // each product 0 where r = 0 meets an infinite term (a -inf log-prob off-policy: the limit)
-        const float rd = frl_weighted(r, d);
-        float rk = frl_weighted(r, k);
-        // k3: r expm1(d) as exp(log r + d) - r past kKlBiasFar (exp(d) overflows past 88 where r is small)
-        if (p.kl == kK3 && d > kKlBiasFar) rk = expf(p.has_old ? ref - old : d) - r - rd;
+        const float rd = frl_times_limit(r, d);
+        float rk = frl_times_limit(r, k);
+        // k3: r expm1(d) as exp(log r + d) - r past kKlBiasFar for a finite r (exp(d) overflows past 88 where r is
+        // small)
+        if (p.kl == kK3 && d > kKlBiasFar && r != INFINITY) rk = expf(p.has_old ? ref - old : d) - r - rd;
         loss += p.beta * rk;
-        // k3: r kl - r dkl/dd = -r d, without cancelling two terms of size r exp(d)
-        dl_dlogp += p.beta * (k3_slope ? -rd : rk - frl_weighted(r, dk_dd));
+        // k3: r kl - r dkl/dd = -r d, without cancelling two terms of size r exp(d); else r kl as the derivative r
+        // carries (none where it overflowed: a constant) and r dkl/dlogp
+        dl_dlogp += p.beta * (k3_slope ? -rd : (r == INFINITY ? 0.0f : rk) - frl_times_limit(r, dk_dd));
       } else {
         loss += p.beta * k;
         dl_dlogp += -p.beta * dk_dd;  // dd/dlogp = -1

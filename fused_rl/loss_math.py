@@ -151,35 +151,48 @@ KL_BIAS_FAR = 20.0
 
 
 def _times(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``r x`` with ``x`` taken as 0 where ``r == 0`` and ``x`` is infinite: the limit of ``r x`` for the ratio of a
-    ``-inf`` log-prob (``r -> 0`` faster than a KL term grows), the value of :func:`weighted`, and no ``0 * inf`` in
-    its derivatives either."""
-    return r * torch.where((r == 0) & torch.isinf(x), torch.zeros_like(x), x)
+    """``r x``, but 0 where one factor is 0 and the other infinite, with no ``0 * inf`` in its derivatives either:
+    ``r = 0`` (the ratio of a ``-inf`` log-prob) times a KL term that grows only polynomially in ``d`` (``d``,
+    ``d^2``, ``|d|``: its limit; k3's exponential term takes :data:`KL_BIAS_FAR`'s form), and an overflowed
+    ``r = inf`` (a constant, as :func:`ratio_exp`) times an exactly 0 slope (low_var_kl outside its clamps)."""
+    zero = ((r == 0) & torch.isinf(x)) | (torch.isinf(r) & (x == 0))
+    return torch.where(zero, torch.zeros_like(r), r) * torch.where(zero, torch.zeros_like(x), x)
 
 
-def _ratio_kl_parts(logp, ref, r, log_r, log_rd, kind: str):
-    """``(r kl, r K', r d, r expm1(d) or None)`` of :func:`bias_corrected_kl`, each the limit where ``r = 0`` meets an
-    infinite ``d`` (:func:`_times`): ``log_r`` the log of ``r`` (with its derivatives), ``log_rd = log r + d``,
-    ``kl`` the estimator ``kind`` of ``d = ref - logp``, ``K' = d kl / d logp`` (``"X+"``: ``-d``, k2's); k3's ``r
-    kl = r expm1(d) - r d`` with ``r expm1(d)`` taken as ``exp(log_rd) - r`` past :data:`KL_BIAS_FAR` (``r exp(d)``,
-    finite, where ``exp(d)`` alone overflows). ``r kl`` carries the derivatives of the product (k3+ past the switch
-    too: its value times ``r / sg(r)`` plus ``r`` times k2's slope)."""
+class _KLParts(NamedTuple):
+    """The parts of ``r kl`` (:func:`_ratio_kl_parts`)."""
+
+    value: torch.Tensor  # r kl
+    through_r: torch.Tensor  # r kl as the derivative r carries (d r / d logp = r): 0 where r overflowed (a constant)
+    r_slope: torch.Tensor  # r K', K' = d kl / d logp
+    own: torch.Tensor  # d (r kl) / d logp for a token-level ratio: through_r + r K' (k3: -r d, without cancelling)
+    rd: torch.Tensor  # r d
+    r_em1: Optional[torch.Tensor]  # k3: r expm1(d)
+    overflow: torch.Tensor  # r = inf
+
+
+def _ratio_kl_parts(logp, ref, r, log_r, log_rd, kind: str) -> _KLParts:
+    """The parts of ``r kl`` for :func:`bias_corrected_kl`, each the limit where ``r`` is 0 or infinite and meets a
+    term that is infinite or 0 (:func:`_times`): ``log_r`` the log of ``r`` (with its derivatives), ``log_rd = log r
+    + d``, ``kl`` the estimator ``kind`` of ``d = ref - logp``, ``K' = d kl / d logp`` (``"X+"``: ``-d``, k2's);
+    k3's ``r kl = r expm1(d) - r d`` with ``r expm1(d)`` taken as ``exp(log_rd) - r`` past :data:`KL_BIAS_FAR` (``r
+    exp(d)``, finite, where ``exp(d)`` alone overflows) for a finite ``r``. ``value`` carries the derivatives of the
+    product (k3+ past the switch too: its value times ``r / sg(r)`` plus ``r`` times k2's slope)."""
     d = ref - logp
     zeros = torch.zeros_like(d)
     rd = _times(r, d)
     base = kind.rstrip("+")
     r_em1 = None
     if base == "k3":
-        far = d > KL_BIAS_FAR
+        far = (d > KL_BIAS_FAR) & torch.isfinite(r)
         logp_near = torch.where(far, ref, logp)  # d = 0 in the unselected branch: no inf in its derivatives
-        value = _times(r, kl_estimator(logp_near, ref, kind))
         near = ref - logp_near
-        r_em1 = torch.where(far, torch.exp(torch.where(far, log_rd, zeros)) - r, r * torch.expm1(near))
+        r_em1 = torch.where(far, torch.exp(torch.where(far, log_rd, zeros)) - r, _times(r, torch.expm1(near)))
         far_value = r_em1 - rd
         if kind == "k3+":  # k3's value, the derivatives of r k2
             own = torch.where(torch.isfinite(log_r), log_r - log_r.detach(), zeros)
             far_value = far_value.detach() * torch.exp(own) + _times(r, _k2_slope(d))
-        value = torch.where(far, far_value, value)
+        value = torch.where(far, far_value, _times(r, kl_estimator(logp_near, ref, kind)))
     else:
         value = _times(r, kl_estimator(logp, ref, kind))
     if kind.endswith("+") or base == "k2":
@@ -189,13 +202,16 @@ def _ratio_kl_parts(logp, ref, r, log_r, log_rd, kind: str):
     elif base == "k1":
         r_slope = r
     elif base == "abs":
-        r_slope = -r * torch.sign(d)
+        r_slope = -_times(r, torch.sign(d))
     else:  # low_var_kl: -expm1(d) inside both of its clamps (as autograd of kl_estimator), else 0
         dc = d.clamp(min=-20.0, max=20.0)
         em1 = torch.expm1(dc)
         inside = (d >= -20.0) & (d <= 20.0) & (em1 - dc >= -10.0) & (em1 - dc <= 10.0)
-        r_slope = -r * torch.where(inside, em1, zeros)
-    return value, r_slope, rd, r_em1
+        r_slope = -_times(r, torch.where(inside, em1, zeros))
+    overflow = torch.isinf(r)
+    through_r = torch.where(overflow, zeros, value)
+    own = -rd if kind == "k3" else through_r + r_slope
+    return _KLParts(value, through_r, r_slope, own, rd, r_em1, overflow)
 
 
 def _ratio(logp, ref, old, mask, ratio_kind: str):
@@ -216,19 +232,24 @@ class _RatioTimesKL(torch.autograd.Function):
     """``r kl`` (see :func:`bias_corrected_kl`) on masked inputs (0 at masked positions), with a backward of its own:
     the exact gradients, formed from the incoming per-token gradient ``g`` with differentiable ops (so a double
     backward is exact too) and ``vmap`` by torch's generated rule; forward mode: :class:`_RatioTimesKLWithJvp`.
-    The sequence ratio's terms are formed in fp64 (``s exp(d)`` finite to ``d ~ 700``; the row means below)."""
+    A sequence ratio's parts are formed in fp64 (``log s + d`` of large terms; ``s exp(d)`` finite to ``d ~ 700``;
+    the row means of the backward), gspo_token's rounded back to the input dtype."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def _parts(logp, ref, old, mask, kind: str, ratio_kind: str):
-        if ratio_kind == "sequence":
-            logp, ref, old = logp.double(), ref.double(), old.double()
-        return _ratio_kl_parts(logp, ref, *_ratio(logp, ref, old, mask, ratio_kind), kind)
+    def _parts(logp, ref, old, mask, kind: str, ratio_kind: str) -> _KLParts:
+        if ratio_kind == "token":
+            return _ratio_kl_parts(logp, ref, *_ratio(logp, ref, old, mask, ratio_kind), kind)
+        parts = _ratio_kl_parts(logp.double(), ref.double(), *_ratio(logp.double(), ref.double(), old.double(), mask,
+                                                                    ratio_kind), kind)
+        if ratio_kind == "gspo_token":
+            parts = _KLParts(*(None if x is None or x.dtype == torch.bool else x.to(logp.dtype) for x in parts))
+        return parts
 
     @staticmethod
     def forward(logp, ref, old, mask, kind: str, ratio_kind: str):
-        value = _RatioTimesKL._parts(logp, ref, old, mask, kind, ratio_kind)[0]
+        value = _RatioTimesKL._parts(logp, ref, old, mask, kind, ratio_kind).value
         return torch.where(mask, value.to(logp.dtype), torch.zeros_like(logp))
 
     @staticmethod
@@ -244,23 +265,24 @@ class _RatioTimesKL(torch.autograd.Function):
         kind, ratio_kind = ctx.kind, ctx.ratio_kind
         zeros = torch.zeros_like(logp)
         g = torch.where(mask, g, zeros)  # the masked outputs are the constant 0
-        value, r_slope, rd, r_em1 = _RatioTimesKL._parts(logp, ref, old, mask, kind, ratio_kind)
+        p = _RatioTimesKL._parts(logp, ref, old, mask, kind, ratio_kind)
         if ratio_kind == "sequence":
             # d (sum_t g_t s kl_t) / d logp_u = g_u s K'_u + mean_t g_t s kl_t; k3 as (mean_t g_t s e_t - g_u s e_u) -
-            # mean_t g_t s d_t, e = expm1(d) (terms of size s exp(d) and the spread of near-equal d cancel in fp32)
+            # mean_t g_t s d_t, e = expm1(d) (terms of size s exp(d) and the spread of near-equal d cancel in fp32);
+            # an overflowed s carries no derivative of its own
             g64 = g.double()
+            through_s = _sequence_mean(g64 * p.through_r, mask)
             if kind == "k3":
-                ge = g64 * r_em1
-                inner = (_sequence_mean(ge, mask) - ge) - _sequence_mean(g64 * rd, mask)
+                ge = g64 * p.r_em1
+                inner = torch.where(p.overflow, -ge, (_sequence_mean(ge, mask) - ge) - _sequence_mean(g64 * p.rd, mask))
             else:
-                inner = _sequence_mean(g64 * value, mask) + g64 * r_slope
+                inner = through_s + g64 * p.r_slope
             grad_logp = inner.to(logp.dtype)
-            grad_old = -_sequence_mean(g64 * value, mask).expand_as(logp).to(logp.dtype)
+            grad_old = (-through_s).expand_as(logp).to(logp.dtype)
         else:
-            # d (r kl) / d logp = r kl + r K' (d r / d logp = r): k3 -r d, taken so (two terms of size r exp(d) cancel)
-            grad_logp = g * (-rd if kind == "k3" else value + r_slope)
-            grad_old = None if ratio_kind == "gspo_token" else -g * value  # gspo_token: old under the stop-gradient
-        grad_ref = (-g.to(r_slope.dtype) * r_slope).to(logp.dtype)
+            grad_logp = g * p.own
+            grad_old = None if ratio_kind == "gspo_token" else -g * p.through_r  # gspo_token: old under sg
+        grad_ref = (-g.to(p.r_slope.dtype) * p.r_slope).to(logp.dtype)
         masked = lambda x: None if x is None else torch.where(mask, x, zeros)
         return masked(grad_logp), masked(grad_ref), masked(grad_old), None, None, None
 
@@ -278,15 +300,14 @@ class _RatioTimesKLWithJvp(_RatioTimesKL):
         zeros = torch.zeros_like(logp)
         tangent = lambda t: zeros if t is None else torch.where(mask, t, zeros)
         t_logp, t_ref, t_old = tangent(t_logp), tangent(t_ref), tangent(t_old)
-        value, r_slope, rd, _ = _RatioTimesKL._parts(logp, ref, old, mask, ctx.kind, ctx.ratio_kind)
+        p = _RatioTimesKL._parts(logp, ref, old, mask, ctx.kind, ctx.ratio_kind)
+        r_slope, through_r = p.r_slope.to(logp.dtype), p.through_r.to(logp.dtype)
         if ctx.ratio_kind == "sequence":
-            value, r_slope = value.to(logp.dtype), r_slope.to(logp.dtype)
-            out = r_slope * (t_logp - t_ref) + value * _sequence_mean(t_logp - t_old, mask)
+            out = r_slope * (t_logp - t_ref) + through_r * _sequence_mean(t_logp - t_old, mask)
         else:
-            own = -rd if ctx.kind == "k3" else value + r_slope
-            out = own * t_logp - r_slope * t_ref
+            out = p.own * t_logp - r_slope * t_ref
             if ctx.ratio_kind == "token":
-                out = out - value * t_old
+                out = out - through_r * t_old
         return torch.where(mask, out, zeros)
 
 
@@ -315,7 +336,9 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     Far off-policy, where ``r`` is small and ``d`` large, each term is its limit (:func:`_ratio_kl_parts`): at a
     ``-inf`` log-prob (``r = 0``, ``d = inf``) a token-level ``r kl`` is ``exp(ref - old)`` for k3 and k3+ and 0 for
     the others, its gradient 0 (the plain product was ``0 * inf = NaN``); past ``d = 88``, where fp32's ``exp(d)``
-    overflows, k3's ``r kl`` is ``exp(ref - old) - r (d + 1)``, finite (the product was ``inf``). A sequence ratio
+    overflows, k3's ``r kl`` is ``exp(ref - old) - r (d + 1)``, finite (the product was ``inf``). An overflowed ``r``
+    (an old log-prob far below the new one) is a constant, as in :func:`ratio_exp`: ``r kl`` is ``+-inf`` (0 for a
+    zero term), its ``logp`` gradient ``r K'`` (0 for a zero slope), its ``old`` gradient 0. A sequence ratio
     (gspo, gmpo, gspo_token's value) at a ``-inf`` log-prob: 0 for the estimators other than k3, k3's ``s exp(d)``
     NaN (``exp(-inf + inf)``; its limit is ``+inf`` for a row of two tokens or more).
     """

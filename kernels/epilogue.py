@@ -28,8 +28,9 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   (``-expm1(d)`` inside both clamps, else 0); ``"X+"``: the value of ``X``, the derivative of k2
   (``-d``); ``kl_bias_correction``: ``kl <- r kl`` (the returned ``kl`` too), so
   ``dl/dlogp += beta r (dkl/dlogp + kl)``, which is ``-beta r d`` for k3 (taken so: the two terms
-  cancel to ``|d|`` from ``exp(d)``); each product 0 where ``r = 0`` meets an infinite term (a ``-inf``
-  log-prob off-policy), and k3's ``r expm1(d)`` taken as ``exp(ref - old) - r`` past ``d = 20``
+  cancel to ``|d|`` from ``exp(d)``); each product 0 where one factor is 0 and the other infinite (a ``-inf``
+  log-prob off-policy; an overflowed ``r`` times a zero slope), an overflowed ``r`` (a constant) carries no
+  derivative of its own, and k3's ``r expm1(d)`` is ``exp(ref - old) - r`` past ``d = 20`` for a finite ``r``
   (``loss_math.bias_corrected_kl``: finite where ``exp(d)`` overflows but ``r`` is small);
 * entropy bonus: ``l -= entropy_coef H``, ``dl/dH = -entropy_coef``;
 * a NaN ``logp`` (a row whose softmax is undefined: NaN / ``+inf`` logits, or all ``-inf``) gives
@@ -49,6 +50,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: ``loss_math.KL_BIAS_FAR`` (compiled Triton reads only constexpr globals).
+KL_BIAS_FAR = tl.constexpr(20.0)
 #: ``POLICY`` constexpr codes.
 POLICY_CODES = {"ppo_clip": 0, "cispo": 1, "reinforce": 2, "sapo": 3}
 #: ``KL`` constexpr codes of the base estimator (0: none); ``KL_ST`` marks the straight-through ``"X+"``.
@@ -100,6 +103,14 @@ def expm1(x):
 def _times_ratio(dl_dr, ratio):
     """``dl/dlogp = dl/dr * r`` (``dr/dlogp = r``); an ``r`` that overflowed to inf is a constant: 0."""
     return tl.where(ratio == float("inf"), 0.0, dl_dr * ratio)
+
+
+@triton.jit
+def _times_limit(r, x):
+    """``r x``, 0 where one factor is 0 and the other infinite (``loss_math._times``: the bias-corrected KL's
+    limits at a ``-inf`` log-prob and at an overflowed ratio times a zero slope)."""
+    zero = ((r == 0.0) & (tl.abs(x) == float("inf"))) | ((r == float("inf")) & (x == 0.0))
+    return tl.where(zero, 0.0, r * x)
 
 
 @triton.jit
@@ -220,19 +231,19 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             dkl = -d
         kl = tl.where(valid, kl, zero)
         if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r kl + r dkl, each product 0 at r = 0
-            rd = _weighted(ratio, d)
-            r_kl = _weighted(ratio, kl)
-            if KL == 3:  # r expm1(d) as exp(log r + d) - r past d = 20 (loss_math.KL_BIAS_FAR; exp(d) overflows)
+            rd = _times_limit(ratio, d)
+            r_kl = _times_limit(ratio, kl)
+            if KL == 3:  # r expm1(d) as exp(log r + d) - r past KL_BIAS_FAR, for a finite r (exp(d) overflows)
                 if ON_POLICY:
                     log_rd = d
                 else:
                     log_rd = tl.where(valid, ref - old, zero)
-                far = d > 20.0
+                far = (d > KL_BIAS_FAR) & (ratio != float("inf"))
                 r_kl = tl.where(far, tl.exp(tl.where(far, log_rd, zero)) - ratio - rd, r_kl)
             if KL == 3 and not KL_ST:
                 dkl = zero - rd  # k3: -r expm1(d) + r expm1(d) - r d, without the cancellation
-            else:
-                dkl = r_kl + _weighted(ratio, dkl)
+            else:  # r kl as the derivative r carries (none where it overflowed: a constant) plus r dkl
+                dkl = tl.where(ratio == float("inf"), zero, r_kl) + _times_limit(ratio, dkl)
             kl = r_kl
         if ADD_KL:
             loss = loss + beta * kl

@@ -382,9 +382,11 @@ def test_straight_through_kl_bias_correction_gradient_is_exact_in_fp32(policy, k
     r = torch.exp(logp64 - old64)
     if policy == "gspo_token":  # sg(sequence ratio) times the token's own ratio, 1 in value
         r = torch.exp((logp64 - old64).sum() / mask.sum()).expand_as(r)
-    # X and d as fp32 forms them (k3 at small d: ulp(d)); abs+'s exact 0 at d > 0 needs X - d of the same d
-    value = kl_estimator(logp64.float(), ref64.float(), kl[:-1]).double()
-    d = (ref64.float() - logp64.float()).double()
+    # X and d as fp32 forms them (k3 at small d: ulp(d)); abs+'s exact 0 at d > 0 needs X - d of the same d;
+    # gspo_token's parts are formed in fp64 (a sequence ratio's log s + d)
+    work = torch.float64 if policy == "gspo_token" else torch.float32
+    value = kl_estimator(logp64.to(work), ref64.to(work), kl[:-1]).double()
+    d = (ref64.to(work) - logp64.to(work)).double()
     torch.testing.assert_close(terms.loss.detach().double(), 0.1 * r * value, rtol=2e-6, atol=1e-12)
     torch.testing.assert_close(x.grad.double(), 0.1 / 3.0 * r * (value - d), rtol=2e-6, atol=1e-12)
 
@@ -613,6 +615,30 @@ def test_kl_bias_correction_at_a_neg_inf_logprob_is_its_limit(policy, kl):
     torch.testing.assert_close(gref[:, 0], limit if kl == "k3" else zero)
     if policy != "gspo_token":  # gspo_token's old is under the stop-gradient
         torch.testing.assert_close(gold[:, 0], -limit)
+
+
+@pytest.mark.parametrize("kl, d, value, grads", [
+    ("k3", 25.0, float("inf"), (-float("inf"), float("inf"), 0.0)),
+    ("k3+", 25.0, float("inf"), (-float("inf"), float("inf"), 0.0)),
+    ("k1", 0.5, -float("inf"), (float("inf"), -float("inf"), 0.0)),
+    ("low_var_kl", 25.0, float("inf"), (0.0, 0.0, 0.0)),
+    ("abs", 0.0, 0.0, (0.0, 0.0, 0.0)),
+])
+def test_kl_bias_correction_with_an_overflowed_ratio(kl, d, value, grads):
+    """An old log-prob far below the new one (an inference engine's -9999) overflows ``r`` to inf: ``r kl`` is
+    ``+-inf`` (0 for a zero term) and ``r``, a constant there as in ``ratio_exp``, carries no derivative of its own:
+    ``d/dlogp = r K'`` (0 for a zero slope: low_var_kl outside its clamps, abs at ``d = 0``), ``d/dold = 0``. The far
+    form of k3 (``exp(log r + d) - r - r d``) was ``inf - inf = NaN`` there."""
+    lp = torch.tensor([[-100.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-100.0 + d, -1.5]], requires_grad=True)
+    old = torch.tensor([[-9999.0, -1.2]], requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    cfg = PolicyLossConfig(kl=kl, beta=1.0, kl_bias_correction=True)
+    kl_t = per_token_loss(lp, torch.zeros_like(lp), mask, cfg, old_logprobs=old, ref_logprobs=ref).kl
+    got = torch.autograd.grad(kl_t.sum(), (lp, ref, old))
+    assert kl_t[0, 0] == value and kl_t[0, 1].isfinite()
+    assert [float(g[0, 0]) for g in got] == list(grads)
+    assert all(g[0, 1].isfinite() for g in got)
 
 
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])

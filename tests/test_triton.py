@@ -695,3 +695,17 @@ def test_split_pass_on_drawn_shapes(seed, device, monkeypatch, small_blocks):
     monkeypatch.setattr(small_blocks, "_launch_split", lambda *a: (launches.append(a[3]), launch(*a)))
     compare_policy_loss("triton", on_device(case, device), draw.choice(TOKEN_CONFIGS))
     assert launches == [-(-vocab // chunk)] or vocab <= chunk
+
+
+def test_kernel_constants_are_the_loss_maths():
+    """The bias-corrected k3's switch gap (``loss_math.KL_BIAS_FAR``) as the Triton epilogue and the C++ header spell
+    it: compiled Triton reads only constexpr globals, C++ a constant of its own."""
+    import re
+    from pathlib import Path
+
+    from fused_rl.kernels import epilogue
+    from fused_rl.loss_math import KL_BIAS_FAR
+
+    header = (Path(__file__).parents[1] / "csrc" / "policy_epilogue.h").read_text()
+    assert epilogue.KL_BIAS_FAR.value == KL_BIAS_FAR
+    assert float(re.search(r"constexpr float kKlBiasFar = ([0-9.]+)f;", header).group(1)) == KL_BIAS_FAR
