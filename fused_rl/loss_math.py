@@ -153,8 +153,9 @@ KL_BIAS_FAR = 20.0
 def _times(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``r x``, but 0 where one factor is 0 and the other infinite, with no ``0 * inf`` in its derivatives either:
     ``r = 0`` (the ratio of a ``-inf`` log-prob) times a KL term that grows only polynomially in ``d`` (``d``,
-    ``d^2``, ``|d|``: its limit; k3's exponential term takes :data:`KL_BIAS_FAR`'s form), and an overflowed
-    ``r = inf`` (a constant, as :func:`ratio_exp`) times an exactly 0 slope (low_var_kl outside its clamps)."""
+    ``d^2``, ``|d|``: its limit; k3's exponential term takes :data:`KL_BIAS_FAR`'s form); an overflowed
+    ``r = inf`` times an exactly 0 slope (low_var_kl outside its clamps); and a zero upstream gradient or tangent
+    times an infinite part (a token that does not reach the output adds nothing)."""
     zero = ((r == 0) & torch.isinf(x)) | (torch.isinf(r) & (x == 0))
     return torch.where(zero, torch.zeros_like(r), r) * torch.where(zero, torch.zeros_like(x), x)
 
@@ -271,18 +272,19 @@ class _RatioTimesKL(torch.autograd.Function):
             # mean_t g_t s d_t, e = expm1(d) (terms of size s exp(d) and the spread of near-equal d cancel in fp32);
             # an overflowed s carries no derivative of its own
             g64 = g.double()
-            through_s = _sequence_mean(g64 * p.through_r, mask)
+            through_s = _sequence_mean(_times(g64, p.through_r), mask)
             if kind == "k3":
-                ge = g64 * p.r_em1
-                inner = torch.where(p.overflow, -ge, (_sequence_mean(ge, mask) - ge) - _sequence_mean(g64 * p.rd, mask))
+                ge = _times(g64, p.r_em1)
+                inner = torch.where(p.overflow, -ge,
+                                    (_sequence_mean(ge, mask) - ge) - _sequence_mean(_times(g64, p.rd), mask))
             else:
-                inner = through_s + g64 * p.r_slope
+                inner = through_s + _times(g64, p.r_slope)
             grad_logp = inner.to(logp.dtype)
             grad_old = (-through_s).expand_as(logp).to(logp.dtype)
         else:
-            grad_logp = g * p.own
-            grad_old = None if ratio_kind == "gspo_token" else -g * p.through_r  # gspo_token: old under sg
-        grad_ref = (-g.to(p.r_slope.dtype) * p.r_slope).to(logp.dtype)
+            grad_logp = _times(g, p.own)
+            grad_old = None if ratio_kind == "gspo_token" else -_times(g, p.through_r)  # gspo_token: old under sg
+        grad_ref = (-_times(g.to(p.r_slope.dtype), p.r_slope)).to(logp.dtype)
         masked = lambda x: None if x is None else torch.where(mask, x, zeros)
         return masked(grad_logp), masked(grad_ref), masked(grad_old), None, None, None
 
@@ -303,11 +305,11 @@ class _RatioTimesKLWithJvp(_RatioTimesKL):
         p = _RatioTimesKL._parts(logp, ref, old, mask, ctx.kind, ctx.ratio_kind)
         r_slope, through_r = p.r_slope.to(logp.dtype), p.through_r.to(logp.dtype)
         if ctx.ratio_kind == "sequence":
-            out = r_slope * (t_logp - t_ref) + through_r * _sequence_mean(t_logp - t_old, mask)
+            out = _times(r_slope, t_logp - t_ref) + _times(through_r, _sequence_mean(t_logp - t_old, mask))
         else:
-            out = p.own * t_logp - r_slope * t_ref
+            out = _times(p.own, t_logp) - _times(r_slope, t_ref)
             if ctx.ratio_kind == "token":
-                out = out - through_r * t_old
+                out = out - _times(through_r, t_old)
         return torch.where(mask, out, zeros)
 
 
@@ -335,10 +337,12 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
 
     Far off-policy, where ``r`` is small and ``d`` large, each term is its limit (:func:`_ratio_kl_parts`): at a
     ``-inf`` log-prob (``r = 0``, ``d = inf``) a token-level ``r kl`` is ``exp(ref - old)`` for k3 and k3+ and 0 for
-    the others, its gradient 0 (the plain product was ``0 * inf = NaN``); past ``d = 88``, where fp32's ``exp(d)``
+    the others, its ``logp`` gradient 0 (k3+: ``r (k3 - d) -> exp(ref - old)``; the plain product was ``0 * inf =
+    NaN``); past ``d = 88``, where fp32's ``exp(d)``
     overflows, k3's ``r kl`` is ``exp(ref - old) - r (d + 1)``, finite (the product was ``inf``). An overflowed ``r``
-    (an old log-prob far below the new one) is a constant, as in :func:`ratio_exp`: ``r kl`` is ``+-inf`` (0 for a
-    zero term), its ``logp`` gradient ``r K'`` (0 for a zero slope), its ``old`` gradient 0. A sequence ratio
+    (an old log-prob far below the new one) is a constant in the backward and forward mode, as :func:`ratio_exp`
+    makes it: ``r kl`` is ``+-inf`` (0 for a zero term), its ``logp`` gradient ``r K'`` (0 for a zero slope), its
+    ``old`` gradient 0; second derivatives there are not defined (NaN). A sequence ratio
     (gspo, gmpo, gspo_token's value) at a ``-inf`` log-prob: 0 for the estimators other than k3, k3's ``s exp(d)``
     NaN (``exp(-inf + inf)``; its limit is ``+inf`` for a row of two tokens or more).
     """

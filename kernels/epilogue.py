@@ -230,7 +230,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         if KL_ST:  # "X+": the value of X, the gradient of k2
             dkl = -d
         kl = tl.where(valid, kl, zero)
-        if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r kl + r dkl, each product 0 at r = 0
+        if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r kl + r dkl, products at their limits
             rd = _times_limit(ratio, d)
             r_kl = _times_limit(ratio, kl)
             if KL == 3:  # r expm1(d) as exp(log r + d) - r past KL_BIAS_FAR, for a finite r (exp(d) overflows)

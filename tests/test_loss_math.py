@@ -641,6 +641,43 @@ def test_kl_bias_correction_with_an_overflowed_ratio(kl, d, value, grads):
     assert all(g[0, 1].isfinite() for g in got)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func's own
+@pytest.mark.parametrize("kl", ["k1", "k3", "k3+", "low_var_kl"])
+@pytest.mark.parametrize("policy", ["ppo_clip", "sapo", "gspo", "gspo_token", "gmpo"])
+def test_an_overflowed_ratio_does_not_reach_other_rows(policy, kl):
+    """A row whose ratio overflows (``old = -9999``) has infinite parts; a zero upstream gradient or tangent there
+    (another row's loss; a direction along another row) adds 0 to it, not ``0 * inf = NaN``: the other row's
+    gradient and forward-mode derivative are those of the same row alone."""
+    from torch.func import jvp
+
+    lp = torch.tensor([[-100.0, -3.0], [-1.0, -2.0]])
+    ref = torch.tensor([[-99.0, -2.5], [-1.5, -1.0]])
+    old = torch.tensor([[-9999.0, -3.1], [-1.2, -2.2]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    cfg = PolicyLossConfig(policy_loss=policy, kl=kl, beta=0.1, kl_bias_correction=True)
+    adv = torch.tensor([[0.8, 0.8], [-0.5, -0.5]])
+
+    def loss(rows, x, rf, od):
+        return per_token_loss(x, adv[rows], mask[rows], cfg, old_logprobs=od, ref_logprobs=rf).loss
+
+    both_rows, row_1 = slice(0, 2), slice(1, 2)
+    tangents = tuple(torch.tensor([[0.0, 0.0], [1.0, -0.5]]) * k for k in (1.0, 0.3, -0.7))
+    _, both = jvp(lambda *a: loss(both_rows, *a), (lp, ref, old), tangents)
+    _, alone = jvp(lambda *a: loss(row_1, *a), tuple(t[row_1] for t in (lp, ref, old)),
+                   tuple(t[row_1] for t in tangents))
+    assert (both[0] == 0).all()
+    torch.testing.assert_close(both[row_1], alone)
+    grads, grads_alone = [], []
+    for rows, out in ((both_rows, grads), (row_1, grads_alone)):
+        inputs = [t[rows].clone().requires_grad_(True) for t in (lp, ref, old)]
+        out += torch.autograd.grad(loss(rows, *inputs)[-1].sum(), inputs, allow_unused=True)
+    for g, g1 in zip(grads, grads_alone):
+        assert (g is None) == (g1 is None)
+        if g is not None:
+            assert (g[0] == 0).all()
+            torch.testing.assert_close(g[row_1], g1)
+
+
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("kl", ["k3", "k3+", "abs+"])
 @pytest.mark.parametrize("policy", ["gspo", "gmpo"])
