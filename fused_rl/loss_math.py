@@ -191,8 +191,8 @@ def _ratio_kl_parts(logp, ref, r, log_r, log_rd, kind: str) -> _KLParts:
         r_em1 = torch.where(far, torch.exp(torch.where(far, log_rd, zeros)) - r, _times(r, torch.expm1(near)))
         far_value = r_em1 - rd
         if kind == "k3+":  # k3's value, the derivatives of r k2
-            own = torch.where(torch.isfinite(log_r), log_r - log_r.detach(), zeros)
-            far_value = far_value.detach() * torch.exp(own) + _times(r, _k2_slope(d))
+            log_unit = torch.where(torch.isfinite(log_r), log_r - log_r.detach(), zeros)  # exp: r / sg(r)
+            far_value = far_value.detach() * torch.exp(log_unit) + _times(r, _k2_slope(d))
         value = torch.where(far, far_value, _times(r, kl_estimator(logp_near, ref, kind)))
     else:
         value = _times(r, kl_estimator(logp, ref, kind))
