@@ -1,17 +1,39 @@
-"""Hypothesis strategies shared by the differential fuzz tests (``test_hardening.py`` for the logits-level
-loss, ``test_linear_fuzz.py`` for the fused linear one)."""
+"""Hypothesis strategies and settings shared by the fuzz tests (``test_hardening.py`` for the logits-level
+loss, ``test_linear_fuzz.py`` for the fused linear one, ``test_validation.py`` for bad inputs)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
-from hypothesis import assume
+from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE, ROLLOUT_IS_MODES
+
+
+def _fuzz_scale() -> int:
+    raw = os.environ.get("FUSED_RL_FUZZ_SCALE", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"FUSED_RL_FUZZ_SCALE must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+#: ``FUSED_RL_FUZZ_SCALE=k`` (environment; default 1): every fuzz test draws ``k`` times its examples, fresh
+#: random ones each run (hypothesis prints a failing example's ``@reproduce_failure`` blob), instead of the
+#: fixed draw CI makes every run.
+FUZZ_SCALE = _fuzz_scale()
+
+
+def fuzz_settings(examples: int, *health_checks: HealthCheck) -> settings:
+    """The hypothesis settings of a fuzz test: ``examples`` derandomized draws (the same ones every run), or
+    ``FUZZ_SCALE`` times as many random ones; no deadline (the Triton interpreter is slow); ``too_slow`` and
+    ``health_checks`` suppressed."""
+    return settings(max_examples=examples * FUZZ_SCALE, deadline=None, derandomize=FUZZ_SCALE == 1,
+                    print_blob=FUZZ_SCALE > 1, suppress_health_check=[HealthCheck.too_slow, *health_checks])
 
 
 @st.composite

@@ -7,7 +7,7 @@ every fused backend of the GPU on CUDA tensors (those parameters carry ``pytest.
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import fused_rl
@@ -16,7 +16,7 @@ from fused_rl.config import KL_ESTIMATORS
 from fused_rl.loss_math import per_token_loss
 from helpers import (PolicyCase, assert_close, compare_policy_loss, fused_backends, magnitude_scale, on_device,
                      supports)
-from strategies import configs, entropy_choice_is_a_tie, fit_inputs, ratio_at_a_bound
+from strategies import configs, entropy_choice_is_a_tie, fit_inputs, fuzz_settings, ratio_at_a_bound
 
 BACKENDS = fused_backends()
 CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
@@ -83,8 +83,7 @@ def test_differential_fuzz(backend, device, dtype):
     if not supports(backend, dtype, device):
         pytest.skip(f"{backend} does not take {dtype}")
 
-    @settings(max_examples=EXAMPLES.get((backend, device), 40), deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @fuzz_settings(EXAMPLES.get((backend, device), 40), HealthCheck.data_too_large)
     @given(case=cases(dtype), config=configs())
     def check(case, config):
         case = fit_inputs(config, case)
@@ -117,8 +116,7 @@ def test_token_logprobs_differential_fuzz(backend, device, dtype):
     if not supports(backend, dtype, device):
         pytest.skip(f"{backend} does not take {dtype}")
 
-    @settings(max_examples=EXAMPLES.get((backend, device), 40), deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @fuzz_settings(EXAMPLES.get((backend, device), 40), HealthCheck.data_too_large)
     @given(case=cases(dtype), temperature=st.sampled_from([1.0, 0.3, 1.7]), seed=st.integers(0, 2**16))
     def check(case, temperature, seed):
         g = torch.Generator().manual_seed(seed)

@@ -16,14 +16,14 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.backends import tiled_linear, torch_linear
 from helpers import fused_backends, on_device, supports
-from strategies import configs, entropy_choice_is_a_tie, fit_inputs, ratio_at_a_bound
+from strategies import configs, entropy_choice_is_a_tie, fit_inputs, fuzz_settings, ratio_at_a_bound
 from test_linear import LinearCase, compare_linear
 
 CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
@@ -82,8 +82,7 @@ def test_linear_differential_fuzz(backend, device, dtype):
     if not supports(backend, dtype, device):
         pytest.skip(f"{backend} does not take {dtype}")
 
-    @settings(max_examples=EXAMPLES.get((backend, device), 150), deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @fuzz_settings(EXAMPLES.get((backend, device), 150), HealthCheck.data_too_large, HealthCheck.filter_too_much)
     @given(case=linear_cases(dtype), config=configs(), tile=st.sampled_from([None, 1, 3, 7]),
            gather=st.sampled_from([None, False]), mode=st.sampled_from([None, "mixed"]), frozen=st.booleans(),
            normalizer=st.sampled_from([None, 5.0, 2.0 ** 20]), entropy=st.booleans())

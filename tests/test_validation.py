@@ -514,11 +514,12 @@ def test_bad_input_fuzz_raises_value_errors_only(backend):
     layout, value or type: the call succeeds (the change was acceptable) or raises ``ValueError`` before
     any kernel runs; never another exception from deeper down (an IndexError, a torch RuntimeError, a
     kernel's assertion)."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
     from hypothesis import strategies as st
 
-    @settings(max_examples=60 if backend == "triton" else 300, deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow])
+    from strategies import fuzz_settings
+
+    @fuzz_settings(60 if backend == "triton" else 300)
     @given(api=st.sampled_from(["policy", "token", "linear", "linear_token"]),
            picks=st.lists(st.tuples(st.sampled_from(sorted(_MUTATIONS)), st.integers(0, 7)), min_size=1, max_size=2,
                           unique_by=lambda p: p[0]))
