@@ -11,6 +11,8 @@ import torch
 import fused_rl
 from fused_rl.backends import tiled_linear, torch_linear
 from fused_rl.backends.custom_ops import config_args
+from fused_rl.backends.reference import ReferenceBackend
+from fused_rl.validation import prepare_policy_inputs
 from helpers import CONFIGS, GRAD_TOLERANCES, TOLERANCES, expected_results, logits_gradient_bound
 from helpers import assert_close as _assert_close
 
@@ -29,16 +31,41 @@ def assert_close(actual, expected, dtype, what, grad=False, equal_nan=False):
     torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
+class _TokenValuesAsLeaves(ReferenceBackend):
+    """The reference backend with its per-token log-probs and entropies made autograd leaves (``self.leaves``), so
+    that a backward of its loss gives the loss's derivatives with respect to them."""
+
+    leaves: tuple = ()
+
+    def token_logprobs(self, logits, targets, temperature, return_entropy):
+        values = super().token_logprobs(logits, targets, temperature, return_entropy)
+        self.leaves = tuple(None if x is None else x.detach().requires_grad_(True) for x in values)
+        return self.leaves
+
+
+def token_gradient_unit(z, case, config, token_normalizer=None) -> torch.Tensor:
+    """``max_t max(|dL/dlogp_t|, |dL/dH_t|)`` of the reference loss at the logits ``z``: the unit in which the
+    two-pass route's gradient kernel writes a 16-bit ``dz`` (``tiled_linear.tiled_linear_token_grad_op``)."""
+    inputs = prepare_policy_inputs(tuple(z.shape), z.device, case.targets, case.advantages, case.mask, config=config,
+                                   token_normalizer=token_normalizer, compute_dtype=torch.float32, check_inputs=False,
+                                   **case.kwargs())
+    backend = _TokenValuesAsLeaves()
+    backend.policy_loss(z.detach(), inputs, config, compute_entropy=True).loss.backward()
+    return torch.stack([x.grad.abs().amax() for x in backend.leaves if x is not None and x.grad is not None]).amax()
+
+
 def mixed_mode_slack(case, leaves, config, hidden_view, dtype=torch.bfloat16, **loss_kwargs):
     """Per-element bounds on the gradient error that the mixed GEMM mode adds by rounding ``dz`` (the
     logits gradient) to ``dtype`` once: the unit roundoff of a ``p``-bit significand is ``2^-p``, so bf16
     (8 bits): ``|dz - bf16(dz)| <= 2^-8 |dz|`` (the bound was 2^-9, half of it, until a fuzz case hit the
-    gap: ``test_linear_fuzz.py``). fp16 (11 bits): the kernel writes
-    ``dz / u`` with ``u = max_t w_t`` (the aggregation weights), so ``<= 2^-11 |dz| + 2^-25 u`` (half of fp16's
-    subnormal spacing, in units of ``u``). For ``grad_h = dz W``, ``grad_W = dz^T h`` and ``grad_b = sum_t dz``
-    the bound is that of the same products of absolute values, i.e. the gradients of
-    ``sum(bound(dz) * (|h| |W|^T + |b|))`` with respect to ``|h|, |W|, |b|``. ``dz`` is the reference's, from
-    fp32 logits; a wrong formula still misses by O(|grad|)."""
+    gap: ``test_linear_fuzz.py``). fp16 (11 bits): the kernel writes ``dz / u``, so ``<= 2^-11 |dz| + 2^-25 u``
+    (half of fp16's subnormal spacing, in units of ``u``), with ``u = max_t w_t`` (the aggregation weights) in
+    the single pass and ``u`` = :func:`token_gradient_unit` in the two passes of the other configs (a fuzz case:
+    a gmpo row whose coefficient ``dL/dlogp`` was 7e-5 of the batch's largest had its ``dz`` in fp16's
+    subnormals, 1% off; the bound with ``max_t w_t`` was 4e-5 for an error of 1.5e-4). For ``grad_h = dz W``,
+    ``grad_W = dz^T h`` and ``grad_b = sum_t dz`` the bound is that of the same products of absolute values,
+    i.e. the gradients of ``sum(bound(dz) * (|h| |W|^T + |b|))`` with respect to ``|h|, |W|, |b|``. ``dz`` is the
+    reference's, from fp32 logits; a wrong formula still misses by O(|grad|)."""
     rh, rw, rb = leaves
     view = hidden_view or (lambda x: x)
     z = torch.nn.functional.linear(view(rh.detach()), rw.detach(), None if rb is None else rb.detach())
@@ -48,7 +75,10 @@ def mixed_mode_slack(case, leaves, config, hidden_view, dtype=torch.bfloat16, **
     if dtype == torch.bfloat16:
         bound = z.grad.abs() * 2.0 ** -8
     else:
-        unit = fused_rl.loss_math.aggregation_weights(case.mask, config, loss_kwargs.get("token_normalizer")).max()
+        normalizer = loss_kwargs.get("token_normalizer")
+        unit = fused_rl.loss_math.aggregation_weights(case.mask, config, normalizer).max() \
+            if tiled_linear.runs_tiled(config, off_policy=case.old is not None) \
+            else token_gradient_unit(z, case, config, normalizer)
         rows = case.mask & (case.targets != fused_rl.IGNORE_INDEX)  # the kernel writes exact zero rows elsewhere
         bound = z.grad.abs() * 2.0 ** -11 + 2.0 ** -25 * unit * rows.unsqueeze(-1).to(z.dtype)
     return abs_gemm_bounds(bound, leaves, view)
