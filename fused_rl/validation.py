@@ -199,6 +199,39 @@ def weights_check(weights: torch.Tensor, valid: torch.Tensor, name: str = "rollo
             ((torch.isfinite(weights) & (weights >= 0)) | ~where).all())
 
 
+Named = tuple[str, Optional[torch.Tensor]]
+
+
+def adapter_inputs(shape: tuple, device: torch.device, device_owner: str, check_inputs: bool, *,
+                   logprobs: tuple[Named, ...], advantages: Named, mask: Named,
+                   weights: Optional[Named] = None) -> torch.Tensor:
+    """Checks of a peer adapter's per-token arguments ``(name, tensor)``, named as the peer names them; returns the
+    boolean mask. ``logprobs`` (required), ``mask`` ``(B, T) = shape``, ``advantages`` and ``weights`` (optional)
+    ``(B, T)`` or per sequence ``(B,)``, all on ``device``; with ``check_inputs`` (one host sync) a 0/1 mask and,
+    where it is set, finite advantages, finite log-probs ``<= LOGPROB_SLACK`` and finite weights ``>= 0`` (padding
+    is not read)."""
+    (mask_name, mask_tensor), (adv_name, adv) = mask, advantages
+    per_seq = (adv_name,) + ((weights[0],) if weights is not None else ())
+    for name, x in (*logprobs, advantages, mask) + ((weights,) if weights is not None else ()):
+        if x is None and (weights is None or name != weights[0]):
+            _fail(f"{name} is required")
+        _check_per_token(x, name, shape, device, allow_seq=name in per_seq, device_owner=device_owner)
+        if x is not None and name != mask_name and not x.is_floating_point():
+            _fail(f"{name} must be a floating tensor, got {x.dtype}")
+    if mask_tensor.is_complex():
+        _fail(f"{mask_name} must be boolean or 0/1 numbers, got {mask_tensor.dtype}")
+    valid = binary_mask(mask_tensor, mask_name, check=False)
+    if check_inputs and not _is_compiling():
+        checks = [] if mask_tensor.dtype == torch.bool else [binary_mask_check(mask_tensor, mask_name)]
+        checks.append(advantages_check(adv, valid, name=adv_name, mask_name=mask_name))
+        for name, x in logprobs:
+            checks += logprob_checks(x, valid, name, mask_name=mask_name)
+        if weights is not None and weights[1] is not None:
+            checks.append(weights_check(weights[1], valid, name=weights[0], mask_name=mask_name))
+        run_value_checks(checks)
+    return valid
+
+
 def target_logit_check(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[str, torch.Tensor]:
     """On-policy, no valid target whose logit is ``-inf``: the sampled token would have probability 0 under
     ``logits``, its log-prob ``-inf`` and the ratio ``exp(logp - sg(logp)) = exp(-inf + inf)`` undefined (the

@@ -4,13 +4,15 @@
   :func:`fused_rl.linear_policy_loss`) and ``patch_grpo_trainer`` (the same on an existing trainer);
 * :mod:`fused_rl.integrations.verl`: verl's functional ``compute_policy_loss(old_log_prob, log_prob,
   advantages, response_mask, loss_agg_mode, config)`` on fused_rl's loss math, and the mapping of verl
-  actor options onto :class:`fused_rl.PolicyLossConfig`.
+  actor options onto :class:`fused_rl.PolicyLossConfig`;
+* :mod:`fused_rl.integrations.openrlhf`: OpenRLHF's ``PolicyLoss`` (constructor, ``forward`` and its five
+  returned values) on fused_rl's loss math, with the fused ``forward_from_hidden``.
 
 :mod:`fused_rl.integrations.hf_models`: the check that a transformers model's logits are its plain LM
 head's (shared by the TRL adapter and the bundled trainer).
 
 The Liger-Kernel drop-in (``FusedLinearGRPOLoss``) lives in :mod:`fused_rl.nn`. Submodules import
-their framework lazily: importing this package never needs TRL or verl.
+their framework lazily: importing this package never needs TRL, verl or OpenRLHF.
 """
 
-__all__ = ["hf_models", "trl", "verl"]
+__all__ = ["hf_models", "openrlhf", "trl", "verl"]

@@ -83,8 +83,7 @@ from ..config import AGGREGATIONS, PolicyLossConfig
 from ..loss_math import compute_policy_loss as _compute_policy_loss, config_scalar
 from ..ops import _check_linear, linear_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import (INDEX_DTYPES, _check_per_token, _fail, _is_compiling, advantages_check, binary_mask,
-                          binary_mask_check, logprob_checks, run_value_checks, weights_check)
+from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs
 
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo")
 #: verl loss modes fused_rl's loss math cannot express, and why (each raises ``NotImplementedError``).
@@ -233,31 +232,10 @@ def _nonempty_rows_scale(loss: torch.Tensor, config: PolicyLossConfig, mode: str
 def _check_verl_inputs(shape: tuple, device: torch.device, device_owner: str, old_log_prob: torch.Tensor,
                        advantages: torch.Tensor, response_mask: torch.Tensor,
                        rollout_is_weights: Optional[torch.Tensor], check_inputs: bool) -> torch.Tensor:
-    """Checks of verl's per-token arguments, named as verl names them, and the boolean mask: ``old_log_prob`` and
-    ``response_mask`` ``shape = (B, T)``, ``advantages`` and ``rollout_is_weights`` ``(B, T)`` or ``(B,)`` (per
-    sequence), all on ``device``; with ``check_inputs`` (one host sync) a 0/1 mask and, where it is set, finite
-    advantages, finite log-probs ``old_log_prob <= LOGPROB_SLACK`` and finite weights ``>= 0`` (padding is not
-    read)."""
-    per_token = ((old_log_prob, "old_log_prob"), (advantages, "advantages"), (response_mask, "response_mask"),
-                 (rollout_is_weights, "rollout_is_weights"))
-    for x, name in per_token:
-        if x is None and name != "rollout_is_weights":
-            _fail(f"{name} is required")
-        _check_per_token(x, name, shape, device, allow_seq=name in ("advantages", "rollout_is_weights"),
-                         device_owner=device_owner)
-        if x is not None and name != "response_mask" and not x.is_floating_point():
-            _fail(f"{name} must be a floating tensor, got {x.dtype}")
-    if response_mask.is_complex():
-        _fail(f"response_mask must be boolean or 0/1 numbers, got {response_mask.dtype}")
-    mask = binary_mask(response_mask, "response_mask", check=False)
-    if check_inputs and not _is_compiling():
-        checks = [] if response_mask.dtype == torch.bool else [binary_mask_check(response_mask, "response_mask")]
-        checks.append(advantages_check(advantages, mask, mask_name="response_mask"))
-        checks += logprob_checks(old_log_prob, mask, "old_log_prob", mask_name="response_mask")
-        if rollout_is_weights is not None:
-            checks.append(weights_check(rollout_is_weights, mask, mask_name="response_mask"))
-        run_value_checks(checks)
-    return mask
+    """verl's per-token arguments checked under verl's names (:func:`fused_rl.validation.adapter_inputs`)."""
+    return adapter_inputs(shape, device, device_owner, check_inputs, logprobs=(("old_log_prob", old_log_prob),),
+                          advantages=("advantages", advantages), mask=("response_mask", response_mask),
+                          weights=("rollout_is_weights", rollout_is_weights))
 
 
 def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig, old: torch.Tensor,

@@ -1,0 +1,334 @@
+"""fused_rl.integrations.openrlhf against OpenRLHF's own ``PolicyLoss`` (openrlhf 0.11.2, installed with ``--no-deps``
+by .ci/run) and against values derived by hand from its definitions."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+import os
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_rl.integrations.openrlhf import PolicyLoss, is_correction_weights, policy_loss_config_from_openrlhf
+from helpers import fused_backends
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    """OpenRLHF's ``models/loss.py`` and ``models/utils.py``, loaded as files: the package's ``__init__`` imports its
+    actor (DeepSpeed, flash-attn, ...), and ``utils.py`` imports ``deepspeed`` at module level for functions these
+    tests do not call, so an empty stand-in is in ``sys.modules`` while the two files load (and removed after)."""
+    try:
+        root = Path(importlib.metadata.distribution("openrlhf").locate_file("openrlhf")) / "models"
+    except importlib.metadata.PackageNotFoundError:
+        if os.environ.get("FUSED_RL_REQUIRE_OPENRLHF") == "1":  # .ci/run installs it: missing is a failure there
+            pytest.fail("openrlhf is not installed (pip install --no-deps openrlhf==0.11.2)")
+        pytest.skip("openrlhf is not installed (pip install --no-deps openrlhf==0.11.2)")
+    names = ("deepspeed", "_openrlhf_models", "_openrlhf_models.utils", "_openrlhf_models.loss")
+    saved = {name: sys.modules.get(name) for name in names}
+    package = types.ModuleType("_openrlhf_models")
+    package.__path__ = [str(root)]
+    sys.modules.update({"deepspeed": types.ModuleType("deepspeed"), "_openrlhf_models": package})
+    loaded = {}
+    try:
+        for name in ("utils", "loss"):
+            spec = importlib.util.spec_from_file_location(f"_openrlhf_models.{name}", root / f"{name}.py")
+            loaded[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+            with warnings.catch_warnings():  # utils.py's @torch.compile warns of torch.jit under torch 2.13
+                warnings.simplefilter("ignore", DeprecationWarning)
+                spec.loader.exec_module(loaded[name])
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return types.SimpleNamespace(**loaded)
+
+
+def _inputs(seed: int, dtype=torch.float64, per_sequence_advantages: bool = False):
+    """Five responses of ragged lengths (7, 4, 1, 0, 6 tokens: a one-token and an empty one), log-probs whose
+    ratios to the old policy reach the clip range, and rollout log-probs a little off the old ones."""
+    g = torch.Generator().manual_seed(seed)
+    batch, length = 5, 7
+    lengths = torch.tensor([7, 4, 1, 0, 6])
+    mask = (torch.arange(length) < lengths[:, None]).to(dtype)
+    logp = -torch.rand(batch, length, generator=g, dtype=dtype) * 4 - 0.01
+    old = (logp + 0.35 * torch.randn(batch, length, generator=g, dtype=dtype)).clamp(max=-1e-3)
+    rollout = (old + 0.3 * torch.randn(batch, length, generator=g, dtype=dtype)).clamp(max=-1e-3)
+    adv = torch.randn(batch, 1 if per_sequence_advantages else length, generator=g, dtype=dtype)
+    return logp, old, rollout, adv.expand(batch, length).contiguous(), mask
+
+
+CORRECTIONS = {
+    "off": ("off", "mask", "ratio", (0.5, 5.0)),
+    "token-clip": ("token", "clip", "ratio", (0.8, 1.2)),
+    "token-mask": ("token", "mask", "ratio", (0.8, 1.25)),
+    "seq-mask": ("seq", "mask", "ratio", (0.9, 1.1)),
+    "token-binary_kl": ("token", "mask", "binary_kl", (0.0, 0.01)),
+    "seq-tv": ("seq", "mask", "tv", (0.0, 0.04)),
+}
+NORMALIZATIONS = {"local": {}, "global": {"dp_size": 2, "batch_num_tokens": 37.0, "global_batch_size": 9.0},
+                  "global-tensor": {"dp_size": 4, "batch_num_tokens": torch.tensor(70.0),
+                                    "global_batch_size": torch.tensor(15.0)}}
+
+
+def _kwargs(policy_loss_type, dual_clip, token_level_loss, correction):
+    level, mode, gating, threshold = CORRECTIONS[correction]
+    return dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level_loss,
+                policy_loss_type=policy_loss_type, is_correction_level=level, is_correction_mode=mode,
+                is_correction_gating=gating, is_correction_threshold=threshold)
+
+
+def _assert_metric(got, expected, what):
+    if expected is None:
+        assert got is None, what
+    else:
+        torch.testing.assert_close(got.double(), expected.double(), rtol=2e-6, atol=1e-7, msg=what)  # fp32 metrics
+
+
+@pytest.mark.parametrize("normalization", sorted(NORMALIZATIONS))
+@pytest.mark.parametrize("correction", sorted(CORRECTIONS))
+@pytest.mark.parametrize("token_level_loss", [True, False])
+@pytest.mark.parametrize("dual_clip", [None, 1.6])
+@pytest.mark.parametrize("policy_loss_type", ["ppo", "gspo"])
+def test_forward_matches_openrlhf(upstream, policy_loss_type, dual_clip, token_level_loss, correction,
+                                  normalization):
+    """Loss, gradient and the four metrics of OpenRLHF's PolicyLoss, in fp64 (rtol 1e-7: OpenRLHF divides a
+    response's sum by ``count + 1e-8``), every option of its constructor and both normalizations."""
+    kwargs = _kwargs(policy_loss_type, dual_clip, token_level_loss, correction)
+    logp, old, rollout, adv, mask = _inputs(1 if policy_loss_type == "ppo" else 4)
+    if correction != "off" and policy_loss_type == "ppo":  # the gates must drop some tokens and keep others
+        _, filtered = is_correction_weights(old, rollout, mask.bool(), *CORRECTIONS[correction][:3],
+                                            *CORRECTIONS[correction][3])
+        assert 0 < (filtered & mask.bool()).sum() < mask.sum() - 1
+    norm = NORMALIZATIONS[normalization]
+
+    x_ref = logp.clone().requires_grad_(True)
+    expected = upstream.loss.PolicyLoss(**kwargs)(x_ref, old, adv, mask, rollout, **norm)
+    expected[0].backward()
+    x = logp.clone().requires_grad_(True)
+    got = PolicyLoss(**kwargs)(x, old, adv, mask, rollout, **norm)
+    got[0].backward()
+
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-7, atol=1e-12)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-7, atol=1e-12)
+    for name, g, e in zip(("clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"), got[1:], expected[1:]):
+        _assert_metric(g, e, name)
+    assert x.grad.abs().sum() > 0
+    if policy_loss_type == "ppo" and correction == "off":
+        assert 0 < got[1] < 1  # some tokens clipped, not all
+
+
+def test_from_openrlhf_copies_the_options(upstream):
+    theirs = upstream.loss.PolicyLoss(**_kwargs("ppo", 1.6, False, "seq-tv"))
+    ours = PolicyLoss.from_openrlhf(theirs)
+    assert ours.config == policy_loss_config_from_openrlhf(0.2, 0.28, 1.6, False, "ppo")
+    assert ours.is_correction == ("seq", "mask", "tv") and ours.is_correction_bounds == (0.0, 0.04)
+
+
+def _upstream_actor_loss(upstream, kwargs, logits, action_ids, old, adv, mask, rollout, base, kl_coef, entropy_coef,
+                         norm):
+    """OpenRLHF's ``training_step`` loss on log-probs of ``logits`` (fp64): policy loss + kl_coef * k3 KL loss -
+    entropy_coef * entropy loss, the last two aggregated per token with the same batch info."""
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, action_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    loss, *metrics = upstream.loss.PolicyLoss(**kwargs)(logp, old, adv, mask, rollout, **norm)
+    if kl_coef > 0:
+        kl = upstream.utils.compute_approx_kl(logp, base, kl_estimator="k3")
+        loss = loss + kl_coef * upstream.loss.aggregate_loss(kl, mask, **norm)
+    if entropy_coef is not None:
+        loss = loss - entropy_coef * upstream.loss.aggregate_loss(entropy, mask, **norm)
+    return loss, metrics
+
+
+@pytest.mark.parametrize("backend", fused_backends())
+@pytest.mark.parametrize("setup", ["ppo-kl-entropy-token-mask", "ppo-token-clip-global", "gspo-seq-mask",
+                                   "ppo-per-sample-seq-tv"])
+def test_forward_from_hidden_matches_openrlhf_actor(upstream, backend, setup):
+    """The fused loss from hidden states against OpenRLHF's on the fp64 tempered logits ``hidden @ W.T / tau``:
+    loss, hidden / weight gradients and metrics, in fp32 (vocabulary 1000, not a multiple of a block)."""
+    policy_loss_type, *rest = setup.split("-")
+    token_level = "per" not in rest
+    kl_coef, entropy_coef = (0.05, 0.01) if "kl" in rest else (0.0, None)
+    correction = {"ppo-kl-entropy-token-mask": "token-mask", "ppo-token-clip-global": "token-clip",
+                  "gspo-seq-mask": "seq-mask", "ppo-per-sample-seq-tv": "seq-tv"}[setup]
+    kwargs = _kwargs(policy_loss_type, 1.6 if policy_loss_type == "ppo" else None, token_level, correction)
+    norm = NORMALIZATIONS["global" if "global" in rest else "local"]
+    g = torch.Generator().manual_seed(3)
+    batch, length, hidden_size, vocab, tau = 5, 7, 16, 1000, 0.8
+    hidden = torch.randn(batch, length, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * 0.4
+    action_ids = torch.randint(0, vocab, (batch, length), generator=g)
+    _, _, _, adv, mask = _inputs(5, torch.float32)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1)
+        lp0 = lp0.gather(-1, action_ids.unsqueeze(-1)).squeeze(-1)
+    old = (lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).float()
+    rollout = (old + 0.2 * torch.randn(lp0.shape, generator=g)).clamp(max=-1e-3)
+    base = (lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).float()
+
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    expected, expected_metrics = _upstream_actor_loss(
+        upstream, kwargs, h64 @ w64.T / tau, action_ids, old.double(), adv.double(), mask.double(), rollout.double(),
+        base.double(), kl_coef, entropy_coef, norm)
+    expected.backward()
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, *metrics, out = PolicyLoss(**kwargs).forward_from_hidden(
+        h, w, action_ids, old, adv, mask, rollout, **norm, temperature=tau, base_log_probs=base, kl_coef=kl_coef,
+        entropy_coef=entropy_coef, backend=backend)
+    got.backward()
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=2e-4, atol=2e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-4, atol=2e-6)
+    assert h.grad.abs().sum() > 0
+    for name, got_metric, e in zip(("clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"), metrics,
+                                   expected_metrics):
+        if e is None:
+            assert got_metric is None, name
+        else:
+            torch.testing.assert_close(got_metric.double(), e.double(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+# Hand values (no OpenRLHF needed). One response of three tokens, the old policy's sampled-token probabilities
+# q = (0.5, 0.2, 0.9) and the sampler's p = (0.4, 0.2, 0.99).
+Q = torch.tensor([[0.5, 0.2, 0.9]], dtype=torch.float64)
+P = torch.tensor([[0.4, 0.2, 0.99]], dtype=torch.float64)
+ALL = torch.ones(1, 3, dtype=torch.bool)
+
+
+def _binary_kl(p, q):
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def test_gates_by_hand():
+    """Token binary-KL gate at 0.02: KL(0.4 || 0.5) = 0.0201 and KL(0.99 || 0.9) = 0.0541 drop tokens 0 and 2; the
+    kept token keeps its ratio q / p = 1. TV at 0.05 per sequence: mean(0.1, 0, 0.09) = 0.0633 drops the response.
+    The sequence ratio gate reads the geometric mean (1.25 * 1 * 0.909)^(1/3) = 1.0434 and keeps the tokens' own
+    ratios; a clip gate clamps each ratio."""
+    old, rollout = Q.log(), P.log()
+    assert _binary_kl(0.4, 0.5) == pytest.approx(0.020136, abs=1e-6)
+    w, filtered = is_correction_weights(old, rollout, ALL, "token", "mask", "binary_kl", 0.0, 0.02)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64))
+    assert filtered.tolist() == [[True, False, True]]
+    w, filtered = is_correction_weights(old, rollout, ALL, "seq", "mask", "tv", 0.0, 0.05)
+    assert w.tolist() == [[0.0, 0.0, 0.0]] and filtered.all()
+    w, filtered = is_correction_weights(old, rollout, ALL, "seq", "mask", "tv", 0.0, 0.07)
+    torch.testing.assert_close(w, (Q / P).float().double(), rtol=1e-6, atol=0)
+    w, _ = is_correction_weights(old, rollout, ALL, "seq", "mask", "ratio", 1.0, 1.05)
+    torch.testing.assert_close(w, Q / P)
+    w, _ = is_correction_weights(old, rollout, ALL, "seq", "mask", "ratio", 1.05, 2.0)
+    assert w.abs().sum() == 0
+    w, filtered = is_correction_weights(old, rollout, ALL, "token", "clip", "ratio", 0.95, 1.2)
+    torch.testing.assert_close(w, torch.tensor([[1.2, 1.0, 0.95]], dtype=torch.float64))
+    assert filtered.tolist() == [[True, False, True]]
+
+
+def test_forward_by_hand():
+    """ppo, clip 0.2, one response of ratios (1.5, 0.5, 1.0) with A = +1 and one of ratio 4 with A = -2 (dual clip
+    3): token losses -1.2, -0.5, -1; min(8, 6) = 6. Token mean 3.3 / 4; per sample ((-2.7 / 3) + 6) / 2; a global
+    token count of 10 on 2 ranks: 3.3 / 10 * 2; a global 5 responses on 2 ranks: (-0.9 + 6) / 5 * 2."""
+    ratios = torch.tensor([[1.5, 0.5, 1.0], [4.0, 1.0, 1.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    logp = old + ratios.log()
+    token = PolicyLoss(dual_clip=3.0)(logp, old, adv, mask)
+    assert token[0].item() == pytest.approx(3.3 / 4)
+    assert token[1].item() == pytest.approx(1 / 4)  # r = 1.5 with A > 0
+    assert token[2].item() == pytest.approx(-math.log(1.5 * 0.5 * 4.0) / 4)
+    assert token[3] is None and token[4] is None
+    sample = PolicyLoss(dual_clip=3.0, token_level_loss=False)(logp, old, adv, mask)
+    assert sample[0].item() == pytest.approx((-0.9 + 6.0) / 2)
+    assert PolicyLoss(dual_clip=3.0)(logp, old, adv, mask, dp_size=2, batch_num_tokens=10)[0].item() == \
+        pytest.approx(0.66)
+    assert PolicyLoss(dual_clip=3.0, token_level_loss=False)(logp, old, adv, mask, dp_size=2,
+                                                             global_batch_size=5)[0].item() == pytest.approx(2.04)
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(kl_coef=0.1, kl_estimator="k1"), NotImplementedError, "clamps its value"),
+    (dict(kl_coef=0.1, kl_estimator="k2"), NotImplementedError, "clamps its value"),
+    (dict(kl_coef=0.1, kl_unbiased_gradient=True), NotImplementedError, "unbiased_gradient"),
+    (dict(kl_coef=0.1, token_level_loss=False), NotImplementedError, "per sample"),
+    (dict(entropy_coef=0.01, policy_loss_type="gspo"), NotImplementedError, "per sample"),
+    (dict(policy_loss_type="grpo"), ValueError, "policy_loss_type"),
+    (dict(dual_clip=1.0), ValueError, "dual_clip"),
+])
+def test_config_refuses_what_it_cannot_compute(kwargs, error, needle):
+    with pytest.raises(error, match=needle):
+        policy_loss_config_from_openrlhf(**kwargs)
+
+
+def test_config_mapping():
+    cfg = policy_loss_config_from_openrlhf(0.1, 0.3, 2.0, True, "ppo", kl_coef=0.02, entropy_coef=0.001,
+                                           temperature=0.7)
+    assert (cfg.policy_loss, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg) == \
+        ("ppo_clip", 0.1, 0.3, 2.0, "token-mean")
+    assert (cfg.kl, cfg.beta, cfg.entropy_coef, cfg.temperature) == ("low_var_kl", 0.02, 0.001, 0.7)
+    gspo = policy_loss_config_from_openrlhf(policy_loss_type="gspo", kl_estimator="k1")  # KL off: any estimator
+    assert (gspo.policy_loss, gspo.agg, gspo.kl) == ("gspo", "seq-mean-token-mean", None)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(is_correction_level="sequence"), "is_correction_level"),
+    (dict(is_correction_mode="truncate"), "is_correction_mode"),
+    (dict(is_correction_gating="kl"), "is_correction_gating"),
+    (dict(is_correction_level="seq", is_correction_mode="clip"), "needs is_correction_level='token'"),
+    (dict(is_correction_level="token", is_correction_gating="tv"), "upper bound only"),
+    (dict(is_correction_threshold=(2.0, 1.0)), "0 <= low <= high"),
+    (dict(is_correction_threshold=(0.5,)), "two numbers"),
+])
+def test_constructor_checks(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        PolicyLoss(**kwargs)
+    options = {"is_correction_level": "token", **kwargs}
+    if len(options.get("is_correction_threshold", (0, 1))) == 2:  # the same checks in the public gate function
+        with pytest.raises(ValueError, match=needle):
+            is_correction_weights(Q.log(), P.log(), ALL, options["is_correction_level"],
+                                  options.get("is_correction_mode", "mask"),
+                                  options.get("is_correction_gating", "ratio"),
+                                  *options.get("is_correction_threshold", (0.5, 5.0)))
+
+
+def test_bad_inputs_raise_naming_openrlhf_s_argument():
+    logp, old, rollout, adv, mask = _inputs(0)
+    loss = PolicyLoss(is_correction_level="token")
+    with pytest.raises(ValueError, match="needs rollout_log_probs"):
+        loss(logp, old, adv, mask)
+    with pytest.raises(ValueError, match="old_log_probs"):
+        loss(logp, old[:, :3], adv, mask, rollout)
+    with pytest.raises(ValueError, match="action_mask must contain only 0 and 1"):
+        loss(logp, old, adv, mask * 0.5, rollout)
+    bad = rollout.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="rollout_log_probs contain NaN or inf where action_mask is set"):
+        loss(logp, old, adv, mask, bad)
+    bad_adv = adv.clone()
+    bad_adv[1, 0] = float("inf")
+    with pytest.raises(ValueError, match="advantages contain NaN or inf"):
+        loss(logp, old, bad_adv, mask, rollout)
+    with pytest.raises(ValueError, match="log_probs must be a floating"):
+        loss(logp.long(), old, adv, mask, rollout)
+    hidden, weight = torch.randn(5, 7, 4), torch.randn(11, 4)
+    with pytest.raises(ValueError, match="action_ids must be an int32 or int64"):
+        loss.forward_from_hidden(hidden, weight, torch.zeros(5, 7), old, adv, mask, rollout)
+    with pytest.raises(ValueError, match="base_log_probs"):
+        PolicyLoss().forward_from_hidden(hidden, weight, torch.zeros(5, 7, dtype=torch.long), old, adv, mask,
+                                         kl_coef=0.1)
+
+
+def test_action_mask_none_and_per_sequence_advantages():
+    """``action_mask=None`` is every token; ``(B,)`` advantages broadcast over the response."""
+    logp, old, _, adv, _ = _inputs(1, per_sequence_advantages=True)
+    full = torch.ones_like(logp)
+    loss = PolicyLoss()
+    torch.testing.assert_close(loss(logp, old, adv[:, 0])[0], loss(logp, old, adv, full)[0])
