@@ -332,3 +332,46 @@ def test_action_mask_none_and_per_sequence_advantages():
     full = torch.ones_like(logp)
     loss = PolicyLoss()
     torch.testing.assert_close(loss(logp, old, adv[:, 0])[0], loss(logp, old, adv, full)[0])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_step_traces_whole_and_does_not_recompile_per_step(fused):
+    """A step compiled with ``fullgraph=True`` (``aot_eager``) over four steps whose adaptive KL coefficient
+    (OpenRLHF's ``kl_ctl``), global token count and response lengths change: equal to eager (loss, gradients,
+    metrics), no graph break, at most two graphs (the first call specialized, then symbolic)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    loss_fn = PolicyLoss(dual_clip=2.0, is_correction_level="seq")
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(1000, 16, generator=g) * 0.4
+
+    def step(x, old, adv, mask, rollout, tokens, kl_coef, base, ids):
+        if fused:
+            return loss_fn.forward_from_hidden(x, weight, ids, old, adv, mask, rollout, 2, tokens, temperature=0.9,
+                                               base_log_probs=base, kl_coef=kl_coef, entropy_coef=0.01,
+                                               backend="cpu")[:5]
+        return loss_fn(x, old, adv, mask, rollout, 2, tokens)
+
+    compiled = torch.compile(step, fullgraph=True, backend=CompileCounterWithBackend("aot_eager"))
+    for i, length in enumerate((7, 5, 9, 6)):
+        logp, old, rollout, adv, mask = (torch.cat([t, t], dim=1)[:, :length].contiguous()
+                                         for t in _inputs(i, torch.float32))
+        ids = torch.randint(0, 1000, logp.shape, generator=g)
+        x = torch.randn(*logp.shape, 16, generator=g) if fused else logp
+        args = (old, adv, mask, rollout, torch.tensor(10.0 + i), 0.01 * (i + 1), old + 0.1, ids)
+        results = []
+        for fn in (step, compiled):
+            leaf = x.clone().requires_grad_(True)
+            out = fn(leaf, *args)
+            out[0].backward()
+            results.append((out, leaf.grad))
+        (eager, eager_grad), (got, got_grad) = results
+        torch.testing.assert_close(got[0], eager[0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got_grad, eager_grad, rtol=1e-6, atol=1e-7)
+        for e, c in zip(eager[1:], got[1:]):
+            torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2
