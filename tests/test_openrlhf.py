@@ -284,8 +284,9 @@ def test_config_mapping():
     (dict(is_correction_gating="kl"), "is_correction_gating"),
     (dict(is_correction_level="seq", is_correction_mode="clip"), "needs is_correction_level='token'"),
     (dict(is_correction_level="token", is_correction_gating="tv"), "upper bound only"),
-    (dict(is_correction_threshold=(2.0, 1.0)), "0 <= low <= high"),
-    (dict(is_correction_threshold=(0.5,)), "two numbers"),
+    (dict(is_correction_level="token", is_correction_threshold=(2.0, 1.0)), "low <= high"),
+    (dict(is_correction_level="seq", is_correction_threshold=(float("nan"), 1.0)), "low <= high"),
+    (dict(is_correction_level="token", is_correction_threshold=(0.5,)), "two numbers"),
 ])
 def test_constructor_checks(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -375,3 +376,53 @@ def test_compiled_step_traces_whole_and_does_not_recompile_per_step(fused):
             torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+def _upstream_and_ours(upstream, kwargs, logp, old, adv, mask, rollout):
+    x_ref, x = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    expected = upstream.loss.PolicyLoss(**kwargs)(x_ref, old, adv, mask, rollout)
+    got = PolicyLoss(**kwargs)(x, old, adv, mask, rollout)
+    expected[0].backward()
+    got[0].backward()
+    return got, expected, x.grad, x_ref.grad
+
+
+@pytest.mark.parametrize("far", [25.0, -25.0])
+def test_sequence_gate_reads_the_unclamped_statistic(upstream, far):
+    """One token 25 nats off in a 13-token response: the geometric mean is exp(+-25 / 13) = 6.8 or 0.15, outside
+    (0.5, 5): OpenRLHF drops the response. (The weights' clamp at +-20 nats once entered the mean: exp(20 / 13) =
+    4.66 kept it, with a token weight e^20 and a loss of -3.8e7.)"""
+    old = torch.full((1, 13), -0.5, dtype=torch.float64)
+    rollout = old.clone()
+    old[0, 0], rollout[0, 0] = (-5.0, -30.0) if far > 0 else (-30.0, -5.0)
+    logp, adv, mask = old + 0.01, torch.ones(1, 13, dtype=torch.float64), torch.ones(1, 13, dtype=torch.float64)
+    got, expected, grad, grad_ref = _upstream_and_ours(upstream, _kwargs("ppo", None, True, "off") | dict(
+        is_correction_level="seq", is_correction_threshold=(0.5, 5.0)), logp, old, adv, mask, rollout)
+    assert got[0].item() == expected[0].item() == 0.0 and got[4].item() == expected[4].item() == 1.0
+    torch.testing.assert_close(grad, grad_ref)
+
+
+def test_a_negative_low_keeps_binary_kl_rounding_below_zero(upstream):
+    """fp32 rounds this token's binary KL to -1.4e-9: ``low = 0`` drops it in OpenRLHF and here alike; a negative
+    ``low`` (accepted, as OpenRLHF accepts it) keeps it."""
+    old, rollout = torch.tensor([[-11.0783, -1.0]]), torch.tensor([[-11.0784, -1.0]])
+    logp, adv, mask = old + 0.05, torch.ones(1, 2), torch.ones(1, 2)
+    for low, dropped in ((0.0, 0.5), (-1e-6, 0.0)):
+        kwargs = _kwargs("ppo", None, True, "off") | dict(is_correction_level="token", is_correction_gating="binary_kl",
+                                                         is_correction_threshold=(low, 0.01))
+        got, expected, grad, grad_ref = _upstream_and_ours(upstream, kwargs, logp, old, adv, mask, rollout)
+        assert got[4].item() == expected[4].item() == dropped
+        torch.testing.assert_close(got[0], expected[0])
+        torch.testing.assert_close(grad, grad_ref)
+
+
+def test_bf16_log_probs_against_fp32_inputs_compute_in_fp32(upstream):
+    """bf16 log-probs with fp32 old log-probs and advantages: OpenRLHF's arithmetic promotes to fp32, so does the
+    adapter (the loss fp32, equal to upstream's to fp32 rounding; the gradient in bf16, as the leaf)."""
+    logp, old, rollout, adv, mask = (t.float() for t in _inputs(2))
+    logp = logp.bfloat16()
+    kwargs = _kwargs("ppo", 1.6, True, "token-mask")
+    got, expected, grad, grad_ref = _upstream_and_ours(upstream, kwargs, logp, old, adv, mask, rollout)
+    assert got[0].dtype == expected[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad.float(), grad_ref.float(), rtol=1e-2, atol=1e-4)

@@ -40,8 +40,10 @@ Differences from OpenRLHF, all documented in ``docs/migration.md``:
 
 * OpenRLHF clamps ppo's ``log_probs - old_log_probs`` to ``[-20, 20]`` before ``exp`` (a constant ratio, no
   gradient, beyond); fused_rl does not: identical while the log ratio stays inside.
-* The importance weight's log ``old - rollout`` is clamped to ``[-20, 20]``
-  (:data:`fused_rl.loss_math.ROLLOUT_LOG_RHO_BOUND`) before its ``exp`` (OpenRLHF's can overflow to ``inf``).
+* A kept token's importance weight ``exp(old - rollout)`` has its log clamped to ``[-20, 20]``
+  (:data:`fused_rl.loss_math.ROLLOUT_LOG_RHO_BOUND`; OpenRLHF's can overflow to ``inf`` inside a kept response);
+  the gates read the unclamped statistic, in fp32 (OpenRLHF: the inputs' dtype, bf16 rounding ``1 - 1e-6`` to 1).
+* ``is_correction_threshold`` with ``low > high`` raises (OpenRLHF drops every token).
 * OpenRLHF's means divide by ``sum(mask)`` unclamped (NaN for an empty batch) and a response's token mean by
   ``count + 1e-8``; fused_rl clamps the counts at 1 and divides by ``count``.
 * OpenRLHF's KL estimators ``k1`` / ``k2`` clamp their value to ``[-10, 10]`` (no gradient beyond), and
@@ -75,18 +77,21 @@ Count = Union[None, int, float, torch.Tensor]
 
 
 def _check_is_correction(level: str, mode: str, gating: str, threshold) -> tuple[float, float]:
-    """OpenRLHF's constructor checks of the train/rollout correction; returns ``(low, high)``."""
+    """OpenRLHF's constructor checks of the train/rollout correction, and ``low <= high`` (OpenRLHF would drop every
+    token); returns ``(low, high)`` (the thresholds are not read when ``level="off"``)."""
     for value, name, choices in ((level, "is_correction_level", IS_CORRECTION_LEVELS),
                                  (mode, "is_correction_mode", IS_CORRECTION_MODES),
                                  (gating, "is_correction_gating", IS_CORRECTION_GATINGS)):
         if value not in choices:
             _fail(f"{name} must be one of {'/'.join(choices)}, got {value!r}")
+    if level == "off":
+        return -float("inf"), float("inf")
     try:
         low, high = (float(x) for x in threshold)
     except (TypeError, ValueError):
         _fail(f"is_correction_threshold must be two numbers (low, high), got {threshold!r}")
-    if not 0.0 <= low <= high < float("inf"):
-        _fail(f"is_correction_threshold must satisfy 0 <= low <= high < inf, got {threshold!r}")
+    if not low <= high:  # also NaN
+        _fail(f"is_correction_threshold must satisfy low <= high, got {threshold!r}")
     if mode == "clip" and (level == "seq" or gating != "ratio"):
         _fail("is_correction_mode='clip' needs is_correction_level='token' and is_correction_gating='ratio' "
               "(only the token ratio is a weight that can be clamped)")
@@ -100,12 +105,14 @@ def is_correction_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """OpenRLHF's train/rollout correction as ``(weights, filtered)``, both ``(B, T)`` and detached.
 
-    With ``log w_t = clamp(old_t - rollout_t, -20, 20)`` (the trainer's old policy against the sampler) and the
-    gated statistic ``s``: ``gating="ratio"``: ``w_t`` (``level="seq"``: the geometric mean ``exp(mean_t m log
-    w_t)``); ``"binary_kl"``: ``p log(p / q) + (1 - p) log((1 - p) / (1 - q))``; ``"tv"``: ``|p - q|``, with ``p =
+    With ``w_t = exp(old_t - rollout_t)`` (the trainer's old policy against the sampler) and the gated statistic
+    ``s``: ``gating="ratio"``: ``w_t`` (``level="seq"``: the geometric mean ``exp(mean_t m log w_t)``);
+    ``"binary_kl"``: ``p log(p / q) + (1 - p) log((1 - p) / (1 - q))``; ``"tv"``: ``|p - q|``, with ``p =
     exp(rollout)``, ``q = exp(old)`` clamped to ``[1e-6, 1 - 1e-6]`` (``level="seq"``: the masked mean over the
-    response). ``mode="clip"``: ``weights = clamp(s, low, high)``; ``mode="mask"``: ``weights = w_t 1[low <= s <=
-    high]`` (a dropped unit has weight 0, a kept token its own ``w_t``). ``filtered``: ``s`` outside ``[low, high]``
+    response); computed in fp32 (fp64 for fp64 inputs). ``mode="clip"``: ``weights = clamp(s, low, high)``;
+    ``mode="mask"``: ``weights = w_t 1[low <= s <= high]`` (a dropped unit has weight 0, a kept token its own
+    ``w_t``, its log clamped to ``[-20, 20]``: a token far off inside a kept response or under a divergence gate
+    cannot overflow the loss). ``filtered``: ``s`` outside ``[low, high]``
     (an empty response counts as filtered at ``level="seq"``, as OpenRLHF's NaN mean), at every position: average
     it over the mask (``level="token"``) or take a row's value (``"seq"``). Masked positions have weight 1. The
     options are checked as OpenRLHF's constructor checks them (``ValueError``).
@@ -114,8 +121,7 @@ def is_correction_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.
     dtype = torch.promote_types(old_log_probs.dtype, torch.float32)
     m = mask.to(dtype)
     old, rollout = old_log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype)
-    log_w = torch.where(mask, old - rollout, torch.zeros_like(old)).clamp(-ROLLOUT_LOG_RHO_BOUND,
-                                                                         ROLLOUT_LOG_RHO_BOUND)
+    log_w = torch.where(mask, old - rollout, torch.zeros_like(old))
     count = m.sum(dim=1, keepdim=True)
 
     def sequence_mean(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +142,10 @@ def is_correction_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.
     keep = (stat >= low) & (stat <= high)
     if level == "seq":
         keep = keep & (count > 0)
-    weights = stat.clamp(low, high) if mode == "clip" else torch.where(keep, torch.exp(log_w), 0.0)
+    if mode == "clip":
+        weights = stat.clamp(low, high)
+    else:
+        weights = torch.where(keep, torch.exp(log_w.clamp(-ROLLOUT_LOG_RHO_BOUND, ROLLOUT_LOG_RHO_BOUND)), 0.0)
     one = torch.ones_like(weights)
     return torch.where(mask, weights, one), ~keep
 
@@ -299,9 +308,10 @@ class PolicyLoss(torch.nn.Module):
         shape = tuple(log_probs.shape)
         mask = self._inputs(shape, log_probs.device, "log_probs is", old_log_probs, advantages, action_mask,
                             rollout_log_probs, check_inputs)
-        adv = (advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(shape)).detach()
-        adv = adv.to(log_probs.dtype)
-        old = old_log_probs.detach().to(log_probs.dtype)
+        dtype = torch.promote_types(torch.promote_types(log_probs.dtype, old_log_probs.dtype), advantages.dtype)
+        log_probs = log_probs.to(dtype)  # bf16 log-probs against fp32 old ones: fp32, as OpenRLHF's arithmetic
+        adv = (advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(shape)).detach().to(dtype)
+        old = old_log_probs.detach().to(dtype)
         behaviour, weights, filtered = self._behaviour_and_weights(old, rollout_log_probs, mask)
         loss, _ = _compute_policy_loss(log_probs, adv, mask, self.config, old_logprobs=behaviour,
                                        rollout_is_weights=weights,
@@ -327,8 +337,9 @@ class PolicyLoss(torch.nn.Module):
         OpenRLHF's ``training_step`` sums them (``kl_loss`` the k3 estimator against ``base_log_probs``, the
         reference model's, when ``kl_coef != 0``; ``entropy_loss`` when ``entropy_coef`` is not None), each
         aggregated per token like the policy loss; ``out`` the :class:`PolicyLossOutput` (detached ``logprobs`` /
-        ``entropy``; its ``kl_mean`` / ``entropy_mean`` are local masked means, OpenRLHF's logged ``kl`` /
-        ``entropy_loss`` when ``batch_num_tokens`` is None).
+        ``entropy``; ``out.metrics["kl_mean"]`` / ``["entropy_mean"]`` are local masked means, OpenRLHF's logged
+        ``kl`` / ``entropy_loss`` when ``batch_num_tokens`` is None). Pass ``kl_coef`` only where OpenRLHF adds the
+        KL loss (``--algo.kl.use_loss`` with ``init_coef > 0``: ``kl_ctl``), else 0.
 
         Checks as :meth:`forward` against ``hidden``'s ``(B, T)`` and device (``action_ids`` int32 / int64);
         :func:`fused_rl.linear_policy_loss` then checks the rest under its own names (``action_ids`` in ``[0, V)``
@@ -348,7 +359,7 @@ class PolicyLoss(torch.nn.Module):
             self.config.clip_low, self.config.clip_high, self.config.dual_clip, self.config.agg == "token-mean",
             self.policy_loss_type, kl_coef=kl_coef, kl_estimator=kl_estimator,
             kl_unbiased_gradient=kl_unbiased_gradient, entropy_coef=entropy_coef, temperature=temperature)
-        old = old_log_probs.detach().float()
+        old = old_log_probs.detach().to(torch.promote_types(hidden.dtype, torch.float32))
         behaviour, weights, filtered = self._behaviour_and_weights(old, rollout_log_probs, mask)
         out: PolicyLossOutput = linear_policy_loss(
             hidden, weight, action_ids, advantages, mask, bias=bias, old_logprobs=behaviour,
@@ -357,8 +368,8 @@ class PolicyLoss(torch.nn.Module):
             compute_entropy=True, check_inputs=check_inputs)
         loss = self._scale(out.loss, mask, dp_size, global_batch_size)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(shape)
-        metrics = self._metrics(out.logprobs, old, behaviour, adv.detach().float(), mask, rollout_log_probs,
-                                filtered)
+        metrics = self._metrics(out.logprobs, old.float(), behaviour.float(), adv.detach().float(), mask,
+                                rollout_log_probs, filtered)
         return (loss,) + metrics + (out,)
 
 
