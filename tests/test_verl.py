@@ -1,4 +1,4 @@
-"""fused_rl.integrations.verl against values derived by hand from verl's definitions (core_algos.py)."""
+"""fused_rl.integrations.verl against values derived by hand from verl 0.9.1's definitions (core_algos.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import fused_rl
 from fused_rl import PolicyLossConfig
-from fused_rl.integrations.verl import (compute_policy_loss, compute_policy_loss_from_hidden,
+from fused_rl.integrations.verl import (compute_policy_loss, compute_policy_loss_from_hidden, get_policy_loss_fn,
                                         policy_loss_config_from_verl)
 
 # Two responses, T = 3. Row 0: A = +1, ratios 1.5, 0.5, 1.0. Row 1: A = -2, ratios 4.0, 0.5, (1.1 masked).
@@ -29,7 +29,7 @@ HAND = {
     "token-mean": (-1.2 - 0.5 - 1.0 + 6.0 + 1.6) / 5,
     "seq-mean-token-mean": ((-1.2 - 0.5 - 1.0) / 3 + (6.0 + 1.6) / 2) / 2,
     "seq-mean-token-sum": ((-1.2 - 0.5 - 1.0) + (6.0 + 1.6)) / 2,
-    "seq-mean-token-sum-norm": ((-1.2 - 0.5 - 1.0) + (6.0 + 1.6)) / 3,  # verl: / T, no / B
+    "seq-mean-token-sum-norm": ((-1.2 - 0.5 - 1.0) + (6.0 + 1.6)) / 2 / 3,  # verl 0.9: / #non-empty / T
 }
 
 
@@ -50,7 +50,7 @@ def test_vanilla_hand_values(agg):
     # Only unclipped tokens have a gradient: d(-r A)/dlogp = -r A: row 0 tokens r=0.5 and r=1.
     weights = {"token-mean": [[1 / 5] * 3, [1 / 5] * 3], "seq-mean-token-mean": [[1 / 6] * 3, [1 / 4] * 3],
                "seq-mean-token-sum": [[1 / 2] * 3, [1 / 2] * 3],
-               "seq-mean-token-sum-norm": [[1 / 3] * 3, [1 / 3] * 3]}[agg]
+               "seq-mean-token-sum-norm": [[1 / 6] * 3, [1 / 6] * 3]}[agg]
     expected = torch.tensor([[0.0, -0.5 * weights[0][1], -1.0 * weights[0][2]], [0.0, 0.0, 0.0]],
                             dtype=torch.float64)
     torch.testing.assert_close(log_prob.grad, expected, rtol=1e-6, atol=1e-9)
@@ -69,11 +69,15 @@ def test_clip_ratio_low_high_and_attribute_config():
 
 def test_gspo_hand_values():
     # s_0 = (1.5 * 0.5 * 1)^(1/3), A=+1, inside [0.8, 1.2]: l = -s_0.
-    # s_1 = (4 * 0.5)^(1/2) = sqrt 2, A=-2: max(2 sqrt 2, 2 * 1.2) = 2 sqrt 2. verl's gspo is seq-mean-token-mean.
+    # s_1 = (4 * 0.5)^(1/2) = sqrt 2, A=-2: max(2 sqrt 2, 2 * 1.2) = 2 sqrt 2. verl 0.9's gspo aggregates by
+    # loss_agg_mode (0.7 forced seq-mean-token-mean): token-mean is (-3 s_0 + 4 s_1) / 5.
     s0, s1 = 0.75 ** (1 / 3), math.sqrt(2.0)
     config = {"clip_ratio": 0.2, "policy_loss": {"loss_mode": "gspo"}}
+    token_mean = compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", config)[0]
+    assert token_mean.item() == pytest.approx((-3 * s0 + 4 * s1) / 5, rel=1e-6)
     log_prob = _log_prob()
-    pg_loss, clipfrac, _, clipfrac_lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)
+    pg_loss, clipfrac, _, clipfrac_lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "seq-mean-token-mean",
+                                                               config)
     assert pg_loss.item() == pytest.approx((-s0 + 2 * s1) / 2, rel=1e-6)
     assert clipfrac.item() == 0.0 and clipfrac_lower.item() == 0.0
     pg_loss.backward()
@@ -93,19 +97,21 @@ def test_gpg_hand_values():
 
 
 def test_config_mapping():
-    cfg, scale = policy_loss_config_from_verl(
-        {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "use_kl_loss": True,
-         "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01},
-        "seq-mean-token-sum-norm", response_length=64, batch_size=8, kl=True, entropy=True)
+    options = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "use_kl_loss": True,
+               "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01}
+    cfg = policy_loss_config_from_verl(options, "seq-mean-token-sum-norm", response_length=64, kl=True, entropy=True)
     assert cfg == PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-sum-norm",
                                    max_len=64, kl="low_var_kl", beta=0.001, entropy_coef=0.01)
-    assert scale == 8.0
+    for info in ({"loss_scale_factor": 4096}, {"global_batch_info": {"loss_scale_factor": 4096}}):
+        assert policy_loss_config_from_verl(dict(options, **info), "seq-mean-token-sum-norm",
+                                            response_length=64).max_len == 4096
+    assert policy_loss_config_from_verl(options, "token-sum", response_length=64).agg == "token-mean"
     for verl_name, ours in (("kl", "k1"), ("k1", "k1"), ("mse", "k2"), ("abs", "abs"), ("k3", "low_var_kl")):
-        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
-                                              response_length=4, batch_size=2, kl=True)
+        cfg = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
+                                              response_length=4, kl=True)
         assert cfg.kl == ours
     for off in ({"use_kl_loss": False}, {"kl_loss_coef": 0.1}):  # absent: verl's ActorConfig default, false
-        cfg, _ = policy_loss_config_from_verl(off, response_length=4, batch_size=2, kl=True)
+        cfg = policy_loss_config_from_verl(off, response_length=4, kl=True)
         assert cfg.kl is None
 
 
@@ -116,7 +122,7 @@ def test_config_numbers_refuse_bools_and_strings(field, value):
     config = {"use_kl_loss": True, field: value}
     loss_mode = "sapo" if field == "tau_pos" else "vanilla"
     with pytest.raises(ValueError, match=f"verl {field} must be a number"):
-        policy_loss_config_from_verl(config, response_length=4, batch_size=2, loss_mode=loss_mode, kl=True,
+        policy_loss_config_from_verl(config, response_length=4, loss_mode=loss_mode, kl=True,
                                      entropy=True)
 
 
@@ -125,31 +131,26 @@ def test_config_numbers_refuse_bools_and_strings(field, value):
     (dict(config={"policy_loss": {"loss_mode": "dppo_tv"}}), "probability difference"),
     (dict(config={"policy_loss": {"loss_mode": "cispo"}}), "two-sided"),  # clip_ratio_low defaults to 0.2
     (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 0.999}), "clip_ratio_low=0.999"),
-    (dict(config={"policy_loss": {"loss_mode": "sapo"}, "global_batch_info": {"dp_size": 2}}), "global_batch_info"),
-    (dict(config={"policy_loss": {"loss_mode": "vanilla"}, "global_batch_info": {"global_batch_size": 64}}),
-     "global_batch_info"),
-    (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 1.0,
-                  "global_batch_info": {"dp_size": 1, "batch_num_tokens": 100}}), "batch_num_tokens"),
     (dict(loss_agg_mode="token-mean-unbiased"), "token-mean-unbiased"),
     (dict(config={"kl_loss_type": "full", "use_kl_loss": True}, kl=True), "full"),
     (dict(config={"kl_loss_type": "full+", "use_kl_loss": True}, kl=True), "full"),
 ])
 def test_unsupported_raise(kwargs, needle):
     with pytest.raises(NotImplementedError, match=needle.replace("+", r"\+")):
-        policy_loss_config_from_verl(response_length=4, batch_size=2, **kwargs)
+        policy_loss_config_from_verl(response_length=4, **kwargs)
 
 
 def test_new_modes_and_straight_through_kl_mapping():
     for verl_name, ours in (("kl+", "k1+"), ("k1+", "k1+"), ("mse+", "k2"), ("abs+", "abs+"), ("k3+", "low_var_kl+"),
                             ("low_var_kl+", "low_var_kl+")):
-        cfg, _ = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
-                                              response_length=4, batch_size=2, kl=True)
+        cfg = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
+                                              response_length=4, kl=True)
         assert cfg.kl == ours
-    cfg, _ = policy_loss_config_from_verl({"clip_ratio_low": 0.4, "clip_ratio_high": 0.4,
+    cfg = policy_loss_config_from_verl({"clip_ratio_low": 0.4, "clip_ratio_high": 0.4,
                                            "policy_loss": {"loss_mode": "geo_mean"}}, "token-mean",
-                                          response_length=4, batch_size=2)
+                                          response_length=4)
     assert cfg == PolicyLossConfig.preset("gmpo")
-    cfg, _ = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "gspo"}}, response_length=4, batch_size=2)
+    cfg = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "gspo"}}, response_length=4)
     assert cfg.policy_loss == "gspo_token"
 
 
@@ -221,8 +222,9 @@ def test_dual_clip_c_must_exceed_one():
         compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", {"clip_ratio_c": 1.0})
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
-def test_from_hidden_matches_verl_actor_composition(agg):
+@pytest.mark.parametrize("info", ["local", "global"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm", "token-sum"])
+def test_from_hidden_matches_verl_actor_composition(agg, info):
     """verl's actor loss: pg_loss - entropy_coeff * agg(H) + kl_loss_coef * agg(kl), on log-probs of the
     tempered logits ``hidden @ W.T``; here built by hand from the reference log-softmax."""
     g = torch.Generator().manual_seed(0)
@@ -237,20 +239,18 @@ def test_from_hidden_matches_verl_actor_composition(agg):
     old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
     ref = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
     config = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "use_kl_loss": True, "kl_loss_coef": 0.05,
-              "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01}
+              "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01, "global_batch_info": GLOBAL_INFOS[info]}
+
+    def verl_agg(x):
+        return _verl_agg(x, mask, agg, **GLOBAL_INFOS[info])
 
     h_ref, w_ref = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
     log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    pg_loss, *_ = compute_policy_loss(old, log_prob, adv, mask, agg, config)
+    pg_loss = verl_agg(_verl_pg_losses("vanilla", old, log_prob, adv, mask, config))
     d = (ref - log_prob).clamp(-20, 20)
     kl = (d.exp() - d - 1).clamp(-10, 10)  # verl's low_var_kl
-
-    def verl_agg(x):
-        if agg == "token-mean":
-            return (x * mask).sum() / mask.sum()
-        return (x * mask).sum() / length
 
     expected = pg_loss - 0.01 * verl_agg(entropy) + 0.05 * verl_agg(kl)
     expected.backward()
@@ -271,17 +271,25 @@ def test_from_hidden_matches_verl_actor_composition(agg):
 
 @pytest.mark.parametrize("loss_mode", ["gspo", "geo_mean", "sapo"])
 def test_from_hidden_sequence_modes_refuse_a_second_aggregation(loss_mode):
-    """verl aggregates gspo / geo_mean's policy term by seq-mean-token-mean and the actor's KL / entropy
-    terms by loss_agg_mode: one fused pass cannot, so that combination raises; with seq-mean-token-mean
-    (one aggregation for all three terms) it runs."""
+    """verl 0.9 aggregates sapo's policy term by seq-mean-token-mean, geo_mean's by a mean over all B responses,
+    and the actor's KL / entropy terms by loss_agg_mode over the non-empty (or global) responses: one fused pass
+    cannot, so sapo with another loss_agg_mode and geo_mean with a KL or entropy term raise; gspo follows
+    loss_agg_mode (verl 0.9) and runs."""
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(50, 8, generator=g)
     responses, mask = torch.randint(0, 50, (2, 3), generator=g), torch.ones(2, 3)
     old, adv = -torch.rand(2, 3, generator=g) * 3, torch.randn(2, 3, generator=g)
     config = {"policy_loss": {"loss_mode": loss_mode}, "entropy_coeff": 0.01}
-    with pytest.raises(NotImplementedError, match="seq-mean-token-mean"):
+    if loss_mode == "gspo":
         compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean", config)
-    compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "seq-mean-token-mean", config)
+    else:
+        with pytest.raises(NotImplementedError, match="one fused pass cannot"):
+            compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean", config)
+    if loss_mode == "geo_mean":
+        with pytest.raises(NotImplementedError, match="a mean over all B responses"):
+            compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "seq-mean-token-mean", config)
+    else:
+        compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "seq-mean-token-mean", config)
     compute_policy_loss_from_hidden(hidden, weight, responses, old, adv, mask, "token-mean",
                                     dict(config, entropy_coeff=0.0))
 
@@ -411,22 +419,31 @@ def test_check_inputs_false_skips_the_value_checks():
     assert compute_policy_loss(OLD, _log_prob(), adv, MASK, check_inputs=False)[0].isnan()
 
 
-# --- sapo / cispo against transcriptions of the newer verl (compute_policy_loss_sapo / _cispo, agg_loss with an
-# empty global_batch_info), which return (loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower}).
-def _verl_agg(loss_mat, mask, mode):
-    """newer verl's agg_loss (dp_size 1): seq-mean-* average over the responses with a token."""
+# --- sapo / cispo against transcriptions of verl 0.9.1 (compute_policy_loss_sapo / _cispo, agg_loss), which
+# return (loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower}).
+def _verl_agg(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+              loss_scale_factor=None):
+    """verl 0.9.1's agg_loss with a global_batch_info: token-mean over the global token count, token-sum times
+    dp_size, seq-mean-* over the global count of responses (locally: those with a token)."""
+    total = (loss_mat * mask).sum()
     if mode == "token-mean":
-        return (loss_mat * mask).sum() / mask.sum()
+        return total / (mask.sum() if batch_num_tokens is None else batch_num_tokens) * dp_size
+    if mode == "token-sum":
+        return total * dp_size
     seq = (loss_mat * mask).sum(-1)
-    if mode == "seq-mean-token-sum-norm":
-        return seq.sum() / mask.shape[-1]
     if mode == "seq-mean-token-mean":
         seq = seq / (mask.sum(-1) + 1e-8)
     nonempty = (mask.sum(-1) > 0).to(seq.dtype)
-    return (seq * nonempty).sum() / nonempty.sum()
+    rows = nonempty.sum() if global_batch_size is None else global_batch_size
+    loss = (seq * nonempty).sum() / rows * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_scale_factor or mask.shape[-1])
+    return loss
 
 
-def _verl_sapo_cispo(mode, old, log_prob, adv, mask, agg, config, weights=None):
+def _verl_sapo_cispo(mode, old, log_prob, adv, mask, agg, config, weights=None, mat=False):
+    """verl 0.9.1's sapo / cispo: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, or with ``mat`` the per-token
+    losses before agg_loss."""
     log_ratio = (log_prob - old).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     masked_mean = lambda x: (x * mask).sum() / mask.sum()  # noqa: E731
@@ -441,6 +458,8 @@ def _verl_sapo_cispo(mode, old, log_prob, adv, mask, agg, config, weights=None):
         clipfrac = masked_mean((ratio != clipped).to(old.dtype))
     if weights is not None:
         pg_losses = pg_losses * weights
+    if mat:
+        return pg_losses
     return _verl_agg(pg_losses, mask, agg), clipfrac, masked_mean(-log_ratio), zero
 
 
@@ -489,16 +508,16 @@ def test_sapo_cispo_config_mapping():
     config = SimpleNamespace(tau_pos=0.5, tau_neg=2.0, clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
                              global_batch_info={"dp_size": 1, "batch_num_tokens": None},
                              policy_loss=SimpleNamespace(loss_mode="sapo"))
-    cfg, scale = policy_loss_config_from_verl(config, "token-mean", response_length=4, batch_size=2)
+    cfg = policy_loss_config_from_verl(config, "token-mean", response_length=4)
     assert cfg == PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0,
-                                   agg="seq-mean-token-mean") and scale == 1.0
-    cfg, _ = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "sapo"}}, response_length=4, batch_size=2)
+                                   agg="seq-mean-token-mean")
+    cfg = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "sapo"}}, response_length=4)
     assert (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg) == (1.0, 1.05)  # verl's ActorConfig defaults
-    cfg, scale = policy_loss_config_from_verl({"clip_ratio": 0.2, "clip_ratio_low": 5.0, "clip_ratio_high": 4.0,
-                                               "policy_loss": {"loss_mode": "cispo"}}, "seq-mean-token-sum-norm",
-                                              response_length=8, batch_size=3)
+    cfg = policy_loss_config_from_verl({"clip_ratio": 0.2, "clip_ratio_low": 5.0, "clip_ratio_high": 4.0,
+                                        "policy_loss": {"loss_mode": "cispo"}}, "seq-mean-token-sum-norm",
+                                       response_length=8)
     assert cfg == PolicyLossConfig(policy_loss="cispo", clip_low=0.0, clip_high=4.0, agg="seq-mean-token-sum-norm",
-                                   max_len=8) and scale == 3.0
+                                   max_len=8)
 
 
 @pytest.mark.parametrize("mode, agg", [("sapo", "seq-mean-token-mean"), ("cispo", "seq-mean-token-sum"),
@@ -540,3 +559,99 @@ def test_from_hidden_sapo_cispo_matches_verl_actor(mode, agg):
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-6, atol=1e-9)
     for g_value, w_value in zip(got_metrics, metrics):
         torch.testing.assert_close(g_value.to(torch.float64), w_value.detach(), rtol=1e-6, atol=1e-9)
+
+
+# --- verl 0.9.1's global_batch_info (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor), which its
+# ppo_loss always sets, for every loss mode and loss_agg_mode (token-sum included).
+def _verl_pg_losses(mode, old, log_prob, adv, mask, config):
+    """verl 0.9.1's per-token policy losses (vanilla, gspo, gpg; sapo / cispo: :func:`_verl_sapo_cispo`)."""
+    low, high = 1 - config.get("clip_ratio", 0.2), 1 + config.get("clip_ratio", 0.2)
+    if mode == "vanilla":
+        ratio = (log_prob - old).clamp(-20.0, 20.0).exp()
+        clip1 = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
+        return torch.where(adv < 0, torch.minimum(-adv * config["clip_ratio_c"], clip1), clip1)
+    if mode == "gspo":
+        seq = ((log_prob - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        ratio = (log_prob - log_prob.detach() + seq.detach().unsqueeze(-1)).clamp(max=10.0).exp()
+        return torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
+    return -log_prob * adv  # gpg
+
+
+GLOBAL_INFOS = {
+    "local": {},
+    "global": {"dp_size": 2, "batch_num_tokens": 9.0, "global_batch_size": 5.0, "loss_scale_factor": 6},
+    "global-tensors": {"dp_size": 4, "batch_num_tokens": torch.tensor(31.0), "global_batch_size": torch.tensor(11)},
+}
+
+
+@pytest.mark.parametrize("info", sorted(GLOBAL_INFOS))
+@pytest.mark.parametrize("agg", sorted(HAND) + ["token-sum"])
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "gpg", "sapo", "cispo"])
+def test_global_batch_info_matches_verl_agg_loss(mode, agg, info):
+    """Loss and d loss / d log_prob against verl 0.9.1's per-token losses aggregated by its agg_loss with the
+    global_batch_info, on ragged responses with an empty one (verl averages seq-mean-* over the non-empty ones
+    locally, over global_batch_size otherwise); sapo aggregates by seq-mean-token-mean whatever loss_agg_mode."""
+    old, lp, adv, mask, _ = _ragged_batch(6)
+    batch_info = GLOBAL_INFOS[info]
+    config = dict(NEW_CONFIGS.get(mode, {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "policy_loss": {"loss_mode": mode}}),
+                  global_batch_info=batch_info)
+    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    got = compute_policy_loss(old, log_prob, adv, mask, agg, config)[0]
+    if mode in ("sapo", "cispo"):
+        losses = _verl_sapo_cispo(mode, old, ref_lp, adv, mask, "token-sum", config, mat=True)
+    else:
+        losses = _verl_pg_losses(mode, old, ref_lp, adv, mask, config)
+    want = _verl_agg(losses, mask, "seq-mean-token-mean" if mode == "sapo" else agg, **batch_info)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    assert log_prob.grad.abs().sum() > 0
+
+
+def test_geo_mean_ignores_global_batch_info():
+    """verl's geo_mean takes torch.mean over the B responses and never reads global_batch_info."""
+    config = {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4, "policy_loss": {"loss_mode": "geo_mean"}}
+    local = compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", config)[0]
+    global_ = compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-sum",
+                                  dict(config, global_batch_info=GLOBAL_INFOS["global"]))[0]
+    assert local.item() == global_.item()
+
+
+@pytest.mark.parametrize("info, needle", [({"dp_size": 2}, "batch_num_tokens is required"),
+                                          ({"dp_size": 2, "batch_num_tokens": 8}, None),
+                                          ({"dp_size": 0}, "positive integer"), ({"dp_size": 2.0}, "positive")])
+def test_dp_size_above_one_needs_the_global_counts(info, needle):
+    """As verl's agg_loss: with dp_size > 1 the local counts would be wrong, so the global ones are required."""
+    config = {"global_batch_info": info}
+    if needle is None:
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", config)
+        with pytest.raises(ValueError, match="global_batch_size is required"):
+            compute_policy_loss(OLD, _log_prob(), ADV, MASK, "seq-mean-token-mean", config)
+    else:
+        with pytest.raises(ValueError, match=needle):
+            compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", config)
+
+
+def test_get_policy_loss_fn_has_verl_s_registered_signature():
+    """verl 0.9.1's registered losses return (pg_loss, {actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower});
+    gpg returns no metrics; an unsupported mode raises when the function is made, not at the first step."""
+    fn = get_policy_loss_fn("vanilla")
+    loss, metrics = fn(OLD, _log_prob(), ADV, MASK, "seq-mean-token-mean", CONFIG, rollout_is_weights=None)
+    expected = compute_policy_loss(OLD, _log_prob(), ADV, MASK, "seq-mean-token-mean", CONFIG)
+    assert loss.item() == expected[0].item() == pytest.approx(HAND["seq-mean-token-mean"])
+    assert list(metrics) == ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"]
+    assert [m.item() for m in metrics.values()] == [e.item() for e in expected[1:]]
+    assert get_policy_loss_fn("gpg")(OLD, _log_prob(), ADV, MASK, config={})[1] == {}
+    with pytest.raises(NotImplementedError, match="clip_cov"):
+        get_policy_loss_fn("clip_cov")
+
+
+def test_ppo_kl_is_verl_s_clamped_log_ratio():
+    """vanilla / sapo / cispo compute ppo_kl from the log ratio clamped to [-20, 20]: log r = (25, 0) gives -10."""
+    old = torch.tensor([[-30.0, -1.0]], dtype=torch.float64)
+    log_prob = old + torch.tensor([[25.0, 0.0]], dtype=torch.float64)
+    adv, mask = torch.tensor([[-1.0, -1.0]], dtype=torch.float64), torch.ones(1, 2)
+    assert compute_policy_loss(old, log_prob, adv, mask, "token-mean", CONFIG)[2].item() == -10.0
+    gspo = compute_policy_loss(old, log_prob, adv, mask, "token-mean", {"policy_loss": {"loss_mode": "gspo"}})
+    assert gspo[2].item() == -12.5  # verl's gspo: unclamped

@@ -2,9 +2,10 @@
 
 * :mod:`fused_rl.integrations.trl`: ``FusedGRPOTrainer`` (a TRL ``GRPOTrainer`` whose loss runs through
   :func:`fused_rl.linear_policy_loss`) and ``patch_grpo_trainer`` (the same on an existing trainer);
-* :mod:`fused_rl.integrations.verl`: verl's functional ``compute_policy_loss(old_log_prob, log_prob,
-  advantages, response_mask, loss_agg_mode, config)`` on fused_rl's loss math, and the mapping of verl
-  actor options onto :class:`fused_rl.PolicyLossConfig`;
+* :mod:`fused_rl.integrations.verl`: verl 0.9's registered policy losses (``get_policy_loss_fn``) and the
+  functional ``compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)``
+  on fused_rl's loss math, ``global_batch_info`` included, and the mapping of verl actor options onto
+  :class:`fused_rl.PolicyLossConfig`;
 * :mod:`fused_rl.integrations.openrlhf`: OpenRLHF's ``PolicyLoss`` (constructor, ``forward`` and its five
   returned values) on fused_rl's loss math, with the fused ``forward_from_hidden``.
 

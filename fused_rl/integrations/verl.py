@@ -1,17 +1,17 @@
-"""verl-style entry points on fused_rl's loss math (no verl import needed).
+"""verl-style entry points on fused_rl's loss math (no verl import needed), following verl 0.9.1 (PyPI).
 
-* :func:`compute_policy_loss` has the signature and return value of verl's registered policy losses
-  (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co., read at verl commit ``012be9d``):
-  ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)`` ->
-  ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, on per-token log-probs you computed.
-  ``vanilla``, ``gspo``, ``geo_mean`` and ``gpg`` follow verl ``012be9d``; ``sapo`` and ``cispo`` follow the newer
-  verl that registers them (``compute_policy_loss_sapo`` / ``_cispo``, verl v0.7-era ``core_algos.py``, which
-  returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})``: the same three values,
-  returned here in the 4-tuple order; the stored verl ``26b5d6b`` predates both modes).
+* :func:`get_policy_loss_fn` returns, for a verl ``loss_mode``, a function with the signature and return value of
+  verl 0.9.1's registered policy losses (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co.):
+  ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`` ->
+  ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (gpg: ``{}``), on per-token
+  log-probs you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
+* :func:`compute_policy_loss` is the same loss returning the older 4-tuple ``(pg_loss, pg_clipfrac, ppo_kl,
+  pg_clipfrac_lower)`` (every mode, gpg's metrics 0).
 * :func:`compute_policy_loss_from_hidden` is the fused version: it takes the actor's last hidden states
   and ``lm_head`` weight instead of ``log_prob`` and goes through :func:`fused_rl.linear_policy_loss`
-  (no ``(B, T, V)`` logits), folding verl's separate KL loss (``use_kl_loss`` / ``kl_loss_coef`` /
-  ``kl_loss_type``) and entropy bonus (``entropy_coeff``) into the same pass.
+  (no ``(B, T, V)`` logits), folding verl's KL loss (``use_kl_loss`` / ``kl_loss_coef`` / ``kl_loss_type``) and
+  entropy term (``entropy_coeff``) into the same pass, as verl 0.9.1's ``ppo_loss`` (``workers/utils/losses.py``)
+  adds them.
 * :func:`policy_loss_config_from_verl` is the mapping itself.
 
 Option mapping (``config`` is verl's actor config: a dict, ``DictConfig`` or object with attributes):
@@ -20,18 +20,23 @@ Option mapping (``config`` is verl's actor config: a dict, ``DictConfig`` or obj
 verl                                       fused_rl
 =========================================  ===================================================
 ``policy_loss.loss_mode="vanilla"``        ``policy_loss="ppo_clip"``, ``dual_clip=clip_ratio_c``
-``policy_loss.loss_mode="gspo"``           ``policy_loss="gspo_token"``, ``agg="seq-mean-token-mean"``
-``policy_loss.loss_mode="geo_mean"``       ``policy_loss="gmpo"`` (clip_ratio_low/high are log bounds),
-                                           ``agg="seq-mean-token-mean"``
+``policy_loss.loss_mode="gspo"``           ``policy_loss="gspo_token"``
+``policy_loss.loss_mode="geo_mean"``       ``policy_loss="gmpo"`` (clip_ratio_low/high are log bounds), the mean
+                                           over all ``B`` responses whatever ``loss_agg_mode``
 ``policy_loss.loss_mode="gpg"``            ``policy_loss="reinforce"``
-``policy_loss.loss_mode="sapo"``           ``policy_loss="sapo"``, ``agg="seq-mean-token-mean"``
+``policy_loss.loss_mode="sapo"``           ``policy_loss="sapo"``, always ``seq-mean-token-mean``
 ``tau_pos``, ``tau_neg`` (1.0, 1.05)       ``sapo_temperature_pos``, ``sapo_temperature_neg``
 ``policy_loss.loss_mode="cispo"``          ``policy_loss="cispo"``, ``clip_high=clip_ratio_high``; only with
                                            ``clip_ratio_low >= 1`` (verl's lower bound ``1 - clip_ratio_low``
                                            then never binds; else ``NotImplementedError``)
 ``clip_ratio``, ``clip_ratio_low/high``    ``clip_low``, ``clip_high`` (low/high default to clip_ratio)
 ``clip_ratio_c`` (default 3.0)             ``dual_clip`` (vanilla only)
-``loss_agg_mode``                          ``agg`` (same names; ``seq-mean-token-sum-norm`` see below)
+``loss_agg_mode``                          ``agg`` (same names; ``token-sum``: ``token-mean`` over ``1 / dp_size``)
+``global_batch_info``                      ``dp_size``, ``batch_num_tokens``: ``token_normalizer =
+                                           batch_num_tokens / dp_size``; ``global_batch_size``: the ``seq-mean-*``
+                                           loss over ``global_batch_size / dp_size`` responses (else the local
+                                           non-empty ones); ``loss_scale_factor``: ``max_len`` of
+                                           ``seq-mean-token-sum-norm`` (else ``T``)
 ``kl_loss_type`` kl/k1, mse/k2, abs,       ``kl`` k1, k2, abs, ``low_var_kl``; with a ``"+"`` suffix
 low_var_kl/k3 (each with ``"+"``)          the straight-through ``k1+``, ``abs+``, ``low_var_kl+``
 ``kl_loss_coef`` (with ``use_kl_loss``)    ``beta``
@@ -40,30 +45,23 @@ low_var_kl/k3 (each with ``"+"``)          the straight-through ``k1+``, ``abs+`
 
 Differences from verl, all documented in ``docs/migration.md``:
 
-* verl's ``seq-mean-token-sum-norm`` is ``sum(l m) / T`` (no division by the batch size); fused_rl's is
-  ``sum(l m) / (B * max_len)``. The entry points here reproduce verl's value (``max_len = T``, then
-  ``* B``); :func:`policy_loss_config_from_verl` returns that factor as ``scale``.
 * verl clamps ``log_prob - old_log_prob`` to ``[-20, 20]`` before ``exp`` (vanilla, sapo, cispo) and GSPO's log ratio
-  at 10; fused_rl does not: identical whenever the log ratio stays inside those bounds.
-* verl's ``token-mean`` / ``seq-mean-token-mean`` divide by ``sum(mask)`` unclamped (NaN for an empty
-  batch / empty response); fused_rl clamps the count at 1 (0 loss, 0 gradient for empty rows).
+  at 10; fused_rl does not: identical whenever the log ratio stays inside those bounds (``ppo_kl`` is verl's, from
+  the clamped log ratio).
+* verl's token means divide by ``sum(mask)`` unclamped (NaN for an empty batch) and a response's token mean by
+  ``count + 1e-8``; fused_rl clamps the counts at 1 and divides by ``count`` (0 loss, 0 gradient for empty rows).
 * verl's GSPO ratio ``sg(s_i) * pi / sg(pi)`` is fused_rl's ``gspo_token`` exactly (fused_rl's plain
   ``gspo`` spreads ``s_i / |y_i|`` over the tokens instead: the same gradient for advantages constant
   over each response).
 * GMPO's ``pg_clipfrac`` / ``pg_clipfrac_lower`` are verl's: the tokens whose log-ratio is outside
   ``[-clip_low, clip_high]`` with ``A > 0`` / ``A < 0`` (whether or not the sign-aware min picks the clipped
   term; fused_rl's own ``clip_frac`` counts only where it does). The loss and its gradient are verl's.
-* :func:`compute_policy_loss_from_hidden` with gspo / geo_mean / sapo raises for a ``loss_agg_mode`` other than
-  ``seq-mean-token-mean`` when a KL loss or ``entropy_coeff`` is on (verl aggregates those two terms by
-  ``loss_agg_mode`` but the policy term by ``seq-mean-token-mean``; one fused pass has one aggregation).
-* sapo / cispo follow the newer verl's ``agg_loss``: ``seq-mean-token-mean`` / ``seq-mean-token-sum`` average over
-  the responses with at least one token (the entry points multiply fused_rl's mean over all ``B`` rows by ``B /
-  #non-empty``; identical without empty responses), and a response's token mean divides by ``count + 1e-8``
-  (fused_rl: ``count``). A ``global_batch_info`` with a value set (``dp_size > 1``, ``batch_num_tokens``,
-  ``global_batch_size``, ``loss_scale_factor``: verl's engine-path normalization across data-parallel ranks) raises
-  ``NotImplementedError`` for them: the entry points compute the local micro-batch's loss, verl's with an empty
-  ``global_batch_info`` (its FSDP ``dp_actor`` path). The same ``global_batch_info`` raises for the 012be9d modes
-  too (newer verl would normalize them by it; 012be9d has no such field).
+* :func:`compute_policy_loss_from_hidden` raises when the policy term and the KL / entropy terms would need two
+  aggregations (verl aggregates sapo's policy term by ``seq-mean-token-mean`` and geo_mean's by a mean over all
+  ``B`` responses, the KL and entropy terms by ``loss_agg_mode`` and ``global_batch_info``; one fused pass has one
+  aggregation): sapo with another ``loss_agg_mode``, geo_mean with a KL or entropy term.
+* The metrics are 0-dim detached tensors (verl's ``.item()`` floats: no host sync here; verl's ``Metric`` takes
+  either).
 * verl's cispo weight is ``sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, two-sided; fused_rl's cispo
   truncates above only, so ``clip_ratio_low < 1`` raises ``NotImplementedError``. ``pg_clipfrac`` is verl's
   (tokens whose weight is truncated, ``r > 1 + clip_ratio_high``, whatever the sign of ``A``), sapo's is 0.
@@ -80,7 +78,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import AGGREGATIONS, PolicyLossConfig
-from ..loss_math import compute_policy_loss as _compute_policy_loss, config_scalar
+from ..loss_math import Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar
 from ..ops import _check_linear, linear_policy_loss
 from ..outputs import PolicyLossOutput
 from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs
@@ -95,8 +93,10 @@ UNSUPPORTED_LOSS_MODES = {
     "bypass_mode": "dispatches on the rollout-correction config (rollout log-probs as old log-probs)",
     "dro": "Direct Reward Optimization: -(A logp - dro_beta / 2 (log r)^2), a quadratic log-ratio penalty (verl 0.9)",
 }
-#: Modes transcribed from the newer verl (global_batch_info-aware agg_loss that skips empty responses).
-_NEWER_MODES = ("sapo", "cispo")
+#: verl's ``loss_agg_mode`` values: fused_rl's aggregations and ``token-sum`` (verl 0.9).
+LOSS_AGG_MODES = AGGREGATIONS + ("token-sum",)
+#: verl's bound of ``log_prob - old_log_prob`` before ``exp`` in vanilla, sapo and cispo (and their ``ppo_kl``).
+LOG_RATIO_CLAMP = 20.0
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
              "k3": "low_var_kl"}
 # "X+": the value of X with the gradient of k2 (k2+ is k2 itself)
@@ -122,52 +122,63 @@ def _get_number(config: Any, name: str, default: float) -> float:
     return float(value)
 
 
+def _loss_scale_factor(config: Any) -> Optional[int]:
+    """verl's ``loss_scale_factor`` (``global_batch_info`` or the actor option ``ppo_loss`` copies into it)."""
+    value = _get(_get(config, "global_batch_info"), "loss_scale_factor", _get(config, "loss_scale_factor"))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"verl loss_scale_factor must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def policy_loss_config_from_verl(
     config: Any = None,
     loss_agg_mode: str = "token-mean",
     *,
     response_length: int,
-    batch_size: int,
     loss_mode: Optional[str] = None,
     temperature: float = 1.0,
     kl: bool = False,
     entropy: bool = False,
-) -> tuple[PolicyLossConfig, float]:
-    """``(PolicyLossConfig, scale)`` such that ``scale * loss(config)`` is verl's loss.
+) -> PolicyLossConfig:
+    """The :class:`PolicyLossConfig` of verl's loss: with :func:`verl_normalization`'s token normalizer and factor,
+    ``factor * loss(config)`` is verl 0.9.1's.
 
     ``kl=True`` folds verl's actor KL loss in (``kl_loss_coef``, ``kl_loss_type``, used when
     ``use_kl_loss`` is true; absent it is false, verl's ``ActorConfig`` default); ``entropy=True`` folds
-    ``entropy_coeff`` in. ``response_length`` is
-    the padded ``T`` (verl's ``seq-mean-token-sum-norm`` constant), ``batch_size`` the ``B`` of the call.
-    sapo reads ``tau_pos`` / ``tau_neg`` (verl's ``ActorConfig`` defaults 1.0 / 1.05), cispo ``clip_ratio_high``
-    (``clip_ratio_low`` must be >= 1). For sapo / cispo with ``seq-mean-token-mean`` / ``seq-mean-token-sum`` and
-    empty responses, verl's loss is further ``B / #non-empty`` times ``scale * loss`` (the entry points apply it).
+    ``entropy_coeff`` in. ``response_length`` is the padded ``T`` (``seq-mean-token-sum-norm``'s divisor unless
+    ``loss_scale_factor`` is set). sapo reads ``tau_pos`` / ``tau_neg`` (verl's ``ActorConfig`` defaults 1.0 /
+    1.05), cispo ``clip_ratio_high`` (``clip_ratio_low`` must be >= 1).
     """
     loss_mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
     if loss_mode not in LOSS_MODES:
         why = UNSUPPORTED_LOSS_MODES.get(loss_mode, "not one of fused_rl's losses")
         raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fused_rl ({why}); "
                                   f"supported: {LOSS_MODES}; known unsupported: {sorted(UNSUPPORTED_LOSS_MODES)}")
-    if loss_agg_mode not in AGGREGATIONS:
+    if loss_agg_mode not in LOSS_AGG_MODES:
         raise NotImplementedError(f"verl loss_agg_mode={loss_agg_mode!r} is not supported by fused_rl; "
-                                  f"supported: {AGGREGATIONS}")
+                                  f"supported: {LOSS_AGG_MODES}")
     clip_ratio = _get_number(config, "clip_ratio", 0.2)
     fields: dict[str, Any] = dict(clip_low=_get_number(config, "clip_ratio_low", clip_ratio),
                                   clip_high=_get_number(config, "clip_ratio_high", clip_ratio),
                                   temperature=temperature)
+    policy_agg = loss_agg_mode
     if loss_mode == "vanilla":
         clip_ratio_c = _get_number(config, "clip_ratio_c", 3.0)
         if not clip_ratio_c > 1.0:
             raise ValueError(f"verl clip_ratio_c must be > 1 (dual-clip PPO), got {clip_ratio_c!r}")
         fields.update(policy_loss="ppo_clip", dual_clip=clip_ratio_c)
-    elif loss_mode in ("gspo", "geo_mean"):
-        fields.update(policy_loss="gspo_token" if loss_mode == "gspo" else "gmpo")
-        loss_agg_mode = "seq-mean-token-mean"  # verl's gspo and geo_mean ignore loss_agg_mode
+    elif loss_mode == "gspo":
+        fields.update(policy_loss="gspo_token")
+    elif loss_mode == "geo_mean":
+        fields.update(policy_loss="gmpo")
+        policy_agg = "seq-mean-token-mean"  # verl's geo_mean: the mean over the B responses' values
     elif loss_mode == "sapo":
         del fields["clip_low"], fields["clip_high"]  # unused by sapo
         fields.update(policy_loss="sapo", sapo_temperature_pos=_get_number(config, "tau_pos", 1.0),
                       sapo_temperature_neg=_get_number(config, "tau_neg", 1.05))
-        loss_agg_mode = "seq-mean-token-mean"  # verl's sapo ignores loss_agg_mode
+        policy_agg = "seq-mean-token-mean"  # verl's sapo ignores loss_agg_mode
     elif loss_mode == "cispo":
         if not fields["clip_low"] >= 1.0:
             raise NotImplementedError(
@@ -178,12 +189,9 @@ def policy_loss_config_from_verl(
         fields.update(policy_loss="cispo", clip_low=0.0)  # clip_low: unused by cispo
     else:
         fields.update(policy_loss="reinforce")
-    _check_global_batch_info(config, loss_mode)  # every mode: newer verl's agg_loss reads it for all of them
-    fields["agg"] = loss_agg_mode
-    scale = 1.0
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        fields["max_len"] = int(response_length)
-        scale = float(batch_size)
+    fields["agg"] = "token-mean" if policy_agg == "token-sum" else policy_agg
+    if policy_agg == "seq-mean-token-sum-norm":
+        fields["max_len"] = _loss_scale_factor(config) or int(response_length)
     if kl and _get(config, "use_kl_loss", False):  # verl's ActorConfig default
         kl_type = _get(config, "kl_loss_type", "low_var_kl")
         if kl_type not in _KL_TYPES:
@@ -192,21 +200,46 @@ def policy_loss_config_from_verl(
         fields.update(kl=_KL_TYPES[kl_type], beta=_get_number(config, "kl_loss_coef", 0.001))
     if entropy:
         fields["entropy_coef"] = _get_number(config, "entropy_coeff", 0.0)
-    return PolicyLossConfig(**fields), scale
+    return PolicyLossConfig(**fields)
 
 
-def _check_global_batch_info(config: Any, loss_mode: str) -> None:
-    """The newer verl's ``agg_loss(..., **config.global_batch_info)`` normalizes by the global batch when a value is
-    set; the entry points compute the local micro-batch's loss (``global_batch_info`` empty), so a set value raises."""
-    info = _get(config, "global_batch_info", None) or {}
-    items = info.items() if isinstance(info, Mapping) else vars(info).items()
-    set_values = {k: v for k, v in items if v is not None and not (k == "dp_size" and v == 1)}
-    if set_values:
-        raise NotImplementedError(
-            f"verl loss_mode={loss_mode!r} with global_batch_info {set_values}: fused_rl's verl entry points compute "
-            "the local micro-batch's loss (verl's with an empty global_batch_info, its FSDP dp_actor path); rescale "
-            "it yourself (token-mean: * sum(mask) * dp_size / batch_num_tokens; seq-mean-*: * n_rows * dp_size / "
-            "global_batch_size) or pass a config without global_batch_info")
+def verl_normalization(config: Any, loss_agg_mode: str, loss_mode: str, mask: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> tuple[Normalizer, torch.Tensor]:
+    """``(token_normalizer, factor)``: verl 0.9.1's ``agg_loss(..., **config.global_batch_info)`` as fused_rl's
+    aggregation of :func:`policy_loss_config_from_verl`'s config (``mask (B, T)`` boolean; ``factor`` a 0-dim
+    tensor, no host sync). With ``dp_size`` (1 when absent), ``batch_num_tokens`` and ``global_batch_size`` from
+    ``global_batch_info``:
+
+    * ``token-mean``: ``sum(l m) / batch_num_tokens * dp_size`` (``sum(m)`` when None): normalizer
+      ``batch_num_tokens / dp_size``;
+    * ``token-sum``: ``sum(l m) * dp_size``: normalizer ``1 / dp_size``;
+    * ``seq-mean-*``: the responses' values summed over ``global_batch_size / dp_size`` (when None, the local
+      count of non-empty responses): factor ``B dp_size / global_batch_size`` on fused_rl's mean over ``B`` rows;
+    * geo_mean: verl's mean over the ``B`` responses, ``global_batch_info`` unread: factor 1.
+
+    verl raises for ``dp_size > 1`` without the global count; so does this.
+    """
+    info = _get(config, "global_batch_info")
+    dp_size = _get(info, "dp_size", 1)
+    if isinstance(dp_size, bool) or not isinstance(dp_size, numbers.Integral) or dp_size < 1:
+        raise ValueError(f"verl global_batch_info.dp_size must be a positive integer, got {dp_size!r}")
+    one = torch.ones((), dtype=dtype, device=mask.device)
+    if loss_mode == "geo_mean":
+        return None, one
+    policy_agg = "seq-mean-token-mean" if loss_mode == "sapo" else loss_agg_mode
+    if policy_agg == "token-sum":
+        return 1.0 / dp_size, one
+    if policy_agg == "token-mean":
+        tokens = _get(info, "batch_num_tokens")
+        if tokens is None and dp_size > 1:
+            raise ValueError("verl global_batch_info: batch_num_tokens is required when dp_size > 1")
+        return (None if tokens is None else tokens / dp_size), one
+    rows = _get(info, "global_batch_size")
+    if rows is None:
+        if dp_size > 1:
+            raise ValueError("verl global_batch_info: global_batch_size is required when dp_size > 1")
+        rows = mask.any(dim=1).sum().clamp(min=1)
+    return None, mask.shape[0] * dp_size / torch.as_tensor(rows, dtype=dtype, device=mask.device)
 
 
 def _verl_rollout_weights(weights: Optional[torch.Tensor], mask: torch.Tensor, mode: str) -> Optional[torch.Tensor]:
@@ -220,15 +253,6 @@ def _verl_rollout_weights(weights: Optional[torch.Tensor], mask: torch.Tensor, m
     return torch.exp(log_w.sum(dim=-1) / (m.sum(dim=-1) + 1e-8)).to(weights.dtype)
 
 
-def _nonempty_rows_scale(loss: torch.Tensor, config: PolicyLossConfig, mode: str, mask: torch.Tensor) -> torch.Tensor:
-    """The newer verl's ``seq-mean-*`` average over the responses with a token (``B / #non-empty`` times fused_rl's
-    mean over all ``B`` rows); the 012be9d modes average over all rows as fused_rl does."""
-    if mode not in _NEWER_MODES or config.agg not in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        return loss
-    rows = mask.any(dim=1).sum().clamp(min=1).to(loss.dtype)
-    return loss * (mask.shape[0] / rows)
-
-
 def _check_verl_inputs(shape: tuple, device: torch.device, device_owner: str, old_log_prob: torch.Tensor,
                        advantages: torch.Tensor, response_mask: torch.Tensor,
                        rollout_is_weights: Optional[torch.Tensor], check_inputs: bool) -> torch.Tensor:
@@ -240,24 +264,31 @@ def _check_verl_inputs(shape: tuple, device: torch.device, device_owner: str, ol
 
 def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig, old: torch.Tensor,
                   logp: torch.Tensor, mask: torch.Tensor, loss_mode: str, advantages: torch.Tensor):
-    """verl's ``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; ``ppo_kl = masked mean(old - logp)``."""
+    """verl's ``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; ``ppo_kl = masked mean(old - logp)``, the log ratio
+    clamped to ``[-20, 20]`` first in vanilla, sapo and cispo (as verl)."""
     m = mask.to(torch.float32)
     count = m.sum().clamp(min=1.0)
     masked_mean = lambda x: torch.where(mask, x.to(torch.float32), torch.zeros_like(m)).sum() / count  # noqa: E731
-    ppo_kl = masked_mean(old - logp.detach())
+    log_ratio = logp.detach() - old
+    if loss_mode in ("vanilla", "sapo", "cispo"):
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ppo_kl = masked_mean(-log_ratio)
     if loss_mode == "gpg":  # verl's gpg returns no metrics
         zero = m.new_zeros(())
         return zero, zero.clone(), zero.clone()
     if loss_mode == "sapo":  # verl's sapo: 0 clip fractions, the masked mean log-ratio
         return m.new_zeros(()), ppo_kl, m.new_zeros(())
     if loss_mode == "geo_mean":  # verl: token log-ratios outside the bounds, split by the advantage's sign
-        log_ratio = logp.detach() - old
         clipped = (log_ratio < -config_scalar(log_ratio, config.clip_low)) | (log_ratio > config.clip_high)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
         return masked_mean(clipped & (adv > 0)), ppo_kl, masked_mean(clipped & (adv < 0))
     # cispo: fused_rl's clip_frac is verl's, the tokens with r > 1 + clip_ratio_high (clip_ratio_low >= 1)
     lower = out_metrics["clip_frac_dual"] if loss_mode == "vanilla" else m.new_zeros(())
     return out_metrics["clip_frac"], ppo_kl, lower
+
+
+def _loss_mode(config: Any, loss_mode: Optional[str]) -> str:
+    return loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
 
 
 def compute_policy_loss(
@@ -273,7 +304,8 @@ def compute_policy_loss(
     check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """verl's policy loss ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` from per-token
-    log-probs ``(B, T)``, computed by :func:`fused_rl.loss_math.compute_policy_loss`.
+    log-probs ``(B, T)``, computed by :func:`fused_rl.loss_math.compute_policy_loss` and aggregated as verl 0.9.1's
+    ``agg_loss`` with ``config.global_batch_info`` (:func:`verl_normalization`).
 
     ``pg_clipfrac``: masked fraction of tokens where the clipped term is active (``r > 1+clip_high, A > 0``
     or ``r < 1-clip_low, A < 0``; cispo: ``r > 1+clip_high``, any ``A``; gpg, sapo: 0); ``pg_clipfrac_lower``:
@@ -294,12 +326,12 @@ def compute_policy_loss(
         _fail(f"log_prob must be a torch.Tensor, got {type(log_prob).__name__}")
     if log_prob.dim() != 2 or not log_prob.is_floating_point():
         _fail(f"log_prob must be a floating (B, T) tensor, got {log_prob.dtype} of shape {tuple(log_prob.shape)}")
-    shape = batch, length = tuple(log_prob.shape)
+    shape = tuple(log_prob.shape)
     mask = _check_verl_inputs(shape, log_prob.device, "log_prob is", old_log_prob, advantages, response_mask,
                               rollout_is_weights, check_inputs)
-    mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
-    cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
-                                              loss_mode=mode)
+    mode = _loss_mode(config, loss_mode)
+    cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode)
+    normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask, log_prob.dtype)
     old = old_log_prob.detach().to(log_prob.dtype)
 
     def per_token(x: torch.Tensor) -> torch.Tensor:  # a (B,) tensor: one value a response, over its tokens
@@ -308,9 +340,29 @@ def compute_policy_loss(
     adv = per_token(advantages)
     weights = _verl_rollout_weights(rollout_is_weights, mask, mode)
     weights = None if weights is None else per_token(weights)
-    loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights)
-    loss = _nonempty_rows_scale(loss * scale, cfg, mode, mask)
-    return (loss,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
+    loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights,
+                                         token_normalizer=normalizer)
+    return (loss * factor,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
+
+
+def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
+    """verl 0.9.1's registered policy loss ``loss_mode`` on fused_rl: a function ``(old_log_prob, log_prob,
+    advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None)`` -> ``(pg_loss,
+    pg_metrics)`` with verl's metric names (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``;
+    gpg: none) as 0-dim detached tensors; see :func:`compute_policy_loss`. Use it by name in verl with
+    ``register_policy_loss("fused_" + loss_mode)(get_policy_loss_fn(loss_mode))``."""
+    policy_loss_config_from_verl(loss_mode=loss_mode, response_length=1)  # an unsupported mode raises now
+
+    def policy_loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
+                       config: Any = None, rollout_is_weights: Optional[torch.Tensor] = None):
+        loss, *metrics = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                             config, rollout_is_weights, loss_mode=loss_mode,
+                                             check_inputs=check_inputs)
+        names = () if loss_mode == "gpg" else ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+        return loss, dict(zip(names, metrics))
+
+    policy_loss_fn.__name__ = f"compute_policy_loss_{loss_mode}"
+    return policy_loss_fn
 
 
 def compute_policy_loss_from_hidden(
@@ -339,9 +391,8 @@ def compute_policy_loss_from_hidden(
     ``(policy_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` plus the :class:`PolicyLossOutput` (detached
     ``logprobs`` / ``entropy`` for logging). ``policy_loss`` includes ``kl_loss_coef * kl_loss`` when
     ``use_kl_loss`` is true (absent: false, as verl's default; then ``ref_log_prob`` is required), and ``- entropy_coeff
-    * entropy_loss``,
-    each aggregated with ``loss_agg_mode`` as verl's actor does. ``rollout_is_weights`` as in
-    :func:`compute_policy_loss` (the policy term only).
+    * entropy_loss``, each aggregated with ``loss_agg_mode`` and ``global_batch_info`` as verl 0.9.1's ``ppo_loss``
+    does. ``rollout_is_weights`` as in :func:`compute_policy_loss` (the policy term only).
 
     Checks as :func:`compute_policy_loss`, against ``hidden``'s ``(B, T)`` and device (``responses``: int32 /
     int64; ``advantages`` / ``rollout_is_weights`` may be ``(B,)`` here too); :func:`fused_rl.linear_policy_loss`
@@ -349,36 +400,38 @@ def compute_policy_loss_from_hidden(
     ``ref_logprobs``): with ``check_inputs``, two host syncs.
     """
     _check_linear(hidden, weight, bias)
-    shape = batch, length = tuple(hidden.shape[:2])
+    shape = tuple(hidden.shape[:2])
     if not isinstance(responses, torch.Tensor) or responses.dtype not in INDEX_DTYPES:
         _fail(f"responses must be an int32 or int64 tensor, got "
               f"{getattr(responses, 'dtype', type(responses).__name__)}")
     _check_per_token(responses, "responses", shape, hidden.device, device_owner="hidden is")
     mask = _check_verl_inputs(shape, hidden.device, "hidden is", old_log_prob, advantages, response_mask,
                               rollout_is_weights, check_inputs)
-    mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+    mode = _loss_mode(config, loss_mode)
     if _get(config, "use_kl_loss", False) and ref_log_prob is None:  # verl's actor reads data["ref_log_prob"]
         raise ValueError("verl use_kl_loss=True needs ref_log_prob (the KL loss would silently be left out)")
-    cfg, scale = policy_loss_config_from_verl(config, loss_agg_mode, response_length=length, batch_size=batch,
-                                              loss_mode=mode, temperature=temperature,
-                                              kl=ref_log_prob is not None, entropy=True)
-    if cfg.agg != loss_agg_mode and (cfg.kl is not None or cfg.entropy_coef != 0.0):
-        # verl aggregates gspo / geo_mean / sapo's policy term by seq-mean-token-mean but its actor's KL and entropy
-        # terms by loss_agg_mode; the one fused pass has one aggregation
+    cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode,
+                                       temperature=temperature, kl=ref_log_prob is not None, entropy=True)
+    if mode in ("sapo", "geo_mean") and (cfg.kl is not None or cfg.entropy_coef != 0.0) and (
+            mode == "geo_mean" or loss_agg_mode != "seq-mean-token-mean"):
+        # verl aggregates sapo's policy term by seq-mean-token-mean and geo_mean's by a mean over all B responses,
+        # its KL and entropy terms by loss_agg_mode over the non-empty (or global) responses; one fused pass has one
         raise NotImplementedError(
             f"verl loss_mode={mode!r} with loss_agg_mode={loss_agg_mode!r} and a KL loss or entropy_coeff: verl "
-            "aggregates the policy term by 'seq-mean-token-mean' and the KL / entropy terms by loss_agg_mode, "
-            "which one fused pass cannot; use loss_agg_mode='seq-mean-token-mean', or compute_policy_loss on "
-            "per-token log-probs with verl's own agg_loss for the KL and entropy terms")
+            "aggregates the policy term and the KL / entropy terms differently (sapo: seq-mean-token-mean; geo_mean: "
+            "a mean over all B responses), which one fused pass cannot; use compute_policy_loss on per-token "
+            "log-probs with verl's own agg_loss for the KL and entropy terms"
+            + (", or loss_agg_mode='seq-mean-token-mean'" if mode == "sapo" else ""))
+    normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask)
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
                              ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
                              rollout_is_weights=_verl_rollout_weights(rollout_is_weights, mask, mode),
-                             backend=backend, compute_entropy=True,
+                             token_normalizer=normalizer, backend=backend, compute_entropy=True,
                              check_inputs=check_inputs)
     old = old_log_prob.detach().to(out.logprobs.dtype)
-    loss = _nonempty_rows_scale(out.loss * scale, cfg, mode, mask)
+    loss = out.loss * factor.to(out.loss.dtype)
     return (loss,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode, advantages) + (out,)
 
 
-__all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "policy_loss_config_from_verl", "LOSS_MODES",
-           "UNSUPPORTED_LOSS_MODES"]
+__all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "get_policy_loss_fn",
+           "policy_loss_config_from_verl", "verl_normalization", "LOSS_MODES", "LOSS_AGG_MODES", "UNSUPPORTED_LOSS_MODES"]
