@@ -102,9 +102,13 @@ def test_config_mapping():
     cfg = policy_loss_config_from_verl(options, "seq-mean-token-sum-norm", response_length=64, kl=True, entropy=True)
     assert cfg == PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-sum-norm",
                                    max_len=64, kl="low_var_kl", beta=0.001, entropy_coef=0.01)
-    for info in ({"loss_scale_factor": 4096}, {"global_batch_info": {"loss_scale_factor": 4096}}):
-        assert policy_loss_config_from_verl(dict(options, **info), "seq-mean-token-sum-norm",
-                                            response_length=64).max_len == 4096
+    # verl's registered losses read global_batch_info's loss_scale_factor; its ppo_loss (actor=True) overwrites that
+    # with the actor's top-level option, None included
+    for info, actor, max_len in (({"loss_scale_factor": 4096}, True, 4096), ({"loss_scale_factor": 4096}, False, 64),
+                                 ({"global_batch_info": {"loss_scale_factor": 4096}}, False, 4096),
+                                 ({"global_batch_info": {"loss_scale_factor": 4096}}, True, 64)):
+        assert policy_loss_config_from_verl(dict(options, **info), "seq-mean-token-sum-norm", response_length=64,
+                                            actor=actor).max_len == max_len
     assert policy_loss_config_from_verl(options, "token-sum", response_length=64).agg == "token-mean"
     for verl_name, ours in (("kl", "k1"), ("k1", "k1"), ("mse", "k2"), ("abs", "abs"), ("k3", "low_var_kl")):
         cfg = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
@@ -239,7 +243,9 @@ def test_from_hidden_matches_verl_actor_composition(agg, info):
     old = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
     ref = lp0 + 0.3 * torch.randn(lp0.shape, generator=g)
     config = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "use_kl_loss": True, "kl_loss_coef": 0.05,
-              "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01, "global_batch_info": GLOBAL_INFOS[info]}
+              "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01, "global_batch_info": GLOBAL_INFOS[info],
+              # ppo_loss copies the actor's loss_scale_factor into global_batch_info (overwriting it)
+              "loss_scale_factor": GLOBAL_INFOS[info].get("loss_scale_factor")}
 
     def verl_agg(x):
         return _verl_agg(x, mask, agg, **GLOBAL_INFOS[info])
@@ -620,7 +626,7 @@ def test_geo_mean_ignores_global_batch_info():
 
 @pytest.mark.parametrize("info, needle", [({"dp_size": 2}, "batch_num_tokens is required"),
                                           ({"dp_size": 2, "batch_num_tokens": 8}, None),
-                                          ({"dp_size": 0}, "positive integer"), ({"dp_size": 2.0}, "positive")])
+                                          ({"dp_size": 0}, "positive integer"), ({"dp_size": 2.5}, "positive")])
 def test_dp_size_above_one_needs_the_global_counts(info, needle):
     """As verl's agg_loss: with dp_size > 1 the local counts would be wrong, so the global ones are required."""
     config = {"global_batch_info": info}
@@ -643,6 +649,13 @@ def test_get_policy_loss_fn_has_verl_s_registered_signature():
     assert list(metrics) == ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"]
     assert [m.item() for m in metrics.values()] == [e.item() for e in expected[1:]]
     assert get_policy_loss_fn("gpg")(OLD, _log_prob(), ADV, MASK, config={})[1] == {}
+    cispo = {"clip_ratio_low": 1.0, "clip_ratio_high": 0.28}  # built without a config, run with one
+    assert get_policy_loss_fn("cispo")(OLD, _log_prob(), ADV, MASK, config=cispo)[0].item() == \
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK, config=cispo, loss_mode="cispo")[0].item()
+    # verl's default loss_agg_mode of each function: gspo and sapo seq-mean-token-mean
+    gspo = {"clip_ratio": 0.2}
+    assert get_policy_loss_fn("gspo")(OLD, _log_prob(), ADV, MASK, config=gspo)[0].item() == \
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK, "seq-mean-token-mean", gspo, loss_mode="gspo")[0].item()
     with pytest.raises(NotImplementedError, match="clip_cov"):
         get_policy_loss_fn("clip_cov")
 

@@ -122,14 +122,36 @@ def _get_number(config: Any, name: str, default: float) -> float:
     return float(value)
 
 
-def _loss_scale_factor(config: Any) -> Optional[int]:
-    """verl's ``loss_scale_factor`` (``global_batch_info`` or the actor option ``ppo_loss`` copies into it)."""
-    value = _get(_get(config, "global_batch_info"), "loss_scale_factor", _get(config, "loss_scale_factor"))
+def _loss_mode(config: Any, loss_mode: Optional[str]) -> str:
+    return loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+
+
+def _positive_integer(value: Any, name: str) -> Any:
+    """verl's ``dp_size`` / ``loss_scale_factor``: a positive integer (``3.0`` is 3; a tensor passes unread)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value >= 1 and float(value).is_integer()):
+        raise ValueError(f"verl {name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _loss_scale_factor(config: Any, actor: bool) -> Optional[int]:
+    """verl's ``loss_scale_factor``: the registered losses read ``global_batch_info``'s; the actor's ``ppo_loss`` (the
+    fused entry point, ``actor``) first overwrites that with the top-level option (None included)."""
+    value = _get(config, "loss_scale_factor") if actor else _get(_get(config, "global_batch_info"),
+                                                                  "loss_scale_factor")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"verl loss_scale_factor must be a positive integer, got {value!r}")
-    return int(value)
+    if isinstance(value, torch.Tensor):
+        raise ValueError("verl loss_scale_factor must be a Python integer (it sets fused_rl's max_len), not a tensor")
+    return _positive_integer(value, "loss_scale_factor")
+
+
+def _check_loss_mode(loss_mode: str) -> None:
+    if loss_mode not in LOSS_MODES:
+        why = UNSUPPORTED_LOSS_MODES.get(loss_mode, "not one of fused_rl's losses")
+        raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fused_rl ({why}); "
+                                  f"supported: {LOSS_MODES}; known unsupported: {sorted(UNSUPPORTED_LOSS_MODES)}")
 
 
 def policy_loss_config_from_verl(
@@ -141,6 +163,7 @@ def policy_loss_config_from_verl(
     temperature: float = 1.0,
     kl: bool = False,
     entropy: bool = False,
+    actor: bool = False,
 ) -> PolicyLossConfig:
     """The :class:`PolicyLossConfig` of verl's loss: with :func:`verl_normalization`'s token normalizer and factor,
     ``factor * loss(config)`` is verl 0.9.1's.
@@ -148,14 +171,12 @@ def policy_loss_config_from_verl(
     ``kl=True`` folds verl's actor KL loss in (``kl_loss_coef``, ``kl_loss_type``, used when
     ``use_kl_loss`` is true; absent it is false, verl's ``ActorConfig`` default); ``entropy=True`` folds
     ``entropy_coeff`` in. ``response_length`` is the padded ``T`` (``seq-mean-token-sum-norm``'s divisor unless
-    ``loss_scale_factor`` is set). sapo reads ``tau_pos`` / ``tau_neg`` (verl's ``ActorConfig`` defaults 1.0 /
+    ``loss_scale_factor`` is set: ``global_batch_info``'s, or with ``actor`` (verl's ``ppo_loss``) the top-level
+    option). sapo reads ``tau_pos`` / ``tau_neg`` (verl's ``ActorConfig`` defaults 1.0 /
     1.05), cispo ``clip_ratio_high`` (``clip_ratio_low`` must be >= 1).
     """
-    loss_mode = loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
-    if loss_mode not in LOSS_MODES:
-        why = UNSUPPORTED_LOSS_MODES.get(loss_mode, "not one of fused_rl's losses")
-        raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fused_rl ({why}); "
-                                  f"supported: {LOSS_MODES}; known unsupported: {sorted(UNSUPPORTED_LOSS_MODES)}")
+    loss_mode = _loss_mode(config, loss_mode)
+    _check_loss_mode(loss_mode)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise NotImplementedError(f"verl loss_agg_mode={loss_agg_mode!r} is not supported by fused_rl; "
                                   f"supported: {LOSS_AGG_MODES}")
@@ -191,7 +212,7 @@ def policy_loss_config_from_verl(
         fields.update(policy_loss="reinforce")
     fields["agg"] = "token-mean" if policy_agg == "token-sum" else policy_agg
     if policy_agg == "seq-mean-token-sum-norm":
-        fields["max_len"] = _loss_scale_factor(config) or int(response_length)
+        fields["max_len"] = _loss_scale_factor(config, actor) or int(response_length)
     if kl and _get(config, "use_kl_loss", False):  # verl's ActorConfig default
         kl_type = _get(config, "kl_loss_type", "low_var_kl")
         if kl_type not in _KL_TYPES:
@@ -220,9 +241,7 @@ def verl_normalization(config: Any, loss_agg_mode: str, loss_mode: str, mask: to
     verl raises for ``dp_size > 1`` without the global count; so does this.
     """
     info = _get(config, "global_batch_info")
-    dp_size = _get(info, "dp_size", 1)
-    if isinstance(dp_size, bool) or not isinstance(dp_size, numbers.Integral) or dp_size < 1:
-        raise ValueError(f"verl global_batch_info.dp_size must be a positive integer, got {dp_size!r}")
+    dp_size = _positive_integer(_get(info, "dp_size", 1), "global_batch_info.dp_size")
     one = torch.ones((), dtype=dtype, device=mask.device)
     if loss_mode == "geo_mean":
         return None, one
@@ -287,10 +306,6 @@ def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig
     return out_metrics["clip_frac"], ppo_kl, lower
 
 
-def _loss_mode(config: Any, loss_mode: Optional[str]) -> str:
-    return loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
-
-
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -308,9 +323,10 @@ def compute_policy_loss(
     ``agg_loss`` with ``config.global_batch_info`` (:func:`verl_normalization`).
 
     ``pg_clipfrac``: masked fraction of tokens where the clipped term is active (``r > 1+clip_high, A > 0``
-    or ``r < 1-clip_low, A < 0``; cispo: ``r > 1+clip_high``, any ``A``; gpg, sapo: 0); ``pg_clipfrac_lower``:
-    where the dual-clip cap ``-c A`` binds (``A < 0, r > c``; vanilla only, else 0); ``ppo_kl``: masked mean of
-    ``old_log_prob - log_prob``.
+    or ``r < 1-clip_low, A < 0``; cispo: ``r > 1+clip_high``, any ``A``; geo_mean: log-ratio outside the bounds and
+    ``A > 0``; gpg, sapo: 0); ``pg_clipfrac_lower``: where the dual-clip cap ``-c A`` binds (vanilla: ``A < 0, r >
+    c``; geo_mean: log-ratio outside the bounds and ``A < 0``; else 0); ``ppo_kl``: masked mean of ``old_log_prob -
+    log_prob`` (vanilla, sapo, cispo: the log ratio clamped to ``[-20, 20]`` first, as verl).
     The loss mode comes from ``config.policy_loss.loss_mode`` (or ``loss_mode``), default ``"vanilla"``.
     ``rollout_is_weights`` (verl's rollout correction, ``(B, T)``, computed by verl) multiplies the policy
     term per token, as verl's ``pg_losses * rollout_is_weights``.
@@ -349,11 +365,14 @@ def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
     """verl 0.9.1's registered policy loss ``loss_mode`` on fused_rl: a function ``(old_log_prob, log_prob,
     advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None)`` -> ``(pg_loss,
     pg_metrics)`` with verl's metric names (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``;
-    gpg: none) as 0-dim detached tensors; see :func:`compute_policy_loss`. Use it by name in verl with
-    ``register_policy_loss("fused_" + loss_mode)(get_policy_loss_fn(loss_mode))``."""
-    policy_loss_config_from_verl(loss_mode=loss_mode, response_length=1)  # an unsupported mode raises now
+    gpg: none) as 0-dim detached tensors (verl's are ``.item()`` floats; its ``Metric`` reads either, so the host
+    sync happens where verl records them, not in the loss); see :func:`compute_policy_loss`. Use it by name in verl with
+    ``register_policy_loss("fused_" + loss_mode)(get_policy_loss_fn(loss_mode))``. ``loss_agg_mode`` defaults as
+    verl's function of that mode does (gspo, sapo: ``seq-mean-token-mean``; else ``token-mean``)."""
+    _check_loss_mode(loss_mode)  # an unsupported mode raises now, not at the first step
+    default_agg = "seq-mean-token-mean" if loss_mode in ("gspo", "sapo") else "token-mean"
 
-    def policy_loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
+    def policy_loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = default_agg,
                        config: Any = None, rollout_is_weights: Optional[torch.Tensor] = None):
         loss, *metrics = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                                              config, rollout_is_weights, loss_mode=loss_mode,
@@ -411,7 +430,8 @@ def compute_policy_loss_from_hidden(
     if _get(config, "use_kl_loss", False) and ref_log_prob is None:  # verl's actor reads data["ref_log_prob"]
         raise ValueError("verl use_kl_loss=True needs ref_log_prob (the KL loss would silently be left out)")
     cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode,
-                                       temperature=temperature, kl=ref_log_prob is not None, entropy=True)
+                                       temperature=temperature, kl=ref_log_prob is not None, entropy=True,
+                                       actor=True)
     if mode in ("sapo", "geo_mean") and (cfg.kl is not None or cfg.entropy_coef != 0.0) and (
             mode == "geo_mean" or loss_agg_mode != "seq-mean-token-mean"):
         # verl aggregates sapo's policy term by seq-mean-token-mean and geo_mean's by a mean over all B responses,
