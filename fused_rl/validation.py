@@ -199,6 +199,16 @@ def weights_check(weights: torch.Tensor, valid: torch.Tensor, name: str = "rollo
             ((torch.isfinite(weights) & (weights >= 0)) | ~where).all())
 
 
+def positive_integer(value, name: str):
+    """A peer's process count or length option (``dp_size``, ``loss_scale_factor``): a positive integer (``3.0`` is
+    3); a tensor passes unread (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value >= 1 and float(value).is_integer()):
+        _fail(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 Named = tuple[str, Optional[torch.Tensor]]
 
 

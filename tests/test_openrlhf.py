@@ -317,6 +317,8 @@ def test_bad_inputs_raise_naming_openrlhf_s_argument():
     bad_adv[1, 0] = float("inf")
     with pytest.raises(ValueError, match="advantages contain NaN or inf"):
         loss(logp, old, bad_adv, mask, rollout)
+    with pytest.raises(ValueError, match="dp_size must be a positive integer"):
+        loss(logp, old, adv, mask, rollout, dp_size=0, batch_num_tokens=10)
     with pytest.raises(ValueError, match="log_probs must be a floating"):
         loss(logp.long(), old, adv, mask, rollout)
     hidden, weight = torch.randn(5, 7, 4), torch.randn(11, 4)

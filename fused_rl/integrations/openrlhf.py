@@ -64,7 +64,7 @@ from ..loss_math import (ROLLOUT_LOG_RHO_BOUND, compute_policy_loss as _compute_
                          ratio_bounds)
 from ..ops import _check_linear, linear_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs
+from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs, positive_integer
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 IS_CORRECTION_LEVELS = ("off", "token", "seq")
@@ -239,8 +239,9 @@ class PolicyLoss(torch.nn.Module):
         return self.is_correction[0] != "off"
 
     def _inputs(self, shape: tuple, device: torch.device, device_owner: str, old_log_probs, advantages,
-                action_mask, rollout_log_probs, check_inputs: bool) -> torch.Tensor:
+                action_mask, rollout_log_probs, dp_size, check_inputs: bool) -> torch.Tensor:
         """Checks of OpenRLHF's per-token arguments under its names; returns the boolean mask."""
+        positive_integer(dp_size, "dp_size")
         if action_mask is None:
             action_mask = torch.ones(shape, dtype=torch.bool, device=device)
         if self._correcting and rollout_log_probs is None:
@@ -307,7 +308,7 @@ class PolicyLoss(torch.nn.Module):
                   f"{tuple(getattr(log_probs, 'shape', ()))}")
         shape = tuple(log_probs.shape)
         mask = self._inputs(shape, log_probs.device, "log_probs is", old_log_probs, advantages, action_mask,
-                            rollout_log_probs, check_inputs)
+                            rollout_log_probs, dp_size, check_inputs)
         dtype = torch.promote_types(torch.promote_types(log_probs.dtype, old_log_probs.dtype), advantages.dtype)
         log_probs = log_probs.to(dtype)  # bf16 log-probs against fp32 old ones: fp32, as OpenRLHF's arithmetic
         adv = (advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(shape)).detach().to(dtype)
@@ -352,7 +353,7 @@ class PolicyLoss(torch.nn.Module):
                   f"{getattr(action_ids, 'dtype', type(action_ids).__name__)}")
         _check_per_token(action_ids, "action_ids", shape, hidden.device, device_owner="hidden is")
         mask = self._inputs(shape, hidden.device, "hidden is", old_log_probs, advantages, action_mask,
-                            rollout_log_probs, check_inputs)
+                            rollout_log_probs, dp_size, check_inputs)
         if kl_coef != 0.0 and base_log_probs is None:
             _fail("kl_coef != 0 needs base_log_probs (the reference model's log-probs)")
         config = policy_loss_config_from_openrlhf(

@@ -81,7 +81,7 @@ from ..config import AGGREGATIONS, PolicyLossConfig
 from ..loss_math import Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar
 from ..ops import _check_linear, linear_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs
+from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs, positive_integer
 
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo")
 #: verl loss modes fused_rl's loss math cannot express, and why (each raises ``NotImplementedError``).
@@ -126,15 +126,6 @@ def _loss_mode(config: Any, loss_mode: Optional[str]) -> str:
     return loss_mode or _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
 
 
-def _positive_integer(value: Any, name: str) -> Any:
-    """verl's ``dp_size`` / ``loss_scale_factor``: a positive integer (``3.0`` is 3; a tensor passes unread)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value >= 1 and float(value).is_integer()):
-        raise ValueError(f"verl {name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _loss_scale_factor(config: Any, actor: bool) -> Optional[int]:
     """verl's ``loss_scale_factor``: the registered losses read ``global_batch_info``'s; the actor's ``ppo_loss`` (the
     fused entry point, ``actor``) first overwrites that with the top-level option (None included)."""
@@ -144,7 +135,7 @@ def _loss_scale_factor(config: Any, actor: bool) -> Optional[int]:
         return None
     if isinstance(value, torch.Tensor):
         raise ValueError("verl loss_scale_factor must be a Python integer (it sets fused_rl's max_len), not a tensor")
-    return _positive_integer(value, "loss_scale_factor")
+    return positive_integer(value, "verl loss_scale_factor")
 
 
 def _check_loss_mode(loss_mode: str) -> None:
@@ -241,7 +232,7 @@ def verl_normalization(config: Any, loss_agg_mode: str, loss_mode: str, mask: to
     verl raises for ``dp_size > 1`` without the global count; so does this.
     """
     info = _get(config, "global_batch_info")
-    dp_size = _positive_integer(_get(info, "dp_size", 1), "global_batch_info.dp_size")
+    dp_size = positive_integer(_get(info, "dp_size", 1), "verl global_batch_info.dp_size")
     one = torch.ones((), dtype=dtype, device=mask.device)
     if loss_mode == "geo_mean":
         return None, one
@@ -454,4 +445,5 @@ def compute_policy_loss_from_hidden(
 
 
 __all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "get_policy_loss_fn",
-           "policy_loss_config_from_verl", "verl_normalization", "LOSS_MODES", "LOSS_AGG_MODES", "UNSUPPORTED_LOSS_MODES"]
+           "policy_loss_config_from_verl", "verl_normalization", "LOSS_MODES", "LOSS_AGG_MODES",
+           "UNSUPPORTED_LOSS_MODES"]
