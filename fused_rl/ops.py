@@ -17,9 +17,9 @@ from .backends.reference import compute_dtype
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .outputs import PolicyLossOutput
-from .validation import (_is_compiling, check_flag, check_logits, check_not_meta, check_rows_disjoint,
-                         check_temperature, prepare_policy_inputs, run_value_checks, target_range_ok,
-                         token_logprobs_checks)
+from .validation import (INDEX_DTYPES, _check_per_token, _is_compiling, check_flag, check_logits, check_not_meta,
+                         check_rows_disjoint, check_temperature, prepare_policy_inputs, run_value_checks,
+                         target_range_ok, token_logprobs_checks)
 
 
 def _check_flags(**flags) -> None:
@@ -137,6 +137,19 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(getattr(bias, 'shape', ()))}")
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError("bias must have the dtype and device of hidden")
+
+
+def _check_linear_targets(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          targets: torch.Tensor, name: str) -> tuple:
+    """:func:`_check_linear`, and an adapter's token ids ``(B, T)`` (int32 / int64) on ``hidden``'s device, named as
+    its peer names them (verl's ``responses``, OpenRLHF's ``action_ids``); returns ``(B, T)``."""
+    _check_linear(hidden, weight, bias)
+    shape = tuple(hidden.shape[:2])
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be an int32 or int64 tensor, got "
+                         f"{getattr(targets, 'dtype', type(targets).__name__)}")
+    _check_per_token(targets, name, shape, hidden.device, device_owner="hidden is")
+    return shape
 
 
 def linear_policy_loss(

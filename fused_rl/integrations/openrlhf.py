@@ -62,9 +62,9 @@ import torch
 from ..config import PolicyLossConfig
 from ..loss_math import (ROLLOUT_LOG_RHO_BOUND, compute_policy_loss as _compute_policy_loss, importance_ratio,
                          ratio_bounds)
-from ..ops import _check_linear, linear_policy_loss
+from ..ops import _check_linear_targets, linear_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs, positive_integer
+from ..validation import _fail, adapter_inputs, positive_integer
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 IS_CORRECTION_LEVELS = ("off", "token", "seq")
@@ -346,12 +346,7 @@ class PolicyLoss(torch.nn.Module):
         :func:`fused_rl.linear_policy_loss` then checks the rest under its own names (``action_ids`` in ``[0, V)``
         as ``targets``, ``base_log_probs`` as ``ref_logprobs``): with ``check_inputs``, two host syncs.
         """
-        _check_linear(hidden, weight, bias)
-        shape = tuple(hidden.shape[:2])
-        if not isinstance(action_ids, torch.Tensor) or action_ids.dtype not in INDEX_DTYPES:
-            _fail(f"action_ids must be an int32 or int64 tensor, got "
-                  f"{getattr(action_ids, 'dtype', type(action_ids).__name__)}")
-        _check_per_token(action_ids, "action_ids", shape, hidden.device, device_owner="hidden is")
+        shape = _check_linear_targets(hidden, weight, bias, action_ids, "action_ids")
         mask = self._inputs(shape, hidden.device, "hidden is", old_log_probs, advantages, action_mask,
                             rollout_log_probs, dp_size, check_inputs)
         if kl_coef != 0.0 and base_log_probs is None:

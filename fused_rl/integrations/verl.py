@@ -79,9 +79,9 @@ import torch
 
 from ..config import AGGREGATIONS, PolicyLossConfig
 from ..loss_math import Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar
-from ..ops import _check_linear, linear_policy_loss
+from ..ops import _check_linear_targets, linear_policy_loss
 from ..outputs import PolicyLossOutput
-from ..validation import INDEX_DTYPES, _check_per_token, _fail, adapter_inputs, positive_integer
+from ..validation import _fail, adapter_inputs, positive_integer
 
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo")
 #: verl loss modes fused_rl's loss math cannot express, and why (each raises ``NotImplementedError``).
@@ -409,12 +409,7 @@ def compute_policy_loss_from_hidden(
     then checks the rest under its own names (``responses`` in ``[0, V)`` as ``targets``, ``ref_log_prob`` as
     ``ref_logprobs``): with ``check_inputs``, two host syncs.
     """
-    _check_linear(hidden, weight, bias)
-    shape = tuple(hidden.shape[:2])
-    if not isinstance(responses, torch.Tensor) or responses.dtype not in INDEX_DTYPES:
-        _fail(f"responses must be an int32 or int64 tensor, got "
-              f"{getattr(responses, 'dtype', type(responses).__name__)}")
-    _check_per_token(responses, "responses", shape, hidden.device, device_owner="hidden is")
+    shape = _check_linear_targets(hidden, weight, bias, responses, "responses")
     mask = _check_verl_inputs(shape, hidden.device, "hidden is", old_log_prob, advantages, response_mask,
                               rollout_is_weights, check_inputs)
     mode = _loss_mode(config, loss_mode)
