@@ -655,6 +655,21 @@ def compute_policy_loss(
     return loss, metrics(terms.ratio, advantages, mask, config, terms.kl, entropy, terms.extras)
 
 
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum(m x) / max(sum(m), 1)`` over the boolean ``mask``, detached fp32 (the metrics' mean)."""
+    m = mask.to(torch.float32)
+    return torch.where(mask, x.detach().to(torch.float32), torch.zeros_like(m)).sum() / m.sum().clamp(min=1.0)
+
+
+def responses_factor(mask: torch.Tensor, dtype: torch.dtype, dp_size=1, global_count=None) -> torch.Tensor:
+    """A peer's per-response mean over ``global_count / dp_size`` responses (``None``: the local ones with a token)
+    as a factor on fused_rl's mean over the ``B`` rows: ``B dp_size / global_count``, or ``B / max(#non-empty, 1)``
+    (0-dim ``dtype``, no host sync)."""
+    if global_count is None:
+        return mask.shape[0] / mask.any(dim=1).sum().clamp(min=1).to(dtype)
+    return mask.shape[0] * dp_size / torch.as_tensor(global_count, dtype=dtype, device=mask.device)
+
+
 def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig,
             kl: Optional[torch.Tensor], entropy: Optional[torch.Tensor],
             extras: Optional[dict] = None) -> dict[str, torch.Tensor]:
@@ -671,13 +686,11 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     ``entropy_mask_frac``
     (tokens dropped by each mask)."""
     extras = {} if extras is None else extras
-    m = mask.to(torch.float32)
-    count = m.sum().clamp(min=1.0)
     ratio = ratio.detach()
     a = torch.where(mask, advantages, torch.zeros_like(advantages))
 
     def mean(x: torch.Tensor) -> torch.Tensor:
-        return (torch.where(mask, x.detach().to(torch.float32), torch.zeros_like(m))).sum() / count
+        return masked_mean(x, mask)
 
     false = torch.zeros_like(mask)
     low = high = dual = false
@@ -697,7 +710,7 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     if config.policy_loss == "gspo":
         clip_mean = lambda x: (x & mask).any(dim=-1).to(torch.float32).mean()  # noqa: E731
     out = {
-        "kl_mean": mean(kl) if kl is not None else m.new_zeros(()),
+        "kl_mean": mean(kl) if kl is not None else torch.zeros((), dtype=torch.float32, device=mask.device),
         "clip_frac_low": clip_mean(low),
         "clip_frac_high": clip_mean(high),
         "clip_frac": clip_mean(low | high),

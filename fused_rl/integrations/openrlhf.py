@@ -61,7 +61,7 @@ import torch
 
 from ..config import PolicyLossConfig
 from ..loss_math import (ROLLOUT_LOG_RHO_BOUND, compute_policy_loss as _compute_policy_loss, importance_ratio,
-                         ratio_bounds)
+                         masked_mean, ratio_bounds, responses_factor)
 from ..ops import _check_linear_targets, linear_policy_loss
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
@@ -193,12 +193,6 @@ def policy_loss_config_from_openrlhf(
                             beta=kl_coef if kl is not None else 0.0, entropy_coef=entropy, temperature=temperature)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(m x) / max(sum(m), 1)`` in fp32 (OpenRLHF's ``masked_mean``, its count clamped)."""
-    m = mask.to(torch.float32)
-    return torch.where(mask, x.detach().to(torch.float32), torch.zeros_like(m)).sum() / m.sum().clamp(min=1.0)
-
-
 class PolicyLoss(torch.nn.Module):
     """OpenRLHF's ``PolicyLoss`` on fused_rl (see the module docstring): the same constructor, checks and
     ``forward``; :meth:`forward_from_hidden` is the fused version.
@@ -267,10 +261,7 @@ class PolicyLoss(torch.nn.Module):
         fused_rl's ``B`` rows."""
         if self.config.agg == "token-mean":
             return loss
-        if global_batch_size is None:
-            return loss * (mask.shape[0] / mask.any(dim=1).sum().clamp(min=1).to(loss.dtype))
-        return loss * (mask.shape[0] * dp_size / torch.as_tensor(global_batch_size, dtype=loss.dtype,
-                                                                 device=loss.device))
+        return loss * responses_factor(mask, loss.dtype, dp_size, global_batch_size)
 
     def _normalizer(self, dp_size: int, batch_num_tokens: Count) -> Count:
         if self.config.agg != "token-mean" or batch_num_tokens is None:
@@ -286,13 +277,13 @@ class PolicyLoss(torch.nn.Module):
         ratio = importance_ratio(logp, behaviour, mask, self.config)
         low, high = ratio_bounds(ratio, self.config)
         clipped = ((ratio > high) & (advantages > 0)) | ((ratio < low) & (advantages < 0))
-        clip_ratio, ppo_kl = _masked_mean(clipped, mask), _masked_mean(old - logp, mask)
+        clip_ratio, ppo_kl = masked_mean(clipped, mask), masked_mean(old - logp, mask)
         if filtered is None:
             return clip_ratio, ppo_kl, None, None
-        vllm_kl = _masked_mean(rollout.detach() - old, mask)
+        vllm_kl = masked_mean(rollout.detach() - old, mask)
         if self.is_correction[0] == "seq":
             return clip_ratio, ppo_kl, vllm_kl, filtered.any(dim=1).to(torch.float32).mean()
-        return clip_ratio, ppo_kl, vllm_kl, _masked_mean(filtered, mask)
+        return clip_ratio, ppo_kl, vllm_kl, masked_mean(filtered, mask)
 
     def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,

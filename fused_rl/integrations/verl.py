@@ -78,7 +78,8 @@ from typing import Any, Optional
 import torch
 
 from ..config import AGGREGATIONS, PolicyLossConfig
-from ..loss_math import Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar
+from ..loss_math import (Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar,
+                         masked_mean, responses_factor)
 from ..ops import _check_linear_targets, linear_policy_loss
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
@@ -245,11 +246,9 @@ def verl_normalization(config: Any, loss_agg_mode: str, loss_mode: str, mask: to
             raise ValueError("verl global_batch_info: batch_num_tokens is required when dp_size > 1")
         return (None if tokens is None else tokens / dp_size), one
     rows = _get(info, "global_batch_size")
-    if rows is None:
-        if dp_size > 1:
-            raise ValueError("verl global_batch_info: global_batch_size is required when dp_size > 1")
-        rows = mask.any(dim=1).sum().clamp(min=1)
-    return None, mask.shape[0] * dp_size / torch.as_tensor(rows, dtype=dtype, device=mask.device)
+    if rows is None and dp_size > 1:
+        raise ValueError("verl global_batch_info: global_batch_size is required when dp_size > 1")
+    return None, responses_factor(mask, dtype, dp_size, rows)
 
 
 def _verl_rollout_weights(weights: Optional[torch.Tensor], mask: torch.Tensor, mode: str) -> Optional[torch.Tensor]:
@@ -276,25 +275,21 @@ def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig
                   logp: torch.Tensor, mask: torch.Tensor, loss_mode: str, advantages: torch.Tensor):
     """verl's ``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; ``ppo_kl = masked mean(old - logp)``, the log ratio
     clamped to ``[-20, 20]`` first in vanilla, sapo and cispo (as verl)."""
-    m = mask.to(torch.float32)
-    count = m.sum().clamp(min=1.0)
-    masked_mean = lambda x: torch.where(mask, x.to(torch.float32), torch.zeros_like(m)).sum() / count  # noqa: E731
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = logp.detach() - old
     if loss_mode in ("vanilla", "sapo", "cispo"):
         log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ppo_kl = masked_mean(-log_ratio)
+    ppo_kl = masked_mean(-log_ratio, mask)
     if loss_mode == "gpg":  # verl's gpg returns no metrics
-        zero = m.new_zeros(())
         return zero, zero.clone(), zero.clone()
     if loss_mode == "sapo":  # verl's sapo: 0 clip fractions, the masked mean log-ratio
-        return m.new_zeros(()), ppo_kl, m.new_zeros(())
+        return zero, ppo_kl, zero.clone()
     if loss_mode == "geo_mean":  # verl: token log-ratios outside the bounds, split by the advantage's sign
         clipped = (log_ratio < -config_scalar(log_ratio, config.clip_low)) | (log_ratio > config.clip_high)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
-        return masked_mean(clipped & (adv > 0)), ppo_kl, masked_mean(clipped & (adv < 0))
+        return masked_mean(clipped & (adv > 0), mask), ppo_kl, masked_mean(clipped & (adv < 0), mask)
     # cispo: fused_rl's clip_frac is verl's, the tokens with r > 1 + clip_ratio_high (clip_ratio_low >= 1)
-    lower = out_metrics["clip_frac_dual"] if loss_mode == "vanilla" else m.new_zeros(())
-    return out_metrics["clip_frac"], ppo_kl, lower
+    return out_metrics["clip_frac"], ppo_kl, out_metrics["clip_frac_dual"] if loss_mode == "vanilla" else zero
 
 
 def compute_policy_loss(
