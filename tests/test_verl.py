@@ -112,7 +112,7 @@ def test_config_mapping():
     assert policy_loss_config_from_verl(options, "token-sum", response_length=64).agg == "token-mean"
     for verl_name, ours in (("kl", "k1"), ("k1", "k1"), ("mse", "k2"), ("abs", "abs"), ("k3", "low_var_kl")):
         cfg = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
-                                              response_length=4, kl=True)
+                                           response_length=4, kl=True)
         assert cfg.kl == ours
     for off in ({"use_kl_loss": False}, {"kl_loss_coef": 0.1}):  # absent: verl's ActorConfig default, false
         cfg = policy_loss_config_from_verl(off, response_length=4, kl=True)
@@ -148,11 +148,11 @@ def test_new_modes_and_straight_through_kl_mapping():
     for verl_name, ours in (("kl+", "k1+"), ("k1+", "k1+"), ("mse+", "k2"), ("abs+", "abs+"), ("k3+", "low_var_kl+"),
                             ("low_var_kl+", "low_var_kl+")):
         cfg = policy_loss_config_from_verl({"kl_loss_type": verl_name, "kl_loss_coef": 0.1, "use_kl_loss": True},
-                                              response_length=4, kl=True)
+                                           response_length=4, kl=True)
         assert cfg.kl == ours
     cfg = policy_loss_config_from_verl({"clip_ratio_low": 0.4, "clip_ratio_high": 0.4,
-                                           "policy_loss": {"loss_mode": "geo_mean"}}, "token-mean",
-                                          response_length=4)
+                                        "policy_loss": {"loss_mode": "geo_mean"}}, "token-mean",
+                                       response_length=4)
     assert cfg == PolicyLossConfig.preset("gmpo")
     cfg = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "gspo"}}, response_length=4)
     assert cfg.policy_loss == "gspo_token"
