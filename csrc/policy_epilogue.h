@@ -20,6 +20,8 @@
 //             multiplied by clamp(rho, lo, hi) (truncate) or rho 1[lo <= rho <= hi] (mask)
 //   kl (d = ref - logp): k1 -d, k2 d^2/2, k3 expm1(d) - d, abs |d|, low_var_kl clamp(k3(clamp(d,+-20)), +-10);
 //             straight-through "X+": the value of X with the gradient of k2 (dk/dd = d);
+//             kl_clamp c: k = clamp(k, -c, c), dk/dd 0 where cut (an "X+" keeps k2's);
+//             kl_is_clip C ("X+"): k2's dk/dd times the detached min(r, C) (0 at r = 0, d = inf: not 0 * inf);
 //             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r), each product 0 where one
 //             factor is 0 and the other infinite, no kl r where r overflowed, k3's r expm1(d) as exp(ref - old) - r
 //             past d = 20 for a finite r (loss_math.bias_corrected_kl)
@@ -48,6 +50,8 @@ struct EpilogueParams {
   int kl = kKlNone;             // KlKind of the value
   int kl_straight = 0;          // "X+": gradient of k2
   int kl_bias = 0;              // kl_bias_correction: the KL term times r
+  int has_kl_clamp = 0;         // kl_clamp: the KL value clamped to [-kl_clamp, kl_clamp]
+  int has_kl_is = 0;            // kl_is_clip: "X+"'s k2 gradient times min(r, kl_is_clip)
   int has_old = 0;              // 0: on-policy
   int has_dual = 0;             // dual clip active
   int has_delta = 0;            // two-sided clip active
@@ -55,6 +59,7 @@ struct EpilogueParams {
   float clip_low = 0.2f, clip_high = 0.2f, dual_clip = 0.0f, delta = 0.0f;
   float sapo_pos = 1.0f, sapo_neg = 1.05f, beta = 0.0f, entropy_coef = 0.0f;
   float rollout_min = -INFINITY, rollout_max = INFINITY;  // an absent bound is infinite
+  float kl_clamp = 0.0f, kl_is_clip = 0.0f;
 };
 
 struct EpilogueOut {
@@ -162,7 +167,14 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
       }
       default: break;
     }
-    if (p.kl_straight) { dk_dd = d; k3_slope = false; }  // the gradient of k2 = d^2 / 2
+    if (p.has_kl_clamp) {  // torch's clamp: the gradient passes on the closed interval
+      dk_dd *= frl_clamp_grad(k, -p.kl_clamp, p.kl_clamp);
+      k = k > p.kl_clamp ? p.kl_clamp : (k < -p.kl_clamp ? -p.kl_clamp : k);  // a NaN passes
+    }
+    if (p.kl_straight) {  // the gradient of k2 = d^2 / 2
+      dk_dd = p.has_kl_is ? frl_times_limit(fminf(r, p.kl_is_clip), d) : d;
+      k3_slope = false;
+    }
     if (p.beta != 0.0f) {
       if (p.kl_bias) {  // beta r kl: d/dlogp = beta (r kl + r dkl/dlogp) = beta (r kl - r dkl/dd)
         const float rd = frl_times_limit(r, d);

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional
 
 PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo"]
-KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"]]
+KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k2+", "k3+", "abs+", "low_var_kl+"]]
 RolloutISName = Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]]
 AggName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo")
 #: ``"X+"``: the value of estimator ``X`` with the gradient of ``k2`` (straight-through).
-KL_ESTIMATORS = (None, "k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+")
+KL_ESTIMATORS = (None, "k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k2+", "k3+", "abs+", "low_var_kl+")
+#: The estimators ``kl_clamp`` applies to (k3 clamped is ``low_var_kl``, already clamped at 10).
+KL_CLAMPABLE = ("k1", "k2", "abs", "k1+", "k2+", "abs+")
 ROLLOUT_IS_MODES = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 #: Losses whose ratio is clipped PPO-style (``clip_low`` / ``clip_high``, ``dual_clip``, ``delta``).
 PPO_STYLE = ("ppo_clip", "gspo", "gspo_token")
@@ -36,7 +38,8 @@ MIN_TEMPERATURE = 1e-5
 #: The float fields, in :attr:`PolicyLossConfig.float_values` order: the values the custom ops take as a tensor.
 FLOAT_FIELDS = ("clip_low", "clip_high", "dual_clip", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "beta", "rollout_is_min",
-                "rollout_is_max", "off_policy_mask", "top_entropy_quantile", "temperature", "entropy_coef")
+                "rollout_is_max", "off_policy_mask", "top_entropy_quantile", "temperature", "entropy_coef", "kl_clamp",
+                "kl_is_clip")
 
 
 def _literal(values: dict[str, Any]) -> str:
@@ -99,7 +102,14 @@ class PolicyLossConfig:
           Only a token-level ``rollout_is`` (a sequence-level one raises), and no ``rollout_is_weights`` argument.
     * ``kl`` (estimator of KL(pi || ref), added as ``beta * kl``): ``k1 = -d``, ``k2 = d^2/2``,
       ``k3 = exp(d) - d - 1``, ``abs = |d|``, ``low_var_kl = clamp(k3, -10, 10)``; ``"X+"`` is
-      straight-through: the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
+      straight-through: the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``; ``"k2+"`` is ``k2``
+      unless ``kl_clamp`` cuts its value).
+    * ``kl_clamp=c`` (k1, k2, abs and their ``"X+"``): the value is ``clamp(kl, -c, c)``, no gradient where it is
+      cut (an ``"X+"`` keeps k2's); OpenRLHF's ``compute_approx_kl`` clamps every estimator at 10 (its k3 is
+      ``low_var_kl``).
+    * ``kl_is_clip=C`` (``"X+"`` estimators): k2's gradient is weighted by ``sg(min(r_t, C))``, ``r_t = exp(logp_t -
+      old_t)`` the token ratio (1 on-policy) whatever ``policy_loss``: OpenRLHF's ``unbiased_gradient`` (``C =
+      KL_IS_WEIGHT_CLIP = 10``), the off-policy estimate ``E_old[w k1 grad logp]`` of the reverse KL's gradient.
     * ``kl_bias_correction``: the KL term is ``beta * r * kl`` with the (differentiable) importance
       ratio ``r`` (sequence ratio for gspo / gspo_token / gmpo), DeepSeek-V3.2's unbiased KL gradient
       off-policy; TRL's ``use_bias_correction_kl``. For k3 and the ``"X+"`` estimators its gradient is the
@@ -145,6 +155,8 @@ class PolicyLossConfig:
     kl: KLName = None
     beta: float = 0.0
     kl_bias_correction: bool = False
+    kl_clamp: Optional[float] = None
+    kl_is_clip: Optional[float] = None
     rollout_is: RolloutISName = None
     rollout_is_min: Optional[float] = None
     rollout_is_max: Optional[float] = 2.0
@@ -201,6 +213,7 @@ class PolicyLossConfig:
                 raise ValueError(f"PolicyLossConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kl_bias_correction and self.kl is None:
             raise ValueError("PolicyLossConfig.kl_bias_correction multiplies the KL term: set kl (and beta)")
+        self._check_kl_options(floats)
         for name in ("rollout_is_min", "rollout_is_max", "off_policy_mask"):
             value = getattr(self, name)
             if value is not None:
@@ -236,6 +249,27 @@ class PolicyLossConfig:
         # the same config without rollout correction (the tiled route's kernel config of a folded sequence-level
         # correction), also formed once here
         object.__setattr__(self, "_literal_without_rollout", _literal({**values, "rollout_is": None}))
+
+    def _check_kl_options(self, floats: dict[str, float]) -> None:
+        """``kl_clamp`` and ``kl_is_clip``: positive, on the estimators they apply to, without
+        ``kl_bias_correction``; their float values go into ``floats``."""
+        for name in ("kl_clamp", "kl_is_clip"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            floats[name] = _finite_number(name, value)
+            if floats[name] <= 0.0:
+                raise ValueError(f"PolicyLossConfig.{name} must be > 0 (or None), got {value!r}")
+            if self.kl_bias_correction:
+                why = ("two off-policy corrections of the KL gradient, choose one" if name == "kl_is_clip" else
+                       "the bias-corrected KL's exact slopes know low_var_kl's clamp only")
+                raise ValueError(f"PolicyLossConfig.{name} with kl_bias_correction is not supported: {why}")
+        if self.kl_clamp is not None and self.kl not in KL_CLAMPABLE:
+            hint = " (k3 clamped at 10 is kl='low_var_kl')" if self.kl in ("k3", "k3+") else ""
+            raise ValueError(f"PolicyLossConfig.kl_clamp applies to kl in {KL_CLAMPABLE}, got kl={self.kl!r}{hint}")
+        if self.kl_is_clip is not None and (self.kl is None or not self.kl.endswith("+")):
+            raise ValueError("PolicyLossConfig.kl_is_clip weights the k2 gradient of a straight-through estimator: "
+                             f"set kl to one ending in '+' (k2's own gradient: 'k2+'), got kl={self.kl!r}")
 
     @property
     def literal(self) -> str:

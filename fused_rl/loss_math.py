@@ -55,17 +55,27 @@ def aggregation_weights(mask: torch.Tensor, config: PolicyLossConfig,
     return m / float(batch * max_len)
 
 
-def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str, clamp: Optional[float] = None,
+                 weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token estimator of KL(pi || ref) with ``d = ref - logp``.
 
     k1 ``-d``; k2 ``d^2 / 2``; k3 ``exp(d) - d - 1`` (``+inf`` at ``d = +inf``, a ``-inf`` log-prob: not
     ``expm1(inf) - inf = NaN``); abs ``|d|``; low_var_kl ``clamp(k3, -10, 10)``;
     ``"X+"``: straight-through, the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
+    ``clamp`` (``config.kl_clamp``): the value is ``clamp(kl, -clamp, clamp)`` (autograd's gradient: none where cut,
+    k2's for ``"X+"``). ``weight`` (``"X+"`` only; ``sg(min(r, config.kl_is_clip))``): k2's gradient times it.
     """
     if kind.endswith("+"):
         # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), plus a 0 with
         # k2's derivatives; X's value also at an infinite d (a -inf log-prob), as the fused epilogues give
-        return kl_estimator(logp, ref, kind[:-1]).detach() + _k2_slope(ref - logp)
+        slope = _k2_slope(ref - logp)
+        if weight is not None:
+            slope = weight.detach() * slope
+        return kl_estimator(logp, ref, kind[:-1], clamp).detach() + slope
+    if weight is not None:
+        raise ValueError(f"a weight of the k2 gradient needs a straight-through ('X+') estimator, got {kind!r}")
+    if clamp is not None:
+        return kl_estimator(logp, ref, kind).clamp(min=-clamp, max=clamp)
     d = ref - logp
     if kind == "k1":
         return -d
@@ -82,6 +92,17 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tens
         d = d.clamp(min=-20.0, max=20.0)
         return (torch.expm1(d) - d).clamp(min=-10.0, max=10.0)
     raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def kl_gradient_weight(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                       config: PolicyLossConfig) -> Optional[torch.Tensor]:
+    """``sg(min(r_t, config.kl_is_clip))`` with the token ratio ``r_t = exp(logp_t - old_t)`` whatever
+    ``config.policy_loss`` (1 on-policy, ``old = sg(logp)``; 1 at masked positions), or ``None`` without
+    ``config.kl_is_clip``: OpenRLHF's ``unbiased_gradient`` weight of the straight-through KL's k2 gradient."""
+    if config.kl_is_clip is None:
+        return None
+    log_r = torch.where(mask, logp.detach() - old.detach(), torch.zeros_like(logp))
+    return torch.exp(log_r).clamp(max=config.kl_is_clip)
 
 
 def _k2_slope(d: torch.Tensor) -> torch.Tensor:
@@ -618,7 +639,8 @@ def per_token_loss(
         if config.kl_bias_correction:
             kl = bias_corrected_kl(logp, safe_ref, old, mask, config)
         else:
-            kl = torch.where(mask, kl_estimator(safe_logp, safe_ref, config.kl), zeros)
+            kl = torch.where(mask, kl_estimator(safe_logp, safe_ref, config.kl, config.kl_clamp,
+                                                kl_gradient_weight(safe_logp, old, mask, config)), zeros)
         if config.beta != 0.0:
             loss = loss + config.beta * kl
     if config.entropy_coef != 0.0:

@@ -26,7 +26,9 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
 * KL (``+ beta kl``): k1 ``-d`` (``dkl/dlogp = 1``), k2 ``d^2/2`` (``-d``), k3 ``expm1(d) - d``
   (``-expm1(d)``), abs ``|d|`` (``-sign d``), low_var_kl ``clamp(k3(clamp(d, -20, 20)), -10, 10)``
   (``-expm1(d)`` inside both clamps, else 0); ``"X+"``: the value of ``X``, the derivative of k2
-  (``-d``); ``kl_bias_correction``: ``kl <- r kl`` (the returned ``kl`` too), so
+  (``-d``); ``kl_clamp=c``: ``kl <- clamp(kl, -c, c)``, ``dkl/dlogp`` 0 where cut (an ``"X+"`` keeps k2's);
+  ``kl_is_clip=C`` (``"X+"``): k2's derivative times ``min(r, C)`` (detached); ``kl_bias_correction``:
+  ``kl <- r kl`` (the returned ``kl`` too), so
   ``dl/dlogp += beta r (dkl/dlogp + kl)``, which is ``-beta r d`` for k3 (taken so: the two terms
   cancel to ``|d|`` from ``exp(d)``); each product 0 where one factor is 0 and the other infinite (a ``-inf``
   log-prob off-policy; an overflowed ``r`` times a zero slope), an overflowed ``r`` (a constant) carries no
@@ -74,10 +76,13 @@ def epilogue_args(config, on_policy: bool) -> dict:
         tau_pos=float(config.sapo_temperature_pos), tau_neg=float(config.sapo_temperature_neg),
         beta=float(config.beta), entropy_coef=float(config.entropy_coef),
         ris_min=float(lo) if lo is not None else 0.0, ris_max=float(hi) if hi is not None else 0.0,
+        kl_clamp=float(config.kl_clamp) if config.kl_clamp is not None else 0.0,
+        kl_is_clip=float(config.kl_is_clip) if config.kl_is_clip is not None else 0.0,
         POLICY=POLICY_CODES[config.policy_loss], HAS_DUAL=config.dual_clip is not None,
         HAS_DELTA=config.delta is not None,
         KL=KL_CODES[kl.rstrip("+") if kl is not None else None], KL_ST=kl is not None and kl.endswith("+"),
         ADD_KL=kl is not None and config.beta != 0.0, KL_BIAS=bool(config.kl_bias_correction),
+        KL_CLAMP=config.kl_clamp is not None, KL_IS=config.kl_is_clip is not None,
         ROLLOUT=ROLLOUT_CODES[config.rollout_is], HAS_RIS_MIN=lo is not None, HAS_RIS_MAX=hi is not None,
         ADD_ENT=config.entropy_coef != 0.0, ON_POLICY=bool(on_policy),
     )
@@ -136,8 +141,10 @@ def _min_grad(x, y, dx, dy):
 @triton.jit
 def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
                    clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef, ris_min, ris_max,
+                   kl_clamp, kl_is_clip,
                    POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr, KL: tl.constexpr,
-                   KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
+                   KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, KL_CLAMP: tl.constexpr,
+                   KL_IS: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
                    ON_POLICY: tl.constexpr):
     """``(l, dl/dlogp, dl/dH, r, kl)`` per token (any shape, fp32). ``old`` is ignored with
@@ -227,8 +234,14 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             kl = tl.minimum(tl.maximum(k3, -10.0), 10.0)
             inside = (d >= -20.0) & (d <= 20.0) & (k3 >= -10.0) & (k3 <= 10.0)
             dkl = tl.where(inside, -em1, zero)
+        if KL_CLAMP:  # clamp(kl, -c, c), its gradient passing on the closed interval (torch's clamp)
+            inside = (kl >= -kl_clamp) & (kl <= kl_clamp)
+            kl = tl.where(kl > kl_clamp, kl_clamp, tl.where(kl < -kl_clamp, -kl_clamp, kl))
+            dkl = tl.where(inside, dkl, zero)
         if KL_ST:  # "X+": the value of X, the gradient of k2
             dkl = -d
+            if KL_IS:  # times sg(min(r, C)), the token ratio: 0, not 0 * inf, at a -inf log-prob (r = 0)
+                dkl = _times_limit(tl.minimum(ratio, kl_is_clip), dkl)
         kl = tl.where(valid, kl, zero)
         if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r kl + r dkl, products at their limits
             rd = _times_limit(ratio, d)
@@ -266,9 +279,10 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
 def _epilogue_vector_kernel(logp_ptr, ent_ptr, old_ptr, ref_ptr, rollout_ptr, adv_ptr, valid_ptr,
                             loss_ptr, dlogp_ptr, dh_ptr, ratio_ptr, kl_ptr, n,
                             clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef,
-                            ris_min, ris_max,
+                            ris_min, ris_max, kl_clamp, kl_is_clip,
                             POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr,
                             KL: tl.constexpr, KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr,
+                            KL_CLAMP: tl.constexpr, KL_IS: tl.constexpr,
                             ROLLOUT: tl.constexpr, HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr,
                             ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -282,8 +296,8 @@ def _epilogue_vector_kernel(logp_ptr, ent_ptr, old_ptr, ref_ptr, rollout_ptr, ad
     adv = tl.load(adv_ptr + offs, mask=m, other=0.0)
     loss, dlogp, dh, ratio, kl = token_epilogue(
         logp, ent, old, ref, rollout, adv, valid, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
-        entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
-        HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
+        entropy_coef, ris_min, ris_max, kl_clamp, kl_is_clip, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL,
+        KL_BIAS, KL_CLAMP, KL_IS, ROLLOUT, HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
     tl.store(loss_ptr + offs, loss, mask=m)
     tl.store(dlogp_ptr + offs, dlogp, mask=m)
     tl.store(dh_ptr + offs, dh, mask=m)

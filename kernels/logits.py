@@ -374,8 +374,10 @@ def _grad_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, out_ptr, os0, os1, lse_ptr, 
 def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, out_ptr, os0,
                    os1, logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr, temperature,
                    clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef, ris_min, ris_max,
+                   kl_clamp, kl_is_clip,
                    POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr, KL: tl.constexpr,
-                   KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
+                   KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, KL_CLAMP: tl.constexpr,
+                   KL_IS: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
                    ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, REVERSE: tl.constexpr, HINTS: tl.constexpr,
@@ -390,8 +392,8 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
         g_logp, g_h = _token_outputs(
             rows, in_rows, in_rows, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr, ent_ptr,
             loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef,
-            ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT, HAS_RIS_MIN,
-            HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT, False)
+            ris_min, ris_max, kl_clamp, kl_is_clip, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS,
+            KL_CLAMP, KL_IS, ROLLOUT, HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT, False)
         if WRITE_GRAD:
             _row_grad(x_ptr, x_off, out_ptr, _row_offset(rows, T, os0, os1), in_rows, tgt, valid, V, temperature,
                       m_row, log2_s, ent, g_logp, g_h, BLOCK_V, ADD_ENT, REVERSE, "evict_first" if HINTS else "",
@@ -401,10 +403,10 @@ def _policy_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, r
 @triton.jit
 def _token_outputs(rows, in_rows, store, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr,
                    ent_ptr, loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
-                   entropy_coef, ris_min, ris_max, POLICY: tl.constexpr, HAS_DUAL: tl.constexpr,
+                   entropy_coef, ris_min, ris_max, kl_clamp, kl_is_clip, POLICY: tl.constexpr, HAS_DUAL: tl.constexpr,
                    HAS_DELTA: tl.constexpr, KL: tl.constexpr, KL_ST: tl.constexpr, ADD_KL: tl.constexpr,
-                   KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr, HAS_RIS_MIN: tl.constexpr,
-                   HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr,
+                   KL_BIAS: tl.constexpr, KL_CLAMP: tl.constexpr, KL_IS: tl.constexpr, ROLLOUT: tl.constexpr,
+                   HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr, ON_POLICY: tl.constexpr,
                    WITH_ENT: tl.constexpr, ADD_LOSS: tl.constexpr):
     """The policy kernels' per-token part: reads ``A, w`` (and ``old``, ``ref``, the rollout log-probs where the
     constexprs use them) of ``rows``, runs :func:`~fused_rl.kernels.epilogue.token_epilogue` on the rows'
@@ -426,8 +428,8 @@ def _token_outputs(rows, in_rows, store, valid, logp, ent, adv_ptr, w_ptr, old_p
         rollout = tl.load(rollout_ptr + rows, mask=in_rows, other=0.0)
     loss, dlogp, dh, ratio, kl = token_epilogue(
         logp, ent, old, ref, rollout, adv, valid, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
-        entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
-        HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
+        entropy_coef, ris_min, ris_max, kl_clamp, kl_is_clip, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL,
+        KL_BIAS, KL_CLAMP, KL_IS, ROLLOUT, HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY)
     out = in_rows & store
     tl.store(logp_ptr + rows, logp, mask=out)
     if WITH_ENT:
@@ -446,9 +448,10 @@ def _token_outputs(rows, in_rows, store, valid, logp, ent, adv_ptr, w_ptr, old_p
 def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, out_ptr,
                          os0, os1, logp_ptr, ent_ptr, loss_ptr, ratio_ptr, kl_ptr, temperature,
                          clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta, entropy_coef, ris_min,
-                         ris_max, sync_ptr, part_ptr, K, max_polls,
+                         ris_max, kl_clamp, kl_is_clip, sync_ptr, part_ptr, K, max_polls,
                          POLICY: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_DELTA: tl.constexpr, KL: tl.constexpr,
-                         KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, ROLLOUT: tl.constexpr,
+                         KL_ST: tl.constexpr, ADD_KL: tl.constexpr, KL_BIAS: tl.constexpr, KL_CLAMP: tl.constexpr,
+                         KL_IS: tl.constexpr, ROLLOUT: tl.constexpr,
                          HAS_RIS_MIN: tl.constexpr, HAS_RIS_MAX: tl.constexpr, ADD_ENT: tl.constexpr,
                          ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr,
                          CHUNK: tl.constexpr, K_POW2: tl.constexpr, PHASE: tl.constexpr, HINTS: tl.constexpr):
@@ -537,8 +540,8 @@ def _policy_split_kernel(x_ptr, xs0, xs1, N, T, V, tgt_ptr, adv_ptr, w_ptr, old_
         g_logp, g_h = _token_outputs(
             rows, in_rows, first, valid, logp, ent, adv_ptr, w_ptr, old_ptr, ref_ptr, rollout_ptr, logp_ptr,
             ent_ptr, loss_ptr, ratio_ptr, kl_ptr, clip_low, clip_high, dual_clip, delta, tau_pos, tau_neg, beta,
-            entropy_coef, ris_min, ris_max, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL, KL_BIAS, ROLLOUT,
-            HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT, True)
+            entropy_coef, ris_min, ris_max, kl_clamp, kl_is_clip, POLICY, HAS_DUAL, HAS_DELTA, KL, KL_ST, ADD_KL,
+            KL_BIAS, KL_CLAMP, KL_IS, ROLLOUT, HAS_RIS_MIN, HAS_RIS_MAX, ADD_ENT, ON_POLICY, WITH_ENT, True)
         if WRITE_GRAD:
             a, b, h2, one_minus_pt = _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
             cols = k * CHUNK + tl.arange(0, CHUNK)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
 from fused_rl import PolicyLossConfig
-from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE, ROLLOUT_IS_MODES
+from fused_rl.config import AGGREGATIONS, KL_CLAMPABLE, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE, ROLLOUT_IS_MODES
 
 
 def _fuzz_scale() -> int:
@@ -50,6 +50,8 @@ def configs(draw) -> PolicyLossConfig:
         clip_low=draw(st.sampled_from([0.0, 0.1, 0.2])),
         beta=draw(st.sampled_from([0.0, 0.05, 1.0])) if kl else 0.0,
         kl_bias_correction=bool(kl) and draw(st.booleans()),
+        kl_clamp=draw(st.sampled_from([None, None, 0.5, 10.0])) if kl in KL_CLAMPABLE else None,
+        kl_is_clip=draw(st.sampled_from([None, 1.1])) if kl is not None and kl.endswith("+") else None,
         dual_clip=draw(st.sampled_from([None, 3.0])) if ppo else None,
         delta=draw(st.sampled_from([None, 1.5 + clip_high])) if ppo else None,
         sapo_temperature_pos=draw(st.sampled_from([1.0, 0.5])), sapo_temperature_neg=draw(st.sampled_from([1.05, 2.0])),

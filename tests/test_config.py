@@ -32,6 +32,16 @@ from fused_rl.loss_math import compute_policy_loss
     (dict(clip_low=True), "real number"),
     (dict(kl_bias_correction=True), "set kl"),
     (dict(kl="k3", kl_bias_correction=1), "must be a bool"),
+    (dict(kl="k1", kl_clamp=0.0), "kl_clamp must be > 0"),
+    (dict(kl="k1", kl_clamp=float("inf")), "kl_clamp must be finite"),
+    (dict(kl="k3", kl_clamp=10.0), "low_var_kl"),
+    (dict(kl="low_var_kl", kl_clamp=5.0), "kl_clamp applies to"),
+    (dict(kl_clamp=10.0), "kl_clamp applies to"),
+    (dict(kl="k1", kl_clamp=10.0, kl_bias_correction=True), "kl_clamp with kl_bias_correction"),
+    (dict(kl="k1", kl_is_clip=10.0), "ending in '\\+'"),
+    (dict(kl_is_clip=10.0), "ending in '\\+'"),
+    (dict(kl="k2+", kl_is_clip=-1.0), "kl_is_clip must be > 0"),
+    (dict(kl="k3+", kl_is_clip=10.0, kl_bias_correction=True), "two off-policy corrections"),
 ])
 def test_invalid_configs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -154,7 +164,7 @@ def test_presets_match_trl(preset, trl_args, beta, bias_correction):
     (dict(policy_loss="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
     (dict(policy_loss="vespo", vespo_lambda_pos=-0.5), "vespo_lambda_pos must be >= 0"),
     (dict(policy_loss="gmpo", clip_low=-0.1), "clip_low must be >= 0"),
-    (dict(kl="k2+", beta=0.1), "kl must be one of"),
+    (dict(kl="k4+", beta=0.1), "kl must be one of"),
     (dict(rollout_is="token_clip"), "rollout_is must be one of"),
     (dict(rollout_is="token_mask", rollout_is_max=None), "needs rollout_is_max and/or rollout_is_min"),
     (dict(rollout_is="token_mask", rollout_is_min=3.0, rollout_is_max=2.0), "must be <= rollout_is_max"),
@@ -172,6 +182,7 @@ def test_new_fields_route_the_backends():
     assert PolicyLossConfig(policy_loss="gmpo", clip_low=1.5).clip_low == 1.5  # log-space: may exceed 1
     for cfg in (PolicyLossConfig(), PolicyLossConfig(policy_loss="sapo"), PolicyLossConfig(delta=2.0),
                 PolicyLossConfig(kl="k3+"), PolicyLossConfig(kl="k1", kl_bias_correction=True),
+                PolicyLossConfig(kl="k2+", kl_clamp=10.0, kl_is_clip=10.0),
                 PolicyLossConfig(rollout_is="token_truncate"), PolicyLossConfig(rollout_is="token_mask")):
         assert cfg.has_token_epilogue  # token-local: the single-pass kernels
     for cfg in (PolicyLossConfig(policy_loss="gspo"), PolicyLossConfig(policy_loss="gspo_token"),

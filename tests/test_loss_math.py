@@ -772,6 +772,36 @@ def test_straight_through_kl_value_is_exactly_its_estimators(kind):
     torch.testing.assert_close(logp.grad, -(ref - logp.detach()))  # dk2/dlogp = -d
 
 
+def test_kl_clamp_and_is_weight_by_hand():
+    """OpenRLHF's ``compute_approx_kl``, by hand, four tokens with ``logp - ref`` = 12, -3, -11, 4 and ``logp - old``
+    = log 3, 0, log 0.5, log 30. k1 clamped at 10: values 10, -3, -10, 4, gradient 0 where cut, else 1. k2 clamped:
+    72 -> 10, 4.5, 60.5 -> 10, 8, gradient ``logp - ref`` (4 only: 3 and -3 inside, cut ones 0). ``"k2+"`` with
+    ``kl_is_clip=2``: the same values, gradient ``min(r, 2) (logp - ref)`` on every token: 2 * 12, 1 * -3,
+    0.5 * -11, 2 * 4."""
+    logp = torch.tensor([[-1.0, -5.0, -12.0, -2.0]])
+    ref = logp - torch.tensor([[12.0, -3.0, -11.0, 4.0]])
+    old = logp - torch.tensor([[math.log(3.0), 0.0, math.log(0.5), math.log(30.0)]])
+    zeros, mask = torch.zeros_like(logp), torch.ones_like(logp, dtype=torch.bool)
+    cases = (
+        (dict(kl="k1", kl_clamp=10.0), [10.0, -3.0, -10.0, 4.0], [0.0, 1.0, 0.0, 1.0]),
+        (dict(kl="k2", kl_clamp=10.0), [10.0, 4.5, 10.0, 8.0], [0.0, -3.0, 0.0, 4.0]),
+        (dict(kl="k2+", kl_clamp=10.0, kl_is_clip=2.0), [10.0, 4.5, 10.0, 8.0], [24.0, -3.0, -5.5, 8.0]),
+        (dict(kl="k1+", kl_is_clip=2.0), [12.0, -3.0, -11.0, 4.0], [24.0, -3.0, -5.5, 8.0]),
+    )
+    for fields, values, grads in cases:
+        x = logp.clone().requires_grad_(True)
+        config = PolicyLossConfig(policy_loss="reinforce", beta=1.0, agg="seq-mean-token-sum", **fields)
+        loss, m = compute_policy_loss(x, zeros, mask, config, old_logprobs=old, ref_logprobs=ref)
+        loss.backward()
+        assert m["kl_mean"].item() == pytest.approx(sum(values) / 4), fields
+        torch.testing.assert_close(x.grad, torch.tensor([grads]), msg=str(fields))
+    # on-policy the weight is min(1, C)
+    x = logp.clone().requires_grad_(True)
+    config = PolicyLossConfig(policy_loss="reinforce", kl="k2+", beta=1.0, kl_is_clip=0.5, agg="seq-mean-token-sum")
+    compute_policy_loss(x, zeros, mask, config, ref_logprobs=ref)[0].backward()
+    torch.testing.assert_close(x.grad, 0.5 * torch.tensor([[12.0, -3.0, -11.0, 4.0]]))
+
+
 def test_on_policy_ratio_is_one_with_nonzero_gradient():
     """old=None: r == 1 exactly, but d loss / d logp = -A / n, as the seed stresses."""
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)

@@ -16,7 +16,7 @@ import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig, _C  # noqa: E402
 from fused_rl.backends import get_backend, native  # noqa: E402
 from fused_rl.backends.custom_ops import config_args  # noqa: E402
-from fused_rl.loss_math import per_token_loss  # noqa: E402
+from fused_rl.loss_math import kl_estimator, per_token_loss  # noqa: E402
 from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
                      on_device, same_layout)
 
@@ -465,6 +465,13 @@ EPILOGUE_CONFIGS = [
     PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=1.5),
     PolicyLossConfig(policy_loss="sapo", rollout_is="token_mask", rollout_is_max=2.0, delta=None, kl="k3+",
                      beta=0.1, kl_bias_correction=True, entropy_coef=0.02),
+    # OpenRLHF's value clamp and unbiased_gradient's min(r, C)-weighted k2 gradient
+    PolicyLossConfig(kl="k1", beta=0.3, kl_clamp=10.0),
+    PolicyLossConfig(policy_loss="reinforce", kl="k2", beta=0.2, kl_clamp=10.0),
+    PolicyLossConfig(kl="abs+", beta=0.2, kl_clamp=4.0, kl_is_clip=1.3),
+    PolicyLossConfig(policy_loss="cispo", kl="k2+", beta=0.4, kl_clamp=10.0, kl_is_clip=1.3, entropy_coef=0.01),
+    PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.2, kl_is_clip=0.8, rollout_is="token_truncate",
+                     rollout_is_max=1.5),
 ]
 
 
@@ -479,7 +486,7 @@ def _epilogue(config, logp, ent, adv, old, ref, rollout, w):
 
 def _cfg_name(c):
     return (f"{c.policy_loss}-{c.kl}-d{c.dual_clip}-delta{c.delta}-bias{int(c.kl_bias_correction)}-{c.rollout_is}"
-            f"-e{c.entropy_coef}")
+            f"-e{c.entropy_coef}-klclamp{c.kl_clamp}-klis{c.kl_is_clip}")
 
 
 @pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_cfg_name)
@@ -529,6 +536,11 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
         rho = torch.exp(old - rollout)
         lo, hi = config.rollout_is_min, config.rollout_is_max
         assert (lo is None or (rho < lo).any()) and (hi is None or (rho > hi).any())
+    if config.kl_clamp is not None:  # the clamp cuts and keeps values
+        value = kl_estimator(logp, ref, config.kl.rstrip("+"))
+        assert (value > config.kl_clamp).any() and (value.abs() < config.kl_clamp).any()
+    if config.kl_is_clip is not None:
+        assert (r > config.kl_is_clip).any() and (r < config.kl_is_clip).any()
 
 
 def test_epilogue_params_reject_sequence_level_configs():

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig  # noqa: E402
 from fused_rl.backends import get_backend  # noqa: E402
-from fused_rl.loss_math import metrics as loss_metrics, per_token_loss  # noqa: E402
+from fused_rl.loss_math import kl_estimator, metrics as loss_metrics, per_token_loss  # noqa: E402
 from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
                      on_device)
 
@@ -74,6 +74,13 @@ EPILOGUE_CONFIGS = TOKEN_CONFIGS + [
     PolicyLossConfig(policy_loss="cispo", clip_high=0.3, kl="k3+", beta=0.2),
     PolicyLossConfig(policy_loss="reinforce", kl="abs+", beta=0.4, entropy_coef=0.02),
     PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.5),
+    # OpenRLHF's value clamp (both signs for k1) and unbiased_gradient's min(r, C)-weighted k2 gradient
+    PolicyLossConfig(kl="k1", beta=0.3, kl_clamp=10.0),
+    PolicyLossConfig(policy_loss="cispo", kl="k2", beta=0.2, kl_clamp=10.0, entropy_coef=0.01),
+    PolicyLossConfig(policy_loss="reinforce", kl="abs", beta=0.0, kl_clamp=5.0),
+    PolicyLossConfig(kl="k1+", beta=0.3, kl_clamp=10.0, kl_is_clip=1.2),
+    PolicyLossConfig(policy_loss="sapo", kl="k2+", beta=0.2, kl_clamp=10.0, kl_is_clip=1.2),
+    PolicyLossConfig(kl="low_var_kl+", beta=0.5, kl_is_clip=0.9, rollout_is="token_mask", rollout_is_max=1.5),
     # kl_bias_correction (the kl output is r kl), also as a metric only and with a "+" estimator
     PolicyLossConfig(kl="k3", beta=0.3, kl_bias_correction=True),
     PolicyLossConfig(kl="abs", beta=0.0, kl_bias_correction=True),
@@ -106,6 +113,10 @@ def epi_id(c):
         parts.append(f"tau{c.sapo_temperature_pos}-{c.sapo_temperature_neg}")
     if c.kl_bias_correction:
         parts.append("biascorr")
+    if c.kl_clamp is not None:
+        parts.append(f"klclamp{c.kl_clamp}")
+    if c.kl_is_clip is not None:
+        parts.append(f"klis{c.kl_is_clip}")
     if c.rollout_is is not None:
         parts.append(f"{c.rollout_is}-{c.rollout_is_min}-{c.rollout_is_max}")
     if c.entropy_coef:
@@ -162,6 +173,12 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
     if config.kl is not None and config.kl.startswith("low_var_kl"):
         d = (ref - logp)[valid]
         assert (d > 20).any() and (d < -20).any() and ((d.abs() < 2)).any()
+    if config.kl_clamp is not None:  # cut on each side the estimator reaches, kept elsewhere
+        value = kl_estimator(logp[valid], ref[valid], config.kl.rstrip("+"))
+        assert (value > config.kl_clamp).any() and (value.abs() < config.kl_clamp).any()
+        assert (value < -config.kl_clamp).any() == (config.kl.rstrip("+") == "k1")
+    if config.kl_is_clip is not None and not on_policy:
+        assert (r > config.kl_is_clip).any() and (r < config.kl_is_clip).any()
     if config.rollout_is is not None:
         rho = extras["rollout_rho"].view(n)[valid]
         lo, hi = config.rollout_is_min, config.rollout_is_max

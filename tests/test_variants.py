@@ -38,6 +38,14 @@ VARIANTS = {
                             mask_truncated_completions=True, agg="seq-mean-token-sum-norm", max_len=8),
     "luspo": PolicyLossConfig.preset("luspo", clip_low=0.05, clip_high=0.1, kl="k2", beta=0.1),
     "vespo": PolicyLossConfig.preset("vespo", kl="k3", beta=0.05, kl_bias_correction=True),
+    # OpenRLHF's compute_approx_kl: the value clamp (small here, to cut ~half the tokens of make_case's spread) and
+    # unbiased_gradient's min(r, C)-weighted k2 gradient (C cuts ~a third of the token ratios)
+    "k1_clamp": PolicyLossConfig(kl="k1", beta=0.3, kl_clamp=0.3, dual_clip=3.0),
+    "k2+_is": PolicyLossConfig(policy_loss="cispo", kl="k2+", beta=0.5, kl_clamp=0.05, kl_is_clip=1.1),
+    "abs+_is_gspo": PolicyLossConfig(policy_loss="gspo", kl="abs+", beta=0.2, kl_clamp=0.25, kl_is_clip=1.05,
+                                     agg="seq-mean-token-mean"),
+    "low_var_kl+_is": PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.2, kl_is_clip=1.1,
+                                       rollout_is="token_truncate", rollout_is_max=1.5),
     "vespo_mis": PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
                                   vespo_lambda_neg=1.0, rollout_is="token_mask", rollout_is_min=0.5,
                                   rollout_is_max=1.5, off_policy_mask=0.05, entropy_coef=0.01,

@@ -199,6 +199,8 @@ def epilogue_params(config: PolicyLossConfig):
     kl = config.kl or ""
     p.kl, p.kl_straight = KL_CODES[kl.rstrip("+") or None], int(kl.endswith("+"))
     p.kl_bias = int(config.kl_bias_correction)
+    p.has_kl_clamp, p.kl_clamp = int(config.kl_clamp is not None), config.kl_clamp or 0.0
+    p.has_kl_is, p.kl_is_clip = int(config.kl_is_clip is not None), config.kl_is_clip or 0.0
     p.has_dual, p.has_delta = int(config.dual_clip is not None), int(config.delta is not None)
     p.rollout = ROLLOUT_CODES[config.rollout_is]
     p.clip_low, p.clip_high = config.clip_low, config.clip_high
