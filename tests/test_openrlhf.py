@@ -134,15 +134,17 @@ def test_from_openrlhf_copies_the_options(upstream):
 
 
 def _upstream_actor_loss(upstream, kwargs, logits, action_ids, old, adv, mask, rollout, base, kl_coef, entropy_coef,
-                         norm):
-    """OpenRLHF's ``training_step`` loss on log-probs of ``logits`` (fp64): policy loss + kl_coef * k3 KL loss -
-    entropy_coef * entropy loss, the last two aggregated per token with the same batch info."""
+                         norm, kl_estimator="k3", unbiased_gradient=False):
+    """OpenRLHF's ``training_step`` loss on log-probs of ``logits`` (fp64): policy loss + kl_coef * KL loss
+    (``compute_approx_kl`` as ``training_step`` calls it) - entropy_coef * entropy loss, the last two aggregated per
+    token with the same batch info."""
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(-1, action_ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     loss, *metrics = upstream.loss.PolicyLoss(**kwargs)(logp, old, adv, mask, rollout, **norm)
     if kl_coef > 0:
-        kl = upstream.utils.compute_approx_kl(logp, base, kl_estimator="k3")
+        kl = upstream.utils.compute_approx_kl(logp, base, log_probs_old=old, kl_estimator=kl_estimator,
+                                              unbiased_gradient=unbiased_gradient)
         loss = loss + kl_coef * upstream.loss.aggregate_loss(kl, mask, **norm)
     if entropy_coef is not None:
         loss = loss - entropy_coef * upstream.loss.aggregate_loss(entropy, mask, **norm)
@@ -189,7 +191,7 @@ def test_forward_from_hidden_matches_openrlhf_actor(upstream, backend, setup, dt
     h, w = hidden.to(dtype).requires_grad_(True), weight.to(dtype).requires_grad_(True)
     got, *metrics, out = PolicyLoss(**kwargs).forward_from_hidden(
         h, w, action_ids, old, adv, mask, rollout, **norm, temperature=tau, base_log_probs=base, kl_coef=kl_coef,
-        entropy_coef=entropy_coef, backend=backend)
+        kl_estimator="k3", entropy_coef=entropy_coef, backend=backend)
     got.backward()
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-6)
@@ -208,6 +210,46 @@ def test_forward_from_hidden_matches_openrlhf_actor(upstream, backend, setup, dt
         else:
             tol = (1e-4, 1e-6) if dtype == torch.float32 else (1e-2, 1e-3)
             torch.testing.assert_close(got_metric.double(), e.double(), rtol=tol[0], atol=tol[1], msg=name)
+
+
+@pytest.mark.parametrize("unbiased", [False, True], ids=["legacy", "unbiased"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("backend", fused_backends())
+def test_forward_from_hidden_kl_estimators(upstream, backend, estimator, unbiased):
+    """OpenRLHF's KL loss, every ``--algo.kl.estimator`` with ``unbiased_gradient`` off and on, fused (fp32) against
+    ``training_step``'s sum on the fp64 log-softmax: loss and hidden / weight gradients. The reference model's
+    log-probs lie up to ~20 nats away, so the ``[-10, 10]`` value clamp cuts tokens on both sides, and the old ones
+    far enough that ``unbiased_gradient``'s weight ``min(pi / pi_old, 10)`` is cut too."""
+    kwargs = _kwargs("ppo", None, True, "off")
+    g = torch.Generator().manual_seed(11)
+    batch, length, hidden_size, vocab = 4, 9, 16, 300
+    hidden = torch.randn(batch, length, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * 0.5
+    action_ids = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.ones(batch, length)
+    mask[1, 5:] = 0.0
+    mask[3, 1:] = 0.0  # a length-1 response
+    adv = torch.randn(batch, 1, generator=g).expand(batch, length).contiguous()
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, action_ids.unsqueeze(-1))[..., 0]
+    old = (lp0 + 2.0 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
+    base = (lp0 + 7.0 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
+    d = (lp0 - base)[mask.bool()]
+    assert (d > 10).any() and (d < -10).any() and (d.abs() < 4).any()
+    assert ((lp0 - old)[mask.bool()] > math.log(10.0)).any()
+
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    expected, _ = _upstream_actor_loss(upstream, kwargs, h64 @ w64.T, action_ids, old.double(), adv.double(),
+                                       mask.double(), None, base.double(), 0.1, None, {}, estimator, unbiased)
+    expected.backward()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, *_ = PolicyLoss(**kwargs).forward_from_hidden(h, w, action_ids, old, adv, mask, base_log_probs=base,
+                                                       kl_coef=0.1, kl_estimator=estimator,
+                                                       kl_unbiased_gradient=unbiased, backend=backend)
+    got.backward()
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=2e-4, atol=2e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-4, atol=2e-6)
 
 
 # Hand values (no OpenRLHF needed). One response of three tokens, the old policy's sampled-token probabilities
@@ -267,9 +309,8 @@ def test_forward_by_hand():
 
 
 @pytest.mark.parametrize("kwargs, error, needle", [
-    (dict(kl_coef=0.1, kl_estimator="k1"), NotImplementedError, "clamps its value"),
-    (dict(kl_coef=0.1, kl_estimator="k2"), NotImplementedError, "clamps its value"),
-    (dict(kl_coef=0.1, kl_unbiased_gradient=True), NotImplementedError, "unbiased_gradient"),
+    (dict(kl_coef=0.1, kl_estimator="k4"), ValueError, "kl_estimator must be one of k1/k2/k3"),
+    (dict(kl_estimator="low_var_kl"), ValueError, "kl_estimator"),
     (dict(kl_coef=0.1, token_level_loss=False), NotImplementedError, "per sample"),
     (dict(entropy_coef=0.01, policy_loss_type="gspo"), NotImplementedError, "per sample"),
     (dict(policy_loss_type="grpo"), ValueError, "policy_loss_type"),
@@ -285,7 +326,13 @@ def test_config_mapping():
                                            temperature=0.7)
     assert (cfg.policy_loss, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg) == \
         ("ppo_clip", 0.1, 0.3, 2.0, "token-mean")
-    assert (cfg.kl, cfg.beta, cfg.entropy_coef, cfg.temperature) == ("low_var_kl", 0.02, 0.001, 0.7)
+    assert (cfg.kl, cfg.beta, cfg.entropy_coef, cfg.temperature) == ("k1", 0.02, 0.001, 0.7)  # OpenRLHF's default
+    assert (cfg.kl_clamp, cfg.kl_is_clip) == (10.0, None)
+    for estimator, unbiased, expected in (("k2", False, ("k2", 10.0, None)), ("k3", False, ("low_var_kl", None, None)),
+                                          ("k1", True, ("k1+", 10.0, 10.0)), ("k2", True, ("k2+", 10.0, 10.0)),
+                                          ("k3", True, ("low_var_kl+", None, 10.0))):
+        cfg = policy_loss_config_from_openrlhf(kl_coef=0.1, kl_estimator=estimator, kl_unbiased_gradient=unbiased)
+        assert (cfg.kl, cfg.kl_clamp, cfg.kl_is_clip) == expected
     gspo = policy_loss_config_from_openrlhf(policy_loss_type="gspo", kl_estimator="k1")  # KL off: any estimator
     assert (gspo.policy_loss, gspo.agg, gspo.kl) == ("gspo", "seq-mean-token-mean", None)
 

@@ -9,7 +9,7 @@
   trainer's ``actor_loss_fn``;
 * :meth:`PolicyLoss.forward_from_hidden`: the fused version, from the actor's last hidden states and ``lm_head``
   weight through :func:`fused_rl.linear_policy_loss` (no ``(B, T, V)`` logits), folding OpenRLHF's KL loss
-  (``--algo.kl.use_loss``, estimator ``k3``) and entropy loss (``--actor.entropy_coef``) into the same pass, as
+  (``--algo.kl.use_loss``, every estimator, ``unbiased_gradient`` too) and entropy loss (``--actor.entropy_coef``) into the same pass, as
   OpenRLHF's ``PolicyTrainer.training_step`` adds them: ``actor_loss + kl_coef * kl_loss - entropy_coef *
   entropy_loss``.
 
@@ -30,8 +30,13 @@ OpenRLHF                                        fused_rl
 ``is_correction_*`` (ppo)                       ``rollout_is_weights``, computed here from ``old_log_probs``
                                                 and ``rollout_log_probs`` (:func:`is_correction_weights`)
 ``is_correction_*`` (gspo)                      the ratio against ``rollout_log_probs``, no weights (OpenRLHF)
-``kl_estimator="k3"``, ``kl_coef``              ``kl="low_var_kl"`` (OpenRLHF clamps k3 to ``[-10, 10]``),
-                                                ``beta``
+``kl_coef``                                     ``beta``
+``kl_estimator="k1"`` / ``"k2"``                ``kl="k1"`` / ``"k2"`` with ``kl_clamp=10`` (OpenRLHF clamps
+                                                every estimator's value to ``[-10, 10]``)
+``kl_estimator="k3"``                           ``kl="low_var_kl"`` (k3 clamped to ``[-10, 10]``)
+``unbiased_gradient`` (``--algo.kl``)           the ``"X+"`` estimator (k2's gradient) with ``kl_is_clip=10``
+                                                (OpenRLHF's ``KL_IS_WEIGHT_CLIP``): k2's gradient times
+                                                ``sg(min(exp(log_probs - old_log_probs), 10))``
 ``entropy_coef``                                ``entropy_coef``
 ``temperature`` (the actor's)                   ``temperature``
 ==============================================  ==========================================================
@@ -46,11 +51,8 @@ Differences from OpenRLHF, all documented in ``docs/migration.md``:
 * ``is_correction_threshold`` with ``low > high`` raises (OpenRLHF drops every token).
 * OpenRLHF's means divide by ``sum(mask)`` unclamped (NaN for an empty batch) and a response's token mean by
   ``count + 1e-8``; fused_rl clamps the counts at 1 and divides by ``count``.
-* OpenRLHF's KL estimators ``k1`` / ``k2`` clamp their value to ``[-10, 10]`` (no gradient beyond), and
-  ``unbiased_gradient`` weighs the k2 gradient by ``min(pi / pi_old, 10)``; fused_rl has neither, so they raise
-  ``NotImplementedError`` in :meth:`PolicyLoss.forward_from_hidden` (``k3`` is exact). With a per-sample policy
-  loss, a KL or entropy term raises too: OpenRLHF aggregates those per token, and one fused pass has one
-  aggregation.
+* With a per-sample policy loss, a KL or entropy term raises ``NotImplementedError``: OpenRLHF aggregates those per
+  token, and one fused pass has one aggregation.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ IS_CORRECTION_MODES = ("mask", "clip")
 IS_CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
 #: OpenRLHF's clamp of the sampled-token probabilities in the binary-KL / TV gates (keeps the logs finite).
 PROB_CLAMP = 1e-6
+#: OpenRLHF's ``kl_estimator`` -> fused_rl's ``kl`` (before the ``unbiased_gradient`` ``"+"``); every value is
+#: clamped to ``[-KL_VALUE_CLAMP, KL_VALUE_CLAMP]`` there (k3 clamped is ``low_var_kl``).
+KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "low_var_kl"}
+KL_VALUE_CLAMP = 10.0
+#: OpenRLHF's ``KL_IS_WEIGHT_CLIP``: the bound of ``unbiased_gradient``'s importance weight ``pi / pi_old``.
+KL_IS_WEIGHT_CLIP = 10.0
 
 Count = Union[None, int, float, torch.Tensor]
 
@@ -158,29 +166,25 @@ def policy_loss_config_from_openrlhf(
     policy_loss_type: str = "ppo",
     *,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: str = "k1",
     kl_unbiased_gradient: bool = False,
     entropy_coef: Optional[float] = None,
     temperature: float = 1.0,
 ) -> PolicyLossConfig:
     """The :class:`PolicyLossConfig` of OpenRLHF's actor loss (see the module docstring's table); ``kl_coef = 0``
     leaves the KL loss out (OpenRLHF's ``--algo.kl.use_loss`` off or ``init_coef = 0``), ``entropy_coef=None`` the
-    entropy loss."""
+    entropy loss. ``kl_estimator`` and ``kl_unbiased_gradient`` are ``--algo.kl.estimator`` and
+    ``--algo.kl.unbiased_gradient`` (``compute_approx_kl``'s, read at openrlhf 0.11.2)."""
     if policy_loss_type not in POLICY_LOSS_TYPES:
         _fail(f"policy_loss_type must be one of {'/'.join(POLICY_LOSS_TYPES)}, got {policy_loss_type!r}")
     per_sample = policy_loss_type == "gspo" or not token_level_loss
-    kl = None
+    if kl_estimator not in KL_ESTIMATORS:
+        _fail(f"kl_estimator must be one of {'/'.join(KL_ESTIMATORS)}, got {kl_estimator!r}")
+    kl = kl_clamp = kl_is_clip = None
     if kl_coef != 0.0:
-        if kl_unbiased_gradient:
-            raise NotImplementedError(
-                "OpenRLHF kl unbiased_gradient weighs the k2 gradient by min(pi / pi_old, 10) off-policy; fused_rl's "
-                "straight-through estimators ('k3+' & co.) have no such weight: use unbiased_gradient=False")
-        if kl_estimator != "k3":
-            raise NotImplementedError(
-                f"OpenRLHF kl_estimator={kl_estimator!r} clamps its value to [-10, 10] (no gradient beyond), which "
-                "fused_rl's k1 / k2 do not; use 'k3' (fused_rl's low_var_kl, exact) or compute the KL loss yourself "
-                "from log-probs")
-        kl = "low_var_kl"
+        kl = KL_ESTIMATORS[kl_estimator] + ("+" if kl_unbiased_gradient else "")
+        kl_clamp = None if kl.startswith("low_var_kl") else KL_VALUE_CLAMP
+        kl_is_clip = KL_IS_WEIGHT_CLIP if kl_unbiased_gradient else None
     entropy = 0.0 if entropy_coef is None else entropy_coef
     if per_sample and (kl is not None or entropy != 0.0):
         raise NotImplementedError(
@@ -190,7 +194,8 @@ def policy_loss_config_from_openrlhf(
     return PolicyLossConfig(policy_loss="ppo_clip" if policy_loss_type == "ppo" else "gspo",
                             clip_low=clip_eps_low, clip_high=clip_eps_high, dual_clip=dual_clip,
                             agg="seq-mean-token-mean" if per_sample else "token-mean", kl=kl,
-                            beta=kl_coef if kl is not None else 0.0, entropy_coef=entropy, temperature=temperature)
+                            beta=kl_coef if kl is not None else 0.0, kl_clamp=kl_clamp, kl_is_clip=kl_is_clip,
+                            entropy_coef=entropy, temperature=temperature)
 
 
 class PolicyLoss(torch.nn.Module):
@@ -316,7 +321,7 @@ class PolicyLoss(torch.nn.Module):
         advantages: torch.Tensor, action_mask: Optional[torch.Tensor] = None,
         rollout_log_probs: Optional[torch.Tensor] = None, dp_size: int = 1, batch_num_tokens: Count = None,
         global_batch_size: Count = None, *, bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
-        base_log_probs: Optional[torch.Tensor] = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+        base_log_probs: Optional[torch.Tensor] = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
         kl_unbiased_gradient: bool = False, entropy_coef: Optional[float] = None, backend: str = "auto",
         check_inputs: bool = True,
     ) -> tuple:
@@ -326,8 +331,10 @@ class PolicyLoss(torch.nn.Module):
         ``logits[:, -T-1:-1]``), ``weight (V, H)`` / ``bias`` the ``lm_head``, ``temperature`` the actor's (it
         divides the logits, for the log-probs and the entropy). Returns ``(loss, clip_ratio, ppo_kl, vllm_kl,
         is_filter_ratio, out)``: ``loss = actor_loss + kl_coef * kl_loss - entropy_coef * entropy_loss`` as
-        OpenRLHF's ``training_step`` sums them (``kl_loss`` the k3 estimator against ``base_log_probs``, the
-        reference model's, when ``kl_coef != 0``; ``entropy_loss`` when ``entropy_coef`` is not None), each
+        OpenRLHF's ``training_step`` sums them (``kl_loss`` OpenRLHF's ``compute_approx_kl`` against
+        ``base_log_probs``, the reference model's, when ``kl_coef != 0``: ``kl_estimator`` k1 / k2 / k3, OpenRLHF's
+        default k1, its value clamped to ``[-10, 10]``, with ``kl_unbiased_gradient`` the k2 gradient weighted by
+        ``min(exp(log_probs - old_log_probs), 10)``; ``entropy_loss`` when ``entropy_coef`` is not None), each
         aggregated per token like the policy loss; ``out`` the :class:`PolicyLossOutput` (detached ``logprobs`` /
         ``entropy``; ``out.metrics["kl_mean"]`` / ``["entropy_mean"]`` are local masked means, OpenRLHF's logged
         ``kl`` / ``entropy_loss`` when ``batch_num_tokens`` is None). Pass ``kl_coef`` only where OpenRLHF adds the
