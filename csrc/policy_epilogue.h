@@ -19,9 +19,9 @@
 //             a token the engine did not score); the policy term is
 //             multiplied by clamp(rho, lo, hi) (truncate) or rho 1[lo <= rho <= hi] (mask)
 //   kl (d = ref - logp): k1 -d, k2 d^2/2, k3 expm1(d) - d, abs |d|, low_var_kl clamp(k3(clamp(d,+-20)), +-10);
-//             straight-through "X+": the value of X with the gradient of k2 (dk/dd = d);
+//             straight-through "X+": the value of X with the gradient of k2 (dk/dd = d, 0 at an infinite d);
 //             kl_clamp c: k = clamp(k, -c, c), dk/dd 0 where cut (an "X+" keeps k2's);
-//             kl_is_clip C ("X+"): k2's dk/dd times the detached min(r, C) (0 at r = 0, d = inf: not 0 * inf);
+//             kl_is_clip C ("X+"): k2's dk/dd times the detached min(r, C);
 //             kl_bias_correction: the KL term is r kl (gradient r dkl/dlogp + kl r), each product 0 where one
 //             factor is 0 and the other infinite, no kl r where r overflowed, k3's r expm1(d) as exp(ref - old) - r
 //             past d = 20 for a finite r (loss_math.bias_corrected_kl)
@@ -167,12 +167,12 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
       }
       default: break;
     }
-    if (p.has_kl_clamp) {  // torch's clamp: the gradient passes on the closed interval
-      dk_dd *= frl_clamp_grad(k, -p.kl_clamp, p.kl_clamp);
+    if (p.has_kl_clamp) {  // torch's clamp: the gradient passes on the closed interval, else 0 (also at d = inf)
+      if (frl_clamp_grad(k, -p.kl_clamp, p.kl_clamp) == 0.0f && k == k) dk_dd = 0.0f;
       k = k > p.kl_clamp ? p.kl_clamp : (k < -p.kl_clamp ? -p.kl_clamp : k);  // a NaN passes
     }
-    if (p.kl_straight) {  // the gradient of k2 = d^2 / 2
-      dk_dd = p.has_kl_is ? frl_times_limit(fminf(r, p.kl_is_clip), d) : d;
+    if (p.kl_straight) {  // the gradient of k2 = d^2 / 2, 0 at an infinite d (loss_math._k2_slope)
+      dk_dd = fabsf(d) == INFINITY ? 0.0f : (p.has_kl_is ? fminf(r, p.kl_is_clip) * d : d);
       k3_slope = false;
     }
     if (p.beta != 0.0f) {

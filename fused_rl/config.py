@@ -103,7 +103,7 @@ class PolicyLossConfig:
     * ``kl`` (estimator of KL(pi || ref), added as ``beta * kl``): ``k1 = -d``, ``k2 = d^2/2``,
       ``k3 = exp(d) - d - 1``, ``abs = |d|``, ``low_var_kl = clamp(k3, -10, 10)``; ``"X+"`` is
       straight-through: the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``; ``"k2+"`` is ``k2``
-      unless ``kl_clamp`` cuts its value).
+      unless ``kl_clamp`` cuts its value or ``kl_is_clip`` weights its gradient).
     * ``kl_clamp=c`` (k1, k2, abs and their ``"X+"``): the value is ``clamp(kl, -c, c)``, no gradient where it is
       cut (an ``"X+"`` keeps k2's); OpenRLHF's ``compute_approx_kl`` clamps every estimator at 10 (its k3 is
       ``low_var_kl``).
@@ -265,7 +265,10 @@ class PolicyLossConfig:
                        "the bias-corrected KL's exact slopes know low_var_kl's clamp only")
                 raise ValueError(f"PolicyLossConfig.{name} with kl_bias_correction is not supported: {why}")
         if self.kl_clamp is not None and self.kl not in KL_CLAMPABLE:
-            hint = " (k3 clamped at 10 is kl='low_var_kl')" if self.kl in ("k3", "k3+") else ""
+            plus = "+" if self.kl is not None and self.kl.endswith("+") else ""
+            hints = {"k3": f" (k3 clamped to [-10, 10] is kl='low_var_kl{plus}')",
+                     "low_var_kl": " (low_var_kl is k3 already clamped to [-10, 10])"}
+            hint = hints.get((self.kl or "").rstrip("+"), "")
             raise ValueError(f"PolicyLossConfig.kl_clamp applies to kl in {KL_CLAMPABLE}, got kl={self.kl!r}{hint}")
         if self.kl_is_clip is not None and (self.kl is None or not self.kl.endswith("+")):
             raise ValueError("PolicyLossConfig.kl_is_clip weights the k2 gradient of a straight-through estimator: "
@@ -383,9 +386,9 @@ class PolicyLossConfig:
     def has_token_epilogue(self) -> bool:
         """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config:
         every token-local option (ppo_clip with dual clip / ``delta``, sapo, cispo, reinforce; every KL
-        estimator, straight-through ones included, and ``kl_bias_correction``; token-level rollout
-        correction); otherwise (sequence ratios and masks, the top-entropy quantile) the backends use the
-        two-pass composition with :mod:`fused_rl.loss_math`."""
+        estimator, straight-through ones included, ``kl_clamp``, ``kl_is_clip`` and ``kl_bias_correction``;
+        token-level rollout correction); otherwise (sequence ratios and masks, the top-entropy quantile) the
+        backends use the two-pass composition with :mod:`fused_rl.loss_math`."""
         return self.has_token_local_policy and (self.rollout_is is None or self.rollout_is.startswith("token"))
 
 

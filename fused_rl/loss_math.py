@@ -62,8 +62,9 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str, clamp: Option
     k1 ``-d``; k2 ``d^2 / 2``; k3 ``exp(d) - d - 1`` (``+inf`` at ``d = +inf``, a ``-inf`` log-prob: not
     ``expm1(inf) - inf = NaN``); abs ``|d|``; low_var_kl ``clamp(k3, -10, 10)``;
     ``"X+"``: straight-through, the value of ``X`` with the gradient of ``k2`` (``k2 + sg(X - k2)``).
-    ``clamp`` (``config.kl_clamp``): the value is ``clamp(kl, -clamp, clamp)`` (autograd's gradient: none where cut,
-    k2's for ``"X+"``). ``weight`` (``"X+"`` only; ``sg(min(r, config.kl_is_clip))``): k2's gradient times it.
+    ``clamp`` (``config.kl_clamp``): the value is ``clamp(kl, -clamp, clamp)``, a zero gradient where cut (also at an
+    infinite ``d``: not ``0 * inf``), k2's for ``"X+"``. ``weight`` (``"X+"`` only; ``sg(min(r, config.kl_is_clip))``):
+    k2's gradient times it.
     """
     if kind.endswith("+"):
         # X's value exactly (k2 + sg(X - k2) rounds X to k2's ulp: 10 came out 6 at d = -8000 in fp32), plus a 0 with
@@ -75,7 +76,12 @@ def kl_estimator(logp: torch.Tensor, ref: torch.Tensor, kind: str, clamp: Option
     if weight is not None:
         raise ValueError(f"a weight of the k2 gradient needs a straight-through ('X+') estimator, got {kind!r}")
     if clamp is not None:
-        return kl_estimator(logp, ref, kind).clamp(min=-clamp, max=clamp)
+        value = kl_estimator(logp, ref, kind).detach()
+        bound = config_scalar(value, clamp)  # a graph input under torch.compile, not a constant per value
+        cut = (value > bound) | (value < -bound)
+        # the estimator again at d = 0 where cut: those tokens' zero slope is 0, not 0 * inf at an infinite d
+        kept = kl_estimator(torch.where(cut, ref, logp), ref, kind)
+        return torch.where(cut, value.clamp(min=-bound, max=bound), kept)
     d = ref - logp
     if kind == "k1":
         return -d
@@ -102,15 +108,17 @@ def kl_gradient_weight(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor
     if config.kl_is_clip is None:
         return None
     log_r = torch.where(mask, logp.detach() - old.detach(), torch.zeros_like(logp))
-    return torch.exp(log_r).clamp(max=config.kl_is_clip)
+    return torch.exp(log_r).clamp(max=config_scalar(log_r, config.kl_is_clip))
 
 
 def _k2_slope(d: torch.Tensor) -> torch.Tensor:
     """0 in value, with k2's derivatives in ``d`` (``d``, 1): ``u sg(d) + u^2 / 2``, ``u = d - sg(d)``; no overflow at
-    any finite ``d`` (``d^2 / 2`` is inf beyond ``|d| ~ 2.6e19`` in fp32), 0 at an infinite one."""
+    any finite ``d`` (``d^2 / 2`` is inf beyond ``|d| ~ 2.6e19`` in fp32), 0 with zero derivatives at an infinite
+    one (a ``-inf`` log-prob or reference log-prob: as the fused epilogues)."""
+    d = torch.where(torch.isinf(d), torch.zeros_like(d), d)
     d_sg = d.detach()
     u = d - d_sg
-    return torch.where(torch.isinf(d), torch.zeros_like(d), u * d_sg + 0.5 * u * u)
+    return u * d_sg + 0.5 * u * u
 
 
 def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

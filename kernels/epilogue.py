@@ -26,9 +26,9 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
 * KL (``+ beta kl``): k1 ``-d`` (``dkl/dlogp = 1``), k2 ``d^2/2`` (``-d``), k3 ``expm1(d) - d``
   (``-expm1(d)``), abs ``|d|`` (``-sign d``), low_var_kl ``clamp(k3(clamp(d, -20, 20)), -10, 10)``
   (``-expm1(d)`` inside both clamps, else 0); ``"X+"``: the value of ``X``, the derivative of k2
-  (``-d``); ``kl_clamp=c``: ``kl <- clamp(kl, -c, c)``, ``dkl/dlogp`` 0 where cut (an ``"X+"`` keeps k2's);
-  ``kl_is_clip=C`` (``"X+"``): k2's derivative times ``min(r, C)`` (detached); ``kl_bias_correction``:
-  ``kl <- r kl`` (the returned ``kl`` too), so
+  (``-d``, 0 at an infinite ``d``); ``kl_clamp=c``: ``kl <- clamp(kl, -c, c)``, ``dkl/dlogp`` 0 where cut (an
+  ``"X+"`` keeps k2's); ``kl_is_clip=C`` (``"X+"``): k2's derivative times ``min(r, C)`` (detached);
+  ``kl_bias_correction``: ``kl <- r kl`` (the returned ``kl`` too), so
   ``dl/dlogp += beta r (dkl/dlogp + kl)``, which is ``-beta r d`` for k3 (taken so: the two terms
   cancel to ``|d|`` from ``exp(d)``); each product 0 where one factor is 0 and the other infinite (a ``-inf``
   log-prob off-policy; an overflowed ``r`` times a zero slope), an overflowed ``r`` (a constant) carries no
@@ -235,13 +235,13 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             inside = (d >= -20.0) & (d <= 20.0) & (k3 >= -10.0) & (k3 <= 10.0)
             dkl = tl.where(inside, -em1, zero)
         if KL_CLAMP:  # clamp(kl, -c, c), its gradient passing on the closed interval (torch's clamp)
-            inside = (kl >= -kl_clamp) & (kl <= kl_clamp)
+            cut = (kl > kl_clamp) | (kl < -kl_clamp)  # a NaN is not cut (loss_math.kl_estimator)
             kl = tl.where(kl > kl_clamp, kl_clamp, tl.where(kl < -kl_clamp, -kl_clamp, kl))
-            dkl = tl.where(inside, dkl, zero)
-        if KL_ST:  # "X+": the value of X, the gradient of k2
-            dkl = -d
-            if KL_IS:  # times sg(min(r, C)), the token ratio: 0, not 0 * inf, at a -inf log-prob (r = 0)
-                dkl = _times_limit(tl.minimum(ratio, kl_is_clip), dkl)
+            dkl = tl.where(cut, zero, dkl)
+        if KL_ST:  # "X+": the value of X, the gradient of k2 (0 at an infinite d, as loss_math._k2_slope)
+            dkl = tl.where(tl.abs(d) == float("inf"), zero, -d)
+            if KL_IS:  # times sg(min(r, C)), the token ratio
+                dkl = tl.minimum(ratio, kl_is_clip) * dkl
         kl = tl.where(valid, kl, zero)
         if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r kl + r dkl, products at their limits
             rd = _times_limit(ratio, d)

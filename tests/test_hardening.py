@@ -991,6 +991,40 @@ def test_a_straight_through_kl_at_a_neg_inf_target_logit_has_its_estimators_valu
     torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("backend, device", on(["reference"] + BACKENDS))
+@pytest.mark.parametrize("fields", [dict(kl="k2", kl_clamp=10.0), dict(kl="k1", kl_clamp=0.5),
+                                    dict(kl="k2+", kl_clamp=10.0, kl_is_clip=10.0), dict(kl="k1+", kl_is_clip=2.0),
+                                    dict(kl="low_var_kl+"), dict(policy_loss="gspo", kl="abs+", kl_clamp=1.0)],
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_a_clamped_or_straight_through_kl_at_an_infinite_gap_has_zero_slope(backend, device, fields):
+    """At an infinite gap ``d = ref - logp`` (a ``-inf`` target logit off-policy; a ``-inf`` reference log-prob is
+    refused by the input checks), a clamped KL value is the clamp with a zero slope, and an ``"X+"`` estimator's k2
+    slope is 0 (weighted or not), on every backend: the gradient is the policy term's alone, finite, as the
+    reference's. Autograd of the clamp and of ``k2 + sg(X - k2)`` was ``0 * inf = NaN`` on the whole logits row
+    (reference, torch, cpu; triton 0)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 40, generator=g)
+    targets = torch.randint(0, 40, (2, 3), generator=g)
+    old, ref = (torch.randn(2, 3, generator=g) - 3 for _ in range(2))
+    x[0, 1, targets[0, 1]] = float("-inf")
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    config = PolicyLossConfig(**{"beta": 0.1, **fields})
+    results = []
+    for be, dev, beta in ((backend, device, config.beta), ("reference", "cpu", 0.0)):
+        xx = x.to(dev).requires_grad_(True)
+        out = fused_rl.policy_loss(xx, targets.to(dev), torch.tensor([0.5, -1.0], device=dev), mask.to(dev),
+                                   old_logprobs=old.to(dev), ref_logprobs=ref.to(dev),
+                                   config=config.replace(beta=beta), backend=be)
+        out.loss.backward()
+        results.append((out.loss.detach().cpu(), xx.grad.cpu()))
+    (loss, grad), (_, policy_grad) = results
+    assert not loss.isnan() and grad.isfinite().all()
+    # the infinite token's row: its KL slope is 0, so only the policy term's gradient is left there
+    torch.testing.assert_close(grad[0, 1], policy_grad[0, 1], atol=1e-6, rtol=1e-5)
+    assert grad.abs().sum() > grad[0, 1].abs().sum()
+
+
 @pytest.mark.parametrize("backend, device", on(BACKENDS))
 @pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
 def test_clip_low_of_one_or_more_is_no_lower_clip(backend, device, policy_loss):

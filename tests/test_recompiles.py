@@ -263,6 +263,7 @@ SCHEDULES = {
                          ("rollout_is_max", "beta")),
     "off-policy-mask": (dict(off_policy_mask=0.05), ("off_policy_mask",)),
     "top-entropy": (dict(top_entropy_quantile=0.5), ("top_entropy_quantile",)),
+    "openrlhf-kl": (dict(kl="k2+", beta=0.04, kl_clamp=0.5, kl_is_clip=1.1), ("beta", "kl_clamp", "kl_is_clip")),
 }
 SAME_SHAPE = [(2, 5)] * 5
 
