@@ -9,9 +9,9 @@
   trainer's ``actor_loss_fn``;
 * :meth:`PolicyLoss.forward_from_hidden`: the fused version, from the actor's last hidden states and ``lm_head``
   weight through :func:`fused_rl.linear_policy_loss` (no ``(B, T, V)`` logits), folding OpenRLHF's KL loss
-  (``--algo.kl.use_loss``, every estimator, ``unbiased_gradient`` too) and entropy loss (``--actor.entropy_coef``) into the same pass, as
-  OpenRLHF's ``PolicyTrainer.training_step`` adds them: ``actor_loss + kl_coef * kl_loss - entropy_coef *
-  entropy_loss``.
+  (``--algo.kl.use_loss``, every estimator, ``unbiased_gradient`` too) and entropy loss (``--actor.entropy_coef``)
+  into the same pass, as OpenRLHF's ``PolicyTrainer.training_step`` adds them: ``actor_loss + kl_coef * kl_loss -
+  entropy_coef * entropy_loss``.
 
 Option mapping (:func:`policy_loss_config_from_openrlhf`):
 
