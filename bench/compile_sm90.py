@@ -104,11 +104,15 @@ def resource_usage(kernel) -> str:
 BENCH_CONFIG = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
 
 #: ``(config, on_policy)`` of the policy kernels compiled: the hot configuration, then every option at
-#: once (``--all``: each policy loss with each KL estimator, and both rollout corrections, too).
+#: once, then OpenRLHF's KL options (``--all``: each policy loss with each KL estimator, and both rollout
+#: corrections, too).
 POLICY_VARIANTS = [
     (PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1), False),
     (PolicyLossConfig(delta=1.5, dual_clip=3.0, kl="k3+", beta=0.1, kl_bias_correction=True,
                       rollout_is="token_mask", rollout_is_min=0.5, rollout_is_max=2.0, entropy_coef=0.01), False),
+    # OpenRLHF's KL: the value clamp and unbiased_gradient's weight (exclusive with kl_bias_correction)
+    (PolicyLossConfig(policy_loss="sapo", kl="k1+", beta=0.1, kl_clamp=10.0, kl_is_clip=10.0, entropy_coef=0.01),
+     False),
 ]
 POLICY_VARIANTS_FULL = POLICY_VARIANTS + [
     (PolicyLossConfig(policy_loss=policy, kl=kl, beta=0.1 if kl else 0.0, entropy_coef=0.01 * (i % 2),
