@@ -37,6 +37,7 @@ VARIANTS = {
     "delta=1.5": PolicyLossConfig.preset("dapo", delta=1.5),
     "k3+ beta=0.04": PolicyLossConfig.preset("dapo", beta=0.04, kl="k3+"),
     "kl_bias_correction": PolicyLossConfig.preset("dapo", beta=0.04, kl_bias_correction=True),
+    "openrlhf k2 unbiased": PolicyLossConfig.preset("dapo", beta=0.04, kl="k2+", kl_clamp=10.0, kl_is_clip=10.0),
     "rollout_is=token_truncate": PolicyLossConfig.preset("dapo", rollout_is="token_truncate", rollout_is_max=2.0),
     "rollout_is=token_mask": PolicyLossConfig.preset("dapo", rollout_is="token_mask", rollout_is_min=0.5,
                                                      rollout_is_max=2.0),
