@@ -76,7 +76,7 @@ IS_CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
 PROB_CLAMP = 1e-6
 #: OpenRLHF's ``kl_estimator`` -> fused_rl's ``kl`` (before the ``unbiased_gradient`` ``"+"``); every value is
 #: clamped to ``[-KL_VALUE_CLAMP, KL_VALUE_CLAMP]`` there (k3 clamped is ``low_var_kl``).
-KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "low_var_kl"}
+KL_FROM_OPENRLHF = {"k1": "k1", "k2": "k2", "k3": "low_var_kl"}
 KL_VALUE_CLAMP = 10.0
 #: OpenRLHF's ``KL_IS_WEIGHT_CLIP``: the bound of ``unbiased_gradient``'s importance weight ``pi / pi_old``.
 KL_IS_WEIGHT_CLIP = 10.0
@@ -178,11 +178,11 @@ def policy_loss_config_from_openrlhf(
     if policy_loss_type not in POLICY_LOSS_TYPES:
         _fail(f"policy_loss_type must be one of {'/'.join(POLICY_LOSS_TYPES)}, got {policy_loss_type!r}")
     per_sample = policy_loss_type == "gspo" or not token_level_loss
-    if kl_estimator not in KL_ESTIMATORS:
-        _fail(f"kl_estimator must be one of {'/'.join(KL_ESTIMATORS)}, got {kl_estimator!r}")
+    if kl_estimator not in KL_FROM_OPENRLHF:
+        _fail(f"kl_estimator must be one of {'/'.join(KL_FROM_OPENRLHF)}, got {kl_estimator!r}")
     kl = kl_clamp = kl_is_clip = None
     if kl_coef != 0.0:
-        kl = KL_ESTIMATORS[kl_estimator] + ("+" if kl_unbiased_gradient else "")
+        kl = KL_FROM_OPENRLHF[kl_estimator] + ("+" if kl_unbiased_gradient else "")
         kl_clamp = None if kl.startswith("low_var_kl") else KL_VALUE_CLAMP
         kl_is_clip = KL_IS_WEIGHT_CLIP if kl_unbiased_gradient else None
     entropy = 0.0 if entropy_coef is None else entropy_coef
