@@ -38,6 +38,8 @@ VARIANTS = {
     "k3+ beta=0.04": PolicyLossConfig.preset("dapo", beta=0.04, kl="k3+"),
     "kl_bias_correction": PolicyLossConfig.preset("dapo", beta=0.04, kl_bias_correction=True),
     "openrlhf k2 unbiased": PolicyLossConfig.preset("dapo", beta=0.04, kl="k2+", kl_clamp=10.0, kl_is_clip=10.0),
+    "dppo_kl (verl)": PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.2, clip_high=0.2, delta=20.0, kl="k3",
+                                       beta=0.04),
     "rollout_is=token_truncate": PolicyLossConfig.preset("dapo", rollout_is="token_truncate", rollout_is_max=2.0),
     "rollout_is=token_mask": PolicyLossConfig.preset("dapo", rollout_is="token_mask", rollout_is_min=0.5,
                                                      rollout_is_max=2.0),

@@ -104,7 +104,7 @@ def resource_usage(kernel) -> str:
 BENCH_CONFIG = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
 
 #: ``(config, on_policy)`` of the policy kernels compiled: the hot configuration, then every option at
-#: once, then OpenRLHF's KL options (``--all``: each policy loss with each KL estimator, and both rollout
+#: once, then OpenRLHF's KL options, then DPPO (``--all``: each policy loss with each KL estimator, and both rollout
 #: corrections, too).
 POLICY_VARIANTS = [
     (PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1), False),
@@ -113,6 +113,9 @@ POLICY_VARIANTS = [
     # OpenRLHF's KL: the value clamp and unbiased_gradient's weight (exclusive with kl_bias_correction)
     (PolicyLossConfig(policy_loss="sapo", kl="k1+", beta=0.1, kl_clamp=10.0, kl_is_clip=10.0, entropy_coef=0.01),
      False),
+    # DPPO's binary-KL trust region (a log per token) with the weight's truncation
+    (PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.2, clip_high=0.2, delta=20.0, kl="k3", beta=0.1,
+                      entropy_coef=0.01), False),
 ]
 POLICY_VARIANTS_FULL = POLICY_VARIANTS + [
     (PolicyLossConfig(policy_loss=policy, kl=kl, beta=0.1 if kl else 0.0, entropy_coef=0.01 * (i % 2),

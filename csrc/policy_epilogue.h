@@ -14,6 +14,9 @@
 //   sapo:     l = -a 4/tau sigmoid(tau (r - 1)), tau = sapo_pos if a > 0 else sapo_neg
 //   cispo:    l = -sg(min(r, 1+ch)) a logp
 //   reinforce l = -a logp
+//   dppo:     l = -k sg(min(r, delta)) a logp (no min without delta), k the trust-region mask of p = exp(logp),
+//             q = exp(old): tv: p - q <= ch where a > 0, else p - q >= -cl; binary KL D = q (old - logp) +
+//             (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8)): D <= ch or p <= q where a > 0, else D <= cl or p >= q
 //   rollout correction (token level, detached): rho = exp(clamp(sg(old) - rollout, -20, 20)) (the bound is
 //             loss_math.ROLLOUT_LOG_RHO_BOUND, verl's; 1 where rollout is NaN:
 //             a token the engine did not score); the policy term is
@@ -41,7 +44,7 @@
 
 namespace fused_rl {
 
-enum PolicyKind : int { kPpoClip = 0, kGspo = 1, kCispo = 2, kReinforce = 3, kSapo = 4 };
+enum PolicyKind : int { kPpoClip = 0, kGspo = 1, kCispo = 2, kReinforce = 3, kSapo = 4, kDppoTv = 5, kDppoKl = 6 };
 enum KlKind : int { kKlNone = 0, kK1 = 1, kK2 = 2, kK3 = 3, kKlAbs = 4, kLowVarKl = 5 };
 enum RolloutKind : int { kRolloutNone = 0, kRolloutTruncate = 1, kRolloutMask = 2 };
 
@@ -54,7 +57,7 @@ struct EpilogueParams {
   int has_kl_is = 0;            // kl_is_clip: "X+"'s k2 gradient times min(r, kl_is_clip)
   int has_old = 0;              // 0: on-policy
   int has_dual = 0;             // dual clip active
-  int has_delta = 0;            // two-sided clip active
+  int has_delta = 0;            // two-sided clip active (dppo: the weight truncated at delta)
   int rollout = kRolloutNone;   // RolloutKind (needs the rollout log-probs)
   float clip_low = 0.2f, clip_high = 0.2f, dual_clip = 0.0f, delta = 0.0f;
   float sapo_pos = 1.0f, sapo_neg = 1.05f, beta = 0.0f, entropy_coef = 0.0f;
@@ -72,6 +75,9 @@ FRL_HD float frl_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo),
 
 // d(clamp(x, lo, hi))/dx as torch computes it: 1 on the closed interval, else 0.
 FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x <= hi) ? 1.0f : 0.0f; }
+
+// The smoothing of 1 - p in DPPO's binary KL (loss_math.DPPO_BINARY_KL_EPS).
+constexpr float kDppoBinaryKlEps = 1e-8f;
 
 // The gap d past which the bias-corrected k3 takes r expm1(d) as exp(log r + d) - r (loss_math.KL_BIAS_FAR).
 constexpr float kKlBiasFar = 20.0f;
@@ -109,6 +115,22 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     loss = -a * s * (4.0f / tau);
     // d sigmoid(x) / dr = tau s sigmoid(-x): 1 - s would be 0 once s rounds to 1 (x > 17), e^-x is not
     dl_dlogp = frl_times_ratio(-4.0f * a * s * (1.0f / (1.0f + expf(x))), r);
+  } else if (p.policy == kDppoTv || p.policy == kDppoKl) {
+    const float tw = p.has_delta ? fminf(r, p.delta) : r;
+    const float lq = p.has_old ? old : logp;
+    const float prob = expf(logp), q = expf(lq);
+    bool up, down;
+    if (p.policy == kDppoTv) {
+      up = prob - q <= p.clip_high;
+      down = prob - q >= -p.clip_low;
+    } else {
+      const float eps = kDppoBinaryKlEps;
+      const float div = q * (lq - logp) + (1.0f - q) * logf((1.0f - q + eps) / (1.0f - prob + eps));
+      up = div <= p.clip_high || prob <= q;
+      down = div <= p.clip_low || prob >= q;
+    }
+    dl_dlogp = (a > 0.0f ? up : down) ? -tw * a : 0.0f;
+    loss = frl_weighted(dl_dlogp, logp);
   } else {  // ppo_clip (and gspo's token form, unused)
     const float na = -a;
     const float lo = 1.0f - p.clip_low, hi = 1.0f + p.clip_high;

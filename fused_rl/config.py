@@ -13,12 +13,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional
 
-PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo"]
+PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo", "dppo_tv",
+                         "dppo_kl"]
 KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k2+", "k3+", "abs+", "low_var_kl+"]]
 RolloutISName = Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]]
 AggName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
-POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo")
+POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo", "dppo_tv", "dppo_kl")
 #: ``"X+"``: the value of estimator ``X`` with the gradient of ``k2`` (straight-through).
 KL_ESTIMATORS = (None, "k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k2+", "k3+", "abs+", "low_var_kl+")
 #: The estimators ``kl_clamp`` applies to (k3 clamped is ``low_var_kl``, already clamped at 10).
@@ -26,6 +27,9 @@ KL_CLAMPABLE = ("k1", "k2", "abs", "k1+", "k2+", "abs+")
 ROLLOUT_IS_MODES = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 #: Losses whose ratio is clipped PPO-style (``clip_low`` / ``clip_high``, ``dual_clip``, ``delta``).
 PPO_STYLE = ("ppo_clip", "gspo", "gspo_token")
+#: DPPO's losses: a truncated-IS policy gradient whose trust region is a divergence mask (``clip_low`` / ``clip_high``
+#: the divergence bounds, ``delta`` the truncation of the weight).
+DPPO = ("dppo_tv", "dppo_kl")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 #: Target id meaning "no token here": log-prob 0, entropy 0, zero gradient, and masked in the loss.
@@ -92,6 +96,14 @@ class PolicyLossConfig:
           where ``A > 0``, else ``sapo_temperature_neg``.
         - ``"cispo"``: ``-sg(min(r, 1+clip_high)) * A * logp``.
         - ``"reinforce"``: ``-A * logp``.
+        - ``"dppo_tv"``, ``"dppo_kl"``: DPPO ("Rethinking the trust region in LLM RL", arXiv 2602.04879; verl
+          ``loss_mode="dppo_tv"`` / ``"dppo_kl"``), ``-sg(min(r, delta)) * A * logp * sg(k_t)`` (``delta`` the
+          truncation of the importance weight, verl's ``clip_ratio_c``; ``None``: none) with the trust-region mask
+          ``k_t`` of the token probabilities ``p = exp(logp)``, ``q = exp(old)``: ``dppo_tv``: ``k_t = 1[p - q <=
+          clip_high]`` where ``A > 0``, else ``1[p - q >= -clip_low]``; ``dppo_kl`` with the binary KL
+          ``D = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))``: ``k_t = 1[D <= clip_high or p <= q]``
+          where ``A > 0``, else ``1[D <= clip_low or p >= q]`` (a token is dropped only when its update moves
+          ``p`` further past the divergence bound in the direction of its advantage).
         - ``"vespo"``: VESPO (TRL / Liger ``loss_type="vespo"``), ``-sg(phi_i) * A * logp`` with the sequence
           weight ``phi_i = exp(lam + k log w_i - lam w_i)`` (a Gamma density in ``w_i``, 1 at ``w_i = 1``), ``k, lam
           = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else ``vespo_k_neg, vespo_lambda_neg`` (``lam >= 0``,
@@ -190,11 +202,16 @@ class PolicyLossConfig:
             if value is None:
                 continue
             floats[name] = _finite_number(name, value)
-            if self.policy_loss not in PPO_STYLE:
-                raise ValueError(f"PolicyLossConfig.{name} applies to {PPO_STYLE} only, not {self.policy_loss!r}")
+            readers = PPO_STYLE + (DPPO if name == "delta" else ())
+            if self.policy_loss not in readers:
+                raise ValueError(f"PolicyLossConfig.{name} applies to {readers} only, not {self.policy_loss!r}")
         if self.dual_clip is not None and floats["dual_clip"] <= 1.0:
             raise ValueError(f"PolicyLossConfig.dual_clip must be > 1 (or None), got {self.dual_clip!r}")
-        if self.delta is not None and floats["delta"] <= 1.0 + floats["clip_high"]:
+        if self.policy_loss in DPPO:
+            if self.delta is not None and floats["delta"] <= 0.0:
+                raise ValueError(f"PolicyLossConfig.delta (dppo's truncation of the importance weight) must be > 0 "
+                                 f"(or None), got {self.delta!r}")
+        elif self.delta is not None and floats["delta"] <= 1.0 + floats["clip_high"]:
             raise ValueError(f"PolicyLossConfig.delta must be > 1 + clip_high = {1.0 + floats['clip_high']!r} "
                              f"(or None), got {self.delta!r}")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
@@ -328,11 +345,11 @@ class PolicyLossConfig:
 
     def unused_fields(self, names: Iterable[str]) -> dict[str, str]:
         """Of the field ``names`` (those a caller set explicitly), each one this config never reads, in the loss or
-        its metrics -> why: ``clip_low`` outside ppo_clip / gspo / gspo_token / gmpo, ``clip_high`` also outside
+        its metrics -> why: ``clip_low`` outside ppo_clip / gspo / gspo_token / gmpo / dppo, ``clip_high`` also outside
         cispo, ``sapo_temperature_*`` outside sapo, ``vespo_*`` outside vespo, ``rollout_is_min`` / ``_max``
         without ``rollout_is``. (Construction refuses the other such fields when they differ from their defaults:
         ``dual_clip``, ``delta``, ``max_len``, ``kl_bias_correction``.)"""
-        clipped = ("ppo_clip", "gspo", "gspo_token", "gmpo")
+        clipped = ("ppo_clip", "gspo", "gspo_token", "gmpo") + DPPO
         readers = {"clip_low": (self.policy_loss in clipped, f"is not used by policy_loss {self.policy_loss!r}"),
                    "clip_high": (self.policy_loss in clipped + ("cispo",),
                                  f"is not used by policy_loss {self.policy_loss!r}"),
@@ -379,13 +396,13 @@ class PolicyLossConfig:
     @property
     def has_token_local_policy(self) -> bool:
         """The token-local options of :attr:`has_token_epilogue`, whatever the rollout correction."""
-        return (self.policy_loss in ("ppo_clip", "sapo", "cispo", "reinforce")
+        return (self.policy_loss in ("ppo_clip", "sapo", "cispo", "reinforce") + DPPO
                 and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
 
     @property
     def has_token_epilogue(self) -> bool:
         """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config:
-        every token-local option (ppo_clip with dual clip / ``delta``, sapo, cispo, reinforce; every KL
+        every token-local option (ppo_clip with dual clip / ``delta``, sapo, cispo, reinforce, dppo; every KL
         estimator, straight-through ones included, ``kl_clamp``, ``kl_is_clip`` and ``kl_bias_correction``;
         token-level rollout correction); otherwise (sequence ratios and masks, the top-entropy quantile) the
         backends use the two-pass composition with :mod:`fused_rl.loss_math`."""

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
-from .config import PolicyLossConfig
+from .config import DPPO, PolicyLossConfig
 
 Normalizer = Union[None, int, float, torch.Tensor]
 
@@ -430,12 +430,37 @@ def ratio_bounds(like: torch.Tensor, config: PolicyLossConfig) -> tuple[torch.Te
     return 1.0 - config_scalar(like, config.clip_low), 1.0 + config_scalar(like, config.clip_high)
 
 
+#: The smoothing of ``1 - p`` in DPPO's binary KL (verl's ``compute_policy_loss_dppo_kl``).
+DPPO_BINARY_KL_EPS = 1e-8
+
+
+def dppo_keep(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
+              config: PolicyLossConfig) -> torch.Tensor:
+    """DPPO's trust-region mask ``k_t`` (bool, detached) of :class:`PolicyLossConfig`: with ``p = exp(logp)``, ``q =
+    exp(old)`` (in fp32 at least, as the kernels), ``dppo_tv`` keeps ``p - q <= clip_high`` where ``A > 0``, else
+    ``p - q >= -clip_low``; ``dppo_kl`` keeps ``D <= clip_high or p <= q`` where ``A > 0``, else ``D <= clip_low or p
+    >= q``, ``D = q (old - logp) + (1 - q) log((1 - q + eps) / (1 - p + eps))`` the binary KL of ``q`` and ``p``
+    (``eps`` = :data:`DPPO_BINARY_KL_EPS`). A NaN ``logp`` is never kept."""
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    lp, lq = logp.detach().to(dtype), old.detach().to(dtype)
+    p, q = lp.exp(), lq.exp()
+    low, high = config_scalar(p, config.clip_low), config_scalar(p, config.clip_high)
+    if config.policy_loss == "dppo_tv":
+        up, down = p - q <= high, p - q >= -low
+    else:
+        eps = DPPO_BINARY_KL_EPS
+        divergence = q * (lq - lp) + (1.0 - q) * torch.log((1.0 - q + eps) / (1.0 - p + eps))
+        up, down = (divergence <= high) | (p <= q), (divergence <= low) | (p >= q)
+    return torch.where(advantages > 0, up, down)
+
+
 def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
                          config: PolicyLossConfig, log_ratio: Optional[torch.Tensor] = None,
-                         mask: Optional[torch.Tensor] = None, phi: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         mask: Optional[torch.Tensor] = None, phi: Optional[torch.Tensor] = None,
+                         keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token surrogate (to minimize) of ``config.policy_loss``; see :class:`PolicyLossConfig`.
     gmpo also needs the masked token log-ratios ``log_ratio`` and the ``mask``; vespo its weights ``phi``
-    (:func:`vespo_weights`)."""
+    (:func:`vespo_weights`); dppo its trust-region mask ``keep`` (:func:`dppo_keep`)."""
     a = advantages
     if config.policy_loss in ("ppo_clip", "gspo", "gspo_token"):
         low, high = ratio_bounds(ratio, config)
@@ -467,6 +492,11 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
         if phi is None:
             raise ValueError("vespo needs its weights phi")
         return weighted(-phi.detach() * a, logp)
+    if config.policy_loss in DPPO:
+        if keep is None:
+            raise ValueError("dppo needs its trust-region mask keep")
+        w = ratio.detach() if config.delta is None else ratio.detach().clamp(max=config_scalar(ratio, config.delta))
+        return weighted(torch.where(keep, -w * a, torch.zeros_like(w)), logp)  # a dropped token: 0, also at inf
     return weighted(-a, logp)  # reinforce
 
 
@@ -613,7 +643,9 @@ def per_token_loss(
             raise ValueError(f"config.rollout_is={config.rollout_is!r} needs rollout_logprobs")
         rho, rollout_w = rollout_weights(old, torch.where(mask, rollout_logprobs, zeros), mask, config)
         extras["rollout_rho"], extras["rollout_is"] = rho, rollout_w
-    log_ratio = phi = None
+    log_ratio = phi = keep = None
+    if config.policy_loss in DPPO:
+        extras["dppo_keep"] = keep = dppo_keep(logp, old, a, config)
     if config.policy_loss in ("gmpo", "vespo"):
         log_ratio = torch.where(mask, logp - old, zeros)
         extras["log_ratio"] = log_ratio.detach()
@@ -622,7 +654,7 @@ def per_token_loss(
             raise ValueError("policy_loss='vespo' folds importance weights into its sequence weight: pass the "
                              "sampler's log-probs with config.rollout_is instead of rollout_is_weights")
         extras["vespo_phi"] = phi = vespo_weights(log_ratio, a, mask, config, rollout_w)
-    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi)
+    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi, keep=keep)
     if config.off_policy_mask is not None:
         behaviour = old if rollout_logprobs is None else torch.where(mask, rollout_logprobs, zeros)
         extras["off_policy_keep"] = keep = off_policy_keep(logp, behaviour, a, mask, config)
@@ -707,8 +739,9 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
 
     Clip fractions follow TRL (``low``: ``r < 1-clip_low`` and ``A < 0``; ``high``: ``r > 1+clip_high``
     and ``A > 0``; gmpo: the token log-ratio beyond ``-clip_low`` / ``clip_high``); cispo's ``high``
-    counts every truncated weight ``r > 1+clip_high``; ``dual``: tokens where the dual-clip cap ``-c A``
-    is the active value. For gspo (one ratio a sequence) they are fractions of the ``B`` sequences, as TRL's
+    counts every truncated weight ``r > 1+clip_high``; dppo's the tokens its trust-region mask drops (``high``: ``A >
+    0``, ``low``: ``A <= 0``; ``clip_frac`` is verl's ``pg_clipfrac``); ``dual``: tokens where the dual-clip cap
+    ``-c A`` is the active value. For gspo (one ratio a sequence) they are fractions of the ``B`` sequences, as TRL's
     ``importance_sampling_level="sequence"`` counts them (a sequence counts if any of its tokens does). With the
     options that use them (``extras`` of :class:`TokenTerms`):
     ``rollout_is_mean`` (the applied rollout weight), ``rollout_is_clip_frac`` (tokens whose ``rho`` is
@@ -736,6 +769,9 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
         high = (log_ratio > config.clip_high) & (a > 0)
     elif config.policy_loss == "cispo":
         high = ratio > ratio_bounds(ratio, config)[1]
+    elif config.policy_loss in DPPO:  # tokens outside the trust region, split as the mask is: A > 0 or not
+        dropped = ~extras["dppo_keep"]
+        low, high = dropped & ~(a > 0), dropped & (a > 0)
     clip_mean = mean
     if config.policy_loss == "gspo":
         clip_mean = lambda x: (x & mask).any(dim=-1).to(torch.float32).mean()  # noqa: E731

@@ -3,7 +3,7 @@ its derivatives, for kernels that know ``logp_t`` (and ``H_t``) of a token after
 
 This is the ONE Triton copy of the math of :func:`fused_rl.loss_math.per_token_loss` for every
 token-local config (``PolicyLossConfig.has_token_epilogue``: ppo_clip with asymmetric / dual clip and
-TRL's ``delta``, sapo, cispo, reinforce; every KL estimator, straight-through ones included, and
+TRL's ``delta``, sapo, cispo, reinforce, dppo; every KL estimator, straight-through ones included, and
 ``kl_bias_correction``; token-level rollout correction; the entropy bonus). ``tests/test_triton.py``
 checks it against autograd of ``per_token_loss`` on random inputs. With ``r = exp(logp - old)``
 (``r = 1`` and ``dr/dlogp = 1`` on-policy, so ``dr/dlogp = r`` always), ``d = ref - logp``:
@@ -19,6 +19,10 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
   ``sigmoid(-tau (r - 1))`` (exact in the tail, where ``s`` rounds to 1; 0 where ``r`` is inf);
 * cispo: ``l = -min(r, 1+ch) A logp`` with the weight detached: ``dl/dlogp = -min(r, 1+ch) A``;
 * reinforce: ``l = -A logp``, ``dl/dlogp = -A``;
+* dppo (``dppo_tv`` / ``dppo_kl``): ``l = -k w A logp`` with the detached weight ``w = min(r, delta)`` (``r``
+  without ``delta``) and trust-region mask ``k`` of ``p = exp(logp)``, ``q = exp(old)`` (``loss_math.dppo_keep``:
+  ``p - q`` or the binary KL against ``clip_high`` where ``A > 0``, ``clip_low`` elsewhere):
+  ``dl/dlogp = -k w A``;
 * token rollout correction (``rollout_is="token_*"``): ``rho = exp(clamp(old - rollout, -20, 20))``
   (``old = sg(logp)`` on-policy; the bound is ``loss_math.ROLLOUT_LOG_RHO_BOUND``, verl's),
   ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing bound no bound;
@@ -55,7 +59,9 @@ import triton.language as tl
 #: ``loss_math.KL_BIAS_FAR`` (compiled Triton reads only constexpr globals).
 KL_BIAS_FAR = tl.constexpr(20.0)
 #: ``POLICY`` constexpr codes.
-POLICY_CODES = {"ppo_clip": 0, "cispo": 1, "reinforce": 2, "sapo": 3}
+POLICY_CODES = {"ppo_clip": 0, "cispo": 1, "reinforce": 2, "sapo": 3, "dppo_tv": 4, "dppo_kl": 5}
+#: ``loss_math.DPPO_BINARY_KL_EPS``.
+DPPO_BINARY_KL_EPS = tl.constexpr(1e-8)
 #: ``KL`` constexpr codes of the base estimator (0: none); ``KL_ST`` marks the straight-through ``"X+"``.
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
 #: ``ROLLOUT`` constexpr codes (token-level rollout correction; 0: none).
@@ -180,12 +186,32 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
     elif POLICY == 2:  # reinforce
         loss = _weighted(-a, lp)
         dlogp = -a
-    else:  # sapo
+    elif POLICY == 3:  # sapo
         tau = tl.where(a > 0.0, zero + tau_pos, zero + tau_neg)
         x = tau * (ratio - 1.0)
         sig = 1.0 / (1.0 + tl.exp(-x))
         loss = -a * sig * (4.0 / tau)
         dlogp = _times_ratio(-4.0 * a * sig * (1.0 / (1.0 + tl.exp(x))), ratio)
+    else:  # dppo: 4 total variation, 5 binary KL
+        weight = ratio
+        if HAS_DELTA:
+            weight = tl.minimum(ratio, delta)
+        prob = tl.exp(lp)
+        if ON_POLICY:
+            lq = lp
+        else:
+            lq = tl.where(valid, old, zero)
+        q = tl.exp(lq)
+        if POLICY == 4:
+            up = prob - q <= clip_high
+            down = prob - q >= -clip_low
+        else:
+            eps = DPPO_BINARY_KL_EPS
+            div = q * (lq - lp) + (1.0 - q) * tl.log((1.0 - q + eps) / (1.0 - prob + eps))
+            up = (div <= clip_high) | (prob <= q)
+            down = (div <= clip_low) | (prob >= q)
+        dlogp = tl.where(tl.where(a > 0.0, up, down), -weight * a, zero)
+        loss = _weighted(dlogp, lp)
     if ROLLOUT != 0:
         if ON_POLICY:
             behind = lp

@@ -411,3 +411,36 @@ def supports(backend: str, dtype: torch.dtype, device: str = "cpu") -> bool:
     from fused_rl.backends import get_backend
 
     return dtype in get_backend(backend, torch.device(device)).dtypes
+
+
+#: DPPO's epilogue cases (test_triton / test_native): each side of each trust-region mask, with a KL term, rollout
+#: correction, the entropy bonus and the weight's truncation on some; for inputs with ``|logp - old| ~ 0.6``.
+DPPO_EPILOGUE_CONFIGS = [
+    PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.05, clip_high=0.1),
+    PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.08, clip_high=0.03, delta=1.5, kl="k3", beta=0.1,
+                     rollout_is="token_truncate", rollout_is_max=1.5),
+    PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.02, clip_high=0.05, delta=2.0, entropy_coef=0.01),
+    PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.05, clip_high=0.02, kl="k2+", beta=0.2, kl_clamp=10.0,
+                     kl_is_clip=1.2),
+]
+
+
+def assert_dppo_regions_reached(config: PolicyLossConfig, logp: torch.Tensor, old: torch.Tensor,
+                                adv: torch.Tensor) -> None:
+    """The (valid, off-policy) inputs reach both sides of DPPO's trust-region mask for ``A > 0`` and ``A <= 0``,
+    ``dppo_kl``'s ``p <= q`` / ``p >= q`` exemptions beyond its bound, and both sides of ``delta``."""
+    if config.policy_loss not in ("dppo_tv", "dppo_kl"):
+        return
+    p, q = logp.double().exp(), old.double().exp()
+    if config.policy_loss == "dppo_tv":
+        over_high, over_low = p - q > config.clip_high, p - q < -config.clip_low
+    else:
+        div = q * (old.double() - logp.double()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        over_high, over_low = div > config.clip_high, div > config.clip_low
+        assert (over_high & (p <= q) & (adv > 0)).any() and (over_low & (p >= q) & (adv < 0)).any()
+        over_high, over_low = over_high & (p > q), over_low & (p < q)
+    for side, over in ((adv > 0, over_high), (adv <= 0, over_low)):
+        assert (side & over).any() and (side & ~over).any()
+    if config.delta is not None:
+        r = (logp - old).exp()
+        assert (r > config.delta).any() and (r < config.delta).any()

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
 from fused_rl import PolicyLossConfig
-from fused_rl.config import AGGREGATIONS, KL_CLAMPABLE, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE, ROLLOUT_IS_MODES
+from fused_rl.config import (AGGREGATIONS, DPPO, KL_CLAMPABLE, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE,
+                             ROLLOUT_IS_MODES)
 
 
 def _fuzz_scale() -> int:
@@ -53,7 +54,7 @@ def configs(draw) -> PolicyLossConfig:
         kl_clamp=draw(st.sampled_from([None, None, 0.5, 10.0])) if kl in KL_CLAMPABLE else None,
         kl_is_clip=draw(st.sampled_from([None, 1.1])) if kl is not None and kl.endswith("+") else None,
         dual_clip=draw(st.sampled_from([None, 3.0])) if ppo else None,
-        delta=draw(st.sampled_from([None, 1.5 + clip_high])) if ppo else None,
+        delta=draw(st.sampled_from([None, 1.5 + clip_high])) if ppo or policy in DPPO else None,
         sapo_temperature_pos=draw(st.sampled_from([1.0, 0.5])), sapo_temperature_neg=draw(st.sampled_from([1.05, 2.0])),
         rollout_is=rollout,
         rollout_is_min=draw(st.sampled_from([None, 0.5])) if rollout else None,
@@ -108,4 +109,19 @@ def ratio_at_a_bound(config: PolicyLossConfig, logp, old, mask, tol: float) -> b
         return False
     bounds = [1.0 - config.clip_low, 1.0 + config.clip_high, config.clip_high, config.dual_clip, config.delta]
     d = (logp.detach().double() - old.double())[mask]
+    if config.policy_loss in DPPO and _dppo_gate_at_a_bound(config, logp.detach().double()[mask],
+                                                            old.double()[mask], tol):
+        return True
     return any(b is not None and b > 0 and bool(((d - math.log(b)).abs() < tol).any()) for b in bounds)
+
+
+def _dppo_gate_at_a_bound(config: PolicyLossConfig, logp, old, tol: float) -> bool:
+    """Whether DPPO's mask hangs on rounding: ``p - q`` (tv) or the binary KL within ``tol`` of ``clip_low`` /
+    ``clip_high`` (its sign-flipped bound for tv), or ``p`` within ``tol`` of ``q`` (the binary KL's exemptions)."""
+    p, q = logp.exp(), old.exp()
+    if config.policy_loss == "dppo_tv":
+        gaps = [p - q - config.clip_high, p - q + config.clip_low]
+    else:
+        div = q * (old - logp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        gaps = [div - config.clip_high, div - config.clip_low, p - q]
+    return any(bool((gap.abs() < tol).any()) for gap in gaps)

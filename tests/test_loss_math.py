@@ -10,8 +10,8 @@ import torch
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from fused_rl.loss_math import (aggregation_weights, compute_policy_loss, entropy_quantile_across, kl_estimator,
-                                per_token_loss, top_entropy_keep)
+from fused_rl.loss_math import (aggregation_weights, compute_policy_loss, dppo_keep, entropy_quantile_across,
+                                kl_estimator, per_token_loss, top_entropy_keep)
 
 
 def _kl(kind, d):
@@ -93,6 +93,16 @@ def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_log
             elif cfg.policy_loss == "vespo":
                 k, lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos) if A >= 0 else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
                 l = -math.exp(lam + k * log_w - lam * math.exp(log_w)) * A * logp[b][t]
+            elif cfg.policy_loss in ("dppo_tv", "dppo_kl"):  # weight and trust-region mask at the base point
+                rf = math.exp(frozen[b][t] - old[b][t])
+                p, q = math.exp(frozen[b][t]), math.exp(old[b][t])
+                if cfg.policy_loss == "dppo_tv":
+                    keep = p - q <= cfg.clip_high if A > 0 else p - q >= -cfg.clip_low
+                else:
+                    arg = (1 - q + 1e-8) / (1 - p + 1e-8)  # < 0 for an old log-prob > 0: NaN, as torch.log
+                    div = q * (old[b][t] - frozen[b][t]) + (1 - q) * (math.log(arg) if arg > 0 else math.nan)
+                    keep = (div <= cfg.clip_high or p <= q) if A > 0 else (div <= cfg.clip_low or p >= q)
+                l = -(rf if cfg.delta is None else min(rf, cfg.delta)) * A * logp[b][t] if keep else 0.0
             else:
                 l = -A * logp[b][t]
             if cfg.off_policy_mask is not None and A < 0 and seq_kl > cfg.off_policy_mask:
@@ -214,6 +224,13 @@ VARIANTS = {
     "vespo_tis": PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
                                   vespo_lambda_neg=1.0, rollout_is="token_truncate", rollout_is_min=0.8,
                                   rollout_is_max=1.2, off_policy_mask=0.05, agg="seq-mean-token-mean"),
+    # names of 15 characters: seed 108, whose six tokens these bounds drop on both sides of A (and dppo_kl keeps a
+    # token with A < 0 beyond its bound, p >= q)
+    "dppo_tv_bounded": PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.1, clip_high=0.02, delta=1.3, kl="k3",
+                                        beta=0.1),
+    "dppo_kl_rollout": PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.1, clip_high=0.005,
+                                        rollout_is="token_truncate", rollout_is_max=1.6, kl="low_var_kl+", beta=0.1,
+                                        kl_bias_correction=True, agg="seq-mean-token-mean"),
     # masked tokens have weight 0, log 0 = -inf clamped to log 1e-8: phi ~ 0 on their sequences
     "vespo_mis": PolicyLossConfig(policy_loss="vespo", rollout_is="token_mask", rollout_is_max=1.4,
                                   top_entropy_quantile=0.6, entropy_coef=0.01),
@@ -224,9 +241,12 @@ VARIANTS = {
 def test_variants_match_scalar_derivation(name):
     metrics = _check_against_scalar(VARIANTS[name], seed=len(name) * 7 + 3)
     assert all(torch.isfinite(v) for v in metrics.values())
+    if name.startswith("dppo"):  # the trust region drops tokens with A > 0 and with A < 0
+        assert metrics["clip_frac_high"] > 0 and metrics["clip_frac_low"] > 0
 
 
-@pytest.mark.parametrize("name", ["sapo_temps", "delta", "gmpo_tight", "k3+", "mis_token", "all"])
+@pytest.mark.parametrize("name", ["sapo_temps", "delta", "gmpo_tight", "k3+", "mis_token", "all",
+                                  "dppo_tv_bounded"])
 def test_rollout_is_weights_match_scalar_derivation(name):
     """Caller-computed importance weights (with zeros) multiply the policy term only."""
     w = 2.0 * torch.rand(3, 5, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
@@ -909,3 +929,41 @@ def test_rollout_mask_bounds_are_inclusive(rollout_is, bounds):
     args = (logp, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool), config)
     loss, metrics = compute_policy_loss(*args, old_logprobs=logp, rollout_logprobs=logp.clone())
     assert metrics["rollout_is_mean"].item() == 1.0 and loss.item() == pytest.approx(-1.0)
+
+
+def test_dppo_by_hand():
+    """DPPO (verl 0.9.1's ``compute_policy_loss_dppo_tv`` / ``_kl``), five tokens ``(p, q, A)``: (0.5, 0.3, 1),
+    (0.5, 0.6, 1), (0.2, 0.4, -1), (0.4, 0.2, -2), (0.95, 0.85, 1); bounds 0.15 (A > 0) / 0.1 (A < 0) for tv,
+    0.05 / 0.05 for the binary KL, the weight truncated at ``delta = 1.5``.
+
+    tv, ``p - q`` = 0.2 (> 0.15: dropped), -0.1, -0.2 (< -0.1: dropped), 0.2, 0.1. Binary KL ``D`` = 0.0823 (p > q,
+    dropped), 0.0201, 0.1046 (p < q, dropped), 0.0915 (beyond 0.05, but p >= q with A < 0: kept), 0.0702 (p > q,
+    dropped: tv keeps it). Kept tokens: ``l = -min(r, 1.5) A log p``, slope ``-min(r, 1.5) A``: 5/6 log 2,
+    -1.5 * -2 * log 0.4 (r = 2 truncated), -(0.95 / 0.85) log 0.95."""
+    p = torch.tensor([[0.5, 0.5, 0.2, 0.4, 0.95]], dtype=torch.float64)
+    q = torch.tensor([[0.3, 0.6, 0.4, 0.2, 0.85]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -2.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones_like(p, dtype=torch.bool)
+    slope = torch.tensor([[0.0, -5 / 6, 0.0, 3.0, -0.95 / 0.85]], dtype=torch.float64)
+    cases = (
+        (dict(policy_loss="dppo_tv", clip_low=0.1, clip_high=0.15), [False, True, False, True, True]),
+        (dict(policy_loss="dppo_kl", clip_low=0.05, clip_high=0.05), [False, True, False, True, False]),
+    )
+    for fields, keep in cases:
+        config = PolicyLossConfig(delta=1.5, agg="seq-mean-token-sum", **fields)
+        assert dppo_keep(p.log(), q.log(), adv, config).tolist() == [keep]
+        x = p.log().requires_grad_(True)
+        loss, m = compute_policy_loss(x, adv, mask, config, old_logprobs=q.log())
+        loss.backward()
+        expected = torch.where(torch.tensor([keep]), slope, 0.0)
+        torch.testing.assert_close(x.grad, expected)
+        assert loss.item() == pytest.approx((expected * p.log()).sum().item())
+        # dropped: A > 0 tokens 1 (and 5 for the binary KL), A < 0 token 3
+        assert m["clip_frac_high"].item() == pytest.approx((2 - keep[4]) / 5)
+        assert m["clip_frac_low"].item() == pytest.approx(1 / 5)
+        assert m["clip_frac"].item() == pytest.approx((3 - keep[4]) / 5)
+    # on-policy every token is kept with weight 1: REINFORCE
+    x = p.log().requires_grad_(True)
+    compute_policy_loss(x, adv, mask, PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.0, clip_high=0.0,
+                                                       agg="seq-mean-token-sum"))[0].backward()
+    torch.testing.assert_close(x.grad, -adv)

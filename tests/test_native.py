@@ -17,8 +17,8 @@ from fused_rl import PolicyLossConfig, _C  # noqa: E402
 from fused_rl.backends import get_backend, native  # noqa: E402
 from fused_rl.backends.custom_ops import config_args  # noqa: E402
 from fused_rl.loss_math import kl_estimator, per_token_loss  # noqa: E402
-from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
-                     on_device, same_layout)
+from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, LOGIT_KINDS, assert_close,  # noqa: E402
+                     assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device, same_layout)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E731
@@ -472,7 +472,7 @@ EPILOGUE_CONFIGS = [
     PolicyLossConfig(policy_loss="cispo", kl="k2+", beta=0.4, kl_clamp=10.0, kl_is_clip=1.3, entropy_coef=0.01),
     PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.2, kl_is_clip=0.8, rollout_is="token_truncate",
                      rollout_is_max=1.5),
-]
+] + DPPO_EPILOGUE_CONFIGS
 
 
 def _epilogue(config, logp, ent, adv, old, ref, rollout, w):
@@ -541,6 +541,7 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
         assert (value > config.kl_clamp).any() and (value.abs() < config.kl_clamp).any()
     if config.kl_is_clip is not None:
         assert (r > config.kl_is_clip).any() and (r < config.kl_is_clip).any()
+    assert_dppo_regions_reached(config, logp, old, adv)
 
 
 def test_epilogue_params_reject_sequence_level_configs():
@@ -550,9 +551,9 @@ def test_epilogue_params_reject_sequence_level_configs():
         native.epilogue_params(PolicyLossConfig(rollout_is="sequence_mask"))
 
 
-@pytest.mark.parametrize("config", [c for c in EPILOGUE_CONFIGS[-14:]], ids=_cfg_name)
+@pytest.mark.parametrize("config", [c for c in EPILOGUE_CONFIGS[-18:]], ids=_cfg_name)
 def test_new_options_take_the_single_pass(config, monkeypatch):
-    """The token-local options of issue 10 run the C++ single pass (never the base composition), equal to
+    """The token-local options of issue 10 (and dppo) run the C++ single pass (never the base composition), equal to
     the reference, out of place and in place."""
     def composition(*args, **kwargs):
         raise AssertionError("the two-pass composition (token_logprobs + loss math) was used")

@@ -264,6 +264,7 @@ SCHEDULES = {
     "off-policy-mask": (dict(off_policy_mask=0.05), ("off_policy_mask",)),
     "top-entropy": (dict(top_entropy_quantile=0.5), ("top_entropy_quantile",)),
     "openrlhf-kl": (dict(kl="k2+", beta=0.04, kl_clamp=0.5, kl_is_clip=1.1), ("beta", "kl_clamp", "kl_is_clip")),
+    "dppo": (dict(policy_loss="dppo_kl", clip_low=0.01, clip_high=0.02, delta=2.0), ("clip_low", "clip_high", "delta")),
 }
 SAME_SHAPE = [(2, 5)] * 5
 

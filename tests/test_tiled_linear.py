@@ -448,7 +448,7 @@ def test_triton_matches_reference(config, tiles, kernel_calls, two_pass_calls, m
 @on_gpu
 @needs_triton
 @pytest.mark.parametrize("tiles", ["small"], indirect=True)
-@pytest.mark.parametrize("name", ["sapo", "delta", "k3+", "k1+", "tis_token", "mis_sequence"])
+@pytest.mark.parametrize("name", ["sapo", "delta", "k3+", "k1+", "tis_token", "mis_sequence", "dppo_tv"])
 def test_triton_token_local_variants(name, tiles, kernel_calls):
     """sapo, delta, the "+" estimators with kl_bias_correction, token rollout correction (the kernel reads the
     rollout log-probs) and a sequence one off-policy (folded into the advantages) run tiled on the triton

@@ -18,8 +18,8 @@ import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig  # noqa: E402
 from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import kl_estimator, metrics as loss_metrics, per_token_loss  # noqa: E402
-from helpers import (CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits,  # noqa: E402
-                     on_device)
+from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, LOGIT_KINDS, assert_close,  # noqa: E402
+                     assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device)
 
 # numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -100,7 +100,7 @@ EPILOGUE_CONFIGS = TOKEN_CONFIGS + [
                      rollout_is="token_mask", rollout_is_min=0.6, rollout_is_max=1.6, entropy_coef=0.01),
     PolicyLossConfig(policy_loss="sapo", sapo_temperature_pos=0.8, kl="abs", beta=0.3, kl_bias_correction=True,
                      rollout_is="token_truncate", rollout_is_min=0.8, rollout_is_max=1.3, entropy_coef=-0.02),
-]
+] + DPPO_EPILOGUE_CONFIGS
 
 
 def epi_id(c):
@@ -170,6 +170,8 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
             assert 0 < mets["clip_frac_dual"] < 1
         if config.delta is not None:  # the delta bound binds (A < 0) and is passed (A > 0)
             assert ((r > config.delta) & (a < 0)).any() and ((r > config.delta) & (a > 0)).any()
+    if not on_policy:
+        assert_dppo_regions_reached(config, logp[valid], old[valid], a)
     if config.kl is not None and config.kl.startswith("low_var_kl"):
         d = (ref - logp)[valid]
         assert (d > 20).any() and (d < -20).any() and ((d.abs() < 2)).any()

@@ -46,6 +46,11 @@ VARIANTS = {
                                      agg="seq-mean-token-mean"),
     "low_var_kl+_is": PolicyLossConfig(policy_loss="sapo", kl="low_var_kl+", beta=0.2, kl_is_clip=1.1,
                                        rollout_is="token_truncate", rollout_is_max=1.5),
+    # DPPO: make_case's target probabilities are ~1e-3 and the old ones ~30% off, so these bounds drop ~10-40% of the
+    # tokens (on either side, by the advantage's sign); delta truncates some weights
+    "dppo_tv": PolicyLossConfig(policy_loss="dppo_tv", clip_low=3e-5, clip_high=6e-5, delta=1.2, kl="k3", beta=0.05),
+    "dppo_kl": PolicyLossConfig(policy_loss="dppo_kl", clip_low=2e-6, clip_high=4e-6, rollout_is="token_mask",
+                                rollout_is_max=1.5, entropy_coef=0.01, agg="seq-mean-token-mean"),
     "vespo_mis": PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
                                   vespo_lambda_neg=1.0, rollout_is="token_mask", rollout_is_min=0.5,
                                   rollout_is_max=1.5, off_policy_mask=0.05, entropy_coef=0.01,
@@ -200,7 +205,8 @@ def test_triton_compile_fullgraph_token_rollout_is(inplace):
 
 #: Caller-computed importance weights (verl's rollout_is_weights, Liger's vllm_is_ratio) on single-pass
 #: configs (folded into the kernels' advantages) and on composition-only ones (gmpo, sequence masks).
-WEIGHTED = {name: VARIANTS[name] for name in ("sapo", "delta", "k3+", "k1+", "tis_token", "gmpo", "off_policy_mask")}
+WEIGHTED = {name: VARIANTS[name] for name in ("sapo", "delta", "k3+", "k1+", "tis_token", "gmpo", "off_policy_mask",
+                                               "dppo_tv")}
 WEIGHTED.update(ppo_dual=PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1, entropy_coef=0.01),
                 cispo=PolicyLossConfig(policy_loss="cispo", clip_high=0.5, kl="k2", beta=0.1),
                 reinforce=PolicyLossConfig(policy_loss="reinforce", agg="seq-mean-token-sum"))

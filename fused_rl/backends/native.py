@@ -19,7 +19,7 @@ in the forward (over ``logits`` with ``inplace=True``); the loss value and metri
 by :func:`fused_rl.loss_math.compute_policy_loss` from the kernel's per-token log-probs. The backward
 only scales the stored ``dlogits`` by the incoming gradient (in place: a second backward through the
 same graph is not supported). The epilogue covers every token-local option
-(``config.has_token_epilogue``: ppo_clip with dual clip / delta, sapo, cispo, reinforce, every KL
+(``config.has_token_epilogue``: ppo_clip with dual clip / delta, sapo, cispo, reinforce, dppo, every KL
 estimator with the straight-through and bias-corrected forms, token-level rollout correction, read
 from the rollout log-probs in the same pass); sequence- and batch-level configs (gspo, gmpo, vespo, sequence
 rollout correction, the off-policy mask, the top-entropy quantile) use the two-pass base composition.
@@ -61,7 +61,7 @@ except ImportError as exc:  # not built, or built for another Python / platform
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INDEX_CODES = {torch.int32: 0, torch.int64: 1}
 #: Codes of ``csrc/policy_epilogue.h`` (``PolicyKind``, ``KlKind``, ``RolloutKind``).
-POLICY_CODES = {"ppo_clip": 0, "gspo": 1, "cispo": 2, "reinforce": 3, "sapo": 4}
+POLICY_CODES = {"ppo_clip": 0, "gspo": 1, "cispo": 2, "reinforce": 3, "sapo": 4, "dppo_tv": 5, "dppo_kl": 6}
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "low_var_kl": 5}
 ROLLOUT_CODES = {None: 0, "token_truncate": 1, "token_mask": 2}
 

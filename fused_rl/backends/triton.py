@@ -15,8 +15,8 @@
 The loss value is ``sum_t (w_t l_t)`` of the kernel's per-token values (``w`` from
 :func:`fused_rl.loss_math.aggregation_weights`, computed in torch, O(N)); the metrics are
 :func:`fused_rl.loss_math.metrics` applied to the kernel's per-token ratio / KL / entropy (O(N) torch),
-with the rollout weights for its metrics from :func:`fused_rl.loss_math.rollout_weights` on the
-kernel's log-probs (on-policy) or ``old``.
+with the rollout weights and dppo's trust-region mask for its metrics from :func:`fused_rl.loss_math.rollout_weights`
+and :func:`fused_rl.loss_math.dppo_keep` on the kernel's log-probs (on-policy) or ``old``.
 
 Every kernel call is a ``torch.library`` custom op with a fake implementation, so
 ``torch.compile(fullgraph=True)`` sees opaque calls. The kernels are imported on first use, so that
@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from ..config import IGNORE_INDEX, PolicyLossConfig, literal_fields
-from ..loss_math import aggregation_weights, metrics as loss_metrics, rollout_weights
+from ..config import DPPO, IGNORE_INDEX, PolicyLossConfig, literal_fields
+from ..loss_math import aggregation_weights, dppo_keep, metrics as loss_metrics, rollout_weights
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
 from . import register, register_missing
@@ -271,9 +271,11 @@ class TritonBackend(TiledLinearMethods, Backend):
         entropy = entropy.view(shape) if want_entropy else None
         kl = kl.view(shape) if config.kl is not None else None
         extras = {}
+        behaviour = logp if inputs.old is None else inputs.old
         if config.rollout_is is not None:  # the kernel's weights, recomputed O(N) for the metrics only
-            behaviour = logp if inputs.old is None else inputs.old
             extras["rollout_rho"], extras["rollout_is"] = rollout_weights(behaviour, inputs.rollout, mask, config)
+        if config.policy_loss in DPPO:  # the kernel's trust-region mask, likewise
+            extras["dppo_keep"] = dppo_keep(logp, behaviour, inputs.advantages, config)
         mets = loss_metrics(ratio.view(shape), inputs.advantages, mask, config, kl, entropy, extras)
         return PolicyLossOutput(loss=loss, logprobs=logp, entropy=entropy, metrics=mets)
 
