@@ -13,6 +13,7 @@ import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.integrations.verl import (compute_policy_loss, compute_policy_loss_from_hidden, get_policy_loss_fn,
                                         policy_loss_config_from_verl)
+from fused_rl.loss_math import dppo_keep
 
 # Two responses, T = 3. Row 0: A = +1, ratios 1.5, 0.5, 1.0. Row 1: A = -2, ratios 4.0, 0.5, (1.1 masked).
 RATIOS = torch.tensor([[1.5, 0.5, 1.0], [4.0, 0.5, 1.1]], dtype=torch.float64)
@@ -132,7 +133,8 @@ def test_config_numbers_refuse_bools_and_strings(field, value):
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(config={"policy_loss": {"loss_mode": "clip_cov"}}), "clip_cov"),
-    (dict(config={"policy_loss": {"loss_mode": "dppo_tv"}}), "probability difference"),
+    (dict(config={"policy_loss": {"loss_mode": "kl_cov"}}), "top covariance"),
+    (dict(config={"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}, "use_kl_loss": True}, kl=True), "one KL term"),
     (dict(config={"policy_loss": {"loss_mode": "cispo"}}), "two-sided"),  # clip_ratio_low defaults to 0.2
     (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 0.999}), "clip_ratio_low=0.999"),
     (dict(loss_agg_mode="token-mean-unbiased"), "token-mean-unbiased"),
@@ -668,3 +670,179 @@ def test_ppo_kl_is_verl_s_clamped_log_ratio():
     assert compute_policy_loss(old, log_prob, adv, mask, "token-mean", CONFIG)[2].item() == -10.0
     gspo = compute_policy_loss(old, log_prob, adv, mask, "token-mean", {"policy_loss": {"loss_mode": "gspo"}})
     assert gspo[2].item() == -12.5  # verl's gspo: unclamped
+
+
+# --- DPPO (dppo_tv, dppo_kl) and DRO, verl 0.9.1's newest loss modes
+def _verl_dppo_dro(mode, old, log_prob, adv, mask, agg, config, weights=None):
+    """verl 0.9.1's ``compute_policy_loss_dppo_tv`` / ``_dppo_kl`` / ``_dro`` transcribed: ``(pg_loss, pg_clipfrac,
+    ppo_kl, pg_clipfrac_lower)`` (dro: 0 clip fractions; verl returns ppo_kl alone)."""
+    masked_mean = lambda x: (x * mask).sum() / (mask.sum() + 1e-8)  # noqa: E731
+    zero = torch.zeros((), dtype=old.dtype)
+    if mode == "dro":
+        log_ratio = log_prob - old
+        pg_losses = -(log_prob * adv - 0.5 * config["policy_loss"]["dro_beta"] * log_ratio.square())
+        if weights is not None:
+            pg_losses = pg_losses * weights
+        return _verl_agg(pg_losses, mask, agg), zero, masked_mean(-log_ratio), zero
+    negative_approx_kl = torch.clamp(log_prob - old, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    truncated_ratio = torch.clamp(ratio, max=config.get("clip_ratio_c", 20.0)).detach()
+    prob, old_prob = torch.exp(log_prob), torch.exp(old)
+    high, low = config["clip_ratio_high"], config["clip_ratio_low"]
+    if mode == "dppo_tv":
+        valid_pos, valid_neg = (prob - old_prob) <= high, (prob - old_prob) >= -low
+    else:
+        binary_kl = old_prob * (old - log_prob) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) /
+                                                                             (1.0 - prob + 1e-8))
+        valid_pos = (binary_kl <= high) | (prob <= old_prob)
+        valid_neg = (binary_kl <= low) | (prob >= old_prob)
+    valid = torch.where(adv > 0, valid_pos, valid_neg).detach().float()
+    pg_losses = -adv * truncated_ratio * log_prob * valid
+    if weights is not None:
+        pg_losses = pg_losses * weights
+    clip_c = config.get("clip_ratio_c", 20.0)
+    return (_verl_agg(pg_losses, mask, agg), masked_mean(1.0 - valid), masked_mean(-negative_approx_kl),
+            masked_mean((ratio > clip_c).float() * valid))
+
+
+DPPO_DRO_CONFIGS = {
+    "dppo_tv": {"clip_ratio": 0.2, "clip_ratio_low": 0.05, "clip_ratio_high": 0.1, "clip_ratio_c": 2.0,
+                "policy_loss": {"loss_mode": "dppo_tv"}},
+    "dppo_kl": {"clip_ratio": 0.2, "clip_ratio_low": 0.02, "clip_ratio_high": 0.01, "clip_ratio_c": 2.0,
+                "policy_loss": {"loss_mode": "dppo_kl"}},
+    "dro": {"policy_loss": {"loss_mode": "dro", "dro_beta": 0.3}},
+}
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("agg", sorted(HAND) + ["token-sum"])
+@pytest.mark.parametrize("mode", sorted(DPPO_DRO_CONFIGS))
+def test_dppo_dro_parity_with_verl(mode, agg, with_weights):
+    """Loss, d loss / d log_prob and the three metrics equal verl 0.9.1's dppo_tv / dppo_kl / dro (transcribed), on
+    ragged responses with an empty one, A > 0, A < 0 and A = 0; the trust regions drop tokens of both signs of A and
+    dppo_kl keeps some beyond its bound (p <= q with A > 0); rollout_is_weights (dppo) multiply the policy term."""
+    if mode == "dro" and with_weights:
+        pytest.skip("refused: test_dro_refuses_rollout_is_weights")
+    old, lp, adv, mask, weights = _ragged_batch(9)
+    lp = lp.clamp(max=-1e-3)  # log-probs
+    weights = weights if with_weights else None
+    config = DPPO_DRO_CONFIGS[mode]
+    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    got = compute_policy_loss(old, log_prob, adv, mask, agg, config, weights)
+    want = _verl_dppo_dro(mode, old, ref_lp, adv, mask, agg, config, weights)
+    for g_value, w_value in zip(got, want):
+        torch.testing.assert_close(g_value.to(torch.float64), w_value, rtol=1e-6, atol=1e-9)
+    got[0].backward()
+    want[0].backward()
+    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    if mode != "dro":  # the masks and the truncation bind
+        keep = dppo_keep(lp, old, adv, policy_loss_config_from_verl(config, agg, response_length=7))
+        valid = mask.bool()
+        assert (~keep & valid & (adv > 0)).any() and (~keep & valid & (adv < 0)).any() and (keep & valid).any()
+        assert got[3] > 0
+    if mode == "dppo_kl":
+        p, q = lp.exp(), old.exp()
+        div = q * (old - lp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        assert (valid & (adv > 0) & (div > 0.01) & (p <= q)).any()
+
+
+def test_dppo_and_dro_hand_values():
+    """The module's two responses (ratios 1.5, 0.5, 1 | 4, 0.5; A = 1 | -2; old log-probs -1, -2, -0.5 | -3, -1.5),
+    probabilities p = q r: p - q = 0.184, -0.068, 0 | 0.149, -0.112. dppo_tv with bounds 0.1 drops token 1 (A > 0,
+    0.184 > 0.1) and token 5 (A < 0, -0.112 < -0.1); the binary KL (0.068 | 0.050 for those two) with bounds 0.05
+    (A > 0) / 0.06 (A < 0) drops token 1 only. Kept: ``l = -min(r, 3) A logp``, token 4's weight 4 truncated at
+    clip_ratio_c = 3. dro (beta 0.5): ``l = -A logp + 0.25 log(r)^2``, slope ``-A + 0.5 log r``."""
+    logp = OLD + RATIOS.log()
+    weight = RATIOS.clamp(max=3.0)
+    for mode, bounds, keep in (("dppo_tv", (0.1, 0.1), [[0, 1, 1], [1, 0, 0]]),
+                               ("dppo_kl", (0.06, 0.05), [[0, 1, 1], [1, 1, 0]])):
+        config = dict(CONFIG, clip_ratio_low=bounds[0], clip_ratio_high=bounds[1], policy_loss={"loss_mode": mode})
+        log_prob = _log_prob()
+        pg_loss, clipfrac, _, lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)
+        k = torch.tensor(keep, dtype=torch.float64)
+        assert pg_loss.item() == pytest.approx((-weight * ADV * logp * k).sum().item() / 5, rel=1e-9)
+        assert clipfrac.item() == pytest.approx((5 - k.sum().item()) / 5)
+        assert lower.item() == pytest.approx(1 / 5)  # token 4: r = 4 > 3, kept
+        pg_loss.backward()
+        torch.testing.assert_close(log_prob.grad, -weight * ADV * k / 5)
+    config = {"policy_loss": {"loss_mode": "dro", "dro_beta": 0.5}}
+    log_prob = _log_prob()
+    pg_loss, clipfrac, ppo_kl, lower = compute_policy_loss(OLD, log_prob, ADV, MASK, "token-mean", config)
+    per_token = (-ADV * logp + 0.25 * RATIOS.log() ** 2) * MASK
+    assert pg_loss.item() == pytest.approx(per_token.sum().item() / 5, rel=1e-9)
+    assert (clipfrac.item(), lower.item()) == (0.0, 0.0)
+    assert ppo_kl.item() == pytest.approx(-math.log(1.5 * 0.5 * 1.0 * 4.0 * 0.5) / 5, rel=1e-6)
+    pg_loss.backward()
+    torch.testing.assert_close(log_prob.grad, (-ADV + 0.5 * RATIOS.log()) * MASK / 5)
+    assert get_policy_loss_fn("dro")(OLD, _log_prob(), ADV, MASK, config=config)[1].keys() == {"actor/ppo_kl"}
+
+
+def test_dppo_and_dro_config_mapping():
+    cfg = policy_loss_config_from_verl({"clip_ratio": 0.2, "clip_ratio_high": 0.3,
+                                        "policy_loss": {"loss_mode": "dppo_kl"}}, response_length=4)
+    # verl reads the truncation with config.get("clip_ratio_c", 20.0)
+    assert cfg == PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.2, clip_high=0.3, delta=20.0)
+    actor = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                            policy_loss=SimpleNamespace(loss_mode="dppo_tv"))
+    assert policy_loss_config_from_verl(actor, response_length=4).delta == 3.0  # an ActorConfig's own default
+    cfg = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "dro", "dro_beta": 0.2}}, "seq-mean-token-mean",
+                                       response_length=4)
+    assert cfg == PolicyLossConfig(policy_loss="reinforce", kl="k2", beta=0.2, agg="seq-mean-token-mean")
+    for beta in (None, 0.0, -1.0, True):
+        with pytest.raises(ValueError, match="dro_beta must be a positive value"):
+            policy_loss_config_from_verl({"policy_loss": {"loss_mode": "dro", "dro_beta": beta}}, response_length=4)
+
+
+def test_dro_refuses_rollout_is_weights():
+    """verl weights DRO's quadratic penalty too; fused_rl's KL term (the penalty here) is never weighted."""
+    config = DPPO_DRO_CONFIGS["dro"]
+    with pytest.raises(NotImplementedError, match="dro.*rollout_is_weights"):
+        compute_policy_loss(OLD, _log_prob(), ADV, MASK, "token-mean", config, torch.ones_like(OLD))
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(10, 4)
+    with pytest.raises(NotImplementedError, match="dro.*rollout_is_weights"):
+        compute_policy_loss_from_hidden(hidden, weight, torch.zeros(2, 3, dtype=torch.long), OLD, ADV, MASK,
+                                        config=config, rollout_is_weights=torch.ones_like(OLD))
+
+
+@pytest.mark.parametrize("mode", sorted(DPPO_DRO_CONFIGS))
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_from_hidden_dppo_dro_matches_verl_actor(mode, backend):
+    """The fused pass (dppo: the kernels' epilogue on the tiled route; dro: reinforce plus k2 against the old
+    log-probs) equals verl's actor composition on its log-softmax: the transcribed policy term minus entropy_coeff *
+    agg(H)."""
+    if fused_rl.available_backends()[backend] is not None:
+        pytest.skip(fused_rl.available_backends()[backend])
+    g = torch.Generator().manual_seed(11)
+    lengths, hidden_size, vocab, tau, agg = (5, 2, 0, 4), 8, 40, 0.8, "token-mean"
+    batch, length = len(lengths), max(lengths)
+    hidden = torch.randn(batch, length, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * 1.5  # peaked rows: target probabilities up to ~0.9
+    responses = torch.randint(0, vocab, (batch, length), generator=g)
+    responses[:, ::2] = (hidden @ weight.T).argmax(-1)[:, ::2]  # likely tokens, as sampled ones are
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
+    adv = torch.randn(batch, length, generator=g)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1).gather(
+            -1, responses.unsqueeze(-1)).squeeze(-1)
+    old = (lp0 + 0.5 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
+    config = dict(DPPO_DRO_CONFIGS[mode], entropy_coeff=0.01)
+
+    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
+    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pg_loss, *metrics = _verl_dppo_dro(mode, old.double(), log_prob, adv.double(), mask.double(), agg, config)
+    expected = pg_loss - 0.01 * _verl_agg(entropy, mask.double(), agg)
+    expected.backward()
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, *got_metrics, _ = compute_policy_loss_from_hidden(h, w, responses, old, adv, mask, agg, config,
+                                                           temperature=tau, backend=backend)
+    got.backward()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
+    for g_value, w_value in zip(got_metrics, metrics):
+        torch.testing.assert_close(g_value.double(), w_value.detach(), rtol=1e-5, atol=1e-6)
+    if mode != "dro":
+        assert 0 < got_metrics[0] < 1  # the trust region drops some tokens and keeps others

@@ -3,8 +3,8 @@
 * :func:`get_policy_loss_fn` returns, for a verl ``loss_mode``, a function with the signature and return value of
   verl 0.9.1's registered policy losses (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co.):
   ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`` ->
-  ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (gpg: ``{}``), on per-token
-  log-probs you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
+  ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (gpg: ``{}``, dro: ``ppo_kl``
+  alone), on per-token log-probs you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
 * :func:`compute_policy_loss` is the same loss returning the older 4-tuple ``(pg_loss, pg_clipfrac, ppo_kl,
   pg_clipfrac_lower)`` (every mode, gpg's metrics 0).
 * :func:`compute_policy_loss_from_hidden` is the fused version: it takes the actor's last hidden states
@@ -29,6 +29,11 @@ verl                                       fused_rl
 ``policy_loss.loss_mode="cispo"``          ``policy_loss="cispo"``, ``clip_high=clip_ratio_high``; only with
                                            ``clip_ratio_low >= 1`` (verl's lower bound ``1 - clip_ratio_low``
                                            then never binds; else ``NotImplementedError``)
+``policy_loss.loss_mode="dppo_tv"/"dppo_kl"`` ``policy_loss="dppo_tv"/"dppo_kl"``, ``clip_low/high`` the divergence
+                                           bounds, ``delta=clip_ratio_c`` (verl: ``config.get("clip_ratio_c", 20.0)``)
+``policy_loss.loss_mode="dro"``            ``policy_loss="reinforce"``, ``kl="k2"`` against ``old_log_prob``,
+                                           ``beta=policy_loss.dro_beta``; not with ``rollout_is_weights`` (verl
+                                           weights the penalty too) or, fused, ``use_kl_loss``
 ``clip_ratio``, ``clip_ratio_low/high``    ``clip_low``, ``clip_high`` (low/high default to clip_ratio)
 ``clip_ratio_c`` (default 3.0)             ``dual_clip`` (vanilla only)
 ``loss_agg_mode``                          ``agg`` (same names; ``token-sum``: ``token-mean`` over ``1 / dp_size``)
@@ -45,8 +50,8 @@ low_var_kl/k3 (each with ``"+"``)          the straight-through ``k1+``, ``abs+`
 
 Differences from verl, all documented in ``docs/migration.md``:
 
-* verl clamps ``log_prob - old_log_prob`` to ``[-20, 20]`` before ``exp`` (vanilla, sapo, cispo) and GSPO's log ratio
-  at 10; fused_rl does not: identical whenever the log ratio stays inside those bounds (``ppo_kl`` is verl's, from
+* verl clamps ``log_prob - old_log_prob`` to ``[-20, 20]`` before ``exp`` (vanilla, sapo, cispo, dppo) and GSPO's log
+  ratio at 10; fused_rl does not: identical whenever the log ratio stays inside those bounds (``ppo_kl`` is verl's, from
   the clamped log ratio).
 * verl's token means divide by ``sum(mask)`` unclamped (NaN for an empty batch) and a response's token mean by
   ``count + 1e-8``; fused_rl clamps the counts at 1 and divides by ``count`` (0 loss, 0 gradient for empty rows).
@@ -78,26 +83,24 @@ from typing import Any, Optional
 import torch
 
 from ..config import AGGREGATIONS, PolicyLossConfig
-from ..loss_math import (Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar,
+from ..loss_math import (Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar, dppo_keep,
                          masked_mean, responses_factor)
 from ..ops import _check_linear_targets, linear_policy_loss
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
 
-LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo")
+LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro")
 #: verl loss modes fused_rl's loss math cannot express, and why (each raises ``NotImplementedError``).
 UNSUPPORTED_LOSS_MODES = {
     "clip_cov": "drops a random sample of tokens selected by the covariance of A and log-prob",
     "kl_cov": "adds |log r| to the top covariance tokens",
-    "dppo_tv": "masks tokens by the probability difference pi - pi_old (DPPO binary-TV)",
-    "dppo_kl": "masks tokens by the binary KL of pi_old and pi (DPPO binary-KL)",
     "bypass_mode": "dispatches on the rollout-correction config (rollout log-probs as old log-probs)",
-    "dro": "Direct Reward Optimization: -(A logp - dro_beta / 2 (log r)^2), a quadratic log-ratio penalty (verl 0.9)",
 }
 #: verl's ``loss_agg_mode`` values: fused_rl's aggregations and ``token-sum`` (verl 0.9).
 LOSS_AGG_MODES = AGGREGATIONS + ("token-sum",)
-#: verl's bound of ``log_prob - old_log_prob`` before ``exp`` in vanilla, sapo and cispo (and their ``ppo_kl``).
+#: verl's bound of ``log_prob - old_log_prob`` before ``exp`` in vanilla, sapo, cispo and dppo (and their ``ppo_kl``).
 LOG_RATIO_CLAMP = 20.0
+_CLAMPED_LOG_RATIO = ("vanilla", "sapo", "cispo", "dppo_tv", "dppo_kl")
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
              "k3": "low_var_kl"}
 # "X+": the value of X with the gradient of k2 (k2+ is k2 itself)
@@ -200,12 +203,23 @@ def policy_loss_config_from_verl(
                 "lower bound 1 - clip_ratio_low > 0) cannot be expressed: set clip_ratio_low >= 1 (no lower bound, "
                 "as in the CISPO paper) to map it")
         fields.update(policy_loss="cispo", clip_low=0.0)  # clip_low: unused by cispo
+    elif loss_mode in ("dppo_tv", "dppo_kl"):
+        # clip_ratio(_low/_high) are the divergence bounds; verl reads the weight's truncation with
+        # config.get("clip_ratio_c", 20.0) (an ActorConfig's own default is 3.0)
+        fields.update(policy_loss=loss_mode, delta=_get_number(config, "clip_ratio_c", 20.0))
+    elif loss_mode == "dro":  # -A logp + dro_beta / 2 (logp - old)^2: reinforce and k2 against the old log-probs
+        del fields["clip_low"], fields["clip_high"]
+        fields.update(policy_loss="reinforce", kl="k2", beta=_dro_beta(config))
     else:
         fields.update(policy_loss="reinforce")
     fields["agg"] = "token-mean" if policy_agg == "token-sum" else policy_agg
     if policy_agg == "seq-mean-token-sum-norm":
         fields["max_len"] = _loss_scale_factor(config, actor) or int(response_length)
     if kl and _get(config, "use_kl_loss", False):  # verl's ActorConfig default
+        if loss_mode == "dro":
+            raise NotImplementedError("verl loss_mode='dro' with use_kl_loss: DRO's penalty is fused_rl's k2 KL term "
+                                      "against the old log-probs, and one fused pass has one KL term; use "
+                                      "compute_policy_loss on per-token log-probs with verl's own KL loss")
         kl_type = _get(config, "kl_loss_type", "low_var_kl")
         if kl_type not in _KL_TYPES:
             raise NotImplementedError(f"verl kl_loss_type={kl_type!r} is not supported by fused_rl; "
@@ -214,6 +228,20 @@ def policy_loss_config_from_verl(
     if entropy:
         fields["entropy_coef"] = _get_number(config, "entropy_coeff", 0.0)
     return PolicyLossConfig(**fields)
+
+
+def _dro_beta(config: Any) -> float:
+    """verl's ``policy_loss.dro_beta``, which DRO requires positive (verl raises the same ``ValueError``)."""
+    beta = _get(_get(config, "policy_loss"), "dro_beta")
+    if beta is None or isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not beta > 0:
+        raise ValueError(f"verl policy_loss.dro_beta must be a positive value when using DRO, got {beta!r}")
+    return float(beta)
+
+
+def _refuse_dro_weights(mode: str, rollout_is_weights: Optional[torch.Tensor]) -> None:
+    if mode == "dro" and rollout_is_weights is not None:
+        raise NotImplementedError("verl loss_mode='dro' with rollout_is_weights: verl weights DRO's quadratic penalty "
+                                  "too, which fused_rl's KL term (the penalty here) never is")
 
 
 def verl_normalization(config: Any, loss_agg_mode: str, loss_mode: str, mask: torch.Tensor,
@@ -274,16 +302,20 @@ def _check_verl_inputs(shape: tuple, device: torch.device, device_owner: str, ol
 def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig, old: torch.Tensor,
                   logp: torch.Tensor, mask: torch.Tensor, loss_mode: str, advantages: torch.Tensor):
     """verl's ``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; ``ppo_kl = masked mean(old - logp)``, the log ratio
-    clamped to ``[-20, 20]`` first in vanilla, sapo and cispo (as verl)."""
+    clamped to ``[-20, 20]`` first in vanilla, sapo, cispo and dppo (as verl)."""
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = logp.detach() - old
-    if loss_mode in ("vanilla", "sapo", "cispo"):
+    if loss_mode in _CLAMPED_LOG_RATIO:
         log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ppo_kl = masked_mean(-log_ratio, mask)
     if loss_mode == "gpg":  # verl's gpg returns no metrics
         return zero, zero.clone(), zero.clone()
-    if loss_mode == "sapo":  # verl's sapo: 0 clip fractions, the masked mean log-ratio
+    if loss_mode in ("sapo", "dro"):  # verl's sapo: 0 clip fractions, the masked mean log-ratio; dro: ppo_kl alone
         return zero, ppo_kl, zero.clone()
+    if loss_mode in ("dppo_tv", "dppo_kl"):  # the dropped tokens; the kept ones whose weight is truncated
+        adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand_as(log_ratio)
+        kept = dppo_keep(logp, old, adv, config)
+        return out_metrics["clip_frac"], ppo_kl, masked_mean(kept & (log_ratio.exp() > config.delta), mask)
     if loss_mode == "geo_mean":  # verl: token log-ratios outside the bounds, split by the advantage's sign
         clipped = (log_ratio < -config_scalar(log_ratio, config.clip_low)) | (log_ratio > config.clip_high)
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
@@ -332,6 +364,7 @@ def compute_policy_loss(
     mask = _check_verl_inputs(shape, log_prob.device, "log_prob is", old_log_prob, advantages, response_mask,
                               rollout_is_weights, check_inputs)
     mode = _loss_mode(config, loss_mode)
+    _refuse_dro_weights(mode, rollout_is_weights)
     cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode)
     normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask, log_prob.dtype)
     old = old_log_prob.detach().to(log_prob.dtype)
@@ -343,8 +376,11 @@ def compute_policy_loss(
     weights = _verl_rollout_weights(rollout_is_weights, mask, mode)
     weights = None if weights is None else per_token(weights)
     loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights,
-                                         token_normalizer=normalizer)
+                                         ref_logprobs=old if mode == "dro" else None, token_normalizer=normalizer)
     return (loss * factor,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
+
+
+_METRIC_NAMES = {"gpg": (), "dro": ("actor/ppo_kl",)}
 
 
 def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
@@ -363,8 +399,9 @@ def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
         loss, *metrics = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                                              config, rollout_is_weights, loss_mode=loss_mode,
                                              check_inputs=check_inputs)
-        names = () if loss_mode == "gpg" else ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
-        return loss, dict(zip(names, metrics))
+        if loss_mode in _METRIC_NAMES:  # gpg: none, dro: ppo_kl alone (as verl)
+            return loss, dict(zip(_METRIC_NAMES[loss_mode], metrics[1:2] if loss_mode == "dro" else metrics))
+        return loss, dict(zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), metrics))
 
     policy_loss_fn.__name__ = f"compute_policy_loss_{loss_mode}"
     return policy_loss_fn
@@ -408,6 +445,7 @@ def compute_policy_loss_from_hidden(
     mask = _check_verl_inputs(shape, hidden.device, "hidden is", old_log_prob, advantages, response_mask,
                               rollout_is_weights, check_inputs)
     mode = _loss_mode(config, loss_mode)
+    _refuse_dro_weights(mode, rollout_is_weights)
     if _get(config, "use_kl_loss", False) and ref_log_prob is None:  # verl's actor reads data["ref_log_prob"]
         raise ValueError("verl use_kl_loss=True needs ref_log_prob (the KL loss would silently be left out)")
     cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode,
@@ -425,7 +463,8 @@ def compute_policy_loss_from_hidden(
             + (", or loss_agg_mode='seq-mean-token-mean'" if mode == "sapo" else ""))
     normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask)
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
-                             ref_logprobs=ref_log_prob if cfg.kl is not None else None, config=cfg,
+                             ref_logprobs=old_log_prob if mode == "dro" else (ref_log_prob if cfg.kl is not None
+                                                                             else None), config=cfg,
                              rollout_is_weights=_verl_rollout_weights(rollout_is_weights, mask, mode),
                              token_normalizer=normalizer, backend=backend, compute_entropy=True,
                              check_inputs=check_inputs)
