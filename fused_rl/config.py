@@ -17,6 +17,7 @@ PolicyLossName = Literal["ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cisp
                          "dppo_kl"]
 KLName = Optional[Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k2+", "k3+", "abs+", "low_var_kl+"]]
 RolloutISName = Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]]
+CovModeName = Optional[Literal["clip_cov", "kl_cov"]]
 AggName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "reinforce", "vespo", "dppo_tv", "dppo_kl")
@@ -25,6 +26,8 @@ KL_ESTIMATORS = (None, "k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k2+", "k3+
 #: The estimators ``kl_clamp`` applies to (k3 clamped is ``low_var_kl``, already clamped at 10).
 KL_CLAMPABLE = ("k1", "k2", "abs", "k1+", "k2+", "abs+")
 ROLLOUT_IS_MODES = (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+#: The covariance-based token selections of "The Entropy Mechanism of RL for Reasoning LMs" (verl's loss modes).
+COV_MODES = (None, "clip_cov", "kl_cov")
 #: Losses whose ratio is clipped PPO-style (``clip_low`` / ``clip_high``, ``dual_clip``, ``delta``).
 PPO_STYLE = ("ppo_clip", "gspo", "gspo_token")
 #: DPPO's losses: a truncated-IS policy gradient whose trust region is a divergence mask (``clip_low`` / ``clip_high``
@@ -43,7 +46,7 @@ MIN_TEMPERATURE = 1e-5
 FLOAT_FIELDS = ("clip_low", "clip_high", "dual_clip", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "beta", "rollout_is_min",
                 "rollout_is_max", "off_policy_mask", "top_entropy_quantile", "temperature", "entropy_coef", "kl_clamp",
-                "kl_is_clip")
+                "kl_is_clip", "cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_coef")
 
 
 def _literal(values: dict[str, Any]) -> str:
@@ -142,6 +145,15 @@ class PolicyLossConfig:
       interpolation) over the batch's unmasked tokens (every process's inside
       :func:`fused_rl.loss_math.entropy_quantile_across`): train only the highest-entropy fraction
       ("Beyond the 80/20 rule", TRL's ``top_entropy_quantile``). The entropy comes from the same pass.
+    * ``cov_mode`` ("The Entropy Mechanism of RL for Reasoning LMs", Cui et al. 2025; verl ``loss_mode="clip_cov"`` /
+      ``"kl_cov"``): with the centred covariance ``cov_t = (A_t - mean A) (sg(logp_t) - mean sg(logp))`` over the
+      batch's unmasked tokens and ``n = max(floor(cov_ratio * #unmasked), 1)``:
+        - ``"clip_cov"`` (ppo_clip without ``dual_clip`` / ``delta``): ``c *= 0`` on ``n`` tokens drawn uniformly
+          at random (torch's generator of the device: ``torch.manual_seed`` fixes them) from the unmasked ones with
+          ``clip_cov_lb < cov_t < clip_cov_ub`` whose clipped term is not the active one (``-A clip(r) <= -A r``),
+          all of them when there are fewer;
+        - ``"kl_cov"``: the ``n`` unmasked tokens of largest ``cov_t`` get ``+ kl_cov_coef |logp - old|``
+          (``old = sg(logp)`` on-policy: nothing), added to their policy term.
     * ``mask_truncated_completions``: sequences flagged in the ``truncated`` argument are masked out.
     * ``entropy_coef``: the per-token loss gets ``- entropy_coef * H_t``.
     * ``agg`` over masked per-token losses ``l``:
@@ -174,6 +186,11 @@ class PolicyLossConfig:
     rollout_is_max: Optional[float] = 2.0
     off_policy_mask: Optional[float] = None
     top_entropy_quantile: float = 1.0
+    cov_mode: CovModeName = None
+    cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
     mask_truncated_completions: bool = False
     agg: AggName = "token-mean"
     max_len: Optional[int] = None
@@ -189,10 +206,12 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
         if self.rollout_is not in ROLLOUT_IS_MODES:
             raise ValueError(f"PolicyLossConfig.rollout_is must be one of {ROLLOUT_IS_MODES}, got {self.rollout_is!r}")
+        if self.cov_mode not in COV_MODES:
+            raise ValueError(f"PolicyLossConfig.cov_mode must be one of {COV_MODES}, got {self.cov_mode!r}")
         floats = {name: _finite_number(name, getattr(self, name))
                   for name in ("clip_low", "clip_high", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                                "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "beta", "top_entropy_quantile",
-                               "temperature", "entropy_coef")}
+                               "temperature", "entropy_coef", "cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_coef")}
         if floats["clip_low"] < 0.0:  # >= 1: no lower clip (1 - clip_low <= 0 <= r), as TRL's epsilon = 1 means
             raise ValueError(f"PolicyLossConfig.clip_low must be >= 0, got {self.clip_low!r}")
         if floats["clip_high"] < 0.0:
@@ -246,6 +265,7 @@ class PolicyLossConfig:
             if self.policy_loss == "vespo" and self.rollout_is.startswith("sequence"):
                 raise ValueError("PolicyLossConfig.policy_loss='vespo' takes a token-level rollout correction "
                                  f"(token_truncate / token_mask, as TRL), got rollout_is={self.rollout_is!r}")
+        self._check_cov_options(floats)
         if not 0.0 <= floats["top_entropy_quantile"] <= 1.0:
             raise ValueError(f"PolicyLossConfig.top_entropy_quantile must be in [0, 1], "
                              f"got {self.top_entropy_quantile!r}")
@@ -290,6 +310,22 @@ class PolicyLossConfig:
         if self.kl_is_clip is not None and (self.kl is None or not self.kl.endswith("+")):
             raise ValueError("PolicyLossConfig.kl_is_clip weights the k2 gradient of a straight-through estimator: "
                              f"set kl to one ending in '+' (k2's own gradient: 'k2+'), got kl={self.kl!r}")
+
+    def _check_cov_options(self, floats: dict[str, float]) -> None:
+        """``cov_mode``'s options: ``0 < cov_ratio <= 1``, ``clip_cov_lb < clip_cov_ub``, ``kl_cov_coef >= 0``;
+        clip_cov on ppo_clip without ``dual_clip`` / ``delta`` (its candidates exclude the clipped tokens)."""
+        if not 0.0 < floats["cov_ratio"] <= 1.0:
+            raise ValueError(f"PolicyLossConfig.cov_ratio must be in (0, 1], got {self.cov_ratio!r}")
+        if not floats["clip_cov_lb"] < floats["clip_cov_ub"]:
+            raise ValueError(f"PolicyLossConfig.clip_cov_lb ({self.clip_cov_lb!r}) must be < clip_cov_ub "
+                             f"({self.clip_cov_ub!r})")
+        if floats["kl_cov_coef"] < 0.0:
+            raise ValueError(f"PolicyLossConfig.kl_cov_coef must be >= 0, got {self.kl_cov_coef!r}")
+        if self.cov_mode == "clip_cov" and (self.policy_loss != "ppo_clip" or self.dual_clip is not None
+                                            or self.delta is not None):
+            raise ValueError("PolicyLossConfig.cov_mode='clip_cov' drops tokens whose PPO clip is inactive: it needs "
+                             "policy_loss='ppo_clip' without dual_clip or delta (verl's clip_cov objective), got "
+                             f"policy_loss={self.policy_loss!r}, dual_clip={self.dual_clip!r}, delta={self.delta!r}")
 
     @property
     def literal(self) -> str:
@@ -347,7 +383,8 @@ class PolicyLossConfig:
         """Of the field ``names`` (those a caller set explicitly), each one this config never reads, in the loss or
         its metrics -> why: ``clip_low`` outside ppo_clip / gspo / gspo_token / gmpo / dppo, ``clip_high`` also outside
         cispo, ``sapo_temperature_*`` outside sapo, ``vespo_*`` outside vespo, ``rollout_is_min`` / ``_max``
-        without ``rollout_is``. (Construction refuses the other such fields when they differ from their defaults:
+        without ``rollout_is``, ``cov_ratio`` without ``cov_mode``, ``clip_cov_lb`` / ``_ub`` and ``kl_cov_coef``
+        outside clip_cov / kl_cov. (Construction refuses the other such fields when they differ from their defaults:
         ``dual_clip``, ``delta``, ``max_len``, ``kl_bias_correction``.)"""
         clipped = ("ppo_clip", "gspo", "gspo_token", "gmpo") + DPPO
         readers = {"clip_low": (self.policy_loss in clipped, f"is not used by policy_loss {self.policy_loss!r}"),
@@ -358,7 +395,11 @@ class PolicyLossConfig:
                    **{name: (self.policy_loss == "vespo", "is only used by policy_loss 'vespo'")
                       for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
                    **{name: (self.rollout_is is not None, "is only used with rollout_is")
-                      for name in ("rollout_is_min", "rollout_is_max")}}
+                      for name in ("rollout_is_min", "rollout_is_max")},
+                   "cov_ratio": (self.cov_mode is not None, "is only used with cov_mode"),
+                   **{name: (self.cov_mode == "clip_cov", "is only used with cov_mode 'clip_cov'")
+                      for name in ("clip_cov_lb", "clip_cov_ub")},
+                   "kl_cov_coef": (self.cov_mode == "kl_cov", "is only used with cov_mode 'kl_cov'")}
         return {name: readers[name][1] for name in names if name in readers and not readers[name][0]}
 
     @property
@@ -385,8 +426,9 @@ class PolicyLossConfig:
     @property
     def is_batch_level(self) -> bool:
         """True when a token's loss depends on the whole batch beyond the aggregation weights (the
-        top-entropy quantile): fused-linear tiles cannot finish a token before all are seen."""
-        return self.top_entropy_quantile < 1.0
+        top-entropy quantile, the covariance selection of ``cov_mode``): fused-linear tiles cannot finish a token
+        before all are seen."""
+        return self.top_entropy_quantile < 1.0 or self.cov_mode is not None
 
     @property
     def literal_without_rollout(self) -> str:
@@ -397,14 +439,14 @@ class PolicyLossConfig:
     def has_token_local_policy(self) -> bool:
         """The token-local options of :attr:`has_token_epilogue`, whatever the rollout correction."""
         return (self.policy_loss in ("ppo_clip", "sapo", "cispo", "reinforce") + DPPO
-                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
+                and self.off_policy_mask is None and not self.is_batch_level)
 
     @property
     def has_token_epilogue(self) -> bool:
         """True when the kernels' closed-form per-token epilogue (Triton, C++/CUDA) covers this config:
         every token-local option (ppo_clip with dual clip / ``delta``, sapo, cispo, reinforce, dppo; every KL
         estimator, straight-through ones included, ``kl_clamp``, ``kl_is_clip`` and ``kl_bias_correction``;
-        token-level rollout correction); otherwise (sequence ratios and masks, the top-entropy quantile) the
+        token-level rollout correction); otherwise (sequence ratios and masks, the top-entropy quantile, cov_mode) the
         backends use the two-pass composition with :mod:`fused_rl.loss_math`."""
         return self.has_token_local_policy and (self.rollout_is is None or self.rollout_is.startswith("token"))
 

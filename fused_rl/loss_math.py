@@ -596,11 +596,41 @@ def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
     return mask & (h >= threshold)
 
 
+def covariance_selection(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                         config: PolicyLossConfig) -> torch.Tensor:
+    """The tokens (bool, detached) ``cov_mode`` selects among the unmasked ones of the batch, on the device without a
+    host sync: with ``cov_t = (A_t - mean A) (sg(logp_t) - mean sg(logp))`` (means over the unmasked tokens) and ``n =
+    max(floor(cov_ratio * #unmasked), 1)``, kl_cov's ``n`` largest ``cov_t`` (ties by position), or ``n`` of clip_cov's
+    candidates (``clip_cov_lb < cov_t < clip_cov_ub``, the PPO clip not active: ``-A clip(r) <= -A r``) drawn
+    uniformly from torch's generator of the device (each candidate a ``torch.rand`` key, the ``n`` smallest kept);
+    every candidate when there are fewer."""
+    zeros = torch.zeros_like(advantages)
+    count = mask.sum()
+    denom = count.clamp(min=1).to(advantages.dtype)
+    lp = torch.where(mask, logp.detach(), zeros)
+    a = torch.where(mask, advantages, zeros)
+    cov = (a - a.sum() / denom) * (lp - lp.sum() / denom)
+    if config.cov_mode == "kl_cov":
+        candidates, keys = mask, -cov
+    else:
+        r = ratio.detach()
+        low, high = ratio_bounds(r, config)
+        clip_active = -a * r.clamp(min=low, max=high) > -a * r
+        candidates = mask & ~clip_active & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
+        keys = torch.rand(mask.shape, device=mask.device)
+    flat = torch.where(candidates, keys, torch.full_like(keys, float("inf"))).reshape(-1)
+    order = flat.argsort(stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    wanted = (count * config.cov_ratio).floor().clamp(min=1)
+    return candidates & (rank.view(mask.shape) < wanted)
+
+
 class TokenTerms(NamedTuple):
     """Per-token pieces of the loss, all ``(B, T)``: ``loss`` (0 where masked), the importance ``ratio``,
     the KL estimate (``None`` without ``config.kl``) and ``extras``, detached tensors for the metrics:
     ``log_ratio`` (gmpo's and vespo's token log-ratios), ``vespo_phi`` (:func:`vespo_weights`), ``rollout_rho`` /
-    ``rollout_is`` (:func:`rollout_weights`),
+    ``rollout_is`` (:func:`rollout_weights`), ``dppo_keep`` (:func:`dppo_keep`), ``cov_selected``
+    (:func:`covariance_selection`),
     ``off_policy_keep`` and ``entropy_keep`` (the masks), only those the config uses."""
 
     loss: torch.Tensor
@@ -655,10 +685,17 @@ def per_token_loss(
                              "sampler's log-probs with config.rollout_is instead of rollout_is_weights")
         extras["vespo_phi"] = phi = vespo_weights(log_ratio, a, mask, config, rollout_w)
     loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi, keep=keep)
+    if config.cov_mode is not None:
+        extras["cov_selected"] = selected = covariance_selection(logp, ratio, a, mask, config)
+        if config.cov_mode == "kl_cov":  # + coef |logp - old| on the selected tokens' policy term
+            gap = (safe_logp - torch.where(mask, old, zeros)).abs()
+            loss = loss + torch.where(selected, config.kl_cov_coef * gap, zeros)
+        else:  # clip_cov: the selected tokens dropped
+            scale = (~selected).to(logp.dtype)
     if config.off_policy_mask is not None:
         behaviour = old if rollout_logprobs is None else torch.where(mask, rollout_logprobs, zeros)
         extras["off_policy_keep"] = keep = off_policy_keep(logp, behaviour, a, mask, config)
-        scale = keep.to(logp.dtype)
+        scale = keep.to(logp.dtype) if scale is None else scale * keep
     if config.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("config.top_entropy_quantile < 1 needs the entropy")
@@ -747,7 +784,8 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     ``rollout_is_mean`` (the applied rollout weight), ``rollout_is_clip_frac`` (tokens whose ``rho`` is
     outside ``[rollout_is_min, rollout_is_max]``), ``vespo_phi_mean`` (vespo's weight), ``off_policy_mask_frac`` and
     ``entropy_mask_frac``
-    (tokens dropped by each mask)."""
+    (tokens dropped by each mask), ``cov_frac`` (the tokens ``cov_mode`` selects: clip_cov drops them, kl_cov
+    penalizes them)."""
     extras = {} if extras is None else extras
     ratio = ratio.detach()
     a = torch.where(mask, advantages, torch.zeros_like(advantages))
@@ -800,4 +838,6 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
         out["off_policy_mask_frac"] = mean(~extras["off_policy_keep"])
     if config.top_entropy_quantile < 1.0:
         out["entropy_mask_frac"] = mean(~extras["entropy_keep"])
+    if config.cov_mode is not None:
+        out["cov_frac"] = mean(extras["cov_selected"])
     return out

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
 from fused_rl import PolicyLossConfig
-from fused_rl.config import (AGGREGATIONS, DPPO, KL_CLAMPABLE, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE,
+from fused_rl.config import (AGGREGATIONS, COV_MODES, DPPO, KL_CLAMPABLE, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE,
                              ROLLOUT_IS_MODES)
 
 
@@ -46,6 +46,7 @@ def configs(draw) -> PolicyLossConfig:
     ppo = policy in PPO_STYLE
     clip_high = draw(st.sampled_from([0.0, 0.2, 0.28, 4.0]))
     rollout = draw(st.sampled_from(ROLLOUT_IS_MODES + (None,) * 4))  # None half the time: the tiled route
+    cov_mode = draw(st.sampled_from(COV_MODES + (None,) * 4))
     fields = dict(
         policy_loss=policy, kl=kl, agg=agg, clip_high=clip_high,
         clip_low=draw(st.sampled_from([0.0, 0.1, 0.2])),
@@ -61,6 +62,10 @@ def configs(draw) -> PolicyLossConfig:
         rollout_is_max=draw(st.sampled_from([2.0, 3.0])),
         off_policy_mask=draw(st.sampled_from([None, 0.05])),
         top_entropy_quantile=draw(st.sampled_from([1.0, 1.0, 0.5])),
+        # clip_cov draws at random: cov_ratio 1 drops every candidate, the same on two backends
+        cov_mode=cov_mode, cov_ratio=1.0 if cov_mode == "clip_cov" else draw(st.sampled_from([2e-4, 0.3])),
+        clip_cov_lb=draw(st.sampled_from([-1.0, 0.0])), clip_cov_ub=draw(st.sampled_from([0.5, 100.0])),
+        kl_cov_coef=draw(st.sampled_from([1.0, 0.3])),
         mask_truncated_completions=draw(st.booleans()),
         max_len=draw(st.sampled_from([None, 12])) if agg == "seq-mean-token-sum-norm" else None,
         temperature=draw(st.sampled_from([1.0, 0.3, 1.7])),
@@ -97,6 +102,25 @@ def entropy_choice_is_a_tie(entropy, mask, config: PolicyLossConfig, tol: float)
     q = torch.quantile(h, 1.0 - config.top_entropy_quantile)
     near = (h - q).abs()
     return bool((h.diff() < tol).any() or ((near > 0) & (near < tol)).any())
+
+
+def cov_choice_is_a_tie(config: PolicyLossConfig, logp, advantages, mask, tol: float) -> bool:
+    """Whether ``cov_mode``'s choice hangs on rounding: kl_cov's ``n``-th and ``n+1``-th largest covariances, or a
+    covariance and a clip_cov band edge, within ``tol`` times the advantages' scale (two correct implementations'
+    log-probs agree to rounding, so their covariances to ``|A - mean A|`` times that)."""
+    if config.cov_mode is None:
+        return False
+    adv = (advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(mask.shape)).double()[mask]
+    lp = logp.detach().double()[mask]
+    if lp.numel() < 2:
+        return False
+    cov = (adv - adv.mean()) * (lp - lp.mean())
+    tol = tol * (1.0 + float((adv - adv.mean()).abs().max()))
+    if config.cov_mode == "clip_cov":
+        return bool(((cov - config.clip_cov_lb).abs() < tol).any() or ((cov - config.clip_cov_ub).abs() < tol).any())
+    n = max(int(config.cov_ratio * lp.numel()), 1)
+    top = cov.sort(descending=True).values
+    return n < top.numel() and bool(top[n - 1] - top[n] < tol)
 
 
 def ratio_at_a_bound(config: PolicyLossConfig, logp, old, mask, tol: float) -> bool:

@@ -42,6 +42,16 @@ from fused_rl.loss_math import compute_policy_loss
     (dict(kl_is_clip=10.0), "ending in '\\+'"),
     (dict(kl="k2+", kl_is_clip=-1.0), "kl_is_clip must be > 0"),
     (dict(kl="k3+", kl_is_clip=10.0, kl_bias_correction=True), "two off-policy corrections"),
+    (dict(policy_loss="dppo_tv", delta=0.0), "truncation of the importance weight"),
+    (dict(policy_loss="dppo_kl", dual_clip=3.0), "dual_clip applies to"),
+    (dict(policy_loss="cispo", delta=2.0), "delta applies to"),
+    (dict(cov_mode="entropy"), "cov_mode must be one of"),
+    (dict(cov_mode="kl_cov", cov_ratio=0.0), r"cov_ratio must be in \(0, 1\]"),
+    (dict(cov_ratio=1.5), r"cov_ratio must be in \(0, 1\]"),
+    (dict(cov_mode="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "must be < clip_cov_ub"),
+    (dict(cov_mode="kl_cov", kl_cov_coef=-1.0), "kl_cov_coef must be >= 0"),
+    (dict(cov_mode="clip_cov", policy_loss="cispo"), "clip_cov' drops tokens whose PPO clip is inactive"),
+    (dict(cov_mode="clip_cov", dual_clip=3.0), "without dual_clip or delta"),
 ])
 def test_invalid_configs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -193,6 +203,9 @@ def test_new_fields_route_the_backends():
     assert not PolicyLossConfig(rollout_is="token_mask").is_sequence_level
     assert PolicyLossConfig(off_policy_mask=0.1).is_sequence_level
     assert PolicyLossConfig(top_entropy_quantile=0.2).is_batch_level and PolicyLossConfig(top_entropy_quantile=0.2).needs_entropy
+    for cfg in (PolicyLossConfig(cov_mode="clip_cov"), PolicyLossConfig(policy_loss="cispo", cov_mode="kl_cov")):
+        assert cfg.is_batch_level and not cfg.has_token_epilogue and not cfg.needs_entropy
+    assert PolicyLossConfig(policy_loss="dppo_kl", delta=3.0).has_token_epilogue
 
 
 def test_numpy_scalars_are_numbers():

@@ -16,7 +16,8 @@ from fused_rl.config import KL_ESTIMATORS
 from fused_rl.loss_math import per_token_loss
 from helpers import (PolicyCase, assert_close, compare_policy_loss, fused_backends, magnitude_scale, on_device,
                      supports)
-from strategies import configs, entropy_choice_is_a_tie, fit_inputs, fuzz_settings, ratio_at_a_bound
+from strategies import (configs, cov_choice_is_a_tie, entropy_choice_is_a_tie, fit_inputs, fuzz_settings,
+                        ratio_at_a_bound)
 
 BACKENDS = fused_backends()
 CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
@@ -94,7 +95,8 @@ def test_differential_fuzz(backend, device, dtype):
             return  # e.g. k3 of a 1e4 log-ratio overflows in the reference too: nothing to compare
         scale = magnitude_scale(case.logits, config.temperature)
         if entropy_choice_is_a_tie(out.entropy, case.mask, config, 1e-5 * scale) \
-                or ratio_at_a_bound(config, out.logprobs, case.old, case.mask, 1e-5 * scale):
+                or ratio_at_a_bound(config, out.logprobs, case.old, case.mask, 1e-5 * scale) \
+                or cov_choice_is_a_tie(config, out.logprobs, case.advantages, case.mask, 1e-5 * scale):
             return
         out.loss.backward()
         # a near-certain target's 1 - p carries the rounding of d = (z - m) - log s, a few |z| 2^-24, times

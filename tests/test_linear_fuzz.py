@@ -23,7 +23,8 @@ import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.backends import tiled_linear, torch_linear
 from helpers import fused_backends, on_device, supports
-from strategies import configs, entropy_choice_is_a_tie, fit_inputs, fuzz_settings, ratio_at_a_bound
+from strategies import (configs, cov_choice_is_a_tie, entropy_choice_is_a_tie, fit_inputs, fuzz_settings,
+                        ratio_at_a_bound)
 from test_linear import LinearCase, compare_linear
 
 CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
@@ -94,7 +95,8 @@ def test_linear_differential_fuzz(backend, device, dtype):
                 bias=None if case.bias is None else case.bias.float(), temperature=config.temperature,
                 return_entropy=True, check_inputs=False)
         if entropy_choice_is_a_tie(ref_entropy, case.mask, config, 1e-5) \
-                or ratio_at_a_bound(config, ref_logp, case.old, case.mask, 1e-5):
+                or ratio_at_a_bound(config, ref_logp, case.old, case.mask, 1e-5) \
+                or cov_choice_is_a_tie(config, ref_logp, case.advantages, case.mask, 1e-5):
             return
         normalizer = normalizer if config.agg == "token-mean" else None  # the others refuse one
         saved = (tiled_linear.CHUNK_TOKENS, torch_linear.CHUNK_TOKENS, torch_linear.GATHER_VALID,

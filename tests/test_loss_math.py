@@ -31,6 +31,26 @@ def _rollout_weight(cfg, rho):
     return rho if (lo is None or rho >= lo) and (hi is None or rho <= hi) else 0.0
 
 
+def _cov_selected(frozen, old, adv, mask, cfg):
+    """``cov_mode``'s tokens at the base point: kl_cov's ``n`` largest covariances; clip_cov's candidates (band, PPO
+    clip inactive), which these tests keep no more than ``n`` of (then all are dropped: no random draw)."""
+    valid = [(b, t) for b in range(len(mask)) for t in range(len(mask[0])) if mask[b][t]]
+    a_mean = sum(adv[b][t] for b, t in valid) / max(len(valid), 1)
+    lp_mean = sum(frozen[b][t] for b, t in valid) / max(len(valid), 1)
+    cov = {(b, t): (adv[b][t] - a_mean) * (frozen[b][t] - lp_mean) for b, t in valid}
+    n = max(math.floor(cfg.cov_ratio * len(valid)), 1)
+    if cfg.cov_mode == "kl_cov":
+        return set(sorted(valid, key=lambda bt: -cov[bt])[:n])
+    candidates = set()
+    for b, t in valid:
+        r, A = math.exp(frozen[b][t] - old[b][t]), adv[b][t]
+        clipped = -A * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high) > -A * r
+        if cfg.clip_cov_lb < cov[(b, t)] < cfg.clip_cov_ub and not clipped:
+            candidates.add((b, t))
+    assert len(candidates) <= n, "a random draw: give the test a larger cov_ratio"
+    return candidates
+
+
 def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_logp=None, rollout=None,
                 is_weights=None):
     """Plain-Python evaluation of the documented formulas (lists of lists, math module only).
@@ -42,6 +62,7 @@ def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_log
     frozen = logp if frozen_logp is None else frozen_logp
     per = [[0.0] * T for _ in range(B)]
     valid_ent = sorted(ent[b][t] for b in range(B) for t in range(T) if mask[b][t])
+    cov_selected = _cov_selected(frozen, old, adv, mask, cfg) if cfg.cov_mode is not None else set()
     if cfg.top_entropy_quantile < 1.0 and valid_ent:
         pos = (len(valid_ent) - 1) * (1.0 - cfg.top_entropy_quantile)
         lo, hi = math.floor(pos), math.ceil(pos)
@@ -105,6 +126,8 @@ def scalar_loss(logp, old, ref, ent, adv, mask, cfg, normalizer=None, frozen_log
                 l = -(rf if cfg.delta is None else min(rf, cfg.delta)) * A * logp[b][t] if keep else 0.0
             else:
                 l = -A * logp[b][t]
+            if (b, t) in cov_selected:  # kl_cov: + coef |logp - old| (in the policy term); clip_cov: dropped
+                l = l + cfg.kl_cov_coef * abs(logp[b][t] - old[b][t]) if cfg.cov_mode == "kl_cov" else 0.0
             if cfg.off_policy_mask is not None and A < 0 and seq_kl > cfg.off_policy_mask:
                 l = 0.0
             if cfg.top_entropy_quantile < 1.0 and ent[b][t] < ent_threshold:
@@ -231,6 +254,12 @@ VARIANTS = {
     "dppo_kl_rollout": PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.1, clip_high=0.005,
                                         rollout_is="token_truncate", rollout_is_max=1.6, kl="low_var_kl+", beta=0.1,
                                         kl_bias_correction=True, agg="seq-mean-token-mean"),
+    # kl_cov (12 characters: seed 87, five tokens whose covariances -0.21, -0.04, 0.09, 0.29, 1.17 are well apart): the
+    # top two; clip_cov (13: seed 94, covariances -1.37, -0.6, -0.12, -0.11, -0.06, 2.37): the band's three, all drawn
+    "kl_cov_top_2": PolicyLossConfig(cov_mode="kl_cov", cov_ratio=0.45, kl_cov_coef=0.5, kl="k2", beta=0.1,
+                                     rollout_is="token_truncate", rollout_is_max=1.5),
+    "clip_cov_band": PolicyLossConfig(cov_mode="clip_cov", cov_ratio=0.5, clip_cov_lb=-0.2, clip_cov_ub=1.0,
+                                      clip_high=0.1, entropy_coef=0.01, agg="seq-mean-token-mean"),
     # masked tokens have weight 0, log 0 = -inf clamped to log 1e-8: phi ~ 0 on their sequences
     "vespo_mis": PolicyLossConfig(policy_loss="vespo", rollout_is="token_mask", rollout_is_max=1.4,
                                   top_entropy_quantile=0.6, entropy_coef=0.01),
@@ -243,6 +272,8 @@ def test_variants_match_scalar_derivation(name):
     assert all(torch.isfinite(v) for v in metrics.values())
     if name.startswith("dppo"):  # the trust region drops tokens with A > 0 and with A < 0
         assert metrics["clip_frac_high"] > 0 and metrics["clip_frac_low"] > 0
+    if name.startswith(("kl_cov", "clip_cov")):  # two of five tokens; the band's three of six minus the clipped
+        assert metrics["cov_frac"] > 0
 
 
 @pytest.mark.parametrize("name", ["sapo_temps", "delta", "gmpo_tight", "k3+", "mis_token", "all",
@@ -967,3 +998,62 @@ def test_dppo_by_hand():
     compute_policy_loss(x, adv, mask, PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.0, clip_high=0.0,
                                                        agg="seq-mean-token-sum"))[0].backward()
     torch.testing.assert_close(x.grad, -adv)
+
+
+def _cov_case(seed=0, batch=4, length=64):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 4
+    old = logp + 0.3 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    adv = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length) * 2
+    mask = torch.rand(batch, length, generator=g) < 0.8
+    mask[0] = False
+    a, lp = adv[mask], logp[mask]
+    cov = torch.zeros_like(logp)
+    cov[mask] = (a - a.mean()) * (lp - lp.mean())
+    return logp, old, adv, mask, cov
+
+
+def test_clip_cov_draws_uniformly_from_its_candidates():
+    """clip_cov drops ``n = floor(cov_ratio * #unmasked)`` tokens drawn from its candidates only (covariance in the
+    band, PPO clip inactive), the same ones under the same seed, each candidate about equally often over seeds."""
+    logp, old, adv, mask, cov = _cov_case()
+    config = PolicyLossConfig(cov_mode="clip_cov", cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=1.0, clip_high=0.1)
+    r = (logp - old).exp()
+    clipped = -adv * r.clamp(0.8, 1.1) > -adv * r
+    candidates = mask & (cov > 0.0) & (cov < 1.0) & ~clipped
+    n = math.floor(0.05 * mask.sum().item())
+    assert clipped[mask & (cov > 0) & (cov < 1)].any() and candidates.sum() > 3 * n
+    counts = torch.zeros_like(logp)
+    for seed in range(300):
+        torch.manual_seed(seed)
+        selected = per_token_loss(logp, adv, mask, config, old_logprobs=old).extras["cov_selected"]
+        assert selected.sum() == n and not (selected & ~candidates).any()
+        counts += selected
+    torch.manual_seed(299)
+    assert torch.equal(per_token_loss(logp, adv, mask, config, old_logprobs=old).extras["cov_selected"], selected)
+    expected = 300 * n / candidates.sum().item()
+    assert 0.5 * expected < counts[candidates].min() and counts[candidates].max() < 1.6 * expected
+    # fewer candidates than n: all of them
+    config = config.replace(cov_ratio=1.0)
+    assert torch.equal(per_token_loss(logp, adv, mask, config, old_logprobs=old).extras["cov_selected"], candidates)
+
+
+def test_kl_cov_penalizes_the_top_covariance_tokens():
+    """kl_cov's ``n`` tokens are torch.topk's of the covariance; each adds ``kl_cov_coef |logp - old|`` (slope
+    ``coef sign(logp - old)``) to its policy term, scaled by the aggregation weight."""
+    logp, old, adv, mask, cov = _cov_case(1)
+    n = math.floor(0.1 * mask.sum().item())
+    top = torch.zeros_like(mask).view(-1)
+    top[torch.where(mask, cov, -math.inf).view(-1).topk(n).indices] = True
+    top = top.view(mask.shape)
+    base = PolicyLossConfig(agg="seq-mean-token-sum")
+    config = base.replace(cov_mode="kl_cov", cov_ratio=0.1, kl_cov_coef=0.7)
+    x, y = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    loss, m = compute_policy_loss(x, adv, mask, config, old_logprobs=old)
+    plain, _ = compute_policy_loss(y, adv, mask, base, old_logprobs=old)
+    loss.backward()
+    plain.backward()
+    batch = logp.shape[0]
+    assert loss.item() == pytest.approx(plain.item() + 0.7 * (logp - old).abs()[top].sum().item() / batch)
+    torch.testing.assert_close(x.grad - y.grad, torch.where(top, 0.7 * (logp - old).sign() / batch, 0.0))
+    assert m["cov_frac"].item() == pytest.approx(n / mask.sum().item())

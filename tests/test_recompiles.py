@@ -265,6 +265,10 @@ SCHEDULES = {
     "top-entropy": (dict(top_entropy_quantile=0.5), ("top_entropy_quantile",)),
     "openrlhf-kl": (dict(kl="k2+", beta=0.04, kl_clamp=0.5, kl_is_clip=1.1), ("beta", "kl_clamp", "kl_is_clip")),
     "dppo": (dict(policy_loss="dppo_kl", clip_low=0.01, clip_high=0.02, delta=2.0), ("clip_low", "clip_high", "delta")),
+    "kl-cov": (dict(cov_mode="kl_cov", cov_ratio=0.2), ("cov_ratio", "kl_cov_coef")),
+    # cov_ratio 1: every candidate dropped, no random draw for eager and compiled to make differently
+    "clip-cov": (dict(cov_mode="clip_cov", cov_ratio=1.0, clip_cov_lb=-1.0, clip_cov_ub=2.0),
+                 ("clip_cov_lb", "clip_cov_ub")),
 }
 SAME_SHAPE = [(2, 5)] * 5
 

@@ -51,6 +51,11 @@ VARIANTS = {
     "dppo_tv": PolicyLossConfig(policy_loss="dppo_tv", clip_low=3e-5, clip_high=6e-5, delta=1.2, kl="k3", beta=0.05),
     "dppo_kl": PolicyLossConfig(policy_loss="dppo_kl", clip_low=2e-6, clip_high=4e-6, rollout_is="token_mask",
                                 rollout_is_max=1.5, entropy_coef=0.01, agg="seq-mean-token-mean"),
+    # the Entropy Mechanism's covariance selections (batch-level: every backend's two passes): kl_cov's top fifth;
+    # clip_cov with cov_ratio 1, so every candidate is dropped (no random draw to differ between two runs)
+    "kl_cov": PolicyLossConfig(cov_mode="kl_cov", cov_ratio=0.2, kl_cov_coef=0.5, kl="k3", beta=0.05),
+    "clip_cov": PolicyLossConfig(cov_mode="clip_cov", cov_ratio=1.0, clip_cov_lb=0.0, clip_cov_ub=1e6, clip_high=0.28,
+                                 rollout_is="token_truncate", rollout_is_max=1.5, agg="seq-mean-token-mean"),
     "vespo_mis": PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
                                   vespo_lambda_neg=1.0, rollout_is="token_mask", rollout_is_min=0.5,
                                   rollout_is_max=1.5, off_policy_mask=0.05, entropy_coef=0.01,
