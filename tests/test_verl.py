@@ -132,8 +132,7 @@ def test_config_numbers_refuse_bools_and_strings(field, value):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(config={"policy_loss": {"loss_mode": "clip_cov"}}), "clip_cov"),
-    (dict(config={"policy_loss": {"loss_mode": "kl_cov"}}), "top covariance"),
+    (dict(config={"policy_loss": {"loss_mode": "bypass_mode"}}), "rollout-correction config"),
     (dict(config={"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}, "use_kl_loss": True}, kl=True), "one KL term"),
     (dict(config={"policy_loss": {"loss_mode": "cispo"}}), "two-sided"),  # clip_ratio_low defaults to 0.2
     (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 0.999}), "clip_ratio_low=0.999"),
@@ -658,8 +657,8 @@ def test_get_policy_loss_fn_has_verl_s_registered_signature():
     gspo = {"clip_ratio": 0.2}
     assert get_policy_loss_fn("gspo")(OLD, _log_prob(), ADV, MASK, config=gspo)[0].item() == \
         compute_policy_loss(OLD, _log_prob(), ADV, MASK, "seq-mean-token-mean", gspo, loss_mode="gspo")[0].item()
-    with pytest.raises(NotImplementedError, match="clip_cov"):
-        get_policy_loss_fn("clip_cov")
+    with pytest.raises(NotImplementedError, match="bypass_mode"):
+        get_policy_loss_fn("bypass_mode")
 
 
 def test_ppo_kl_is_verl_s_clamped_log_ratio():
@@ -846,3 +845,154 @@ def test_from_hidden_dppo_dro_matches_verl_actor(mode, backend):
         torch.testing.assert_close(g_value.double(), w_value.detach(), rtol=1e-5, atol=1e-6)
     if mode != "dro":
         assert 0 < got_metrics[0] < 1  # the trust region drops some tokens and keeps others
+
+
+# --- the Entropy Mechanism's clip_cov and kl_cov
+def _verl_cov(mode, old, log_prob, adv, mask, agg, config, weights=None):
+    """verl 0.9.1's ``compute_policy_loss_clip_cov`` / ``_kl_cov`` transcribed: ``(pg_loss, pg_clipfrac, ppo_kl,
+    pg_clipfrac_lower)`` (kl_cov: ppo_kl is its mean |log r|, the clip fractions 0)."""
+    policy = config["policy_loss"]
+    masked_mean = lambda x: (x * mask).sum() / (mask.sum() + 1e-8)  # noqa: E731
+    zero = torch.zeros((), dtype=old.dtype)
+    negative_approx_kl = log_prob - old
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -adv * ratio
+    if mode == "kl_cov":
+        pg_losses = pg_losses1.clone()
+        pg_losses_kl = -adv * ratio + policy.get("ppo_kl_coef", 1.0) * negative_approx_kl.abs()
+        all_valid_idx = torch.nonzero((mask > 0).reshape(-1), as_tuple=True)[0]
+        valid_adv, valid_logp = adv[mask > 0].detach().reshape(-1), log_prob[mask > 0].detach().reshape(-1)
+        cov = (valid_adv - valid_adv.mean()) * (valid_logp - valid_logp.mean())
+        large = all_valid_idx[torch.topk(cov, max(1, int(len(cov) * policy["kl_cov_ratio"])), largest=True).indices]
+        rows, cols = large // adv.shape[1], large % adv.shape[1]
+        pg_losses[rows, cols] = pg_losses_kl[rows, cols]
+        if weights is not None:
+            pg_losses = pg_losses * weights
+        return _verl_agg(pg_losses, mask, agg), zero, masked_mean(negative_approx_kl.abs()), zero
+    low = config.get("clip_ratio_low") or config["clip_ratio"]
+    high = config.get("clip_ratio_high") or config["clip_ratio"]
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (mask > 0)
+    cov_all = (adv - masked_mean(adv)) * (log_prob - masked_mean(log_prob.detach()))
+    cov_all[mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(policy["clip_cov_ratio"] * mask.sum().item()), 1)
+    top_k_idx = torch.nonzero((cov_all < policy["clip_cov_ub"]) & (cov_all > policy["clip_cov_lb"]) & (mask > 0))
+    top_k_idx = top_k_idx[torch.randperm(len(top_k_idx))[:min(clip_num, len(top_k_idx))]]
+    corr = torch.ones_like(adv)
+    corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    if weights is not None:
+        pg_losses = pg_losses * weights
+    return _verl_agg(pg_losses, mask, agg), masked_mean((corr == 0).float()), masked_mean(-negative_approx_kl), zero
+
+
+COV_CONFIGS = {
+    # clip_cov_ratio 1: verl's randperm keeps every candidate, fused_rl's draw too (the same tokens)
+    "clip_cov": {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                 "policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 1.0, "clip_cov_lb": 0.05,
+                                 "clip_cov_ub": 0.6}},
+    "kl_cov": {"clip_ratio": 0.2, "policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.2, "ppo_kl_coef": 0.7}},
+}
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("agg", sorted(HAND) + ["token-sum"])
+@pytest.mark.parametrize("mode", sorted(COV_CONFIGS))
+def test_cov_parity_with_verl(mode, agg, with_weights):
+    """Loss, d loss / d log_prob and the metrics equal verl 0.9.1's clip_cov / kl_cov (transcribed) on ragged
+    responses with an empty one, A of both signs and A = 0; clip_cov drops some tokens (not those it clips), kl_cov
+    penalizes a fifth; rollout_is_weights multiply the whole per-token loss, penalty included."""
+    old, lp, adv, mask, weights = _ragged_batch(12)
+    lp = lp.clamp(max=-1e-3)
+    weights = weights if with_weights else None
+    config = COV_CONFIGS[mode]
+    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    got = compute_policy_loss(old, log_prob, adv, mask, agg, config, weights)
+    want = _verl_cov(mode, old, ref_lp, adv, mask, agg, config, weights)
+    for g_value, w_value in zip(got, want):
+        torch.testing.assert_close(g_value.to(torch.float64), w_value, rtol=1e-6, atol=1e-9)
+    got[0].backward()
+    want[0].backward()
+    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    if mode == "clip_cov":
+        assert 0 < got[1] < 0.5
+    names = {"clip_cov": ["actor/pg_clipfrac", "actor/ppo_kl"], "kl_cov": ["actor/ppo_kl"]}[mode]
+    assert list(get_policy_loss_fn(mode)(old, lp, adv, mask, agg, config)[1]) == names
+
+
+def test_clip_cov_draws_as_many_as_verl_from_the_same_candidates():
+    """With verl's default clip_cov_ratio (a random draw), both drop ``max(int(ratio * #tokens), 1)`` of the same
+    candidates (not the same ones: verl draws with torch.randperm, fused_rl with torch.rand keys)."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(8, 200, generator=g, dtype=torch.float64) * 3
+    lp = (old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(8, 1, generator=g, dtype=torch.float64).expand(8, 200) * 2
+    mask = torch.ones_like(old)
+    policy = {"loss_mode": "clip_cov", "clip_cov_ratio": 0.01, "clip_cov_lb": 0.05, "clip_cov_ub": 5.0}
+    config = {"clip_ratio": 0.2, "policy_loss": policy}
+    everything = dict(config, policy_loss=dict(policy, clip_cov_ratio=1.0))
+    candidates = compute_policy_loss(old, lp, adv, mask, "token-mean", everything)[1] * mask.numel()
+    assert candidates > 30
+    for seed in range(3):
+        torch.manual_seed(seed)
+        assert compute_policy_loss(old, lp, adv, mask, "token-mean", config)[1].item() * mask.numel() == \
+            pytest.approx(16)  # int(0.01 * 1600)
+        assert _verl_cov("clip_cov", old, lp, adv, mask, "token-mean", config)[1].item() * mask.numel() == \
+            pytest.approx(16)
+
+
+def test_cov_config_mapping():
+    cfg = policy_loss_config_from_verl({"clip_ratio": 0.2, "policy_loss": {"loss_mode": "clip_cov"}},
+                                       response_length=4)
+    assert cfg == PolicyLossConfig(cov_mode="clip_cov", cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    cfg = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": None}},
+                                       response_length=4)
+    assert cfg == PolicyLossConfig(clip_low=1.0, clip_high=1e30, cov_mode="kl_cov", cov_ratio=2e-4, kl_cov_coef=1.0)
+
+
+@pytest.mark.parametrize("mode", sorted(COV_CONFIGS))
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_from_hidden_cov_matches_verl_actor(mode, backend):
+    """The fused entry point (a batch-level config: each backend's two passes) equals verl's actor composition on its
+    log-softmax: the transcribed policy term, minus entropy_coeff * agg(H), plus kl_loss_coef * agg(low_var_kl)."""
+    if fused_rl.available_backends()[backend] is not None:
+        pytest.skip(fused_rl.available_backends()[backend])
+    g = torch.Generator().manual_seed(13)
+    lengths, hidden_size, vocab, tau, agg = (6, 2, 0, 5), 8, 40, 0.9, "seq-mean-token-mean"
+    batch, length = len(lengths), max(lengths)
+    hidden = torch.randn(batch, length, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * 1.5
+    responses = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
+    adv = torch.randn(batch, length, generator=g)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1).gather(
+            -1, responses.unsqueeze(-1)).squeeze(-1)
+    old = (lp0 + 0.5 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
+    ref = (lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).float()
+    config = dict(COV_CONFIGS[mode], entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05,
+                  kl_loss_type="low_var_kl")
+
+    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
+    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    m64 = mask.double()
+    pg_loss, *metrics = _verl_cov(mode, old.double(), log_prob, adv.double(), m64, agg, config)
+    d = (ref.double() - log_prob).clamp(-20, 20)
+    kl = (d.exp() - d - 1).clamp(-10, 10)
+    expected = pg_loss - 0.01 * _verl_agg(entropy, m64, agg) + 0.05 * _verl_agg(kl, m64, agg)
+    expected.backward()
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, *got_metrics, _ = compute_policy_loss_from_hidden(h, w, responses, old, adv, mask, agg, config,
+                                                           ref_log_prob=ref, temperature=tau, backend=backend)
+    got.backward()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
+    for g_value, w_value in zip(got_metrics, metrics):
+        torch.testing.assert_close(g_value.double(), w_value.detach(), rtol=1e-5, atol=1e-6)
+    if mode == "clip_cov":
+        assert 0 < got_metrics[0] < 1

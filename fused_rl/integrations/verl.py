@@ -31,6 +31,13 @@ verl                                       fused_rl
                                            then never binds; else ``NotImplementedError``)
 ``policy_loss.loss_mode="dppo_tv"/"dppo_kl"`` ``policy_loss="dppo_tv"/"dppo_kl"``, ``clip_low/high`` the divergence
                                            bounds, ``delta=clip_ratio_c`` (verl: ``config.get("clip_ratio_c", 20.0)``)
+``policy_loss.loss_mode="clip_cov"``       ``policy_loss="ppo_clip"`` (no dual clip), ``cov_mode="clip_cov"``,
+                                           ``cov_ratio=clip_cov_ratio``, ``clip_cov_lb/ub`` (verl's defaults
+                                           0.0002, 1, 5); verl draws with ``torch.randperm``, fused_rl with
+                                           ``torch.rand`` keys on the device (the same distribution)
+``policy_loss.loss_mode="kl_cov"``         ``policy_loss="ppo_clip"`` unclipped (``clip_low=1``, ``clip_high=``
+                                           :data:`UNCLIPPED`), ``cov_mode="kl_cov"``, ``cov_ratio=kl_cov_ratio``,
+                                           ``kl_cov_coef=ppo_kl_coef`` (0.0002, 1)
 ``policy_loss.loss_mode="dro"``            ``policy_loss="reinforce"``, ``kl="k2"`` against ``old_log_prob``,
                                            ``beta=policy_loss.dro_beta``; not with ``rollout_is_weights`` (verl
                                            weights the penalty too) or, fused, ``use_kl_loss``
@@ -89,18 +96,22 @@ from ..ops import _check_linear_targets, linear_policy_loss
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
 
-LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro")
+LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov")
 #: verl loss modes fused_rl's loss math cannot express, and why (each raises ``NotImplementedError``).
 UNSUPPORTED_LOSS_MODES = {
-    "clip_cov": "drops a random sample of tokens selected by the covariance of A and log-prob",
-    "kl_cov": "adds |log r| to the top covariance tokens",
-    "bypass_mode": "dispatches on the rollout-correction config (rollout log-probs as old log-probs)",
+    "bypass_mode": "dispatches on the rollout-correction config: importance weights and rejection masks from the "
+                   "current log-probs against the rollout ones, a mask that changes the aggregation",
 }
 #: verl's ``loss_agg_mode`` values: fused_rl's aggregations and ``token-sum`` (verl 0.9).
 LOSS_AGG_MODES = AGGREGATIONS + ("token-sum",)
 #: verl's bound of ``log_prob - old_log_prob`` before ``exp`` in vanilla, sapo, cispo and dppo (and their ``ppo_kl``).
 LOG_RATIO_CLAMP = 20.0
 _CLAMPED_LOG_RATIO = ("vanilla", "sapo", "cispo", "dppo_tv", "dppo_kl")
+#: ``clip_high`` of kl_cov's unclipped ``-A r`` as fused_rl's ppo_clip (``clip_low = 1``: no lower bound either).
+UNCLIPPED = 1e30
+#: verl 0.9.1's defaults of the Entropy Mechanism losses' ``policy_loss`` options (``None`` there means these).
+_COV_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
+                 "ppo_kl_coef": 1.0}
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "abs": "abs", "low_var_kl": "low_var_kl",
              "k3": "low_var_kl"}
 # "X+": the value of X with the gradient of k2 (k2+ is k2 itself)
@@ -207,6 +218,8 @@ def policy_loss_config_from_verl(
         # clip_ratio(_low/_high) are the divergence bounds; verl reads the weight's truncation with
         # config.get("clip_ratio_c", 20.0) (an ActorConfig's own default is 3.0)
         fields.update(policy_loss=loss_mode, delta=_get_number(config, "clip_ratio_c", 20.0))
+    elif loss_mode in ("clip_cov", "kl_cov"):
+        fields.update(_cov_fields(config, loss_mode))
     elif loss_mode == "dro":  # -A logp + dro_beta / 2 (logp - old)^2: reinforce and k2 against the old log-probs
         del fields["clip_low"], fields["clip_high"]
         fields.update(policy_loss="reinforce", kl="k2", beta=_dro_beta(config))
@@ -236,6 +249,18 @@ def _dro_beta(config: Any) -> float:
     if beta is None or isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not beta > 0:
         raise ValueError(f"verl policy_loss.dro_beta must be a positive value when using DRO, got {beta!r}")
     return float(beta)
+
+
+def _cov_fields(config: Any, loss_mode: str) -> dict[str, Any]:
+    """clip_cov: verl's PPO objective (no dual clip) with fused_rl's ``cov_mode="clip_cov"``; kl_cov: its unclipped
+    ``-A r`` (ppo_clip with ``clip_low = 1``, ``clip_high =`` :data:`UNCLIPPED`) with ``cov_mode="kl_cov"``."""
+    policy = _get(config, "policy_loss")
+    option = lambda name: _get_number(policy, name, _COV_DEFAULTS[name])  # noqa: E731
+    if loss_mode == "clip_cov":
+        return dict(policy_loss="ppo_clip", cov_mode="clip_cov", cov_ratio=option("clip_cov_ratio"),
+                    clip_cov_lb=option("clip_cov_lb"), clip_cov_ub=option("clip_cov_ub"))
+    return dict(policy_loss="ppo_clip", clip_low=1.0, clip_high=UNCLIPPED, cov_mode="kl_cov",
+                cov_ratio=option("kl_cov_ratio"), kl_cov_coef=option("ppo_kl_coef"))
 
 
 def _refuse_dro_weights(mode: str, rollout_is_weights: Optional[torch.Tensor]) -> None:
@@ -312,6 +337,10 @@ def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig
         return zero, zero.clone(), zero.clone()
     if loss_mode in ("sapo", "dro"):  # verl's sapo: 0 clip fractions, the masked mean log-ratio; dro: ppo_kl alone
         return zero, ppo_kl, zero.clone()
+    if loss_mode == "clip_cov":  # the dropped tokens (verl's corr == 0), ppo_kl; no pg_clipfrac_lower
+        return out_metrics["cov_frac"], ppo_kl, zero
+    if loss_mode == "kl_cov":  # verl's ppo_kl here is the masked mean |log r|, alone
+        return zero, masked_mean(log_ratio.abs(), mask), zero.clone()
     if loss_mode in ("dppo_tv", "dppo_kl"):  # the dropped tokens; the kept ones whose weight is truncated
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand_as(log_ratio)
         kept = dppo_keep(logp, old, adv, config)
@@ -380,7 +409,8 @@ def compute_policy_loss(
     return (loss * factor,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
 
 
-_METRIC_NAMES = {"gpg": (), "dro": ("actor/ppo_kl",)}
+_METRIC_NAMES = {"gpg": (), "dro": ("actor/ppo_kl",), "kl_cov": ("actor/ppo_kl",),
+                 "clip_cov": ("actor/pg_clipfrac", "actor/ppo_kl")}
 
 
 def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
@@ -399,8 +429,9 @@ def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
         loss, *metrics = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                                              config, rollout_is_weights, loss_mode=loss_mode,
                                              check_inputs=check_inputs)
-        if loss_mode in _METRIC_NAMES:  # gpg: none, dro: ppo_kl alone (as verl)
-            return loss, dict(zip(_METRIC_NAMES[loss_mode], metrics[1:2] if loss_mode == "dro" else metrics))
+        if loss_mode in _METRIC_NAMES:  # as verl: gpg none, dro and kl_cov ppo_kl alone, clip_cov no lower fraction
+            names = _METRIC_NAMES[loss_mode]
+            return loss, dict(zip(names, metrics[1:2] if names == ("actor/ppo_kl",) else metrics))
         return loss, dict(zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), metrics))
 
     policy_loss_fn.__name__ = f"compute_policy_loss_{loss_mode}"
