@@ -132,7 +132,7 @@ def test_config_numbers_refuse_bools_and_strings(field, value):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(config={"policy_loss": {"loss_mode": "bypass_mode"}}), "rollout-correction config"),
+    (dict(config={"policy_loss": {"loss_mode": "ppo_pi"}}), "not one of verl 0.9.1's loss modes"),
     (dict(config={"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}, "use_kl_loss": True}, kl=True), "one KL term"),
     (dict(config={"policy_loss": {"loss_mode": "cispo"}}), "two-sided"),  # clip_ratio_low defaults to 0.2
     (dict(config={"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 0.999}), "clip_ratio_low=0.999"),
@@ -657,8 +657,8 @@ def test_get_policy_loss_fn_has_verl_s_registered_signature():
     gspo = {"clip_ratio": 0.2}
     assert get_policy_loss_fn("gspo")(OLD, _log_prob(), ADV, MASK, config=gspo)[0].item() == \
         compute_policy_loss(OLD, _log_prob(), ADV, MASK, "seq-mean-token-mean", gspo, loss_mode="gspo")[0].item()
-    with pytest.raises(NotImplementedError, match="bypass_mode"):
-        get_policy_loss_fn("bypass_mode")
+    with pytest.raises(NotImplementedError, match="ppo_pi"):
+        get_policy_loss_fn("ppo_pi")
 
 
 def test_ppo_kl_is_verl_s_clamped_log_ratio():
@@ -996,3 +996,119 @@ def test_from_hidden_cov_matches_verl_actor(mode, backend):
         torch.testing.assert_close(g_value.double(), w_value.detach(), rtol=1e-5, atol=1e-6)
     if mode == "clip_cov":
         assert 0 < got_metrics[0] < 1
+
+
+# --- bypass_mode (old_log_prob are the rollout log-probs)
+def _verl_bypass(old, log_prob, adv, mask, agg, config):
+    """verl 0.9.1's ``compute_policy_loss_bypass_mode`` transcribed (with ``compute_rollout_correction_weights``, no
+    rejection sampling): ppo_clip -> vanilla against the rollout log-probs; reinforce -> ``-A logp w`` with ``w``
+    the detached ``pi / pi_rollout`` (per token or sequence, log-ratio clamped at 20), truncated at ``upper`` or
+    zeroed outside ``lower_upper``. ``(pg_loss, ppo_kl)``."""
+    corr = config["policy_loss"]["rollout_correction"]
+    if corr.get("loss_type", "ppo_clip") == "ppo_clip":
+        clipped = _verl_pg_losses("vanilla", old, log_prob, adv, mask, dict(config, clip_ratio_c=3.0))
+        return _verl_agg(clipped, mask, agg), ((old - log_prob) * mask).sum() / (mask.sum() + 1e-8)
+    log_ratio = (log_prob - old).detach()
+    weights = None
+    if corr.get("rollout_is") is not None:
+        if corr["rollout_is"] == "token":
+            raw = torch.exp(log_ratio.clamp(-20.0, 20.0))
+        else:
+            raw = torch.exp(((log_ratio * mask).sum(-1, keepdim=True)).clamp(-20.0, 20.0)).expand_as(log_ratio)
+        raw = raw * mask
+        threshold = corr.get("rollout_is_threshold", 2.0)
+        if isinstance(threshold, str) and "_" in threshold:
+            lower, upper = (float(x) for x in threshold.split("_"))
+            weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+        else:
+            weights = raw.clamp(max=float(threshold))
+    pg_losses = -adv * log_prob if weights is None else -adv * log_prob * weights
+    return _verl_agg(pg_losses, mask, agg), ((old - log_prob) * mask).sum() / (mask.sum() + 1e-8)
+
+
+BYPASS = {
+    "ppo_clip": {"loss_type": "ppo_clip", "rollout_is": "token", "rollout_is_threshold": 2.0},
+    "reinforce": {"loss_type": "reinforce"},
+    "reinforce-token-tis": {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 1.2},
+    "reinforce-token-icepop": {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.8_1.25"},
+    "reinforce-sequence-tis": {"loss_type": "reinforce", "rollout_is": "sequence", "rollout_is_threshold": "1.5"},
+    "reinforce-sequence-icepop": {"loss_type": "reinforce", "rollout_is": "sequence",
+                                  "rollout_is_threshold": "0.3_3.0"},
+}
+
+
+@pytest.mark.parametrize("agg", sorted(HAND) + ["token-sum"])
+@pytest.mark.parametrize("name", sorted(BYPASS))
+def test_bypass_mode_parity_with_verl(name, agg):
+    """Loss, d loss / d log_prob and ppo_kl equal verl 0.9.1's bypass_mode (transcribed) for each loss_type and
+    rollout_is level / threshold form, on ragged responses with an empty one; the weights bind on both sides."""
+    rollout, lp, adv, mask, weights = _ragged_batch(15)
+    config = {"clip_ratio": 0.2, "policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": BYPASS[name]}}
+    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    got = compute_policy_loss(rollout, log_prob, adv, mask, agg, config, weights)  # the weights: ignored, as verl
+    want = _verl_bypass(rollout, ref_lp, adv, mask, agg, config)
+    torch.testing.assert_close(got[0].to(torch.float64), want[0], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(got[2].to(torch.float64), want[1], rtol=1e-6, atol=1e-9)
+    got[0].backward()
+    want[0].backward()
+    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    ratio = (lp - rollout).exp()[mask.bool()]
+    assert (ratio > 1.25).any() and (ratio < 0.8).any()
+    names = ["actor/ppo_kl"] if name.startswith("reinforce") else ["actor/pg_clipfrac", "actor/ppo_kl",
+                                                                   "actor/pg_clipfrac_lower"]
+    assert list(get_policy_loss_fn("bypass_mode")(rollout, lp, adv, mask, agg, config)[1]) == names
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("name", ["reinforce-token-tis", "reinforce-sequence-icepop"])
+def test_from_hidden_bypass_mode_matches_verl_actor(name, backend):
+    """The fused entry point: the weights from the fused pass's own log-probs (on-policy rollout correction)."""
+    if fused_rl.available_backends()[backend] is not None:
+        pytest.skip(fused_rl.available_backends()[backend])
+    g = torch.Generator().manual_seed(17)
+    lengths, hidden_size, vocab, tau, agg = (6, 1, 0, 4), 8, 40, 1.0, "token-mean"
+    batch, length = len(lengths), max(lengths)
+    hidden = torch.randn(batch, length, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g)
+    responses = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
+    adv = torch.randn(batch, length, generator=g)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1).gather(
+            -1, responses.unsqueeze(-1)).squeeze(-1)
+    rollout = (lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
+    config = {"clip_ratio": 0.2, "entropy_coeff": 0.01,
+              "policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": BYPASS[name]}}
+    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
+    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pg_loss, ppo_kl = _verl_bypass(rollout.double(), log_prob, adv.double(), mask.double(), agg, config)
+    expected = pg_loss - 0.01 * _verl_agg(entropy, mask.double(), agg)
+    expected.backward()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, _, got_kl, _, _ = compute_policy_loss_from_hidden(h, w, responses, rollout, adv, mask, agg, config,
+                                                           temperature=tau, backend=backend)
+    got.backward()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got_kl.double(), ppo_kl.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("corr, error, needle", [
+    (None, ValueError, "needs policy_loss.rollout_correction"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}, NotImplementedError, "rollout_rs"),
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True}, NotImplementedError,
+     "rollout_is_batch_normalize"),
+    ({"loss_type": "ppo"}, ValueError, "must be 'reinforce' or 'ppo_clip'"),
+    ({"loss_type": "reinforce", "rollout_is": "tokens"}, ValueError, "'token', 'sequence' or None"),
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "2_1"}, ValueError, "lower <= upper"),
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "a_b"}, ValueError, "not a number"),
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": True}, ValueError, "must be a number"),
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": -1.0}, ValueError, "positive"),
+])
+def test_bypass_mode_refusals(corr, error, needle):
+    with pytest.raises(error, match=needle):
+        policy_loss_config_from_verl({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": corr}},
+                                     response_length=4)

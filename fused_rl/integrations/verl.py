@@ -3,10 +3,11 @@
 * :func:`get_policy_loss_fn` returns, for a verl ``loss_mode``, a function with the signature and return value of
   verl 0.9.1's registered policy losses (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co.):
   ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`` ->
-  ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (gpg: ``{}``, dro: ``ppo_kl``
-  alone), on per-token log-probs you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
+  ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (fewer where verl returns fewer:
+  gpg none; dro, kl_cov, bypass_mode's reinforce ``ppo_kl``; clip_cov no lower fraction), on per-token log-probs
+  you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
 * :func:`compute_policy_loss` is the same loss returning the older 4-tuple ``(pg_loss, pg_clipfrac, ppo_kl,
-  pg_clipfrac_lower)`` (every mode, gpg's metrics 0).
+  pg_clipfrac_lower)`` (every mode, the metrics verl does not return 0).
 * :func:`compute_policy_loss_from_hidden` is the fused version: it takes the actor's last hidden states
   and ``lm_head`` weight instead of ``log_prob`` and goes through :func:`fused_rl.linear_policy_loss`
   (no ``(B, T, V)`` logits), folding verl's KL loss (``use_kl_loss`` / ``kl_loss_coef`` / ``kl_loss_type``) and
@@ -38,6 +39,12 @@ verl                                       fused_rl
 ``policy_loss.loss_mode="kl_cov"``         ``policy_loss="ppo_clip"`` unclipped (``clip_low=1``, ``clip_high=``
                                            :data:`UNCLIPPED`), ``cov_mode="kl_cov"``, ``cov_ratio=kl_cov_ratio``,
                                            ``kl_cov_coef=ppo_kl_coef`` (0.0002, 1)
+``policy_loss.loss_mode="bypass_mode"``    ``old_log_prob`` are the rollout log-probs; ``rollout_correction.loss_type``
+                                           ``"ppo_clip"``: as vanilla; ``"reinforce"``: ``policy_loss="reinforce"``
+                                           with fused_rl's on-policy ``rollout_is`` (``pi / pi_rollout`` from the
+                                           current log-probs; ``rollout_is`` token / sequence, threshold ``upper``:
+                                           ``*_truncate``, ``"lower_upper"``: ``*_mask``); the
+                                           ``rollout_is_weights`` argument ignored, as verl
 ``policy_loss.loss_mode="dro"``            ``policy_loss="reinforce"``, ``kl="k2"`` against ``old_log_prob``,
                                            ``beta=policy_loss.dro_beta``; not with ``rollout_is_weights`` (verl
                                            weights the penalty too) or, fused, ``use_kl_loss``
@@ -77,8 +84,9 @@ Differences from verl, all documented in ``docs/migration.md``:
 * verl's cispo weight is ``sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, two-sided; fused_rl's cispo
   truncates above only, so ``clip_ratio_low < 1`` raises ``NotImplementedError``. ``pg_clipfrac`` is verl's
   (tokens whose weight is truncated, ``r > 1 + clip_ratio_high``, whatever the sign of ``A``), sapo's is 0.
-* Other loss modes raise ``NotImplementedError`` (see :data:`UNSUPPORTED_LOSS_MODES`), as does
-  ``kl_loss_type="full"``.
+* ``bypass_mode`` with rejection sampling (``rollout_rs``) or ``rollout_is_batch_normalize`` raises
+  ``NotImplementedError`` (both come from the current log-probs, the first changing the aggregation), as do other
+  loss modes and ``kl_loss_type="full"``.
 """
 
 from __future__ import annotations
@@ -96,12 +104,9 @@ from ..ops import _check_linear_targets, linear_policy_loss
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
 
-LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov")
-#: verl loss modes fused_rl's loss math cannot express, and why (each raises ``NotImplementedError``).
-UNSUPPORTED_LOSS_MODES = {
-    "bypass_mode": "dispatches on the rollout-correction config: importance weights and rejection masks from the "
-                   "current log-probs against the rollout ones, a mask that changes the aggregation",
-}
+#: Every loss mode verl 0.9.1 registers (``bypass_mode`` without rejection sampling / batch-normalized weights).
+LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov",
+              "bypass_mode")
 #: verl's ``loss_agg_mode`` values: fused_rl's aggregations and ``token-sum`` (verl 0.9).
 LOSS_AGG_MODES = AGGREGATIONS + ("token-sum",)
 #: verl's bound of ``log_prob - old_log_prob`` before ``exp`` in vanilla, sapo, cispo and dppo (and their ``ppo_kl``).
@@ -155,9 +160,8 @@ def _loss_scale_factor(config: Any, actor: bool) -> Optional[int]:
 
 def _check_loss_mode(loss_mode: str) -> None:
     if loss_mode not in LOSS_MODES:
-        why = UNSUPPORTED_LOSS_MODES.get(loss_mode, "not one of fused_rl's losses")
-        raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fused_rl ({why}); "
-                                  f"supported: {LOSS_MODES}; known unsupported: {sorted(UNSUPPORTED_LOSS_MODES)}")
+        raise NotImplementedError(f"verl policy_loss.loss_mode={loss_mode!r} is not one of verl 0.9.1's loss modes "
+                                  f"that fused_rl maps: {LOSS_MODES}")
 
 
 def policy_loss_config_from_verl(
@@ -191,6 +195,9 @@ def policy_loss_config_from_verl(
                                   clip_high=_get_number(config, "clip_ratio_high", clip_ratio),
                                   temperature=temperature)
     policy_agg = loss_agg_mode
+    if loss_mode == "bypass_mode":
+        loss_mode, rollout = _bypass(config)  # verl's vanilla, or reinforce with the rollout correction
+        fields.update(rollout)
     if loss_mode == "vanilla":
         clip_ratio_c = _get_number(config, "clip_ratio_c", 3.0)
         if not clip_ratio_c > 1.0:
@@ -223,7 +230,7 @@ def policy_loss_config_from_verl(
     elif loss_mode == "dro":  # -A logp + dro_beta / 2 (logp - old)^2: reinforce and k2 against the old log-probs
         del fields["clip_low"], fields["clip_high"]
         fields.update(policy_loss="reinforce", kl="k2", beta=_dro_beta(config))
-    else:
+    elif loss_mode == "gpg":
         fields.update(policy_loss="reinforce")
     fields["agg"] = "token-mean" if policy_agg == "token-sum" else policy_agg
     if policy_agg == "seq-mean-token-sum-norm":
@@ -249,6 +256,65 @@ def _dro_beta(config: Any) -> float:
     if beta is None or isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not beta > 0:
         raise ValueError(f"verl policy_loss.dro_beta must be a positive value when using DRO, got {beta!r}")
     return float(beta)
+
+
+def _rollout_is_threshold(spec: Any) -> tuple[float, Optional[float]]:
+    """verl's ``rollout_is_threshold``: a number (or numeric string) ``upper`` (TIS: truncate), or ``"lower_upper"``
+    (IcePop: mask), each bound positive, ``lower <= upper`` (verl's ``_parse_rollout_is_threshold``)."""
+    if isinstance(spec, str) and "_" in spec:
+        parts = spec.split("_", 1)
+    elif isinstance(spec, (str, numbers.Real)) and not isinstance(spec, bool):
+        parts = [None, spec]
+    else:
+        raise ValueError(f"verl rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}")
+    try:
+        lower, upper = (None if p is None else float(p) for p in parts)
+    except ValueError as exc:
+        raise ValueError(f"verl rollout_is_threshold {spec!r} is not a number or a 'lower_upper' string") from exc
+    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"verl rollout_is_threshold {spec!r}: bounds must be positive, lower <= upper")
+    return upper, lower
+
+
+def _bypass(config: Any) -> tuple[str, dict[str, Any]]:
+    """verl's ``bypass_mode`` (``old_log_prob`` are the rollout log-probs): ``("vanilla", {})`` for its
+    ``rollout_correction.loss_type="ppo_clip"`` (verl's vanilla, its importance weights for metrics only), else
+    ``("bypass_reinforce", rollout fields)``: reinforce with the weights ``pi / pi_rollout`` from the current
+    log-probs, fused_rl's on-policy ``rollout_is`` (``token`` / ``sequence``; truncated at a threshold ``upper``,
+    masked outside ``lower_upper``). Rejection sampling (``rollout_rs``) and ``rollout_is_batch_normalize`` raise."""
+    corr = _get(_get(config, "policy_loss"), "rollout_correction")
+    if corr is None:
+        raise ValueError("verl loss_mode='bypass_mode' needs policy_loss.rollout_correction (verl raises too)")
+    for name, why in (("rollout_rs", "its rejection mask, from the current log-probs, changes the aggregation"),
+                      ("rollout_is_batch_normalize", "the weights' batch mean comes from the current log-probs")):
+        if _get(corr, name, False):
+            raise NotImplementedError(f"verl bypass_mode with rollout_correction.{name} is not supported by "
+                                      f"fused_rl ({why})")
+    loss_type = _get(corr, "loss_type", "ppo_clip")
+    if loss_type == "ppo_clip":
+        return "vanilla", {}
+    if loss_type != "reinforce":
+        raise ValueError(f"verl rollout_correction.loss_type must be 'reinforce' or 'ppo_clip', got {loss_type!r}")
+    fields: dict[str, Any] = dict(policy_loss="reinforce")
+    level = _get(corr, "rollout_is")
+    if level is not None:
+        if level not in ("token", "sequence"):
+            raise ValueError(f"verl rollout_correction.rollout_is must be 'token', 'sequence' or None, got {level!r}")
+        upper, lower = _rollout_is_threshold(_get(corr, "rollout_is_threshold", 2.0))
+        fields.update(rollout_is=f"{level}_{'truncate' if lower is None else 'mask'}", rollout_is_min=lower,
+                      rollout_is_max=upper)
+    return "bypass_reinforce", fields
+
+
+def _metric_mode(config: Any, mode: str) -> str:
+    """The loss mode whose metrics (and inputs) a call has: bypass_mode's dispatch, else ``mode``."""
+    return _bypass(config)[0] if mode == "bypass_mode" else mode
+
+
+def _old_of(metric_mode: str, old: torch.Tensor) -> Optional[torch.Tensor]:
+    """The old log-probs of the loss: none for bypass_mode's reinforce (its ``old_log_prob`` are the rollout ones, its
+    importance weights ``pi / pi_rollout`` fused_rl's on-policy rollout correction)."""
+    return None if metric_mode == "bypass_reinforce" else old
 
 
 def _cov_fields(config: Any, loss_mode: str) -> dict[str, Any]:
@@ -335,7 +401,7 @@ def _verl_metrics(out_metrics: dict[str, torch.Tensor], config: PolicyLossConfig
     ppo_kl = masked_mean(-log_ratio, mask)
     if loss_mode == "gpg":  # verl's gpg returns no metrics
         return zero, zero.clone(), zero.clone()
-    if loss_mode in ("sapo", "dro"):  # verl's sapo: 0 clip fractions, the masked mean log-ratio; dro: ppo_kl alone
+    if loss_mode in ("sapo", "dro", "bypass_reinforce"):  # sapo: 0 clip fractions; dro, reinforce: ppo_kl alone
         return zero, ppo_kl, zero.clone()
     if loss_mode == "clip_cov":  # the dropped tokens (verl's corr == 0), ppo_kl; no pg_clipfrac_lower
         return out_metrics["cov_frac"], ppo_kl, zero
@@ -371,9 +437,11 @@ def compute_policy_loss(
 
     ``pg_clipfrac``: masked fraction of tokens where the clipped term is active (``r > 1+clip_high, A > 0``
     or ``r < 1-clip_low, A < 0``; cispo: ``r > 1+clip_high``, any ``A``; geo_mean: log-ratio outside the bounds and
-    ``A > 0``; gpg, sapo: 0); ``pg_clipfrac_lower``: where the dual-clip cap ``-c A`` binds (vanilla: ``A < 0, r >
-    c``; geo_mean: log-ratio outside the bounds and ``A < 0``; else 0); ``ppo_kl``: masked mean of ``old_log_prob -
-    log_prob`` (vanilla, sapo, cispo: the log ratio clamped to ``[-20, 20]`` first, as verl).
+    ``A > 0``; dppo: the tokens outside the trust region; clip_cov: the dropped tokens; gpg, sapo, dro, kl_cov,
+    bypass_mode's reinforce: 0); ``pg_clipfrac_lower``: where the dual-clip cap ``-c A`` binds (vanilla: ``A < 0, r >
+    c``; geo_mean: log-ratio outside the bounds and ``A < 0``; dppo: the kept tokens with ``r > clip_ratio_c``; else
+    0); ``ppo_kl``: masked mean of ``old_log_prob - log_prob`` (vanilla, sapo, cispo, dppo: the log ratio clamped to
+    ``[-20, 20]`` first, as verl; kl_cov: of ``|log r|``).
     The loss mode comes from ``config.policy_loss.loss_mode`` (or ``loss_mode``), default ``"vanilla"``.
     ``rollout_is_weights`` (verl's rollout correction, ``(B, T)``, computed by verl) multiplies the policy
     term per token, as verl's ``pg_losses * rollout_is_weights``.
@@ -397,20 +465,23 @@ def compute_policy_loss(
     cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode)
     normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask, log_prob.dtype)
     old = old_log_prob.detach().to(log_prob.dtype)
+    metric_mode = _metric_mode(config, mode)
 
     def per_token(x: torch.Tensor) -> torch.Tensor:  # a (B,) tensor: one value a response, over its tokens
         return (x if x.dim() == 2 else x.unsqueeze(1).expand(shape)).detach().to(log_prob.dtype)
 
     adv = per_token(advantages)
-    weights = _verl_rollout_weights(rollout_is_weights, mask, mode)
+    weights = None if mode == "bypass_mode" else _verl_rollout_weights(rollout_is_weights, mask, mode)  # verl ignores
     weights = None if weights is None else per_token(weights)
-    loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=old, rollout_is_weights=weights,
+    loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=_old_of(metric_mode, old),
+                                         rollout_logprobs=old if cfg.rollout_is else None, rollout_is_weights=weights,
                                          ref_logprobs=old if mode == "dro" else None, token_normalizer=normalizer)
-    return (loss * factor,) + _verl_metrics(metrics, cfg, old, log_prob, mask, mode, adv)
+    return (loss * factor,) + _verl_metrics(metrics, cfg, old, log_prob, mask, metric_mode, adv)
 
 
+#: verl's metric names of the modes that return fewer than the three.
 _METRIC_NAMES = {"gpg": (), "dro": ("actor/ppo_kl",), "kl_cov": ("actor/ppo_kl",),
-                 "clip_cov": ("actor/pg_clipfrac", "actor/ppo_kl")}
+                 "bypass_reinforce": ("actor/ppo_kl",), "clip_cov": ("actor/pg_clipfrac", "actor/ppo_kl")}
 
 
 def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
@@ -429,8 +500,8 @@ def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
         loss, *metrics = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                                              config, rollout_is_weights, loss_mode=loss_mode,
                                              check_inputs=check_inputs)
-        if loss_mode in _METRIC_NAMES:  # as verl: gpg none, dro and kl_cov ppo_kl alone, clip_cov no lower fraction
-            names = _METRIC_NAMES[loss_mode]
+        names = _METRIC_NAMES.get(_metric_mode(config, loss_mode))
+        if names is not None:  # as verl: gpg none, dro, kl_cov and bypass's reinforce ppo_kl alone, clip_cov no lower
             return loss, dict(zip(names, metrics[1:2] if names == ("actor/ppo_kl",) else metrics))
         return loss, dict(zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), metrics))
 
@@ -493,17 +564,20 @@ def compute_policy_loss_from_hidden(
             "log-probs with verl's own agg_loss for the KL and entropy terms"
             + (", or loss_agg_mode='seq-mean-token-mean'" if mode == "sapo" else ""))
     normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask)
-    out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias, old_logprobs=old_log_prob,
+    metric_mode = _metric_mode(config, mode)
+    out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias,
+                             old_logprobs=_old_of(metric_mode, old_log_prob),
                              ref_logprobs=old_log_prob if mode == "dro" else (ref_log_prob if cfg.kl is not None
                                                                              else None), config=cfg,
-                             rollout_is_weights=_verl_rollout_weights(rollout_is_weights, mask, mode),
+                             rollout_logprobs=old_log_prob if cfg.rollout_is else None,
+                             rollout_is_weights=None if mode == "bypass_mode" else _verl_rollout_weights(
+                                 rollout_is_weights, mask, mode),
                              token_normalizer=normalizer, backend=backend, compute_entropy=True,
                              check_inputs=check_inputs)
     old = old_log_prob.detach().to(out.logprobs.dtype)
     loss = out.loss * factor.to(out.loss.dtype)
-    return (loss,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, mode, advantages) + (out,)
+    return (loss,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, metric_mode, advantages) + (out,)
 
 
 __all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "get_policy_loss_fn",
-           "policy_loss_config_from_verl", "verl_normalization", "LOSS_MODES", "LOSS_AGG_MODES",
-           "UNSUPPORTED_LOSS_MODES"]
+           "policy_loss_config_from_verl", "verl_normalization", "LOSS_MODES", "LOSS_AGG_MODES"]
