@@ -129,7 +129,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
       up = div <= p.clip_high || prob <= q;
       down = div <= p.clip_low || prob >= q;
     }
-    dl_dlogp = (a > 0.0f ? up : down) ? -tw * a : 0.0f;
+    dl_dlogp = (a != 0.0f && (a > 0.0f ? up : down)) ? -tw * a : 0.0f;  // A = 0: 0, also where r is inf
     loss = frl_weighted(dl_dlogp, logp);
   } else {  // ppo_clip (and gspo's token form, unused)
     const float na = -a;

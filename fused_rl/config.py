@@ -106,7 +106,9 @@ class PolicyLossConfig:
           clip_high]`` where ``A > 0``, else ``1[p - q >= -clip_low]``; ``dppo_kl`` with the binary KL
           ``D = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))``: ``k_t = 1[D <= clip_high or p <= q]``
           where ``A > 0``, else ``1[D <= clip_low or p >= q]`` (a token is dropped only when its update moves
-          ``p`` further past the divergence bound in the direction of its advantage).
+          ``p`` further past the divergence bound in the direction of its advantage). Without ``delta`` an
+          overflowed ``r`` (an old log-prob ~88 below the current one) is an infinite weight where ``A != 0``
+          (verl clamps the log-ratio at 20 and truncates at ``clip_ratio_c``; set ``delta``).
         - ``"vespo"``: VESPO (TRL / Liger ``loss_type="vespo"``), ``-sg(phi_i) * A * logp`` with the sequence
           weight ``phi_i = exp(lam + k log w_i - lam w_i)`` (a Gamma density in ``w_i``, 1 at ``w_i = 1``), ``k, lam
           = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else ``vespo_k_neg, vespo_lambda_neg`` (``lam >= 0``,

@@ -496,7 +496,8 @@ def policy_gradient_loss(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
         if keep is None:
             raise ValueError("dppo needs its trust-region mask keep")
         w = ratio.detach() if config.delta is None else ratio.detach().clamp(max=config_scalar(ratio, config.delta))
-        return weighted(torch.where(keep, -w * a, torch.zeros_like(w)), logp)  # a dropped token: 0, also at inf
+        # a dropped token or A = 0: 0, also where w or logp is infinite
+        return weighted(torch.where(keep & (a != 0), -w * a, torch.zeros_like(w)), logp)
     return weighted(-a, logp)  # reinforce
 
 

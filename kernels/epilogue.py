@@ -22,7 +22,8 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
 * dppo (``dppo_tv`` / ``dppo_kl``): ``l = -k w A logp`` with the detached weight ``w = min(r, delta)`` (``r``
   without ``delta``) and trust-region mask ``k`` of ``p = exp(logp)``, ``q = exp(old)`` (``loss_math.dppo_keep``:
   ``p - q`` or the binary KL against ``clip_high`` where ``A > 0``, ``clip_low`` elsewhere):
-  ``dl/dlogp = -k w A``;
+  ``dl/dlogp = -k w A``, 0 where ``A = 0`` (also where ``r`` overflowed: without ``delta`` an overflowed ``r`` with
+  ``A != 0`` gives an infinite weight);
 * token rollout correction (``rollout_is="token_*"``): ``rho = exp(clamp(old - rollout, -20, 20))``
   (``old = sg(logp)`` on-policy; the bound is ``loss_math.ROLLOUT_LOG_RHO_BOUND``, verl's),
   ``w = clamp(rho, lo, hi)`` (truncate) or ``rho 1[lo <= rho <= hi]`` (mask), a missing bound no bound;
@@ -210,7 +211,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             div = q * (lq - lp) + (1.0 - q) * tl.log((1.0 - q + eps) / (1.0 - prob + eps))
             up = (div <= clip_high) | (prob <= q)
             down = (div <= clip_low) | (prob >= q)
-        dlogp = tl.where(tl.where(a > 0.0, up, down), -weight * a, zero)
+        dlogp = tl.where(tl.where(a > 0.0, up, down) & (a != 0.0), -weight * a, zero)  # A = 0: 0, also at r = inf
         loss = _weighted(dlogp, lp)
     if ROLLOUT != 0:
         if ON_POLICY:

@@ -444,3 +444,11 @@ def assert_dppo_regions_reached(config: PolicyLossConfig, logp: torch.Tensor, ol
     if config.delta is not None:
         r = (logp - old).exp()
         assert (r > config.delta).any() and (r < config.delta).any()
+
+
+#: DPPO's binary KL where ``p ~ 1``: ``logp = -1e-7`` (as fp32 ``exp`` rounds it, ``1 - p`` ~1.2e-7), ``q = exp(-0.5)``:
+#: ``D`` ~5.6 with the ``1e-8`` smoothing of ``1 - p`` (~4.7 with ``1e-6``), so bounds 5.2 drop the ``A > 0`` token
+#: (``p > q``) and keep the ``A < 0`` one (``p >= q`` exempts it): slopes ``0`` and ``-w A = exp(0.5 - 1e-7)``.
+DPPO_NEAR_ONE = dict(logp=[-1e-7, -1e-7], old=[-0.5, -0.5], adv=[1.0, -1.0],
+                     config=PolicyLossConfig(policy_loss="dppo_kl", clip_low=5.2, clip_high=5.2),
+                     slopes=[0.0, math.exp(0.5 - 1e-7)])

@@ -10,6 +10,7 @@ import torch
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from helpers import DPPO_NEAR_ONE
 from fused_rl.loss_math import (aggregation_weights, compute_policy_loss, dppo_keep, entropy_quantile_across,
                                 kl_estimator, per_token_loss, top_entropy_keep)
 
@@ -993,6 +994,10 @@ def test_dppo_by_hand():
         assert m["clip_frac_high"].item() == pytest.approx((2 - keep[4]) / 5)
         assert m["clip_frac_low"].item() == pytest.approx(1 / 5)
         assert m["clip_frac"].item() == pytest.approx((3 - keep[4]) / 5)
+    # p ~ 1: the binary KL's smoothing of 1 - p (1e-8) decides (helpers.DPPO_NEAR_ONE)
+    near = DPPO_NEAR_ONE
+    assert dppo_keep(torch.tensor([near["logp"]]), torch.tensor([near["old"]]), torch.tensor([near["adv"]]),
+                     near["config"]).tolist() == [[False, True]]
     # on-policy every token is kept with weight 1: REINFORCE
     x = p.log().requires_grad_(True)
     compute_policy_loss(x, adv, mask, PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.0, clip_high=0.0,

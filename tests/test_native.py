@@ -17,7 +17,7 @@ from fused_rl import PolicyLossConfig, _C  # noqa: E402
 from fused_rl.backends import get_backend, native  # noqa: E402
 from fused_rl.backends.custom_ops import config_args  # noqa: E402
 from fused_rl.loss_math import kl_estimator, per_token_loss  # noqa: E402
-from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, LOGIT_KINDS, assert_close,  # noqa: E402
+from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, LOGIT_KINDS, assert_close,  # noqa: E402
                      assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device, same_layout)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -542,6 +542,15 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
     if config.kl_is_clip is not None:
         assert (r > config.kl_is_clip).any() and (r < config.kl_is_clip).any()
     assert_dppo_regions_reached(config, logp, old, adv)
+
+
+def test_epilogue_dppo_binary_kl_near_one():
+    """The header's binary KL where ``p ~ 1`` (its ``1e-8`` smoothing decides: ``helpers.DPPO_NEAR_ONE``)."""
+    near = DPPO_NEAR_ONE
+    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    _, slopes, _ = _epilogue(near["config"], f(near["logp"]), torch.zeros(2), f(near["adv"]), f(near["old"]), None,
+                             None, torch.ones(2))
+    torch.testing.assert_close(slopes, f(near["slopes"]))
 
 
 def test_epilogue_params_reject_sequence_level_configs():

@@ -18,7 +18,7 @@ import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig  # noqa: E402
 from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import kl_estimator, metrics as loss_metrics, per_token_loss  # noqa: E402
-from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, LOGIT_KINDS, assert_close,  # noqa: E402
+from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, LOGIT_KINDS, assert_close,  # noqa: E402
                      assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device)
 
 # numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
@@ -192,6 +192,18 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
         assert inside.any()
         if config.rollout_is == "token_mask":
             assert (extras["rollout_is"].view(n)[valid] == 0).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_dppo_binary_kl_near_one(device):
+    """The Triton binary KL where ``p ~ 1`` (its ``1e-8`` smoothing decides: ``helpers.DPPO_NEAR_ONE``)."""
+    from fused_rl.kernels.epilogue import apply_epilogue
+
+    near = DPPO_NEAR_ONE
+    f = lambda x: torch.tensor(x, dtype=torch.float32, device=device)  # noqa: E731
+    got = apply_epilogue(f(near["logp"]), f([0.0, 0.0]), f(near["old"]), None, f(near["adv"]),
+                         torch.ones(2, dtype=torch.bool, device=device), near["config"])
+    torch.testing.assert_close(got[1].cpu(), torch.tensor(near["slopes"]))
 
 
 # --------------------------------------------------------------------------- policy_loss vs reference

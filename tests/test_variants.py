@@ -259,6 +259,24 @@ def test_fused_linear_small_tiles(name, monkeypatch):
     compare_linear(with_extras(case, config), config)
 
 
+@pytest.mark.parametrize("policy", ["dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_dppo_zero_advantage_with_an_overflowed_ratio_adds_nothing(policy, device, backend):
+    """A token with ``A = 0`` whose ratio overflows (an old log-prob of -9999, an engine's placeholder), kept by the
+    trust region (``p - q >= -clip_low``), adds nothing (not ``inf * 0 = NaN``) on every backend, without ``delta``."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(1, 3, 16, generator=g).to(device).requires_grad_(True)
+    targets = torch.tensor([[1, 2, 3]], device=device)
+    adv = torch.tensor([[1.0, 0.0, -1.0]], device=device)
+    old = torch.tensor([[-2.0, -9999.0, -3.0]], device=device)
+    out = fused_rl.policy_loss(logits, targets, adv, torch.ones(1, 3, dtype=torch.bool, device=device),
+                               old_logprobs=old, config=PolicyLossConfig(policy_loss=policy, clip_low=0.1),
+                               backend=backend)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(logits.grad).all()
+    assert (logits.grad[0, 1] == 0).all() and (logits.grad[0, 0] != 0).any()
+
+
 def test_truncated_rows_contribute_nothing():
     case = make_case(batch=4, length=5, vocab=100, seed=2)
     config = PolicyLossConfig(mask_truncated_completions=True)

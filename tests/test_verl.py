@@ -687,7 +687,8 @@ def _verl_dppo_dro(mode, old, log_prob, adv, mask, agg, config, weights=None):
     ratio = torch.exp(negative_approx_kl)
     truncated_ratio = torch.clamp(ratio, max=config.get("clip_ratio_c", 20.0)).detach()
     prob, old_prob = torch.exp(log_prob), torch.exp(old)
-    high, low = config["clip_ratio_high"], config["clip_ratio_low"]
+    high = config.get("clip_ratio_high") or config["clip_ratio"]
+    low = config.get("clip_ratio_low") or config["clip_ratio"]
     if mode == "dppo_tv":
         valid_pos, valid_neg = (prob - old_prob) <= high, (prob - old_prob) >= -low
     else:

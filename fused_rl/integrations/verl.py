@@ -49,7 +49,7 @@ verl                                       fused_rl
                                            ``beta=policy_loss.dro_beta``; not with ``rollout_is_weights`` (verl
                                            weights the penalty too) or, fused, ``use_kl_loss``
 ``clip_ratio``, ``clip_ratio_low/high``    ``clip_low``, ``clip_high`` (low/high default to clip_ratio)
-``clip_ratio_c`` (default 3.0)             ``dual_clip`` (vanilla only)
+``clip_ratio_c`` (default 3.0)             ``dual_clip`` (vanilla); dppo's ``delta`` (there verl's default is 20)
 ``loss_agg_mode``                          ``agg`` (same names; ``token-sum``: ``token-mean`` over ``1 / dp_size``)
 ``global_batch_info``                      ``dp_size``, ``batch_num_tokens``: ``token_normalizer =
                                            batch_num_tokens / dp_size``; ``global_batch_size``: the ``seq-mean-*``
