@@ -149,9 +149,11 @@ class PolicyLossConfig:
       ("Beyond the 80/20 rule", TRL's ``top_entropy_quantile``). The entropy comes from the same pass.
     * ``cov_mode`` ("The Entropy Mechanism of RL for Reasoning LMs", Cui et al. 2025; verl ``loss_mode="clip_cov"`` /
       ``"kl_cov"``): with the centred covariance ``cov_t = (A_t - mean A) (sg(logp_t) - mean sg(logp))`` over the
-      batch's unmasked tokens and ``n = max(floor(cov_ratio * #unmasked), 1)``:
+      batch's unmasked tokens and ``n = max(floor(cov_ratio * #unmasked), 1)`` (the product in double precision, as
+      verl's ``int(ratio * N)``):
         - ``"clip_cov"`` (ppo_clip without ``dual_clip`` / ``delta``): ``c *= 0`` on ``n`` tokens drawn uniformly
-          at random (torch's generator of the device: ``torch.manual_seed`` fixes them) from the unmasked ones with
+          at random (torch's generator of the device: ``torch.manual_seed`` fixes them, though compiled code draws
+          other tokens than eager code under the same seed) from the unmasked ones with
           ``clip_cov_lb < cov_t < clip_cov_ub`` whose clipped term is not the active one (``-A clip(r) <= -A r``),
           all of them when there are fewer;
         - ``"kl_cov"``: the ``n`` unmasked tokens of largest ``cov_t`` get ``+ kl_cov_coef |logp - old|``

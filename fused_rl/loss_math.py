@@ -622,7 +622,7 @@ def covariance_selection(logp: torch.Tensor, ratio: torch.Tensor, advantages: to
     flat = torch.where(candidates, keys, torch.full_like(keys, float("inf"))).reshape(-1)
     order = flat.argsort(stable=True)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    wanted = (count * config.cov_ratio).floor().clamp(min=1)
+    wanted = (count.to(torch.float64) * config.cov_ratio).floor().clamp(min=1)  # verl's int(ratio * N), in double
     return candidates & (rank.view(mask.shape) < wanted)
 
 

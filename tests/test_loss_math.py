@@ -1043,6 +1043,17 @@ def test_clip_cov_draws_uniformly_from_its_candidates():
     assert torch.equal(per_token_loss(logp, adv, mask, config, old_logprobs=old).extras["cov_selected"], candidates)
 
 
+def test_cov_count_is_verl_s_double_precision_product():
+    """``n = max(floor(cov_ratio N), 1)`` with the product in double precision, verl's ``int(ratio * N)``: 0.29 * 100
+    is 28.999999999999996 there (float32 rounds it to 29.000000xx, one token more)."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(1, 100, generator=g)
+    adv, mask = torch.randn(1, 100, generator=g), torch.ones(1, 100, dtype=torch.bool)
+    for mode in ("kl_cov", "clip_cov"):
+        config = PolicyLossConfig(cov_mode=mode, cov_ratio=0.29, clip_cov_lb=-1e6, clip_cov_ub=1e6)
+        assert per_token_loss(logp, adv, mask, config).extras["cov_selected"].sum() == int(0.29 * 100) == 28
+
+
 def test_kl_cov_penalizes_the_top_covariance_tokens():
     """kl_cov's ``n`` tokens are torch.topk's of the covariance; each adds ``kl_cov_coef |logp - old|`` (slope
     ``coef sign(logp - old)``) to its policy term, scaled by the aggregation weight."""

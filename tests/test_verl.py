@@ -1103,6 +1103,7 @@ def test_from_hidden_bypass_mode_matches_verl_actor(name, backend):
     ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True}, NotImplementedError,
      "rollout_is_batch_normalize"),
     ({"loss_type": "ppo"}, ValueError, "must be 'reinforce' or 'ppo_clip'"),
+    ({"loss_type": None}, ValueError, "must be 'reinforce' or 'ppo_clip'"),  # verl: "Invalid loss_type"
     ({"loss_type": "reinforce", "rollout_is": "tokens"}, ValueError, "'token', 'sequence' or None"),
     ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "2_1"}, ValueError, "lower <= upper"),
     ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "a_b"}, ValueError, "not a number"),
@@ -1113,3 +1114,17 @@ def test_bypass_mode_refusals(corr, error, needle):
     with pytest.raises(error, match=needle):
         policy_loss_config_from_verl({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": corr}},
                                      response_length=4)
+
+
+@pytest.mark.parametrize("corr, rollout_is", [
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": None}, None),  # verl: no weights
+    ({"loss_type": "reinforce", "rollout_is": None, "rollout_is_batch_normalize": True}, None),
+    ({"loss_type": "reinforce", "rollout_is": "sequence"}, "sequence_truncate"),  # threshold absent: 2.0
+    ({"loss_type": "ppo_clip", "rollout_is": "token", "rollout_is_batch_normalize": True}, None),  # metrics only
+])
+def test_bypass_mode_weights_as_verl_computes_them(corr, rollout_is):
+    cfg = policy_loss_config_from_verl({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": corr}},
+                                       response_length=4)
+    assert cfg.rollout_is == rollout_is and cfg.policy_loss == ("ppo_clip" if corr["loss_type"] == "ppo_clip"
+                                                                  else "reinforce")
+    assert rollout_is is None or cfg.rollout_is_max == 2.0

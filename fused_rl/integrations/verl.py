@@ -4,8 +4,8 @@
   verl 0.9.1's registered policy losses (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co.):
   ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`` ->
   ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (fewer where verl returns fewer:
-  gpg none; dro, kl_cov, bypass_mode's reinforce ``ppo_kl``; clip_cov no lower fraction), on per-token log-probs
-  you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
+  gpg none; dro, kl_cov, bypass_mode's reinforce ``ppo_kl``; clip_cov no lower fraction; bypass_mode's
+  ``rollout_corr/*`` diagnostics are not computed), on per-token log-probs you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
 * :func:`compute_policy_loss` is the same loss returning the older 4-tuple ``(pg_loss, pg_clipfrac, ppo_kl,
   pg_clipfrac_lower)`` (every mode, the metrics verl does not return 0).
 * :func:`compute_policy_loss_from_hidden` is the fused version: it takes the actor's last hidden states
@@ -281,28 +281,35 @@ def _bypass(config: Any) -> tuple[str, dict[str, Any]]:
     ``rollout_correction.loss_type="ppo_clip"`` (verl's vanilla, its importance weights for metrics only), else
     ``("bypass_reinforce", rollout fields)``: reinforce with the weights ``pi / pi_rollout`` from the current
     log-probs, fused_rl's on-policy ``rollout_is`` (``token`` / ``sequence``; truncated at a threshold ``upper``,
-    masked outside ``lower_upper``). Rejection sampling (``rollout_rs``) and ``rollout_is_batch_normalize`` raise."""
+    masked outside ``lower_upper``; no weights when ``rollout_is`` or the threshold is None, as verl). Rejection
+    sampling (``rollout_rs``) and, on applied weights, ``rollout_is_batch_normalize`` raise."""
     corr = _get(_get(config, "policy_loss"), "rollout_correction")
     if corr is None:
         raise ValueError("verl loss_mode='bypass_mode' needs policy_loss.rollout_correction (verl raises too)")
-    for name, why in (("rollout_rs", "its rejection mask, from the current log-probs, changes the aggregation"),
-                      ("rollout_is_batch_normalize", "the weights' batch mean comes from the current log-probs")):
-        if _get(corr, name, False):
-            raise NotImplementedError(f"verl bypass_mode with rollout_correction.{name} is not supported by "
-                                      f"fused_rl ({why})")
-    loss_type = _get(corr, "loss_type", "ppo_clip")
-    if loss_type == "ppo_clip":
+
+    def option(name: str, default: Any) -> Any:  # verl's rollout_corr_config.get: an explicit None stays None
+        return corr.get(name, default) if isinstance(corr, Mapping) else getattr(corr, name, default)
+
+    if option("rollout_rs", None) is not None:
+        raise NotImplementedError("verl bypass_mode with rollout_correction.rollout_rs is not supported by fused_rl "
+                                  "(its rejection mask, from the current log-probs, changes the aggregation)")
+    loss_type = option("loss_type", "ppo_clip")
+    if loss_type == "ppo_clip":  # verl's weights (batch-normalized or not) are for its metrics only
         return "vanilla", {}
     if loss_type != "reinforce":
         raise ValueError(f"verl rollout_correction.loss_type must be 'reinforce' or 'ppo_clip', got {loss_type!r}")
     fields: dict[str, Any] = dict(policy_loss="reinforce")
-    level = _get(corr, "rollout_is")
-    if level is not None:
-        if level not in ("token", "sequence"):
-            raise ValueError(f"verl rollout_correction.rollout_is must be 'token', 'sequence' or None, got {level!r}")
-        upper, lower = _rollout_is_threshold(_get(corr, "rollout_is_threshold", 2.0))
-        fields.update(rollout_is=f"{level}_{'truncate' if lower is None else 'mask'}", rollout_is_min=lower,
-                      rollout_is_max=upper)
+    level, threshold = option("rollout_is", None), option("rollout_is_threshold", 2.0)
+    if level is None or threshold is None:  # verl computes no weights
+        return "bypass_reinforce", fields
+    if level not in ("token", "sequence"):
+        raise ValueError(f"verl rollout_correction.rollout_is must be 'token', 'sequence' or None, got {level!r}")
+    if option("rollout_is_batch_normalize", False):
+        raise NotImplementedError("verl bypass_mode with rollout_correction.rollout_is_batch_normalize is not "
+                                  "supported by fused_rl (the weights' batch mean comes from the current log-probs)")
+    upper, lower = _rollout_is_threshold(threshold)
+    fields.update(rollout_is=f"{level}_{'truncate' if lower is None else 'mask'}", rollout_is_min=lower,
+                  rollout_is_max=upper)
     return "bypass_reinforce", fields
 
 
