@@ -5,7 +5,8 @@
   ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`` ->
   ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (fewer where verl returns fewer:
   gpg none; dro, kl_cov, bypass_mode's reinforce ``ppo_kl``; clip_cov no lower fraction; bypass_mode's
-  ``rollout_corr/*`` diagnostics are not computed), on per-token log-probs you computed; register it with ``verl.trainer.ppo.core_algos.register_policy_loss``.
+  ``rollout_corr/*`` diagnostics are not computed), on per-token log-probs you computed; register it with
+  ``verl.trainer.ppo.core_algos.register_policy_loss``.
 * :func:`compute_policy_loss` is the same loss returning the older 4-tuple ``(pg_loss, pg_clipfrac, ppo_kl,
   pg_clipfrac_lower)`` (every mode, the metrics verl does not return 0).
 * :func:`compute_policy_loss_from_hidden` is the fused version: it takes the actor's last hidden states
