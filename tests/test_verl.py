@@ -671,6 +671,62 @@ def test_ppo_kl_is_verl_s_clamped_log_ratio():
     assert gspo[2].item() == -12.5  # verl's gspo: unclamped
 
 
+# --- shared by the parity tests of the newer modes
+def _check_parity(lp, ours, verl):
+    """``ours(log_prob)`` and ``verl(log_prob)``, 4-tuples ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``,
+    equal in value and in ``d pg_loss / d log_prob``; returns ours."""
+    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    got, want = ours(log_prob), verl(ref_lp)
+    for g_value, w_value in zip(got, want):
+        torch.testing.assert_close(g_value.to(torch.float64), w_value, rtol=1e-6, atol=1e-9)
+    got[0].backward()
+    want[0].backward()
+    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    return got
+
+
+def _check_fused_parity(seed, lengths, tau, agg, backend, behind_spread, verl_terms, fused_call,
+                        weight_scale=1.0, likely=False):
+    """The fused entry point on ``backend`` against verl's actor composition on a full fp64 log-softmax: a random
+    actor (hidden 8, vocab 40; ``likely``: every other response token the row's argmax, as sampled tokens often
+    are) and the old (or rollout) log-probs ``behind`` = its log-probs plus ``behind_spread`` noise. ``verl_terms(
+    behind, log_prob, entropy, adv, mask)`` -> ``(expected loss, *metrics)`` in fp64; ``fused_call(hidden, weight,
+    responses, behind, adv, mask)`` -> ``compute_policy_loss_from_hidden``'s value. Compares loss, the hidden and
+    weight gradients and the metrics; returns the fused metrics."""
+    if fused_rl.available_backends()[backend] is not None:
+        pytest.skip(fused_rl.available_backends()[backend])
+    g = torch.Generator().manual_seed(seed)
+    batch, length, hidden_size, vocab = len(lengths), max(lengths), 8, 40
+    hidden = torch.randn(batch, length, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * weight_scale
+    responses = torch.randint(0, vocab, (batch, length), generator=g)
+    if likely:
+        responses[:, ::2] = (hidden @ weight.T).argmax(-1)[:, ::2]
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
+    adv = torch.randn(batch, length, generator=g)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1).gather(
+            -1, responses.unsqueeze(-1)).squeeze(-1)
+    behind = (lp0 + behind_spread * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
+
+    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
+    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    expected, *metrics = verl_terms(behind.double(), log_prob, entropy, adv.double(), mask.double())
+    expected.backward()
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got, *got_metrics, _ = fused_call(h, w, responses, behind, adv, mask)
+    got.backward()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
+    for g_value, w_value in zip(got_metrics, metrics):
+        torch.testing.assert_close(g_value.double(), w_value.detach(), rtol=1e-5, atol=1e-6)
+    return got_metrics
+
+
 # --- DPPO (dppo_tv, dppo_kl) and DRO, verl 0.9.1's newest loss modes
 def _verl_dppo_dro(mode, old, log_prob, adv, mask, agg, config, weights=None):
     """verl 0.9.1's ``compute_policy_loss_dppo_tv`` / ``_dppo_kl`` / ``_dro`` transcribed: ``(pg_loss, pg_clipfrac,
@@ -727,14 +783,8 @@ def test_dppo_dro_parity_with_verl(mode, agg, with_weights):
     lp = lp.clamp(max=-1e-3)  # log-probs
     weights = weights if with_weights else None
     config = DPPO_DRO_CONFIGS[mode]
-    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
-    got = compute_policy_loss(old, log_prob, adv, mask, agg, config, weights)
-    want = _verl_dppo_dro(mode, old, ref_lp, adv, mask, agg, config, weights)
-    for g_value, w_value in zip(got, want):
-        torch.testing.assert_close(g_value.to(torch.float64), w_value, rtol=1e-6, atol=1e-9)
-    got[0].backward()
-    want[0].backward()
-    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    got = _check_parity(lp, lambda x: compute_policy_loss(old, x, adv, mask, agg, config, weights),
+                        lambda x: _verl_dppo_dro(mode, old, x, adv, mask, agg, config, weights))
     if mode != "dro":  # the masks and the truncation bind
         keep = dppo_keep(lp, old, adv, policy_loss_config_from_verl(config, agg, response_length=7))
         valid = mask.bool()
@@ -809,43 +859,18 @@ def test_dro_refuses_rollout_is_weights():
 def test_from_hidden_dppo_dro_matches_verl_actor(mode, backend):
     """The fused pass (dppo: the kernels' epilogue on the tiled route; dro: reinforce plus k2 against the old
     log-probs) equals verl's actor composition on its log-softmax: the transcribed policy term minus entropy_coeff *
-    agg(H)."""
-    if fused_rl.available_backends()[backend] is not None:
-        pytest.skip(fused_rl.available_backends()[backend])
-    g = torch.Generator().manual_seed(11)
-    lengths, hidden_size, vocab, tau, agg = (5, 2, 0, 4), 8, 40, 0.8, "token-mean"
-    batch, length = len(lengths), max(lengths)
-    hidden = torch.randn(batch, length, hidden_size, generator=g)
-    weight = torch.randn(vocab, hidden_size, generator=g) * 1.5  # peaked rows: target probabilities up to ~0.9
-    responses = torch.randint(0, vocab, (batch, length), generator=g)
-    responses[:, ::2] = (hidden @ weight.T).argmax(-1)[:, ::2]  # likely tokens, as sampled ones are
-    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
-    adv = torch.randn(batch, length, generator=g)
-    with torch.no_grad():
-        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1).gather(
-            -1, responses.unsqueeze(-1)).squeeze(-1)
-    old = (lp0 + 0.5 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
-    config = dict(DPPO_DRO_CONFIGS[mode], entropy_coeff=0.01)
+    agg(H), on peaked rows (target probabilities up to ~0.9)."""
+    agg, tau, config = "token-mean", 0.8, dict(DPPO_DRO_CONFIGS[mode], entropy_coeff=0.01)
 
-    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
-    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    pg_loss, *metrics = _verl_dppo_dro(mode, old.double(), log_prob, adv.double(), mask.double(), agg, config)
-    expected = pg_loss - 0.01 * _verl_agg(entropy, mask.double(), agg)
-    expected.backward()
+    def verl_terms(old, log_prob, entropy, adv, mask):
+        pg_loss, *metrics = _verl_dppo_dro(mode, old, log_prob, adv, mask, agg, config)
+        return (pg_loss - 0.01 * _verl_agg(entropy, mask, agg), *metrics)
 
-    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    got, *got_metrics, _ = compute_policy_loss_from_hidden(h, w, responses, old, adv, mask, agg, config,
-                                                           temperature=tau, backend=backend)
-    got.backward()
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
-    for g_value, w_value in zip(got_metrics, metrics):
-        torch.testing.assert_close(g_value.double(), w_value.detach(), rtol=1e-5, atol=1e-6)
+    metrics = _check_fused_parity(11, (5, 2, 0, 4), tau, agg, backend, 0.5, verl_terms, lambda *a: (
+        compute_policy_loss_from_hidden(*a, agg, config, temperature=tau, backend=backend)), weight_scale=1.5,
+                                  likely=True)
     if mode != "dro":
-        assert 0 < got_metrics[0] < 1  # the trust region drops some tokens and keeps others
+        assert 0 < metrics[0] < 1  # the trust region drops some tokens and keeps others
 
 
 # --- the Entropy Mechanism's clip_cov and kl_cov
@@ -908,14 +933,8 @@ def test_cov_parity_with_verl(mode, agg, with_weights):
     lp = lp.clamp(max=-1e-3)
     weights = weights if with_weights else None
     config = COV_CONFIGS[mode]
-    log_prob, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
-    got = compute_policy_loss(old, log_prob, adv, mask, agg, config, weights)
-    want = _verl_cov(mode, old, ref_lp, adv, mask, agg, config, weights)
-    for g_value, w_value in zip(got, want):
-        torch.testing.assert_close(g_value.to(torch.float64), w_value, rtol=1e-6, atol=1e-9)
-    got[0].backward()
-    want[0].backward()
-    torch.testing.assert_close(log_prob.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    got = _check_parity(lp, lambda x: compute_policy_loss(old, x, adv, mask, agg, config, weights),
+                        lambda x: _verl_cov(mode, old, x, adv, mask, agg, config, weights))
     if mode == "clip_cov":
         assert 0 < got[1] < 0.5
     names = {"clip_cov": ["actor/pg_clipfrac", "actor/ppo_kl"], "kl_cov": ["actor/ppo_kl"]}[mode]
@@ -957,46 +976,22 @@ def test_cov_config_mapping():
 def test_from_hidden_cov_matches_verl_actor(mode, backend):
     """The fused entry point (a batch-level config: each backend's two passes) equals verl's actor composition on its
     log-softmax: the transcribed policy term, minus entropy_coeff * agg(H), plus kl_loss_coef * agg(low_var_kl)."""
-    if fused_rl.available_backends()[backend] is not None:
-        pytest.skip(fused_rl.available_backends()[backend])
-    g = torch.Generator().manual_seed(13)
-    lengths, hidden_size, vocab, tau, agg = (6, 2, 0, 5), 8, 40, 0.9, "seq-mean-token-mean"
-    batch, length = len(lengths), max(lengths)
-    hidden = torch.randn(batch, length, hidden_size, generator=g)
-    weight = torch.randn(vocab, hidden_size, generator=g) * 1.5
-    responses = torch.randint(0, vocab, (batch, length), generator=g)
-    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
-    adv = torch.randn(batch, length, generator=g)
-    with torch.no_grad():
-        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1).gather(
-            -1, responses.unsqueeze(-1)).squeeze(-1)
-    old = (lp0 + 0.5 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
-    ref = (lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).float()
+    agg, tau = "seq-mean-token-mean", 0.9
     config = dict(COV_CONFIGS[mode], entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05,
                   kl_loss_type="low_var_kl")
+    ref = -torch.rand(4, 6, generator=torch.Generator().manual_seed(14)) * 4  # reference log-probs
 
-    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
-    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    m64 = mask.double()
-    pg_loss, *metrics = _verl_cov(mode, old.double(), log_prob, adv.double(), m64, agg, config)
-    d = (ref.double() - log_prob).clamp(-20, 20)
-    kl = (d.exp() - d - 1).clamp(-10, 10)
-    expected = pg_loss - 0.01 * _verl_agg(entropy, m64, agg) + 0.05 * _verl_agg(kl, m64, agg)
-    expected.backward()
+    def verl_terms(old, log_prob, entropy, adv, mask):
+        pg_loss, *metrics = _verl_cov(mode, old, log_prob, adv, mask, agg, config)
+        d = (ref.double() - log_prob).clamp(-20, 20)
+        kl = (d.exp() - d - 1).clamp(-10, 10)
+        return (pg_loss - 0.01 * _verl_agg(entropy, mask, agg) + 0.05 * _verl_agg(kl, mask, agg), *metrics)
 
-    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    got, *got_metrics, _ = compute_policy_loss_from_hidden(h, w, responses, old, adv, mask, agg, config,
-                                                           ref_log_prob=ref, temperature=tau, backend=backend)
-    got.backward()
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
-    for g_value, w_value in zip(got_metrics, metrics):
-        torch.testing.assert_close(g_value.double(), w_value.detach(), rtol=1e-5, atol=1e-6)
+    metrics = _check_fused_parity(13, (6, 2, 0, 5), tau, agg, backend, 0.5, verl_terms, lambda *a: (
+        compute_policy_loss_from_hidden(*a, agg, config, ref_log_prob=ref, temperature=tau, backend=backend)),
+                                  weight_scale=1.5)
     if mode == "clip_cov":
-        assert 0 < got_metrics[0] < 1
+        assert 0 < metrics[0] < 1
 
 
 # --- bypass_mode (old_log_prob are the rollout log-probs)
@@ -1064,37 +1059,16 @@ def test_bypass_mode_parity_with_verl(name, agg):
 @pytest.mark.parametrize("name", ["reinforce-token-tis", "reinforce-sequence-icepop"])
 def test_from_hidden_bypass_mode_matches_verl_actor(name, backend):
     """The fused entry point: the weights from the fused pass's own log-probs (on-policy rollout correction)."""
-    if fused_rl.available_backends()[backend] is not None:
-        pytest.skip(fused_rl.available_backends()[backend])
-    g = torch.Generator().manual_seed(17)
-    lengths, hidden_size, vocab, tau, agg = (6, 1, 0, 4), 8, 40, 1.0, "token-mean"
-    batch, length = len(lengths), max(lengths)
-    hidden = torch.randn(batch, length, hidden_size, generator=g)
-    weight = torch.randn(vocab, hidden_size, generator=g)
-    responses = torch.randint(0, vocab, (batch, length), generator=g)
-    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
-    adv = torch.randn(batch, length, generator=g)
-    with torch.no_grad():
-        lp0 = torch.log_softmax(hidden.double() @ weight.double().T / tau, -1).gather(
-            -1, responses.unsqueeze(-1)).squeeze(-1)
-    rollout = (lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)).clamp(max=0.0).float()
+    agg = "token-mean"
     config = {"clip_ratio": 0.2, "entropy_coeff": 0.01,
               "policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": BYPASS[name]}}
-    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
-    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    pg_loss, ppo_kl = _verl_bypass(rollout.double(), log_prob, adv.double(), mask.double(), agg, config)
-    expected = pg_loss - 0.01 * _verl_agg(entropy, mask.double(), agg)
-    expected.backward()
-    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    got, _, got_kl, _, _ = compute_policy_loss_from_hidden(h, w, responses, rollout, adv, mask, agg, config,
-                                                           temperature=tau, backend=backend)
-    got.backward()
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(got_kl.double(), ppo_kl.detach(), rtol=1e-5, atol=1e-6)
+
+    def verl_terms(rollout, log_prob, entropy, adv, mask):
+        pg_loss, ppo_kl = _verl_bypass(rollout, log_prob, adv, mask, agg, config)
+        return pg_loss - 0.01 * _verl_agg(entropy, mask, agg), torch.zeros((), dtype=torch.float64), ppo_kl
+
+    _check_fused_parity(17, (6, 1, 0, 4), 1.0, agg, backend, 0.3, verl_terms, lambda *a: (
+        compute_policy_loss_from_hidden(*a, agg, config, backend=backend)))
 
 
 @pytest.mark.parametrize("corr, error, needle", [
