@@ -674,9 +674,9 @@ def per_token_loss(
             raise ValueError(f"config.rollout_is={config.rollout_is!r} needs rollout_logprobs")
         rho, rollout_w = rollout_weights(old, torch.where(mask, rollout_logprobs, zeros), mask, config)
         extras["rollout_rho"], extras["rollout_is"] = rho, rollout_w
-    log_ratio = phi = keep = None
+    log_ratio = phi = trust = None
     if config.policy_loss in DPPO:
-        extras["dppo_keep"] = keep = dppo_keep(logp, old, a, config)
+        extras["dppo_keep"] = trust = dppo_keep(logp, old, a, config)
     if config.policy_loss in ("gmpo", "vespo"):
         log_ratio = torch.where(mask, logp - old, zeros)
         extras["log_ratio"] = log_ratio.detach()
@@ -685,7 +685,7 @@ def per_token_loss(
             raise ValueError("policy_loss='vespo' folds importance weights into its sequence weight: pass the "
                              "sampler's log-probs with config.rollout_is instead of rollout_is_weights")
         extras["vespo_phi"] = phi = vespo_weights(log_ratio, a, mask, config, rollout_w)
-    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi, keep=keep)
+    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi, keep=trust)
     if config.cov_mode is not None:
         extras["cov_selected"] = selected = covariance_selection(logp, ratio, a, mask, config)
         if config.cov_mode == "kl_cov":  # + coef |logp - old| on the selected tokens' policy term
