@@ -654,6 +654,8 @@ def test_seeded_run_is_reproducible_and_resume_is_exact(tmp_path):
     dict(algorithm="dapo", num_iterations=2, minibatch_size=8, top_p=0.9,
          loss_options=dict(delta=1.5, off_policy_mask=0.01, top_entropy_quantile=0.5, rollout_is="sequence_mask",
                            rollout_is_min=0.2)),
+    dict(algorithm="grpo", num_iterations=2, loss_options=dict(cov_mode="kl_cov", cov_ratio=0.2)),
+    dict(algorithm="grpo", loss_options=dict(policy_loss="vespo")),
 ])
 def test_every_algorithm_runs(tmp_path, overrides):
     from fused_rl.train.trainer import Trainer
@@ -674,13 +676,16 @@ def test_every_algorithm_runs(tmp_path, overrides):
     options = overrides.get("loss_options", {})
     expected = {"rollout_is_mean": "rollout_is" in options, "rollout_is_clip_frac": "rollout_is" in options,
                 "off_policy_mask_frac": "off_policy_mask" in options,
-                "entropy_mask_frac": "top_entropy_quantile" in options}
+                "entropy_mask_frac": "top_entropy_quantile" in options, "cov_frac": "cov_mode" in options,
+                "vespo_phi_mean": options.get("policy_loss") == "vespo"}
     for key, present in expected.items():
         assert (key in hist[-1]) == present, key
         if present:
-            assert 0.0 <= hist[-1][key] <= (math.inf if key == "rollout_is_mean" else 1.0), (key, hist[-1])
+            assert 0.0 <= hist[-1][key] <= (1.0 if key.endswith("frac") else math.inf), (key, hist[-1])
     if "top_entropy_quantile" in options:
         assert hist[-1]["entropy_mask_frac"] > 0.3  # about half the tokens are dropped
+    if "cov_mode" in options:  # floor(0.2 n) of each micro-batch's n tokens (at least one)
+        assert 0.1 < hist[-1]["cov_frac"] <= 0.2, hist[-1]
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo", "ppo"])

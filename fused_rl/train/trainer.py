@@ -43,7 +43,7 @@ from .tasks import RewardFunctionError, make_task, resolve_reward
 
 #: Loss metrics logged (token-weighted means) when the loss options that produce them are set.
 OPTION_METRICS = ("rollout_is_mean", "rollout_is_clip_frac", "off_policy_mask_frac", "entropy_mask_frac",
-                  "vespo_phi_mean")
+                  "vespo_phi_mean", "cov_frac")
 
 
 def _world() -> tuple[int, int]:
