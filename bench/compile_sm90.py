@@ -104,7 +104,7 @@ def resource_usage(kernel) -> str:
 BENCH_CONFIG = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl="k3", beta=0.04)
 
 #: ``(config, on_policy)`` of the policy kernels compiled: the hot configuration, then every option at
-#: once, then OpenRLHF's KL options, then DPPO (``--all``: each policy loss with each KL estimator, and both rollout
+#: once, then OpenRLHF's KL options, then DPPO twice (``--all``: each policy loss with each KL estimator, and both rollout
 #: corrections, too).
 POLICY_VARIANTS = [
     (PolicyLossConfig(dual_clip=3.0, kl="k3", beta=0.1), False),
@@ -116,6 +116,8 @@ POLICY_VARIANTS = [
     # DPPO's binary-KL trust region (a log per token) with the weight's truncation
     (PolicyLossConfig(policy_loss="dppo_kl", clip_low=0.2, clip_high=0.2, delta=20.0, kl="k3", beta=0.1,
                       entropy_coef=0.01), False),
+    # DPPO's total-variation trust region without delta, a token rollout mask dropping into its weight
+    (PolicyLossConfig(policy_loss="dppo_tv", rollout_is="token_mask", rollout_is_min=0.5), False),
 ]
 POLICY_VARIANTS_FULL = POLICY_VARIANTS + [
     (PolicyLossConfig(policy_loss=policy, kl=kl, beta=0.1 if kl else 0.0, entropy_coef=0.01 * (i % 2),

@@ -101,6 +101,16 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
   const float log_ratio = p.has_old ? (logp - old) : 0.0f;
   const float r = expf(log_ratio);
   float loss = 0.0f, dl_dlogp = 0.0f;
+  // the detached weight of the policy term (1 without rollout correction), applied below
+  float c = 1.0f;
+  if (p.rollout != kRolloutNone) {
+    // a NaN rollout log-prob: a token the engine did not score, no correction (log-ratio 0), as TRL
+    const float log_rho = (p.has_old ? old : logp) - rollout;  // clamped below, a NaN passing (torch's clamp)
+    const float rho = rollout != rollout ? 1.0f
+                                         : expf(log_rho > 20.0f ? 20.0f : (log_rho < -20.0f ? -20.0f : log_rho));
+    c = p.rollout == kRolloutTruncate ? frl_clamp(rho, p.rollout_min, p.rollout_max)
+                                      : ((rho >= p.rollout_min && rho <= p.rollout_max) ? rho : 0.0f);
+  }
   if (p.policy == kCispo) {
     const float tw = fminf(r, 1.0f + p.clip_high);
     loss = frl_weighted(-tw * a, logp);
@@ -129,7 +139,8 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
       up = div <= p.clip_high || prob <= q;
       down = div <= p.clip_low || prob >= q;
     }
-    dl_dlogp = (a != 0.0f && (a > 0.0f ? up : down)) ? -tw * a : 0.0f;  // A = 0: 0, also where r is inf
+    // A = 0 or a dropped token (c = 0): 0, also where r is inf (no delta), not inf * 0 below
+    dl_dlogp = (a != 0.0f && c != 0.0f && (a > 0.0f ? up : down)) ? -tw * a : 0.0f;
     loss = frl_weighted(dl_dlogp, logp);
   } else {  // ppo_clip (and gspo's token form, unused)
     const float na = -a;
@@ -152,14 +163,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     const float dl_dr = gl * (gu * na * (capped_u ? 0.0f : 1.0f) + gv * na * frl_clamp_grad(r, lo, hi));
     dl_dlogp = frl_times_ratio(dl_dr, r);  // dr/dlogp = r (on-policy too)
   }
-  if (p.rollout != kRolloutNone) {  // detached weight of the policy term
-    // a NaN rollout log-prob: a token the engine did not score, no correction (log-ratio 0), as TRL
-    const float log_rho = (p.has_old ? old : logp) - rollout;  // clamped below, a NaN passing (torch's clamp)
-    const float rho = rollout != rollout ? 1.0f
-                                         : expf(log_rho > 20.0f ? 20.0f : (log_rho < -20.0f ? -20.0f : log_rho));
-    const float c = p.rollout == kRolloutTruncate
-                        ? frl_clamp(rho, p.rollout_min, p.rollout_max)
-                        : ((rho >= p.rollout_min && rho <= p.rollout_max) ? rho : 0.0f);
+  if (p.rollout != kRolloutNone) {
     loss = frl_weighted(c, loss);
     dl_dlogp *= c;
   }

@@ -108,7 +108,8 @@ class PolicyLossConfig:
           where ``A > 0``, else ``1[D <= clip_low or p >= q]`` (a token is dropped only when its update moves
           ``p`` further past the divergence bound in the direction of its advantage). Without ``delta`` an
           overflowed ``r`` (an old log-prob ~88 below the current one) is an infinite weight where ``A != 0``
-          (verl clamps the log-ratio at 20 and truncates at ``clip_ratio_c``; set ``delta``).
+          (verl clamps the log-ratio at 20 and truncates at ``clip_ratio_c``; set ``delta``), except on a token
+          another option drops (a mask, a zero rollout weight): 0 there, its gradient too.
         - ``"vespo"``: VESPO (TRL / Liger ``loss_type="vespo"``), ``-sg(phi_i) * A * logp`` with the sequence
           weight ``phi_i = exp(lam + k log w_i - lam w_i)`` (a Gamma density in ``w_i``, 1 at ``w_i = 1``), ``k, lam
           = vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else ``vespo_k_neg, vespo_lambda_neg`` (``lam >= 0``,

@@ -685,13 +685,9 @@ def per_token_loss(
             raise ValueError("policy_loss='vespo' folds importance weights into its sequence weight: pass the "
                              "sampler's log-probs with config.rollout_is instead of rollout_is_weights")
         extras["vespo_phi"] = phi = vespo_weights(log_ratio, a, mask, config, rollout_w)
-    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi, keep=trust)
     if config.cov_mode is not None:
         extras["cov_selected"] = selected = covariance_selection(logp, ratio, a, mask, config)
-        if config.cov_mode == "kl_cov":  # + coef |logp - old| on the selected tokens' policy term
-            gap = (safe_logp - torch.where(mask, old, zeros)).abs()
-            loss = loss + torch.where(selected, config.kl_cov_coef * gap, zeros)
-        else:  # clip_cov: the selected tokens dropped
+        if config.cov_mode == "clip_cov":  # the selected tokens dropped
             scale = (~selected).to(logp.dtype)
     if config.off_policy_mask is not None:
         behaviour = old if rollout_logprobs is None else torch.where(mask, rollout_logprobs, zeros)
@@ -707,6 +703,14 @@ def per_token_loss(
     if rollout_is_weights is not None:
         w = torch.where(mask, rollout_is_weights.detach(), torch.ones_like(logp))
         scale = w if scale is None else scale * w
+    if trust is not None and scale is not None:
+        # dppo without delta: a dropped token's weight may be an overflowed r, whose gradient times the zero scale
+        # would be 0 * inf = NaN; out of the mask it is 0
+        trust = trust & (scale != 0)
+    loss = policy_gradient_loss(safe_logp, ratio, a, config, log_ratio=log_ratio, mask=mask, phi=phi, keep=trust)
+    if config.cov_mode == "kl_cov":  # + coef |logp - old| on the selected tokens' policy term
+        gap = (safe_logp - torch.where(mask, old, zeros)).abs()
+        loss = loss + torch.where(selected, config.kl_cov_coef * gap, zeros)
     if scale is not None:  # a dropped token (scale 0) adds 0, also where its loss is inf
         loss = weighted(scale, loss)
     kl = None

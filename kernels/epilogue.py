@@ -164,6 +164,29 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
     else:
         log_ratio = tl.where(valid, logp - old, zero)
     ratio = tl.exp(log_ratio)
+    if ROLLOUT != 0:  # the detached weight of the policy term, applied below
+        if ON_POLICY:
+            behind = lp
+        else:
+            behind = old
+        # a NaN rollout log-prob: a token the engine did not score, no correction (log-ratio 0), as TRL
+        log_rho = tl.where(valid & (rollout == rollout), behind - rollout, zero)
+        # clamp(., -20, 20) (loss_math.ROLLOUT_LOG_RHO_BOUND) by where: a NaN passes, as torch's clamp
+        log_rho = tl.where(log_rho > 20.0, 20.0, tl.where(log_rho < -20.0, -20.0, log_rho))
+        rho = tl.exp(log_rho)
+        if ROLLOUT == 1:  # token_truncate
+            w_is = rho
+            if HAS_RIS_MIN:
+                w_is = tl.maximum(w_is, ris_min)
+            if HAS_RIS_MAX:
+                w_is = tl.minimum(w_is, ris_max)
+        else:  # token_mask
+            keep = valid
+            if HAS_RIS_MIN:
+                keep = keep & (rho >= ris_min)
+            if HAS_RIS_MAX:
+                keep = keep & (rho <= ris_max)
+            w_is = tl.where(keep, rho, zero)
     if POLICY == 0:  # ppo_clip
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
         d_clipped = tl.where((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high), -a, zero)
@@ -211,31 +234,12 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             div = q * (lq - lp) + (1.0 - q) * tl.log((1.0 - q + eps) / (1.0 - prob + eps))
             up = (div <= clip_high) | (prob <= q)
             down = (div <= clip_low) | (prob >= q)
-        dlogp = tl.where(tl.where(a > 0.0, up, down) & (a != 0.0), -weight * a, zero)  # A = 0: 0, also at r = inf
+        kept = tl.where(a > 0.0, up, down) & (a != 0.0)
+        if ROLLOUT != 0:  # a dropped token: its weight may be an overflowed r (no delta), not inf * 0 below
+            kept = kept & (w_is != 0.0)
+        dlogp = tl.where(kept, -weight * a, zero)  # A = 0: 0, also at r = inf
         loss = _weighted(dlogp, lp)
     if ROLLOUT != 0:
-        if ON_POLICY:
-            behind = lp
-        else:
-            behind = old
-        # a NaN rollout log-prob: a token the engine did not score, no correction (log-ratio 0), as TRL
-        log_rho = tl.where(valid & (rollout == rollout), behind - rollout, zero)
-        # clamp(., -20, 20) (loss_math.ROLLOUT_LOG_RHO_BOUND) by where: a NaN passes, as torch's clamp
-        log_rho = tl.where(log_rho > 20.0, 20.0, tl.where(log_rho < -20.0, -20.0, log_rho))
-        rho = tl.exp(log_rho)
-        if ROLLOUT == 1:  # token_truncate
-            w_is = rho
-            if HAS_RIS_MIN:
-                w_is = tl.maximum(w_is, ris_min)
-            if HAS_RIS_MAX:
-                w_is = tl.minimum(w_is, ris_max)
-        else:  # token_mask
-            keep = valid
-            if HAS_RIS_MIN:
-                keep = keep & (rho >= ris_min)
-            if HAS_RIS_MAX:
-                keep = keep & (rho <= ris_max)
-            w_is = tl.where(keep, rho, zero)
         loss = _weighted(w_is, loss)
         dlogp = dlogp * w_is
     kl = zero

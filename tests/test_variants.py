@@ -277,6 +277,87 @@ def test_dppo_zero_advantage_with_an_overflowed_ratio_adds_nothing(policy, devic
     assert (logits.grad[0, 1] == 0).all() and (logits.grad[0, 0] != 0).any()
 
 
+#: Ways to drop token (0, 1) of :func:`_dppo_dropped_case` (its ratio overflowed, its trust region keeps it): a zero
+#: caller weight, a token rollout mask (rho = e^-20), the off-policy mask (row 0, A < 0, far from the behaviour
+#: log-probs 0), the top-entropy quantile (its logits are peaked: the lowest entropy).
+DROPS = {
+    "weights": (dict(), lambda old: dict(rollout_is_weights=torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]]))),
+    "token_mask": (dict(rollout_is="token_mask", rollout_is_min=0.5),
+                   lambda old: dict(rollout_logprobs=old + torch.tensor([[0.0, 30.0, 0.0], [0.0, 0.0, 0.0]]))),
+    "off_policy_mask": (dict(off_policy_mask=0.0), lambda old: dict(rollout_logprobs=torch.zeros(2, 3))),
+    "top_entropy": (dict(top_entropy_quantile=0.5), lambda old: dict()),
+}
+
+
+def _dppo_dropped_case(device):
+    """Two rows of three tokens: row 0 with ``A = -1`` and token (0, 1)'s old log-prob -9999 (an engine's
+    placeholder: its ratio overflows to inf, the trust region keeps it since ``p - q >= -clip_low``)."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(2, 3, 16, generator=g)
+    logits[0, 1, 4] += 30.0
+    old = torch.tensor([[-2.0, -9999.0, -3.0], [-2.5, -1.5, -3.0]])
+    return (logits.to(device), torch.tensor([[1, 4, 3], [0, 5, 9]], device=device),
+            torch.tensor([-1.0, 1.0], device=device), torch.ones(2, 3, dtype=torch.bool, device=device), old)
+
+
+@pytest.mark.parametrize("drop", list(DROPS))
+@pytest.mark.parametrize("policy", ["dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("device,backend", [pytest.param("cpu", "reference", id="reference")] + device_backends())
+def test_dppo_dropped_token_with_an_overflowed_ratio_adds_nothing(drop, policy, device, backend):
+    """A dropped token adds nothing, also where dppo's weight (no ``delta``) is its overflowed ratio: its gradient
+    was ``0 * inf = NaN`` on the reference and torch (the zero scale times the infinite slope) and, for a token
+    rollout mask, in the kernels (the rollout weight times ``dl/dlogp``). Each backend against the reference
+    with the token's advantage-free equivalent: the same loss and gradients as with that token's ``A`` set to 0."""
+    options, extra = DROPS[drop]
+    config = PolicyLossConfig(policy_loss=policy, clip_low=0.1, **options)
+    logits, targets, adv, mask, old = _dppo_dropped_case(device)
+    kwargs = {k: v.to(device) for k, v in extra(old).items()}
+
+    def run(advantages, backend):
+        x = logits.clone().requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets, advantages, mask, old_logprobs=old.to(device), config=config,
+                                   backend=backend, **kwargs)
+        out.loss.backward()
+        return out.loss, x.grad
+
+    loss, grad = run(adv, backend)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all(), (loss, grad[0, 1])
+    assert (grad[0, 1] == 0).all() and (grad[1] != 0).any()
+    # the same with A = 0 on the dropped token (finite everywhere): the reference's values
+    zero_adv = adv[:, None].expand(2, 3).clone()
+    zero_adv[0, 1] = 0.0
+    want_loss, want_grad = run(zero_adv, "reference")
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("drop", ["weights", "token_mask", "off_policy_mask"])
+@pytest.mark.parametrize("device,backend", [pytest.param("cpu", "reference", id="reference")] + device_backends())
+def test_dppo_dropped_token_with_an_overflowed_ratio_fused_linear(drop, device, backend):
+    """The same from hidden states: the weight and hidden gradients finite (they were NaN on the reference and
+    torch_linear), equal to the reference's with the dropped token's ``A`` set to 0."""
+    options, extra = DROPS[drop]
+    config = PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.1, **options)
+    _, targets, adv, mask, old = _dppo_dropped_case(device)
+    g = torch.Generator().manual_seed(12)
+    hidden, weight = torch.randn(2, 3, 8, generator=g).to(device), torch.randn(16, 8, generator=g).to(device)
+    kwargs = {k: v.to(device) for k, v in extra(old).items()}
+
+    def run(advantages, backend):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fused_rl.linear_policy_loss(h, w, targets, advantages, mask, old_logprobs=old.to(device),
+                                          config=config, backend=backend, **kwargs)
+        out.loss.backward()
+        return out.loss, h.grad, w.grad
+
+    got = run(adv, backend)
+    assert all(torch.isfinite(t).all() for t in got), got
+    zero_adv = adv[:, None].expand(2, 3).clone()
+    zero_adv[0, 1] = 0.0
+    for a, b in zip(got, run(zero_adv, "reference")):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_truncated_rows_contribute_nothing():
     case = make_case(batch=4, length=5, vocab=100, seed=2)
     config = PolicyLossConfig(mask_truncated_completions=True)
