@@ -48,6 +48,15 @@ class CharTokenizer:
         return "".join(self.itos.get(int(i), "") for i in ids)
 
 
+def _gguf_eos(tok, config) -> None:
+    """Give a GGUF file's tokenizer the file's own eos (``tokenizer.ggml.eos_token_id``, which transformers reads into
+    the model config): transformers 5.17's GGUF tokenizer loader took SmolLM2's bos ``<|im_start|>`` for its eos
+    (5.25 reads ``<|im_end|>``), so completions padded with, and counted as ended at, the wrong token."""
+    eos = config.eos_token_id
+    if isinstance(eos, int) and tok.eos_token_id != eos:
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+
+
 class HFTokenizer:
     """Adapter over a Hugging Face tokenizer with the interface of :class:`CharTokenizer`."""
 
@@ -163,6 +172,8 @@ def load_policy(cfg, task, device: torch.device):
     tok_src = src if cfg.tokenizer == "auto" else cfg.tokenizer
     tok_extra = extra if cfg.tokenizer == "auto" else {}
     tok = AutoTokenizer.from_pretrained(tok_src, local_files_only=True, **tok_extra)
+    if tok_extra:
+        _gguf_eos(tok, model.config)
     stop = model.generation_config.eos_token_id
     stop = [] if stop is None else ([stop] if isinstance(stop, int) else list(stop))
     return model.to(device), HFTokenizer(tok, chat_template=cfg.chat_template, stop_token_ids=stop)
