@@ -401,6 +401,15 @@ def on_device(case, device):
     return dataclasses.replace(case, **{f.name: move(getattr(case, f.name)) for f in dataclasses.fields(case)})
 
 
+def triton_interpreter_reason() -> Optional[str]:
+    """Why the Triton kernels cannot run in the CPU interpreter of this installation (None: they can): the triton
+    backend's own reasons (Triton missing or older than the kernels need, an interpreter that fails with this
+    numpy), whatever ``TRITON_INTERPRET`` the test process has."""
+    from fused_rl.backends import triton as triton_backend
+
+    return triton_backend._import_error() or triton_backend._interpreter_error()
+
+
 def fused_backends(device: str = "cpu") -> list[str]:
     """Every backend other than the reference that can run on ``device`` in this installation."""
     return [name for name, reason in fused_rl.available_backends(torch.device(device)).items()

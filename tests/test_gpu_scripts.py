@@ -18,6 +18,15 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
+def _needs_interpreter() -> None:
+    """Skip, saying why, where the Triton interpreter cannot run the kernels (the dry runs' triton rows)."""
+    from helpers import triton_interpreter_reason
+
+    reason = triton_interpreter_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def _run(args, tmp_path, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")  # the dry run is on the CPU interpreter
     res = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env,
@@ -37,7 +46,7 @@ def _verdicts(work) -> list[str]:
 
 
 def test_logits_bench_dry_run(tmp_path):
-    pytest.importorskip("triton")
+    _needs_interpreter()
     _run(["bench/gpu_logits_bench.py", str(tmp_path / "logits"), "--cpu-dry-run"], tmp_path)
     report = json.loads((tmp_path / "logits" / "logits_bench.json").read_text())
     rows = report["results"]
@@ -72,7 +81,7 @@ def test_linear_profile_dry_run(tmp_path):
 
 
 def test_linear_budget_dry_run(tmp_path):
-    pytest.importorskip("triton")
+    _needs_interpreter()
     _run(["bench/gpu_linear_budget.py", str(tmp_path / "linear_budget"), "--cpu-dry-run"], tmp_path)
     rows = json.loads((tmp_path / "linear_budget" / "linear_budget.json").read_text())["results"]
     assert not [r for r in rows if "error" in r], rows

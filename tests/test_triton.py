@@ -19,16 +19,20 @@ from fused_rl import PolicyLossConfig  # noqa: E402
 from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import kl_estimator, metrics as loss_metrics, per_token_loss  # noqa: E402
 from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, LOGIT_KINDS, assert_close,  # noqa: E402
-                     assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device)
+                     assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device,
+                     triton_interpreter_reason)
 
 # numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
+#: Why the CPU runs are skipped (None: they run): no interpreter asked for, or one that cannot run here (Triton
+#: 3.6's with numpy 2.4, e.g.: the triton backend says so on the CPU, and the tests skip saying why).
+CPU_REASON = triton_interpreter_reason() if INTERPRET else "CPU runs need TRITON_INTERPRET=1"
 
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param("cpu", marks=pytest.mark.skipif(CPU_REASON is not None, reason=str(CPU_REASON))),
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
         not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU and TRITON_INTERPRET unset/0")]),
 ]
@@ -488,11 +492,12 @@ def test_unavailable_reason(monkeypatch):
     from fused_rl.backends import _REGISTRY
 
     tb = _REGISTRY["triton"]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine, compiled kernels
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tb.unavailable_reason(torch.device("cuda")) is None
     monkeypatch.undo()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert tb.unavailable_reason(torch.device("cpu")) is None
+    assert tb.unavailable_reason(torch.device("cpu")) == triton_interpreter_reason()  # None where it runs
     monkeypatch.delenv("TRITON_INTERPRET")
     reason = tb.unavailable_reason(torch.device("cpu"))
     assert isinstance(reason, str) and "CUDA" in reason
