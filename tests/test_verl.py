@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import fused_rl
 from fused_rl import PolicyLossConfig
-from fused_rl.integrations.verl import (compute_policy_loss, compute_policy_loss_from_hidden, get_policy_loss_fn,
-                                        policy_loss_config_from_verl)
+from fused_rl.integrations.verl import (_bypass_correction, compute_policy_loss, compute_policy_loss_from_hidden,
+                                        get_policy_loss_fn, policy_loss_config_from_verl)
+from fused_rl.integrations.verl_rollout import correct
 from fused_rl.loss_math import dppo_keep
 
 # Two responses, T = 3. Row 0: A = +1, ratios 1.5, 0.5, 1.0. Row 1: A = -2, ratios 4.0, 0.5, (1.1 masked).
@@ -1052,7 +1058,8 @@ def test_bypass_mode_parity_with_verl(name, agg):
     assert (ratio > 1.25).any() and (ratio < 0.8).any()
     names = ["actor/ppo_kl"] if name.startswith("reinforce") else ["actor/pg_clipfrac", "actor/ppo_kl",
                                                                    "actor/pg_clipfrac_lower"]
-    assert list(get_policy_loss_fn("bypass_mode")(rollout, lp, adv, mask, agg, config)[1]) == names
+    metrics = get_policy_loss_fn("bypass_mode")(rollout, lp, adv, mask, agg, config)[1]
+    assert [n for n in metrics if not n.startswith("rollout_corr/")] == names
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -1073,9 +1080,21 @@ def test_from_hidden_bypass_mode_matches_verl_actor(name, backend):
 
 @pytest.mark.parametrize("corr, error, needle", [
     (None, ValueError, "needs policy_loss.rollout_correction"),
-    ({"rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}, NotImplementedError, "rollout_rs"),
+    # from the current log-probs: the adapter's loss functions apply them, a config cannot
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}, NotImplementedError, "current log-probs"),
     ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True}, NotImplementedError,
-     "rollout_is_batch_normalize"),
+     "current log-probs"),
+    ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0}, ValueError, "'token_k4' is not one of"),
+    ({"rollout_rs": "token_k2"}, ValueError, "must be a number or a comma-separated string"),  # no threshold
+    ({"rollout_rs": " , ", "rollout_rs_threshold": 1.0}, ValueError, "at least one option"),
+    ({"rollout_rs": ["token_k2"], "rollout_rs_threshold": 1.0}, ValueError, "comma-separated string"),
+    ({"rollout_rs": "token_k2,seq_sum_k3", "rollout_rs_threshold": "1,2,3"}, ValueError, "one per option"),
+    ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.5_2"}, ValueError, "single upper bound"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": "2_0.5"}, ValueError, "lower <= upper"),
+    ({"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0_2"}, ValueError, "must be positive"),
+    ({"rollout_rs": "seq_max_k3", "rollout_rs_threshold": "nan"}, ValueError, "must be positive"),
+    ({"rollout_rs": "token_k3", "rollout_rs_threshold": "x"}, ValueError, "not a number"),
+    ({"rollout_rs": "token_k3", "rollout_rs_threshold": True}, ValueError, "must be a number"),
     ({"loss_type": "ppo"}, ValueError, "must be 'reinforce' or 'ppo_clip'"),
     ({"loss_type": None}, ValueError, "must be 'reinforce' or 'ppo_clip'"),  # verl: "Invalid loss_type"
     ({"loss_type": "reinforce", "rollout_is": "tokens"}, ValueError, "'token', 'sequence' or None"),
@@ -1090,6 +1109,18 @@ def test_bypass_mode_refusals(corr, error, needle):
                                      response_length=4)
 
 
+@pytest.mark.parametrize("corr, needle", [
+    ({"loss_type": "reinforce", "rollout_rs": "tok", "rollout_rs_threshold": 9}, "'tok' is not one of"),
+    ({"rollout_is": "token", "rollout_is_threshold": "x"}, "not a number"),
+])
+def test_bypass_mode_refusals_reach_the_loss_functions(corr, needle):
+    """The loss functions parse the rollout correction as the config mapping does: a bad option raises there too."""
+    rollout, lp, adv, mask, _ = _ragged_batch(3)
+    config = {"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": corr}}
+    with pytest.raises(ValueError, match=needle):
+        get_policy_loss_fn("bypass_mode")(rollout, lp, adv, mask, "token-mean", config)
+
+
 @pytest.mark.parametrize("corr, rollout_is", [
     ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": None}, None),  # verl: no weights
     ({"loss_type": "reinforce", "rollout_is": None, "rollout_is_batch_normalize": True}, None),
@@ -1102,3 +1133,170 @@ def test_bypass_mode_weights_as_verl_computes_them(corr, rollout_is):
     assert cfg.rollout_is == rollout_is and cfg.policy_loss == ("ppo_clip" if corr["loss_type"] == "ppo_clip"
                                                                   else "reinforce")
     assert rollout_is is None or cfg.rollout_is_max == 2.0
+
+
+# --- bypass_mode's rejection sampling, batch-normalized weights and rollout_corr/* metrics, against verl itself
+#: verl 0.9.1's own compute_policy_loss_bypass_mode on one ragged batch (tests/data/make_verl_bypass_golden.py).
+GOLDEN = json.loads((Path(__file__).parent / "data" / "verl_bypass_golden.json").read_text())
+
+
+def _golden_inputs():
+    return {name: torch.tensor(value, dtype=torch.float64) for name, value in GOLDEN["inputs"].items()}
+
+
+def _golden_config(case: dict, **extra) -> dict:
+    return {"clip_ratio": GOLDEN["clip_ratio"], "global_batch_info": case["global_batch_info"],
+            "policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": case["rollout_correction"]}, **extra}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN["cases"]))
+def test_bypass_mode_matches_verl_itself(name):
+    """Loss, d loss / d log_prob and every metric (verl's names, ``rollout_corr/*`` included: importance-weight,
+    rejection and off-policy diagnostics) equal verl 0.9.1's own function's on a ragged batch with an empty and a
+    length-1 response, for rejection options alone, chained and with shared thresholds, batch-normalized token and
+    sequence weights, both loss types, three aggregations and a data-parallel ``global_batch_info``."""
+    case, x = GOLDEN["cases"][name], _golden_inputs()
+    log_prob = x["log_prob"].clone().requires_grad_(True)
+    loss, metrics = get_policy_loss_fn("bypass_mode")(x["rollout"], log_prob, x["advantages"], x["mask"],
+                                                      case["loss_agg_mode"], _golden_config(case))
+    loss.backward()
+    # fp64; verl's means divide by count + 1e-8 (relative 1e-8 off)
+    assert loss.item() == pytest.approx(case["loss"], rel=1e-7, abs=1e-10)
+    torch.testing.assert_close(log_prob.grad, torch.tensor(case["grad"], dtype=torch.float64), rtol=1e-7, atol=1e-10)
+    assert sorted(metrics) == sorted(case["metrics"])
+    for key, want in case["metrics"].items():
+        assert metrics[key].item() == pytest.approx(want, rel=1e-6, abs=1e-7), key
+    four = compute_policy_loss(x["rollout"], x["log_prob"], x["advantages"], x["mask"], case["loss_agg_mode"],
+                               _golden_config(case))
+    assert four[0].item() == pytest.approx(case["loss"], rel=1e-7, abs=1e-10)
+    assert four[2].item() == pytest.approx(case["metrics"]["actor/ppo_kl"], rel=1e-6, abs=1e-7)
+
+
+def test_golden_cases_exercise_every_option():
+    """Each rejection option of the golden cases drops some tokens and keeps others, the weights are normalized by a
+    factor away from 1, and the cases cover every statistic kind and level."""
+    options = set()
+    for case in GOLDEN["cases"].values():
+        corr, metrics = case["rollout_correction"], case["metrics"]
+        for option in filter(None, (o.strip() for o in corr.get("rollout_rs", "").split(","))):
+            options.add(option)
+            assert 0 < metrics[f"rollout_corr/rollout_rs_{option}_masked_fraction"] < 1, option
+        if corr.get("rollout_is_batch_normalize"):
+            assert abs(metrics["rollout_corr/rollout_is_batch_norm_factor"] - 1) > 0.1
+    assert {o.rsplit("_", 1)[1] for o in options} == {"k1", "k2", "k3"}
+    assert {o.split("_")[0] if o.startswith("token") else o.split("_")[1] for o in options} == {
+        "token", "sum", "mean", "max"}
+
+
+#: Golden cases the fused entry point is checked on (every backend; all of them on torch and cpu).
+FUSED_GOLDEN = ["reinforce-token-icepop-rs-chain|global|seq-mean-token-mean", "ppo_clip-rs-token_k1|token-mean",
+                "reinforce-sequence-icepop-normalize|seq-mean-token-sum"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("name", sorted(GOLDEN["cases"]))
+def test_from_hidden_bypass_rejection_matches_the_per_token_loss(name, backend):
+    """The fused entry point with rejection / normalized weights (a no-grad log-prob pass first, then the loss pass
+    with verl's policy aggregation over the kept tokens carried by the weights, the entropy term over all) against
+    the per-token entry point (checked against verl above) on a full fp64 log-softmax: loss, hidden and weight
+    gradients, every metric."""
+    if backend == "triton" and name not in FUSED_GOLDEN:
+        pytest.skip("the Triton interpreter is slow: three cases")
+    if fused_rl.available_backends()[backend] is not None:
+        pytest.skip(fused_rl.available_backends()[backend])
+    case = GOLDEN["cases"][name]
+    agg, config = case["loss_agg_mode"], _golden_config(case, entropy_coeff=0.01)
+    g = torch.Generator().manual_seed(31)
+    lengths, vocab, tau = (7, 3, 0, 5, 1), 40, 0.9
+    hidden, weight = torch.randn(5, 7, 8, generator=g), torch.randn(vocab, 8, generator=g)
+    responses = torch.randint(0, vocab, (5, 7), generator=g)
+    mask = (torch.arange(7)[None] < torch.tensor(lengths)[:, None]).to(torch.float32)
+    adv = torch.randn(5, 7, generator=g)
+    h_ref, w_ref = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp_all = torch.log_softmax(h_ref @ w_ref.T / tau, -1)
+    log_prob = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    rollout = (log_prob.detach() + 0.6 * torch.randn(5, 7, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pg_loss, want = get_policy_loss_fn("bypass_mode")(rollout, log_prob, adv.double(), mask.double(), agg, config)
+    info = case["global_batch_info"]
+    (pg_loss - 0.01 * _verl_agg(entropy, mask.double(), agg, **info)).backward()
+    expected = pg_loss - 0.01 * _verl_agg(entropy.detach(), mask.double(), agg, **info)
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, clipfrac, ppo_kl, clipfrac_lower, out = compute_policy_loss_from_hidden(
+        h, w, responses, rollout.float(), adv, mask, agg, config, temperature=tau, backend=backend)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-4, atol=1e-6)
+    got = dict(out.metrics, **{"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
+                               "actor/pg_clipfrac_lower": clipfrac_lower})
+    for key, value in want.items():
+        assert got[key].item() == pytest.approx(value.item(), rel=1e-4, abs=1e-5), key
+    if case["rollout_correction"].get("rollout_rs"):
+        assert 0 < want["rollout_corr/rollout_rs_masked_fraction"] < 1
+
+
+def test_bypass_rejection_of_every_token_and_unscored_tokens():
+    """Every token rejected: a zero loss and gradient (verl divides 0 by 0) and finite metrics; an all-masked batch:
+    the same (verl raises); NaN padding is never read; unchecked, a NaN rollout log-prob (a token the engine did not
+    score) has log-ratio 0, as fused_rl's rollout correction reads it: kept by a k1 bound, weight 1."""
+    x = _golden_inputs()
+    corr = {"loss_type": "reinforce", "rollout_is": "token", "rollout_rs": "token_k2", "rollout_rs_threshold": 1e-9}
+    config = {"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": corr}}
+    for mask in (x["mask"], torch.zeros_like(x["mask"])):
+        log_prob = x["log_prob"].clone().requires_grad_(True)
+        loss, metrics = get_policy_loss_fn("bypass_mode")(x["rollout"], log_prob, x["advantages"], mask,
+                                                          "token-mean", config)
+        loss.backward()
+        assert loss.item() == 0 and not log_prob.grad.any()
+        assert all(torch.isfinite(v) for v in metrics.values())
+    rollout = x["rollout"].clone()
+    rollout[x["mask"] == 0] = float("nan")
+    rollout[0, 1] = float("nan")
+    corr = {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.999_1.001",
+            "rollout_rs": "token_k1", "rollout_rs_threshold": "0.999_1.001"}
+    config = {"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": corr}}
+    log_prob = x["log_prob"].clone().requires_grad_(True)
+    # check_inputs refuses a NaN old_log_prob where the mask is set; unchecked, it reads as unscored
+    loss, metrics = get_policy_loss_fn("bypass_mode", check_inputs=False)(rollout, log_prob, x["advantages"],
+                                                                          x["mask"], "token-sum", config)
+    loss.backward()
+    want = torch.zeros_like(log_prob)
+    want[0, 1] = -x["advantages"][0, 1]  # the only kept token, weight 1
+    torch.testing.assert_close(log_prob.grad, want)
+    assert all(torch.isfinite(v) for k, v in metrics.items() if k.startswith("rollout_corr/"))  # ppo_kl: NaN
+
+
+def _normalize_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        x = _golden_inputs()
+        rows = slice(0, 3) if rank == 0 else slice(3, 5)
+        for level in ("token", "sequence"):
+            corr = _bypass_correction({"policy_loss": {"rollout_correction": {
+                "loss_type": "reinforce", "rollout_is": level, "rollout_is_threshold": 1.5,
+                "rollout_is_batch_normalize": True}}})
+            fixed = correct(corr, x["log_prob"][rows], x["rollout"][rows], x["mask"][rows].bool())
+            torch.save(fixed.weights, os.path.join(out_dir, f"{level}{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_batch_normalized_weights_over_processes(tmp_path, world):
+    """With torch.distributed initialized the weights' batch mean is over every process (verl's
+    distributed_masked_mean): two gloo processes with 3 + 2 responses get the weights of one process with all 5."""
+    init_file = tmp_path / "init"
+    mp.spawn(_normalize_rank, args=(world, str(init_file), str(tmp_path)), nprocs=world, join=True)
+    x = _golden_inputs()
+    for level in ("token", "sequence"):
+        corr = _bypass_correction({"policy_loss": {"rollout_correction": {
+            "loss_type": "reinforce", "rollout_is": level, "rollout_is_threshold": 1.5,
+            "rollout_is_batch_normalize": True}}})
+        whole = correct(corr, x["log_prob"], x["rollout"], x["mask"].bool()).weights
+        parts = torch.cat([torch.load(tmp_path / f"{level}{rank}.pt") for rank in range(world)])
+        mask = x["mask"].bool()
+        torch.testing.assert_close(parts[mask], whole[mask], rtol=1e-12, atol=0)
+        alone = correct(corr, x["log_prob"][:3], x["rollout"][:3], mask[:3]).weights
+        assert not torch.allclose(alone[mask[:3]], whole[:3][mask[:3]])

@@ -4,8 +4,8 @@
   verl 0.9.1's registered policy losses (``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` & co.):
   ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`` ->
   ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})`` (fewer where verl returns fewer:
-  gpg none; dro, kl_cov, bypass_mode's reinforce ``ppo_kl``; clip_cov no lower fraction; bypass_mode's
-  ``rollout_corr/*`` diagnostics are not computed), on per-token log-probs you computed; register it with
+  gpg none; dro, kl_cov, bypass_mode's reinforce ``ppo_kl``; clip_cov no lower fraction; bypass_mode adds verl's
+  ``rollout_corr/*`` diagnostics), on per-token log-probs you computed; register it with
   ``verl.trainer.ppo.core_algos.register_policy_loss``.
 * :func:`compute_policy_loss` is the same loss returning the older 4-tuple ``(pg_loss, pg_clipfrac, ppo_kl,
   pg_clipfrac_lower)`` (every mode, the metrics verl does not return 0).
@@ -44,8 +44,11 @@ verl                                       fused_rl
                                            ``"ppo_clip"``: as vanilla; ``"reinforce"``: ``policy_loss="reinforce"``
                                            with fused_rl's on-policy ``rollout_is`` (``pi / pi_rollout`` from the
                                            current log-probs; ``rollout_is`` token / sequence, threshold ``upper``:
-                                           ``*_truncate``, ``"lower_upper"``: ``*_mask``); the
-                                           ``rollout_is_weights`` argument ignored, as verl
+                                           ``*_truncate``, ``"lower_upper"``: ``*_mask``); ``rollout_rs`` and
+                                           ``rollout_is_batch_normalize`` from the current log-probs
+                                           (:mod:`fused_rl.integrations.verl_rollout`; fused: a no-grad
+                                           log-prob pass first); the ``rollout_is_weights`` argument ignored, as
+                                           verl
 ``policy_loss.loss_mode="dro"``            ``policy_loss="reinforce"``, ``kl="k2"`` against ``old_log_prob``,
                                            ``beta=policy_loss.dro_beta``; not with ``rollout_is_weights`` (verl
                                            weights the penalty too) or, fused, ``use_kl_loss``
@@ -85,9 +88,12 @@ Differences from verl, all documented in ``docs/migration.md``:
 * verl's cispo weight is ``sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, two-sided; fused_rl's cispo
   truncates above only, so ``clip_ratio_low < 1`` raises ``NotImplementedError``. ``pg_clipfrac`` is verl's
   (tokens whose weight is truncated, ``r > 1 + clip_ratio_high``, whatever the sign of ``A``), sapo's is 0.
-* ``bypass_mode`` with rejection sampling (``rollout_rs``) or ``rollout_is_batch_normalize`` raises
-  ``NotImplementedError`` (both come from the current log-probs, the first changing the aggregation), as do other
-  loss modes and ``kl_loss_type="full"``.
+* ``bypass_mode``'s rejection sampling (``rollout_rs``) and applied ``rollout_is_batch_normalize``: the loss
+  functions apply them (the policy term aggregated over the kept tokens, as verl; fused, the KL and entropy terms
+  over every token, as verl's actor), while :func:`policy_loss_config_from_verl` raises ``NotImplementedError``
+  for them (a config cannot hold a batch's current log-probs); an all-rejected or all-masked batch gives a zero loss
+  and zero diagnostics (verl: a NaN loss, a raise); a NaN rollout log-prob (with ``check_inputs=False``) has
+  log-ratio 0 in the correction. Other loss modes and ``kl_loss_type="full"`` raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -98,14 +104,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import AGGREGATIONS, PolicyLossConfig
+from ..config import AGGREGATIONS, IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import (Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar, dppo_keep,
-                         masked_mean, responses_factor)
-from ..ops import _check_linear_targets, linear_policy_loss
+                         masked_mean, metrics as loss_metrics, responses_factor)
+from ..ops import _check_linear_targets, linear_policy_loss, linear_token_logprobs
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
+from .verl_rollout import BypassCorrection, correct, parse_rejection
 
-#: Every loss mode verl 0.9.1 registers (``bypass_mode`` without rejection sampling / batch-normalized weights).
+#: Every loss mode verl 0.9.1 registers.
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov",
               "bypass_mode")
 #: verl's ``loss_agg_mode`` values: fused_rl's aggregations and ``token-sum`` (verl 0.9).
@@ -185,7 +192,25 @@ def policy_loss_config_from_verl(
     ``loss_scale_factor`` is set: ``global_batch_info``'s, or with ``actor`` (verl's ``ppo_loss``) the top-level
     option). sapo reads ``tau_pos`` / ``tau_neg`` (verl's ``ActorConfig`` defaults 1.0 /
     1.05), cispo ``clip_ratio_high`` (``clip_ratio_low`` must be >= 1).
+
+    bypass_mode's rejection sampling (``rollout_rs``) and applied batch-normalized weights depend on the batch of
+    current log-probs, which a config cannot say: those raise ``NotImplementedError`` here (:func:`compute_policy_loss`,
+    :func:`get_policy_loss_fn` and :func:`compute_policy_loss_from_hidden` apply them).
     """
+    if _loss_mode(config, loss_mode) == "bypass_mode" and _bypass_correction(config).needs_current_logprobs:
+        raise NotImplementedError(
+            "verl bypass_mode's rollout_correction.rollout_rs / rollout_is_batch_normalize come from the current "
+            "log-probs, which a PolicyLossConfig cannot express: use compute_policy_loss, get_policy_loss_fn or "
+            "compute_policy_loss_from_hidden, which apply them")
+    return _config_from_verl(config, loss_agg_mode, response_length=response_length, loss_mode=loss_mode,
+                             temperature=temperature, kl=kl, entropy=entropy, actor=actor)
+
+
+def _config_from_verl(config: Any, loss_agg_mode: str, *, response_length: int, loss_mode: Optional[str],
+                      temperature: float = 1.0, kl: bool = False, entropy: bool = False, actor: bool = False,
+                      explicit_weights: bool = False) -> PolicyLossConfig:
+    """:func:`policy_loss_config_from_verl`; bypass_mode's reinforce without its weights with ``explicit_weights``
+    (the caller passes them, and applies the rejection: :func:`fused_rl.integrations.verl_rollout.correct`)."""
     loss_mode = _loss_mode(config, loss_mode)
     _check_loss_mode(loss_mode)
     if loss_agg_mode not in LOSS_AGG_MODES:
@@ -197,7 +222,7 @@ def policy_loss_config_from_verl(
                                   temperature=temperature)
     policy_agg = loss_agg_mode
     if loss_mode == "bypass_mode":
-        loss_mode, rollout = _bypass(config)  # verl's vanilla, or reinforce with the rollout correction
+        loss_mode, rollout = _bypass(config, explicit_weights)  # verl's vanilla, or reinforce (+ correction)
         fields.update(rollout)
     if loss_mode == "vanilla":
         clip_ratio_c = _get_number(config, "clip_ratio_c", 3.0)
@@ -277,13 +302,12 @@ def _rollout_is_threshold(spec: Any) -> tuple[float, Optional[float]]:
     return upper, lower
 
 
-def _bypass(config: Any) -> tuple[str, dict[str, Any]]:
-    """verl's ``bypass_mode`` (``old_log_prob`` are the rollout log-probs): ``("vanilla", {})`` for its
-    ``rollout_correction.loss_type="ppo_clip"`` (verl's vanilla, its importance weights for metrics only), else
-    ``("bypass_reinforce", rollout fields)``: reinforce with the weights ``pi / pi_rollout`` from the current
-    log-probs, fused_rl's on-policy ``rollout_is`` (``token`` / ``sequence``; truncated at a threshold ``upper``,
-    masked outside ``lower_upper``; no weights when ``rollout_is`` or the threshold is None, as verl). Rejection
-    sampling (``rollout_rs``) and, on applied weights, ``rollout_is_batch_normalize`` raise."""
+def _bypass_correction(config: Any) -> BypassCorrection:
+    """verl's bypass_mode ``policy_loss.rollout_correction``, parsed and checked as verl does: ``loss_type``
+    ``"ppo_clip"`` (default) / ``"reinforce"``; weights when ``rollout_is`` (``"token"`` / ``"sequence"``) and
+    ``rollout_is_threshold`` (default 2.0; an explicit None: no weights) are set: fused_rl's on-policy ``rollout_is``
+    truncated at ``upper`` or masked outside ``"lower_upper"``; ``rollout_is_batch_normalize``; ``rollout_rs`` with
+    ``rollout_rs_threshold`` (:func:`fused_rl.integrations.verl_rollout.parse_rejection`)."""
     corr = _get(_get(config, "policy_loss"), "rollout_correction")
     if corr is None:
         raise ValueError("verl loss_mode='bypass_mode' needs policy_loss.rollout_correction (verl raises too)")
@@ -291,26 +315,35 @@ def _bypass(config: Any) -> tuple[str, dict[str, Any]]:
     def option(name: str, default: Any) -> Any:  # verl's rollout_corr_config.get: an explicit None stays None
         return corr.get(name, default) if isinstance(corr, Mapping) else getattr(corr, name, default)
 
-    if option("rollout_rs", None) is not None:
-        raise NotImplementedError("verl bypass_mode with rollout_correction.rollout_rs is not supported by fused_rl "
-                                  "(its rejection mask, from the current log-probs, changes the aggregation)")
     loss_type = option("loss_type", "ppo_clip")
-    if loss_type == "ppo_clip":  # verl's weights (batch-normalized or not) are for its metrics only
-        return "vanilla", {}
-    if loss_type != "reinforce":
+    if loss_type not in ("ppo_clip", "reinforce"):
         raise ValueError(f"verl rollout_correction.loss_type must be 'reinforce' or 'ppo_clip', got {loss_type!r}")
-    fields: dict[str, Any] = dict(policy_loss="reinforce")
     level, threshold = option("rollout_is", None), option("rollout_is_threshold", 2.0)
-    if level is None or threshold is None:  # verl computes no weights
-        return "bypass_reinforce", fields
-    if level not in ("token", "sequence"):
-        raise ValueError(f"verl rollout_correction.rollout_is must be 'token', 'sequence' or None, got {level!r}")
-    if option("rollout_is_batch_normalize", False):
-        raise NotImplementedError("verl bypass_mode with rollout_correction.rollout_is_batch_normalize is not "
-                                  "supported by fused_rl (the weights' batch mean comes from the current log-probs)")
-    upper, lower = _rollout_is_threshold(threshold)
-    fields.update(rollout_is=f"{level}_{'truncate' if lower is None else 'mask'}", rollout_is_min=lower,
-                  rollout_is_max=upper)
+    weights = None
+    if level is not None and threshold is not None:  # else verl computes no weights
+        if level not in ("token", "sequence"):
+            raise ValueError(f"verl rollout_correction.rollout_is must be 'token', 'sequence' or None, got {level!r}")
+        upper, lower = _rollout_is_threshold(threshold)
+        kind = f"{level}_{'truncate' if lower is None else 'mask'}"
+        weights = PolicyLossConfig(policy_loss="reinforce", rollout_is=kind, rollout_is_min=lower, rollout_is_max=upper)
+    rs = option("rollout_rs", None)
+    rejection = () if rs is None else parse_rejection(rs, option("rollout_rs_threshold", None))
+    return BypassCorrection(loss_type, weights, bool(option("rollout_is_batch_normalize", False)), rejection)
+
+
+def _bypass(config: Any, explicit_weights: bool = False) -> tuple[str, dict[str, Any]]:
+    """verl's ``bypass_mode`` (``old_log_prob`` are the rollout log-probs): ``("vanilla", {})`` for its
+    ``rollout_correction.loss_type="ppo_clip"`` (verl's vanilla, its importance weights for metrics only), else
+    ``("bypass_reinforce", fields)``: reinforce, with the weights ``pi / pi_rollout`` from the current log-probs as
+    fused_rl's on-policy ``rollout_is`` (in the pass) unless ``explicit_weights`` (the caller passes them as
+    ``rollout_is_weights``: :func:`fused_rl.integrations.verl_rollout.correct`)."""
+    corr = _bypass_correction(config)
+    if corr.loss_type == "ppo_clip":
+        return "vanilla", {}
+    fields: dict[str, Any] = dict(policy_loss="reinforce")
+    if corr.weights is not None and not explicit_weights:
+        fields.update(rollout_is=corr.weights.rollout_is, rollout_is_min=corr.weights.rollout_is_min,
+                      rollout_is_max=corr.weights.rollout_is_max)
     return "bypass_reinforce", fields
 
 
@@ -461,6 +494,13 @@ def compute_policy_loss(
     ``advantages``, finite ``old_log_prob <= 0.5`` (log-probs) and finite ``rollout_is_weights >= 0``; padding
     positions are never read and may hold anything.
     """
+    return _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                        loss_mode, check_inputs)[:4]
+
+
+def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                 loss_mode, check_inputs):
+    """:func:`compute_policy_loss`'s four values and bypass_mode's ``rollout_corr/*`` metrics (else ``{}``)."""
     if not isinstance(log_prob, torch.Tensor):
         _fail(f"log_prob must be a torch.Tensor, got {type(log_prob).__name__}")
     if log_prob.dim() != 2 or not log_prob.is_floating_point():
@@ -470,7 +510,12 @@ def compute_policy_loss(
                               rollout_is_weights, check_inputs)
     mode = _loss_mode(config, loss_mode)
     _refuse_dro_weights(mode, rollout_is_weights)
-    cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode)
+    cfg = _config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode, explicit_weights=True)
+    weights = _verl_rollout_weights(rollout_is_weights, mask, mode)
+    extra: dict[str, torch.Tensor] = {}
+    if mode == "bypass_mode":  # verl ignores rollout_is_weights: its weights and mask come from the log-probs
+        fixed = correct(_bypass_correction(config), log_prob, old_log_prob, mask)
+        mask, weights, extra = fixed.mask, fixed.weights, fixed.metrics
     normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask, log_prob.dtype)
     old = old_log_prob.detach().to(log_prob.dtype)
     metric_mode = _metric_mode(config, mode)
@@ -479,12 +524,11 @@ def compute_policy_loss(
         return (x if x.dim() == 2 else x.unsqueeze(1).expand(shape)).detach().to(log_prob.dtype)
 
     adv = per_token(advantages)
-    weights = None if mode == "bypass_mode" else _verl_rollout_weights(rollout_is_weights, mask, mode)  # verl ignores
     weights = None if weights is None else per_token(weights)
     loss, metrics = _compute_policy_loss(log_prob, adv, mask, cfg, old_logprobs=_old_of(metric_mode, old),
-                                         rollout_logprobs=old if cfg.rollout_is else None, rollout_is_weights=weights,
-                                         ref_logprobs=old if mode == "dro" else None, token_normalizer=normalizer)
-    return (loss * factor,) + _verl_metrics(metrics, cfg, old, log_prob, mask, metric_mode, adv)
+                                         rollout_is_weights=weights, ref_logprobs=old if mode == "dro" else None,
+                                         token_normalizer=normalizer)
+    return (loss * factor,) + _verl_metrics(metrics, cfg, old, log_prob, mask, metric_mode, adv) + (extra,)
 
 
 #: verl's metric names of the modes that return fewer than the three.
@@ -496,7 +540,8 @@ def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
     """verl 0.9.1's registered policy loss ``loss_mode`` on fused_rl: a function ``(old_log_prob, log_prob,
     advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None)`` -> ``(pg_loss,
     pg_metrics)`` with verl's metric names (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``;
-    gpg: none) as 0-dim detached tensors (verl's are ``.item()`` floats; its ``Metric`` reads either, so the host
+    gpg: none; bypass_mode also verl's ``rollout_corr/*`` diagnostics, :mod:`fused_rl.integrations.verl_rollout`)
+    as 0-dim detached tensors (verl's are ``.item()`` floats; its ``Metric`` reads either, so the host
     sync happens where verl records them, not in the loss); see :func:`compute_policy_loss`. Use it by name in verl with
     ``register_policy_loss("fused_" + loss_mode)(get_policy_loss_fn(loss_mode))``. ``loss_agg_mode`` defaults as
     verl's function of that mode does (gspo, sapo: ``seq-mean-token-mean``; else ``token-mean``)."""
@@ -505,13 +550,12 @@ def get_policy_loss_fn(loss_mode: str, *, check_inputs: bool = True):
 
     def policy_loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = default_agg,
                        config: Any = None, rollout_is_weights: Optional[torch.Tensor] = None):
-        loss, *metrics = compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                             config, rollout_is_weights, loss_mode=loss_mode,
-                                             check_inputs=check_inputs)
+        loss, *metrics, extra = _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                             config, rollout_is_weights, loss_mode, check_inputs)
         names = _METRIC_NAMES.get(_metric_mode(config, loss_mode))
         if names is not None:  # as verl: gpg none, dro, kl_cov and bypass's reinforce ppo_kl alone, clip_cov no lower
-            return loss, dict(zip(names, metrics[1:2] if names == ("actor/ppo_kl",) else metrics))
-        return loss, dict(zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), metrics))
+            return loss, dict(zip(names, metrics[1:2] if names == ("actor/ppo_kl",) else metrics)) | extra
+        return loss, dict(zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), metrics)) | extra
 
     policy_loss_fn.__name__ = f"compute_policy_loss_{loss_mode}"
     return policy_loss_fn
@@ -546,6 +590,12 @@ def compute_policy_loss_from_hidden(
     * entropy_loss``, each aggregated with ``loss_agg_mode`` and ``global_batch_info`` as verl 0.9.1's ``ppo_loss``
     does. ``rollout_is_weights`` as in :func:`compute_policy_loss` (the policy term only).
 
+    bypass_mode: verl's ``rollout_corr/*`` diagnostics are added to the output's ``metrics``; with rejection
+    sampling or applied batch-normalized weights a no-grad :func:`fused_rl.linear_token_logprobs` pass computes the
+    current log-probs first (one more logits GEMM and softmax pass, nothing stored), and the rejection enters the
+    policy term's weights (verl aggregates the policy loss over the kept tokens, its entropy and KL losses over every
+    token).
+
     Checks as :func:`compute_policy_loss`, against ``hidden``'s ``(B, T)`` and device (``responses``: int32 /
     int64; ``advantages`` / ``rollout_is_weights`` may be ``(B,)`` here too); :func:`fused_rl.linear_policy_loss`
     then checks the rest under its own names (``responses`` in ``[0, V)`` as ``targets``, ``ref_log_prob`` as
@@ -558,9 +608,10 @@ def compute_policy_loss_from_hidden(
     _refuse_dro_weights(mode, rollout_is_weights)
     if _get(config, "use_kl_loss", False) and ref_log_prob is None:  # verl's actor reads data["ref_log_prob"]
         raise ValueError("verl use_kl_loss=True needs ref_log_prob (the KL loss would silently be left out)")
-    cfg = policy_loss_config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode,
-                                       temperature=temperature, kl=ref_log_prob is not None, entropy=True,
-                                       actor=True)
+    corr = _bypass_correction(config) if mode == "bypass_mode" else None
+    two_passes = corr is not None and corr.needs_current_logprobs
+    cfg = _config_from_verl(config, loss_agg_mode, response_length=shape[1], loss_mode=mode, temperature=temperature,
+                            kl=ref_log_prob is not None, entropy=True, actor=True, explicit_weights=two_passes)
     if mode in ("sapo", "geo_mean") and (cfg.kl is not None or cfg.entropy_coef != 0.0) and (
             mode == "geo_mean" or loss_agg_mode != "seq-mean-token-mean"):
         # verl aggregates sapo's policy term by seq-mean-token-mean and geo_mean's by a mean over all B responses,
@@ -571,21 +622,60 @@ def compute_policy_loss_from_hidden(
             "a mean over all B responses), which one fused pass cannot; use compute_policy_loss on per-token "
             "log-probs with verl's own agg_loss for the KL and entropy terms"
             + (", or loss_agg_mode='seq-mean-token-mean'" if mode == "sapo" else ""))
+    weights = None if mode == "bypass_mode" else _verl_rollout_weights(rollout_is_weights, mask, mode)  # verl ignores
+    kept = mask
+    if two_passes:  # the rejection / normalized weights need the batch's current log-probs first: a no-grad pass
+        with torch.no_grad():
+            current = linear_token_logprobs(hidden, weight, responses.masked_fill(~mask, IGNORE_INDEX), bias=bias,
+                                            temperature=temperature, backend=backend, check_inputs=check_inputs)
+        fixed = correct(corr, current, old_log_prob, mask)
+        kept = fixed.mask
+        # verl aggregates the policy loss over the kept tokens, the entropy and KL losses over all: the policy term's
+        # weights carry the difference
+        weights = _kept_factor(config, loss_agg_mode, mask, kept)
+        weights = weights if fixed.weights is None else weights * fixed.weights.to(weights.dtype)
     normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask)
     metric_mode = _metric_mode(config, mode)
     out = linear_policy_loss(hidden, weight, responses, advantages, mask, bias=bias,
                              old_logprobs=_old_of(metric_mode, old_log_prob),
                              ref_logprobs=old_log_prob if mode == "dro" else (ref_log_prob if cfg.kl is not None
                                                                              else None), config=cfg,
-                             rollout_logprobs=old_log_prob if cfg.rollout_is else None,
-                             rollout_is_weights=None if mode == "bypass_mode" else _verl_rollout_weights(
-                                 rollout_is_weights, mask, mode),
+                             rollout_logprobs=old_log_prob if cfg.rollout_is else None, rollout_is_weights=weights,
                              token_normalizer=normalizer, backend=backend, compute_entropy=True,
                              check_inputs=check_inputs)
     old = old_log_prob.detach().to(out.logprobs.dtype)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(shape)
+    pass_metrics = out.metrics
+    if corr is not None:  # verl's rollout_corr/* metrics (in one pass, from the pass's own log-probs)
+        out.metrics.update((fixed if two_passes else correct(corr, out.logprobs, old_log_prob, mask)).metrics)
+        if corr.rejection:  # verl's policy metrics are over the kept tokens
+            pass_metrics = loss_metrics(torch.exp(out.logprobs - old), adv.detach().to(old.dtype), kept, cfg, None,
+                                        None)
     loss = out.loss * factor.to(out.loss.dtype)
-    return (loss,) + _verl_metrics(out.metrics, cfg, old, out.logprobs, mask, metric_mode, advantages) + (out,)
+    return (loss,) + _verl_metrics(pass_metrics, cfg, old, out.logprobs, kept, metric_mode, adv) + (out,)
 
+
+def _kept_factor(config: Any, loss_agg_mode: str, mask: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The per-token factor ``f`` on the policy term with which fused_rl's aggregation over ``mask`` is verl's over
+    the ``kept`` tokens (bypass_mode's rejection): ``f = k`` times ``sum(m) / sum(k)`` for token-mean without
+    ``global_batch_info.batch_num_tokens``; for the ``seq-mean-*`` modes ``S_m / S_k`` without
+    ``global_batch_size`` (``S``: the responses with a token) and, for seq-mean-token-mean, ``n_i / k_i`` (response
+    i's token and kept-token counts); token-sum: ``k``. fp32, 0 where a token is not kept."""
+    info = _get(config, "global_batch_info")
+    k = kept.to(torch.float32)
+
+    def share(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:  # where part = 0, k = 0 too
+        return total.to(torch.float32) / part.clamp(min=1).to(torch.float32)
+
+    if loss_agg_mode == "token-mean":
+        return k * share(mask.sum(), kept.sum()) if _get(info, "batch_num_tokens") is None else k
+    if loss_agg_mode == "token-sum":
+        return k
+    if loss_agg_mode == "seq-mean-token-mean":
+        k = k * share(mask.sum(dim=-1, keepdim=True), kept.sum(dim=-1, keepdim=True))
+    if _get(info, "global_batch_size") is None:
+        k = k * share(mask.any(dim=-1).sum(), kept.any(dim=-1).sum())
+    return k
 
 __all__ = ["compute_policy_loss", "compute_policy_loss_from_hidden", "get_policy_loss_fn",
            "policy_loss_config_from_verl", "verl_normalization", "LOSS_MODES", "LOSS_AGG_MODES"]
