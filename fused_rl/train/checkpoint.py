@@ -5,6 +5,10 @@ rank 0) and ``rng_rank{R}.pt`` (torch / CUDA / Python / NumPy RNGs and the promp
 Writes go to a temporary file first, then are renamed, so a crash never leaves half a file; each RNG file
 records its step, so a crash between the files' renames (the state of step 20, the RNGs of step 10) is
 refused at load instead of resuming inexactly.
+
+A run that starts over in a run dir holding a checkpoint sets the earlier run's ``metrics.jsonl`` aside in
+``checkpoint/`` (:func:`set_metrics_aside`) until its own first save replaces the checkpoint: a resume from the earlier
+checkpoint before then gets the earlier run's metrics back, not the later run's.
 """
 
 from __future__ import annotations
@@ -55,9 +59,24 @@ def save(run_dir, *, model, optimizer, scheduler, step: int, config: dict, promp
     if rank == 0:
         _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                       "scheduler": scheduler.state_dict(), "step": step, "config": config}, d / "state.pt")
+        (d / "metrics.jsonl").unlink(missing_ok=True)  # an earlier run's metrics, set aside: its checkpoint is gone
     if barrier is not None:
         barrier()
     return d
+
+
+def set_metrics_aside(run_dir, metrics: Path) -> None:
+    """A run starting over in ``run_dir``: the checkpoint's own ``metrics`` file moves into ``checkpoint/`` (if one is
+    there already, a third run started over before the second saved: that one stays, ``metrics`` is the second
+    run's)."""
+    if exists(run_dir) and metrics.is_file() and metrics_aside(run_dir) is None:
+        os.replace(metrics, checkpoint_dir(run_dir) / "metrics.jsonl")
+
+
+def metrics_aside(run_dir) -> Optional[Path]:
+    """The checkpoint's metrics set aside by a later run that started over and has not saved, or None."""
+    path = checkpoint_dir(run_dir) / "metrics.jsonl"
+    return path if path.is_file() else None
 
 
 def exists(run_dir) -> bool:

@@ -130,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         return COMMANDS[cmd](argv[1:])
-    except (ConfigError, RewardFunctionError, MetricsError, FileNotFoundError) as exc:
+    except (ConfigError, RewardFunctionError, MetricsError, FileNotFoundError, FloatingPointError) as exc:
         print(f"fused-rl {cmd}: error: {exc}", file=sys.stderr)
         return 2
 

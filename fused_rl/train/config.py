@@ -463,7 +463,7 @@ def load_yaml(path: Union[str, Path]) -> dict:
 
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist"))
     try:
         data = yaml_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
@@ -504,10 +504,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     then ``kwargs``; validated."""
     if path is None:
         path = str(bundled_config("default"))
-    elif not Path(path).exists():
+    elif not Path(path).is_file():  # a directory named like a bundled config does not hide it
         bundled = Path(path).name == path and Path(path).stem in bundled_names() and Path(path).suffix in ("", ".yaml")
         if _looks_like_a_path(path) and not bundled:
-            raise ConfigError(f"config file {path!r} does not exist (bundled configs, by name: {bundled_names()})")
+            what = "is a directory" if Path(path).is_dir() else "does not exist"
+            raise ConfigError(f"config file {path!r} {what} (bundled configs, by name: {bundled_names()})")
         path = str(bundled_config(path))
     data = load_yaml(path)
     cfg = from_dict(data, source=str(path))

@@ -99,21 +99,23 @@ def _config_errors():
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"``: this process's GPU (``LOCAL_RANK``) when CUDA is available, else the CPU; a ``cuda[:N]`` that
-    this machine lacks raises :class:`ConfigError`."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            return torch.device("cuda", local)
-        return torch.device("cpu")
-    device = torch.device(name)
+    """``"auto"``: this process's GPU (``LOCAL_RANK``) when CUDA is available, else the CPU; ``"cuda"``: this
+    process's GPU (``LOCAL_RANK``); a ``cuda[:N]`` that this machine lacks, or ``cuda:N`` under torchrun with more
+    than one process (every process on GPU N), raises :class:`ConfigError`. A CUDA device becomes the current one."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"config field 'device' = {name!r}: CUDA is not available here (torch "
                               f"{torch.__version__}, CUDA build: {torch.version.cuda}); use 'cpu' or 'auto'")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(f"config field 'device' = {name!r} under torchrun would put every process on GPU "
+                              f"{device.index}: use 'cuda' or 'auto' (each process its LOCAL_RANK's GPU)")
+        device = torch.device("cuda", local if device.index is None else device.index)
+        if device.index >= torch.cuda.device_count():
             raise ConfigError(f"config field 'device' = {name!r}: this machine has {torch.cuda.device_count()} "
-                              f"CUDA device(s), numbered from 0")
+                              f"CUDA device(s), numbered from 0" + ("" if ":" in name else f" (LOCAL_RANK {local})"))
+        torch.cuda.set_device(device)
     return device
 
 
@@ -297,6 +299,9 @@ class Trainer:
         mask = self._trained_mask(batch.mask, batch.truncated)
         last = (mask.long().cumsum(1) == mask.long().sum(1, keepdim=True)) & mask
         token_rewards = torch.where(last, rewards.unsqueeze(1), torch.zeros_like(values))
+        if not torch.isfinite(torch.where(mask, values, torch.zeros_like(values))).all():
+            raise FloatingPointError(f"step {self.step + 1}: the value head's estimates are not finite: it diverged; "
+                                     "lower lr or vf_coef, or scale the rewards down")
         adv, returns = adv_lib.gae(token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
         # the whitening's sums in float64: advantages of no spread then have exactly their mean and whiten to 0 (float32
         # sums put the mean an ulp off, var 0, and the ulp / 1e-8 made advantages of 47 on every token)
@@ -458,16 +463,25 @@ class Trainer:
         return self.run_dir / "metrics.jsonl"
 
     def _prepare_metrics_file(self) -> None:
-        """Start fresh, or on resume keep only the lines up to the checkpoint's step."""
+        """Start fresh (an earlier run's checkpoint keeps its metrics aside until this run's first save), or on resume
+        keep only the lines up to the checkpoint's step, of the checkpoint's own run."""
         path = self._metrics_file()
         if self.rank != 0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.step == 0 or not path.exists():
+        if self.step == 0:
+            checkpoint.set_metrics_aside(self.run_dir, path)
             path.write_text("")
             return
-        kept = [record for record in read_metrics(self.run_dir) if record.get("step", 0) <= self.step]
+        aside = checkpoint.metrics_aside(self.run_dir)  # a later run started over here and stopped before saving
+        source = self.run_dir if aside is None else aside.parent
+        if not (source / "metrics.jsonl").is_file():
+            path.write_text("")
+            return
+        kept = [record for record in read_metrics(source) if record.get("step", 0) <= self.step]
         path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        if aside is not None:
+            aside.unlink()
 
     def train(self, stop_after: Optional[int] = None) -> list[dict]:
         """Train to ``cfg.steps`` (``stop_after``: return after that many steps of this call, as an
@@ -488,7 +502,8 @@ class Trainer:
                   f"{self.backend!r}, world size {self.world}, run dir {self.run_dir}", flush=True)
             if not cfg.resume and self.rank == 0 and checkpoint.exists(self.run_dir):
                 print(f"fused-rl train: run dir {self.run_dir} holds an earlier run's checkpoint: starting over, it "
-                      "is overwritten at the first save (--resume true continues it instead)", flush=True)
+                      "is overwritten at the first save (until then --resume true continues it, with its own "
+                      "metrics)", flush=True)
             if self.step >= cfg.steps:
                 print(f"fused-rl train: the checkpoint is at step {self.step} >= steps = {cfg.steps}: nothing to "
                       "train (raise --steps to go on)", flush=True)
