@@ -401,6 +401,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 and ref_weight.dim() == lin_weight.dim() == 2 and ref_weight.shape[0] != lin_weight.shape[0]:
             raise ValueError(f"ref_weight must have as many rows as lin_weight (the vocabulary, "
                              f"{lin_weight.shape[0]}), got shape {tuple(ref_weight.shape)}")
+        if isinstance(ref_input, torch.Tensor) and isinstance(targets, torch.Tensor) and ref_input.dim() == 3 \
+                and tuple(ref_input.shape[:2]) != tuple(targets.shape):
+            raise ValueError(f"ref_input must have the (B, T) of selected_token_ids, {tuple(targets.shape)}, got "
+                             f"shape {tuple(ref_input.shape)}")
         if isinstance(targets, torch.Tensor) and isinstance(ref_weight, torch.Tensor) \
                 and targets.dtype in (torch.int32, torch.int64) and ref_weight.dim() == 2:
             read = ((targets >= 0) & (targets < ref_weight.shape[0])) | (targets == IGNORE_INDEX)

@@ -187,7 +187,9 @@ def linear_policy_loss(
         (batch, length, weight.shape[0]), hidden.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
         token_normalizer=token_normalizer, compute_dtype=compute_dtype(hidden.dtype), check_inputs=check_inputs,
-        rollout_logprobs=rollout_logprobs, truncated=truncated, rollout_is_weights=rollout_is_weights)
+        rollout_logprobs=rollout_logprobs, truncated=truncated, rollout_is_weights=rollout_is_weights,
+        # a -inf bias (a banned token) is a -inf logit whatever the hidden state: read at the targets on-policy
+        logits=None if bias is None else bias.expand(batch, length, weight.shape[0]))
     return be.linear_policy_loss(hidden, weight, bias, inputs, config, compute_entropy, memory_budget_bytes)
 
 

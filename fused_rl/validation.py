@@ -454,7 +454,7 @@ def prepare_policy_inputs(
         if logits is not None and old_logprobs is None:
             checks.append(target_logit_check(logits, targets, valid))
         if isinstance(token_normalizer, torch.Tensor):
-            checks.append(("token_normalizer must be positive and finite",
+            checks.append(("token_normalizer must be positive and finite in fp32 (a tensor normalizer is cast to it)",
                            torch.isfinite(token_normalizer) & (token_normalizer > 0)))
         run_value_checks(checks)
 

@@ -615,6 +615,11 @@ def test_out_of_range_ids_raise_with_a_reference_model(bad_id):
     with pytest.raises(ValueError, match=r"ref_weight must have as many rows as lin_weight \(the vocabulary, 50\)"):
         loss(h, w, targets.clamp(0, 39), mask, adv, bias=b, old_per_token_logps=old, ref_input=h,
              ref_weight=w[:40], ref_bias=b[:40])
+    # a ref_input of another batch is named (the ids were blamed: "selected_token_ids must have shape (1, 5)")
+    with pytest.raises(ValueError, match=r"ref_input must have the \(B, T\) of selected_token_ids, \(2, 5\), got "
+                                         r"shape \(1, 5, "):
+        loss(h, w, targets.clamp(0, 49), mask, adv, bias=b, old_per_token_logps=old, ref_input=h[:1], ref_weight=w,
+             ref_bias=b)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])

@@ -253,6 +253,8 @@ def test_numpy_scalar_arguments():
                          (np.array(-4.0), "must be positive and finite")):
         with pytest.raises(ValueError, match=message):
             fused_rl.policy_loss(**args, token_normalizer=bad)
+    with pytest.raises(ValueError, match=r"positive and finite in fp32 \(a tensor normalizer is cast to it\)"):
+        fused_rl.policy_loss(**args, token_normalizer=torch.tensor(1e300, dtype=torch.float64))  # inf in fp32
     torch.testing.assert_close(fused_rl.token_logprobs(args["logits"], args["targets"], temperature=np.float64(0.5)),
                                fused_rl.token_logprobs(args["logits"], args["targets"], temperature=0.5))
     for bad in (np.bool_(True), "0.5", float("nan"), np.float32("inf"), 0.0, np.float64(1e-38)):
@@ -285,6 +287,29 @@ def test_on_policy_target_with_logit_minus_inf_raises(backend):
     fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend, check_inputs=False)
     old = torch.full(targets.shape, -2.0)
     out = fused_rl.policy_loss(logits, targets, args["advantages"], mask, old_logprobs=old, backend=backend)
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu", "triton"])
+def test_linear_on_policy_target_with_a_minus_inf_bias_raises(backend):
+    """The fused-linear form of the check above: a -inf bias entry (a banned token) is a -inf logit whatever the
+    hidden state; on-policy at a valid target it raises (the reference's NaN gradient against finite gradients of
+    a NaN loss on cpu / triton); a -inf bias elsewhere, at a masked target, or off-policy is fine."""
+    if backend != "reference" and fused_rl.available_backends()[backend] is not None:
+        pytest.skip(fused_rl.available_backends()[backend])
+    g = torch.Generator().manual_seed(5)
+    hidden, weight, bias = torch.randn(2, 3, 8, generator=g), torch.randn(11, 8, generator=g), torch.zeros(11)
+    targets = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    advantages, mask = torch.randn(2, 3, generator=g), torch.ones(2, 3, dtype=torch.bool)
+    bias[[0, 5]] = float("-inf")
+    mask[1, 1] = False
+    out = fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, backend=backend)
+    assert torch.isfinite(out.loss)
+    mask[1, 1] = True
+    with pytest.raises(ValueError, match=r"targets have logit -inf where mask is set \(on-policy"):
+        fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, backend=backend)
+    out = fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, backend=backend,
+                                      old_logprobs=torch.full((2, 3), -2.0))
     assert torch.isfinite(out.loss)
 
 
