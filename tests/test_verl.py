@@ -1268,6 +1268,34 @@ def test_bypass_rejection_of_every_token_and_unscored_tokens():
     assert all(torch.isfinite(v) for k, v in metrics.items() if k.startswith("rollout_corr/"))  # ppo_kl: NaN
 
 
+@pytest.mark.parametrize("shape", [(0, 7), (5, 0)])
+def test_bypass_mode_of_an_empty_batch(shape):
+    """No response (B = 0) or no token (T = 0): a zero loss and finite diagnostics, the keys of a non-empty batch (the
+    reductions over no row raised); masked means over no token are 0 (the chi-square divergences ``E[.] - 1``: -1)."""
+    x = _golden_inputs()
+    case = GOLDEN["cases"]["reinforce-token-icepop-rs-chain|global|seq-mean-token-mean"]
+    config = _golden_config(dict(case, global_batch_info={}))
+    empty = {name: value[:shape[0], :shape[1]] for name, value in x.items()}
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        loss, metrics = get_policy_loss_fn("bypass_mode")(empty["rollout"], empty["log_prob"], empty["advantages"],
+                                                          empty["mask"], agg, config)
+        assert loss.item() == 0 and sorted(metrics) == sorted(case["metrics"])
+        assert all(torch.isfinite(value) for value in metrics.values())
+        assert metrics["rollout_corr/kl"].item() == metrics["rollout_corr/rollout_is_mean"].item() == 0
+        assert metrics["rollout_corr/chi2_token"].item() == -1
+
+
+def test_effective_sample_size_of_no_weight_is_zero():
+    """Every weight masked by IcePop's bounds: verl divides 1.0 by 0.0 (ZeroDivisionError); here 0."""
+    x = _golden_inputs()
+    corr = {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "1e6_1e7"}
+    config = {"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": corr}}
+    loss, metrics = get_policy_loss_fn("bypass_mode")(x["rollout"], x["log_prob"], x["advantages"], x["mask"],
+                                                      "token-mean", config)
+    assert loss.item() == 0 and metrics["rollout_corr/rollout_is_mean"].item() == 0
+    assert metrics["rollout_corr/rollout_is_eff_sample_size"].item() == 0
+
+
 def _normalize_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

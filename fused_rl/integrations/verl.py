@@ -92,12 +92,13 @@ Differences from verl, all documented in ``docs/migration.md``:
   functions apply them (the policy term aggregated over the kept tokens, as verl; fused, the KL and entropy terms
   over every token, as verl's actor), while :func:`policy_loss_config_from_verl` raises ``NotImplementedError``
   for them (a config cannot hold a batch's current log-probs); an all-rejected or all-masked batch gives a zero loss
-  and zero diagnostics (verl: a NaN loss, a raise); a NaN rollout log-prob (with ``check_inputs=False``) has
-  log-ratio 0 in the correction. Other loss modes and ``kl_loss_type="full"`` raise ``NotImplementedError``.
+  and finite diagnostics (verl: a NaN loss, a raise); a NaN threshold raises (verl: a NaN loss); a NaN rollout
+  log-prob (with ``check_inputs=False``) has log-ratio 0 in the correction. Other loss modes and ``kl_loss_type="full"`` raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -110,7 +111,7 @@ from ..loss_math import (Normalizer, compute_policy_loss as _compute_policy_loss
 from ..ops import _check_linear_targets, linear_policy_loss, linear_token_logprobs
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
-from .verl_rollout import BypassCorrection, correct, parse_rejection
+from .verl_rollout import WEIGHT_CAP, BypassCorrection, correct, parse_rejection
 
 #: Every loss mode verl 0.9.1 registers.
 LOSS_MODES = ("vanilla", "gspo", "geo_mean", "gpg", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov",
@@ -324,11 +325,18 @@ def _bypass_correction(config: Any) -> BypassCorrection:
         if level not in ("token", "sequence"):
             raise ValueError(f"verl rollout_correction.rollout_is must be 'token', 'sequence' or None, got {level!r}")
         upper, lower = _rollout_is_threshold(threshold)
+        if lower is not None and math.isinf(lower):
+            raise ValueError(f"verl rollout_is_threshold {threshold!r}: the lower bound must be finite")
         kind = f"{level}_{'truncate' if lower is None else 'mask'}"
-        weights = PolicyLossConfig(policy_loss="reinforce", rollout_is=kind, rollout_is_min=lower, rollout_is_max=upper)
+        # no weight exceeds WEIGHT_CAP: a larger (or infinite) upper bound is that one (a lower one above it: itself)
+        bound = upper if upper <= WEIGHT_CAP else max(WEIGHT_CAP, lower or 0.0)
+        weights = PolicyLossConfig(policy_loss="reinforce", rollout_is=kind, rollout_is_min=lower, rollout_is_max=bound)
+    else:
+        upper, lower = 2.0, None
     rs = option("rollout_rs", None)
     rejection = () if rs is None else parse_rejection(rs, option("rollout_rs_threshold", None))
-    return BypassCorrection(loss_type, weights, bool(option("rollout_is_batch_normalize", False)), rejection)
+    return BypassCorrection(loss_type, weights, bool(option("rollout_is_batch_normalize", False)), rejection,
+                            upper, lower)
 
 
 def _bypass(config: Any, explicit_weights: bool = False) -> tuple[str, dict[str, Any]]:
@@ -599,7 +607,7 @@ def compute_policy_loss_from_hidden(
     Checks as :func:`compute_policy_loss`, against ``hidden``'s ``(B, T)`` and device (``responses``: int32 /
     int64; ``advantages`` / ``rollout_is_weights`` may be ``(B,)`` here too); :func:`fused_rl.linear_policy_loss`
     then checks the rest under its own names (``responses`` in ``[0, V)`` as ``targets``, ``ref_log_prob`` as
-    ``ref_logprobs``): with ``check_inputs``, two host syncs.
+    ``ref_logprobs``): with ``check_inputs``, two host syncs (three with bypass_mode's log-prob pass).
     """
     shape = _check_linear_targets(hidden, weight, bias, responses, "responses")
     mask = _check_verl_inputs(shape, hidden.device, "hidden is", old_log_prob, advantages, response_mask,
@@ -632,7 +640,7 @@ def compute_policy_loss_from_hidden(
         kept = fixed.mask
         # verl aggregates the policy loss over the kept tokens, the entropy and KL losses over all: the policy term's
         # weights carry the difference
-        weights = _kept_factor(config, loss_agg_mode, mask, kept)
+        weights = _kept_factor(config, loss_agg_mode, mask, kept, torch.promote_types(hidden.dtype, torch.float32))
         weights = weights if fixed.weights is None else weights * fixed.weights.to(weights.dtype)
     normalizer, factor = verl_normalization(config, loss_agg_mode, mode, mask)
     metric_mode = _metric_mode(config, mode)
@@ -655,17 +663,18 @@ def compute_policy_loss_from_hidden(
     return (loss,) + _verl_metrics(pass_metrics, cfg, old, out.logprobs, kept, metric_mode, adv) + (out,)
 
 
-def _kept_factor(config: Any, loss_agg_mode: str, mask: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def _kept_factor(config: Any, loss_agg_mode: str, mask: torch.Tensor, kept: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
     """The per-token factor ``f`` on the policy term with which fused_rl's aggregation over ``mask`` is verl's over
     the ``kept`` tokens (bypass_mode's rejection): ``f = k`` times ``sum(m) / sum(k)`` for token-mean without
     ``global_batch_info.batch_num_tokens``; for the ``seq-mean-*`` modes ``S_m / S_k`` without
     ``global_batch_size`` (``S``: the responses with a token) and, for seq-mean-token-mean, ``n_i / k_i`` (response
-    i's token and kept-token counts); token-sum: ``k``. fp32, 0 where a token is not kept."""
+    i's token and kept-token counts); token-sum: ``k``. In ``dtype``; 0 where a token is not kept."""
     info = _get(config, "global_batch_info")
-    k = kept.to(torch.float32)
+    k = kept.to(dtype)
 
     def share(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:  # where part = 0, k = 0 too
-        return total.to(torch.float32) / part.clamp(min=1).to(torch.float32)
+        return total.to(dtype) / part.clamp(min=1).to(dtype)
 
     if loss_agg_mode == "token-mean":
         return k * share(mask.sum(), kept.sum()) if _get(info, "batch_num_tokens") is None else k

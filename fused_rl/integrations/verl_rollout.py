@@ -19,8 +19,10 @@ read), ``l = clamp(log r, -20, 20)``.
   sequence option keeps or drops the whole response). The loss then aggregates over the kept tokens.
 
 The diagnostics are verl's names and definitions, as 0-dim detached fp32 tensors (no host sync; verl's are
-``.item()`` floats), computed on the mask before rejection. verl raises for an all-masked batch; here such a batch
-has zero means, extrema and effective sample size.
+``.item()`` floats), computed on the mask before rejection. verl raises for an all-masked batch, and for an
+effective sample size of no weight; here those are finite: masked means and extrema over no token 0 (so the
+chi-square divergences ``E[.] - 1`` are -1), the effective sample size 0. The ``*_std``
+metrics are exact (verl's means divide by ``count + 1e-8``, which leaves a variance of ~1e-8 x^2 for a constant x).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ REJECTION_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_
                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 #: verl's floor of the batch mean below which ``rollout_is_batch_normalize`` leaves the weights as they are.
 NORMALIZE_FLOOR = 1e-8
+#: The largest importance weight, ``exp(20)`` (the log-ratio's bound): a threshold at or above it truncates nothing.
+WEIGHT_CAP = math.exp(ROLLOUT_LOG_RHO_BOUND)
 _KL_KINDS = {"k1": "k1", "k2": "k2", "k3": "k3"}
 
 
@@ -74,12 +78,16 @@ class Rejection:
 class BypassCorrection:
     """verl's ``policy_loss.rollout_correction`` of bypass_mode: ``loss_type`` (``"ppo_clip"`` / ``"reinforce"``);
     ``weights`` the :class:`PolicyLossConfig` of the importance weights (``rollout_is`` / ``_min`` / ``_max``;
-    None when verl computes none), ``batch_normalize``, ``rejection`` (empty: none)."""
+    None when verl computes none), ``batch_normalize``, ``rejection`` (empty: none); ``upper`` / ``lower`` verl's
+    threshold as given (``inf`` allowed: the config's ``rollout_is_max`` is then :data:`WEIGHT_CAP`, the same
+    weights), which the metrics read."""
 
     loss_type: str
     weights: Optional[PolicyLossConfig]
     batch_normalize: bool
     rejection: tuple[Rejection, ...]
+    upper: float = 2.0
+    lower: Optional[float] = None
 
     @property
     def applied_weights(self) -> bool:
@@ -170,8 +178,24 @@ def _row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1)
 
 
+def _all_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean over every element, as verl's ``.mean()`` over every row (0 for none, an empty batch)."""
+    return x.sum() / max(x.numel(), 1)
+
+
+def _extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
+    """``x.amax()`` / ``x.amin()`` (0 for an empty ``x``)."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    return x.amax() if largest else x.amin()
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
 def _max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    out = torch.where(mask, x, torch.full_like(x, -math.inf)).amax()
+    out = _extreme(torch.where(mask, x, torch.full_like(x, -math.inf)), largest=True)
     return torch.where(mask.any(), out, torch.zeros_like(out))
 
 
@@ -210,17 +234,17 @@ def _weights(corr: BypassCorrection, logp, rollout, mask, log_r) -> tuple[torch.
     normalization)."""
     cfg = corr.weights
     rho, w = rollout_weights(logp, rollout, mask, cfg)
-    upper, icepop = cfg.rollout_is_max, cfg.rollout_is_min is not None
-    lower = cfg.rollout_is_min if icepop else 1.0 / upper
+    upper, icepop = corr.upper, corr.lower is not None
+    lower = corr.lower if icepop else 1.0 / upper
     rows = mask.any(dim=-1)
     out: dict[str, torch.Tensor] = {}
     if cfg.rollout_is.startswith("sequence"):
         log_sum = _row_sum(log_r, mask)  # verl: every row, an empty one's 0 included
-        out["rollout_is_max"] = log_sum.amax().clamp(max=ROLLOUT_LOG_RHO_BOUND).exp()
-        out["rollout_is_min"] = log_sum.amin().exp()
+        out["rollout_is_max"] = _extreme(log_sum, largest=True).clamp(max=ROLLOUT_LOG_RHO_BOUND).exp()
+        out["rollout_is_min"] = _extreme(log_sum, largest=False).exp()
         out["rollout_is_mean"] = _mean(w, mask)
-        out["rollout_is_ratio_fraction_high"] = (log_sum > math.log(upper)).to(w.dtype).mean()
-        out["rollout_is_ratio_fraction_low"] = (log_sum < math.log(lower)).to(w.dtype).mean()
+        out["rollout_is_ratio_fraction_high"] = _all_mean((log_sum > _log(upper)).to(w.dtype))
+        out["rollout_is_ratio_fraction_low"] = _all_mean((log_sum < _log(lower)).to(w.dtype))
     else:
         out["rollout_is_mean"] = _mean(w, mask)
         out["rollout_is_ratio_fraction_high"] = _mean((rho > upper).to(w.dtype), mask)
@@ -229,14 +253,16 @@ def _weights(corr: BypassCorrection, logp, rollout, mask, log_r) -> tuple[torch.
     out["rollout_is_std"] = _clamped_std(w, mask, 0.0, upper)
     clamped = w.clamp(min=0.0, max=upper)
     second_moment = _mean((clamped / (_mean(clamped, mask) + 1e-8)).square(), mask)
-    out["rollout_is_eff_sample_size"] = torch.where(mask.any(), 1.0 / second_moment, torch.zeros_like(second_moment))
+    # no weight (all masked, or every one 0): verl raises, here 0 effective samples
+    out["rollout_is_eff_sample_size"] = torch.where(second_moment > 0, 1.0 / second_moment,
+                                                    torch.zeros_like(second_moment))
     seq_w, seq_rho = _row_mean(w, mask), _row_mean(rho, mask)  # every row, as verl
-    out["rollout_is_seq_mean"] = seq_w.mean()
-    out["rollout_is_seq_std"] = seq_w.std() if seq_w.numel() > 1 else seq_w.new_zeros(())
-    out["rollout_is_seq_max"], out["rollout_is_seq_min"] = seq_w.amax(), seq_w.amin()
-    out["rollout_is_seq_max_deviation"] = (seq_w - 1.0).abs().amax()
-    out["rollout_is_seq_fraction_high"] = (seq_rho > upper).to(w.dtype).mean()
-    out["rollout_is_seq_fraction_low"] = (seq_rho < lower).to(w.dtype).mean()
+    every = torch.ones_like(rows)
+    out["rollout_is_seq_mean"], out["rollout_is_seq_std"] = _all_mean(seq_w), _std(seq_w, every)
+    out["rollout_is_seq_max"], out["rollout_is_seq_min"] = _extreme(seq_w, True), _extreme(seq_w, False)
+    out["rollout_is_seq_max_deviation"] = _extreme((seq_w - 1.0).abs(), True)
+    out["rollout_is_seq_fraction_high"] = _all_mean((seq_rho > upper).to(w.dtype))
+    out["rollout_is_seq_fraction_low"] = _all_mean((seq_rho < lower).to(w.dtype))
     if icepop:
         out["rollout_is_oob_ratio"] = _mean(((rho < lower) | (rho > upper)).to(w.dtype), mask)
     if corr.batch_normalize:
@@ -274,12 +300,14 @@ def _rejection(options: tuple[Rejection, ...], mask: torch.Tensor,
         out.update(_rejection_metrics(opt, value, per_seq, stat, mask, rows, kept))
     dropped = mask & ~keep
     out["rollout_rs_masked_fraction"] = _mean(dropped.to(bounded.dtype), mask)
-    out["rollout_rs_seq_masked_fraction"] = dropped.any(dim=-1).to(bounded.dtype).mean()  # verl: over every row
+    out["rollout_rs_seq_masked_fraction"] = _all_mean(dropped.any(dim=-1).to(bounded.dtype))  # verl: every row
     return mask & keep, out
 
 
 def _max_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's masked max, 0 for an empty row (verl's ``_sequence_max``)."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
     out = torch.where(mask, x, torch.full_like(x, -math.inf)).amax(dim=-1)
     return torch.where(mask.any(dim=-1), out, torch.zeros_like(out))
 
@@ -318,13 +346,13 @@ def _off_policy(logp: torch.Tensor, mask: torch.Tensor, log_r: torch.Tensor) -> 
     diff = rollout_mean - train_mean
     bounded = log_r.clamp(min=-ROLLOUT_LOG_RHO_BOUND, max=ROLLOUT_LOG_RHO_BOUND)
     seq_bounded = _row_sum(log_r, mask).clamp(min=-ROLLOUT_LOG_RHO_BOUND, max=ROLLOUT_LOG_RHO_BOUND)
-    return {"training_ppl": torch.exp(-train_mean).mean(), "training_log_ppl": (-train_mean).mean(),
+    return {"training_ppl": _all_mean(torch.exp(-train_mean)), "training_log_ppl": _all_mean(-train_mean),
             "kl": _mean(-log_r, mask), "k3_kl": _mean(kl_estimator(torch.zeros_like(log_r), log_r, "k3"), mask),
-            "rollout_ppl": torch.exp(-rollout_mean).mean(), "rollout_log_ppl": (-rollout_mean).mean(),
-            "log_ppl_diff": diff.mean(), "log_ppl_abs_diff": diff.abs().mean(), "log_ppl_diff_max": diff.amax(),
-            "log_ppl_diff_min": diff.amin(), "ppl_ratio": torch.exp(diff).mean(),
-            "chi2_token": _mean(torch.exp(2.0 * bounded), mask) - 1.0,
-            "chi2_seq": torch.exp(2.0 * seq_bounded).mean() - 1.0}
+            "rollout_ppl": _all_mean(torch.exp(-rollout_mean)), "rollout_log_ppl": _all_mean(-rollout_mean),
+            "log_ppl_diff": _all_mean(diff), "log_ppl_abs_diff": _all_mean(diff.abs()),
+            "log_ppl_diff_max": _extreme(diff, True), "log_ppl_diff_min": _extreme(diff, False),
+            "ppl_ratio": _all_mean(torch.exp(diff)), "chi2_token": _mean(torch.exp(2.0 * bounded), mask) - 1.0,
+            "chi2_seq": _all_mean(torch.exp(2.0 * seq_bounded)) - 1.0}
 
 
 def correct(corr: BypassCorrection, logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> Corrected:

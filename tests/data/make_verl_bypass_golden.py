@@ -41,6 +41,9 @@ CASES = {
                                            "rollout_rs_threshold": "1.3,2.5"},
     "reinforce-rs-seq_sum_k3": {"loss_type": "reinforce", "rollout_is": "token", "rollout_rs": "seq_sum_k3",
                                 "rollout_rs_threshold": 1.0},
+    "reinforce-token-unbounded-normalize": {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold":
+                                            "inf", "rollout_is_batch_normalize": True},
+    "ppo_clip-sequence-unbounded": {"loss_type": "ppo_clip", "rollout_is": "sequence", "rollout_is_threshold": "inf"},
 }
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 #: verl's ``global_batch_info`` of a data-parallel step (two ranks), for one case again.
