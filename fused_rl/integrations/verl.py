@@ -93,7 +93,8 @@ Differences from verl, all documented in ``docs/migration.md``:
   over every token, as verl's actor), while :func:`policy_loss_config_from_verl` raises ``NotImplementedError``
   for them (a config cannot hold a batch's current log-probs); an all-rejected or all-masked batch gives a zero loss
   and finite diagnostics (verl: a NaN loss, a raise); a NaN threshold raises (verl: a NaN loss); a NaN rollout
-  log-prob (with ``check_inputs=False``) has log-ratio 0 in the correction. Other loss modes and ``kl_loss_type="full"`` raise ``NotImplementedError``.
+  log-prob (with ``check_inputs=False``) has log-ratio 0 in the correction. Other loss modes and
+  ``kl_loss_type="full"`` raise ``NotImplementedError``.
 """
 
 from __future__ import annotations

@@ -59,24 +59,41 @@ def save(run_dir, *, model, optimizer, scheduler, step: int, config: dict, promp
     if rank == 0:
         _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                       "scheduler": scheduler.state_dict(), "step": step, "config": config}, d / "state.pt")
-        (d / "metrics.jsonl").unlink(missing_ok=True)  # an earlier run's metrics, set aside: its checkpoint is gone
+        drop_metrics_aside(run_dir)  # an earlier run's metrics, set aside: its checkpoint is gone
     if barrier is not None:
         barrier()
     return d
 
 
+def _state_stamp(run_dir) -> str:
+    """Which ``state.pt`` is there: every save renames a new file over it (a new inode and time)."""
+    st = (checkpoint_dir(run_dir) / "state.pt").stat()
+    return f"{st.st_ino} {st.st_mtime_ns} {st.st_size}"
+
+
 def set_metrics_aside(run_dir, metrics: Path) -> None:
-    """A run starting over in ``run_dir``: the checkpoint's own ``metrics`` file moves into ``checkpoint/`` (if one is
-    there already, a third run started over before the second saved: that one stays, ``metrics`` is the second
-    run's)."""
+    """A run starting over in ``run_dir``: the checkpoint's own ``metrics`` file moves into ``checkpoint/``, stamped
+    with the checkpoint it belongs to (if one is there already, a third run started over before the second saved:
+    that one stays, ``metrics`` is the second run's)."""
     if exists(run_dir) and metrics.is_file() and metrics_aside(run_dir) is None:
-        os.replace(metrics, checkpoint_dir(run_dir) / "metrics.jsonl")
+        d = checkpoint_dir(run_dir)
+        (d / "metrics.owner").write_text(_state_stamp(run_dir))
+        os.replace(metrics, d / "metrics.jsonl")
 
 
 def metrics_aside(run_dir) -> Optional[Path]:
-    """The checkpoint's metrics set aside by a later run that started over and has not saved, or None."""
-    path = checkpoint_dir(run_dir) / "metrics.jsonl"
-    return path if path.is_file() else None
+    """The checkpoint's metrics set aside by a later run that started over and has not saved, or None (also when
+    the set-aside file belongs to a checkpoint since replaced: a crash in a save's clean-up)."""
+    d = checkpoint_dir(run_dir)
+    path, owner = d / "metrics.jsonl", d / "metrics.owner"
+    if path.is_file() and owner.is_file() and exists(run_dir) and owner.read_text() == _state_stamp(run_dir):
+        return path
+    return None
+
+
+def drop_metrics_aside(run_dir) -> None:
+    for name in ("metrics.jsonl", "metrics.owner"):
+        (checkpoint_dir(run_dir) / name).unlink(missing_ok=True)
 
 
 def exists(run_dir) -> bool:

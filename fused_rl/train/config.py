@@ -462,7 +462,7 @@ def load_yaml(path: Union[str, Path]) -> dict:
     import yaml
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe (--config <(...)) is read as a file
         raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist"))
     try:
         data = yaml_load(path.read_text(encoding="utf-8")) or {}
@@ -504,7 +504,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     then ``kwargs``; validated."""
     if path is None:
         path = str(bundled_config("default"))
-    elif not Path(path).is_file():  # a directory named like a bundled config does not hide it
+    elif not Path(path).exists() or Path(path).is_dir():  # a directory named like a bundled config does not hide it
         bundled = Path(path).name == path and Path(path).stem in bundled_names() and Path(path).suffix in ("", ".yaml")
         if _looks_like_a_path(path) and not bundled:
             what = "is a directory" if Path(path).is_dir() else "does not exist"

@@ -99,20 +99,24 @@ def _config_errors():
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"``: this process's GPU (``LOCAL_RANK``) when CUDA is available, else the CPU; ``"cuda"``: this
-    process's GPU (``LOCAL_RANK``); a ``cuda[:N]`` that this machine lacks, or ``cuda:N`` under torchrun with more
-    than one process (every process on GPU N), raises :class:`ConfigError`. A CUDA device becomes the current one."""
+    """``"auto"``: this process's GPU when CUDA is available, else the CPU; ``"cuda"``: this process's GPU (the
+    ``LOCAL_RANK``-th, or the one GPU it sees); a ``cuda[:N]`` that this machine lacks, or ``cuda:N`` under torchrun
+    with several processes on a machine of several visible GPUs (all on GPU N), raises :class:`ConfigError`. A CUDA
+    device becomes the current one."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"config field 'device' = {name!r}: CUDA is not available here (torch "
                               f"{torch.__version__}, CUDA build: {torch.version.cuda}); use 'cpu' or 'auto'")
-        if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(f"config field 'device' = {name!r} under torchrun would put every process on GPU "
-                              f"{device.index}: use 'cuda' or 'auto' (each process its LOCAL_RANK's GPU)")
-        device = torch.device("cuda", local if device.index is None else device.index)
-        if device.index >= torch.cuda.device_count():
+        count, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if device.index is not None and local_world > 1 and count > 1:
+            raise ConfigError(f"config field 'device' = {name!r} under torchrun would put this machine's "
+                              f"{local_world} processes on GPU {device.index}: use 'cuda' or 'auto' (each process "
+                              "its LOCAL_RANK's GPU)")
+        # one visible GPU (a launcher giving each process its own): that one, whatever the local rank
+        device = torch.device("cuda", device.index if device.index is not None else (local if count > 1 else 0))
+        if device.index >= count:
             raise ConfigError(f"config field 'device' = {name!r}: this machine has {torch.cuda.device_count()} "
                               f"CUDA device(s), numbered from 0" + ("" if ":" in name else f" (LOCAL_RANK {local})"))
         torch.cuda.set_device(device)
@@ -197,6 +201,7 @@ class Trainer:
             lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=1e-8)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step = 0
+        self._metrics_prepared = False
         if cfg.resume:
             if not checkpoint.exists(self.run_dir):  # as HF's resume_from_checkpoint=True: never a silent restart
                 raise ConfigError(f"resume: no checkpoint in run_dir {str(self.run_dir)!r} to resume from "
@@ -299,7 +304,8 @@ class Trainer:
         mask = self._trained_mask(batch.mask, batch.truncated)
         last = (mask.long().cumsum(1) == mask.long().sum(1, keepdim=True)) & mask
         token_rewards = torch.where(last, rewards.unsqueeze(1), torch.zeros_like(values))
-        if not torch.isfinite(torch.where(mask, values, torch.zeros_like(values))).all():
+        # every process stops together (one alone would leave the others in the next all-reduce)
+        if _all_sum((~torch.isfinite(torch.where(mask, values, torch.zeros_like(values)))).sum().float()) > 0:
             raise FloatingPointError(f"step {self.step + 1}: the value head's estimates are not finite: it diverged; "
                                      "lower lr or vf_coef, or scale the rewards down")
         adv, returns = adv_lib.gae(token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
@@ -466,8 +472,9 @@ class Trainer:
         """Start fresh (an earlier run's checkpoint keeps its metrics aside until this run's first save), or on resume
         keep only the lines up to the checkpoint's step, of the checkpoint's own run."""
         path = self._metrics_file()
-        if self.rank != 0:
+        if self.rank != 0 or self._metrics_prepared:  # a later train() call of this trainer goes on appending
             return
+        self._metrics_prepared = True
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.step == 0:
             checkpoint.set_metrics_aside(self.run_dir, path)
@@ -481,7 +488,7 @@ class Trainer:
         kept = [record for record in read_metrics(source) if record.get("step", 0) <= self.step]
         path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         if aside is not None:
-            aside.unlink()
+            checkpoint.drop_metrics_aside(self.run_dir)
 
     def train(self, stop_after: Optional[int] = None) -> list[dict]:
         """Train to ``cfg.steps`` (``stop_after``: return after that many steps of this call, as an
