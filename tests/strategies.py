@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
-from fused_rl import PolicyLossConfig
+from fused_rl import IGNORE_INDEX, PolicyLossConfig
 from fused_rl.config import (AGGREGATIONS, COV_MODES, DPPO, KL_CLAMPABLE, KL_ESTIMATORS, POLICY_LOSSES, PPO_STYLE,
                              ROLLOUT_IS_MODES)
 
@@ -87,6 +87,16 @@ def fit_inputs(config: PolicyLossConfig, case):
         old = case.ref + 0.1
     return dataclasses.replace(case, old=old, rollout=case.rollout if config.rollout_is else None,
                                truncated=case.truncated if config.mask_truncated_completions else None)
+
+
+def loss_tokens(case) -> torch.Tensor:
+    """The tokens a :func:`fit_inputs` case's loss reads (bool): its mask less ``IGNORE_INDEX`` targets and, where
+    the config masks them (``truncated`` kept), the truncated completions. The tie checks below look at these: two
+    tokens left of a larger mask always tie for kl_cov (their centred covariances are equal)."""
+    mask = case.mask.bool() & (case.targets != IGNORE_INDEX)
+    if case.truncated is not None:
+        mask = mask & ~case.truncated.bool().reshape(-1, 1)
+    return mask
 
 
 def entropy_choice_is_a_tie(entropy, mask, config: PolicyLossConfig, tol: float) -> bool:

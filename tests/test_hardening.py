@@ -17,7 +17,7 @@ from fused_rl.loss_math import per_token_loss
 from helpers import (PolicyCase, assert_close, compare_policy_loss, fused_backends, magnitude_scale, on_device,
                      supports)
 from strategies import (configs, cov_choice_is_a_tie, entropy_choice_is_a_tie, fit_inputs, fuzz_settings,
-                        ratio_at_a_bound)
+                        loss_tokens, ratio_at_a_bound)
 
 BACKENDS = fused_backends()
 CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
@@ -94,9 +94,10 @@ def test_differential_fuzz(backend, device, dtype):
         if not torch.isfinite(out.loss):
             return  # e.g. k3 of a 1e4 log-ratio overflows in the reference too: nothing to compare
         scale = magnitude_scale(case.logits, config.temperature)
-        if entropy_choice_is_a_tie(out.entropy, case.mask, config, 1e-5 * scale) \
-                or ratio_at_a_bound(config, out.logprobs, case.old, case.mask, 1e-5 * scale) \
-                or cov_choice_is_a_tie(config, out.logprobs, case.advantages, case.mask, 1e-5 * scale):
+        tokens = loss_tokens(case)
+        if entropy_choice_is_a_tie(out.entropy, tokens, config, 1e-5 * scale) \
+                or ratio_at_a_bound(config, out.logprobs, case.old, tokens, 1e-5 * scale) \
+                or cov_choice_is_a_tie(config, out.logprobs, case.advantages, tokens, 1e-5 * scale):
             return
         out.loss.backward()
         # a near-certain target's 1 - p carries the rounding of d = (z - m) - log s, a few |z| 2^-24, times

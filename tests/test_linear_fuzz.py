@@ -24,7 +24,7 @@ from fused_rl import PolicyLossConfig
 from fused_rl.backends import tiled_linear, torch_linear
 from helpers import fused_backends, on_device, supports
 from strategies import (configs, cov_choice_is_a_tie, entropy_choice_is_a_tie, fit_inputs, fuzz_settings,
-                        ratio_at_a_bound)
+                        loss_tokens, ratio_at_a_bound)
 from test_linear import LinearCase, compare_linear
 
 CUDA_BACKENDS = fused_backends("cuda") if torch.cuda.is_available() else []
@@ -94,9 +94,10 @@ def test_linear_differential_fuzz(backend, device, dtype):
                 torch.nan_to_num(case.hidden.float()), case.weight.float(), case.targets,
                 bias=None if case.bias is None else case.bias.float(), temperature=config.temperature,
                 return_entropy=True, check_inputs=False)
-        if entropy_choice_is_a_tie(ref_entropy, case.mask, config, 1e-5) \
-                or ratio_at_a_bound(config, ref_logp, case.old, case.mask, 1e-5) \
-                or cov_choice_is_a_tie(config, ref_logp, case.advantages, case.mask, 1e-5):
+        tokens = loss_tokens(case)
+        if entropy_choice_is_a_tie(ref_entropy, tokens, config, 1e-5) \
+                or ratio_at_a_bound(config, ref_logp, case.old, tokens, 1e-5) \
+                or cov_choice_is_a_tie(config, ref_logp, case.advantages, tokens, 1e-5):
             return
         normalizer = normalizer if config.agg == "token-mean" else None  # the others refuse one
         saved = (tiled_linear.CHUNK_TOKENS, torch_linear.CHUNK_TOKENS, torch_linear.GATHER_VALID,
