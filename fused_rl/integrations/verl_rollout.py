@@ -165,7 +165,7 @@ def parse_rejection(options: Any, thresholds: Any) -> tuple[Rejection, ...]:
 
 # --- masked reductions (bool masks; empty: 0) -------------------------------------------------------------------
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(m x) / max(sum(m), 1)``, over every dimension or, for ``(B, T)`` with ``rows``, see :func:`_row_mean`."""
+    """``sum(m x) / max(sum(m), 1)`` over every element (0 for an empty mask)."""
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1).to(x.dtype)
 
 
