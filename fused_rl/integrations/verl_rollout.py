@@ -45,7 +45,6 @@ REJECTION_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_
 NORMALIZE_FLOOR = 1e-8
 #: The largest importance weight, ``exp(20)`` (the log-ratio's bound): a threshold at or above it truncates nothing.
 WEIGHT_CAP = math.exp(ROLLOUT_LOG_RHO_BOUND)
-_KL_KINDS = {"k1": "k1", "k2": "k2", "k3": "k3"}
 
 
 @dataclass(frozen=True)
@@ -286,7 +285,7 @@ def _rejection(options: tuple[Rejection, ...], mask: torch.Tensor,
     keep = torch.ones_like(mask)
     out: dict[str, torch.Tensor] = {}
     for opt in options:
-        stat = kl_estimator(zero, bounded, _KL_KINDS[opt.kind])
+        stat = kl_estimator(zero, bounded, opt.kind)  # "k1" / "k2" / "k3" of d = l
         lo, hi = opt.bounds
         if opt.level == "token":
             per_seq = None
