@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import PolicyLossConfig
-from ..loss_math import ROLLOUT_LOG_RHO_BOUND, kl_estimator, rollout_weights
+from ..loss_math import ROLLOUT_LOG_RHO_BOUND, _sequence_mean, kl_estimator, rollout_weights
 
 #: verl 0.9.1's ``rollout_rs`` options (``SUPPORTED_ROLLOUT_RS_OPTIONS``).
 REJECTION_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
@@ -164,13 +164,14 @@ def parse_rejection(options: Any, thresholds: Any) -> tuple[Rejection, ...]:
 
 # --- masked reductions (bool masks; empty: 0) -------------------------------------------------------------------
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(m x) / max(sum(m), 1)`` over every element (0 for an empty mask)."""
+    """``sum(m x) / max(sum(m), 1)`` over every element (0 for an empty mask), in ``x``'s dtype: the variances below
+    subtract two of these, which :func:`fused_rl.loss_math.masked_mean`'s fp32 would round for fp64 input."""
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1).to(x.dtype)
 
 
 def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's masked mean, ``(B,)`` (0 for an empty row, as verl's ``sum / (count + 1e-8)``)."""
-    return torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(x.dtype)
+    return _sequence_mean(torch.where(mask, x, torch.zeros_like(x)), mask).squeeze(-1)
 
 
 def _row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
