@@ -27,6 +27,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 #: ``old`` / ``ref`` / ``rollout`` log-probs above this raise: no rounding of a ``log_softmax`` (even one
 #: taken in bf16 at logits ~30, ulp 0.125) gets there, a negative log-likelihood passed for a log-prob does.
 LOGPROB_SLACK = 0.5
+#: A Python-number ``token_normalizer`` must lie strictly between these: the numbers that round to a positive,
+#: finite fp32 (as a tensor normalizer is checked after its cast): ``2^-150`` rounds to 0, ``FLT_MAX + ulp / 2`` to
+#: inf (``1e-300`` made the loss inf and its gradient NaN; ``1e300`` made it 0).
+FP32_POSITIVE_FINITE = (2.0 ** -150, float.fromhex("0x1.ffffffp+127"))
 
 
 def _fail(msg: str) -> None:
@@ -427,8 +431,9 @@ def prepare_policy_inputs(
             check_not_meta(token_normalizer, "token_normalizer")
             token_normalizer = token_normalizer.detach().reshape(()).to(device=device, dtype=torch.float32)
         elif isinstance(token_normalizer, bool) or not isinstance(token_normalizer, numbers.Real) \
-                or not 0 < _real(token_normalizer) < float("inf"):
-            _fail(f"token_normalizer must be a positive finite number or tensor, got {token_normalizer!r}")
+                or not FP32_POSITIVE_FINITE[0] < _real(token_normalizer) < FP32_POSITIVE_FINITE[1]:
+            _fail("token_normalizer must be a positive finite number or tensor, positive and finite in fp32 (the loss "
+                  f"divides by it there), got {token_normalizer!r}")
         else:
             token_normalizer = float(token_normalizer)
 

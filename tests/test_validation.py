@@ -1,10 +1,12 @@
 """Bad input is rejected with a ValueError naming the argument, on every backend, before any work."""
 
+import math
+
 import pytest
 import torch
 
 import fused_rl
-from fused_rl import PolicyLossConfig
+from fused_rl import PolicyLossConfig, validation
 from helpers import fused_backends
 
 BACKENDS = ["reference", "torch"]
@@ -632,6 +634,7 @@ def test_meta_tensors_are_refused_by_name(backend):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf loss at 2^-149
 def test_complex_and_overflowing_scalars_are_refused(backend):
     """A complex normalizer lost its imaginary part silently; an int too large for a float passed the finite check
     and raised OverflowError from ``float()``."""
@@ -639,6 +642,15 @@ def test_complex_and_overflowing_scalars_are_refused(backend):
         call(backend, token_normalizer=torch.tensor(4 + 1j))
     with pytest.raises(ValueError, match="token_normalizer must be a positive finite number"):
         call(backend, token_normalizer=10**400)
+    # outside fp32's range, as a tensor normalizer after its cast: 1e-300 made the loss inf and its gradient NaN
+    lo, hi = validation.FP32_POSITIVE_FINITE
+    for number in (1e-300, lo, hi, 1e300):
+        with pytest.raises(ValueError, match="positive and finite in fp32"):
+            call(backend, token_normalizer=number)
+        with pytest.raises(ValueError, match="positive and finite in fp32"):
+            call(backend, token_normalizer=torch.tensor(number, dtype=torch.float64))
+    for number in (math.nextafter(lo, 1), math.nextafter(hi, 0)):  # the extremes that round to a positive finite
+        call(backend, token_normalizer=number)
     args = good()
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         fused_rl.token_logprobs(args["logits"], args["targets"], temperature=10**400, backend=backend)
