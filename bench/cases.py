@@ -97,10 +97,6 @@ def make_inputs(op: str, shape: Shape, device: str, seed: int = 0) -> dict:
     return inputs
 
 
-def input_bytes(inputs: dict) -> int:
-    return sum(x.numel() * x.element_size() for x in inputs.values() if isinstance(x, torch.Tensor))
-
-
 # ----------------------------------------------------------------------------------------------
 # implementations
 
