@@ -15,6 +15,7 @@ computing something else).
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 import re
 from typing import Optional
@@ -30,8 +31,43 @@ from .outputs import PolicyLossOutput
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 #: ``loss_type`` values whose token-mean denominator is TRL's ``num_items_in_batch``.
 NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo", "vespo")
+#: The :func:`grpo_policy_loss_config` argument of each PolicyLossConfig field of another name (error messages).
+GRPO_ARGUMENT_OF_FIELD = {"clip_low": "epsilon_low", "clip_high": "epsilon_high", "max_len": "max_completion_length",
+                          "off_policy_mask": "off_policy_mask_threshold", "rollout_is": "vllm_importance_sampling_mode",
+                          "rollout_is_min": "vllm_importance_sampling_clip_min",
+                          "rollout_is_max": "vllm_importance_sampling_clip_max"}
 
 
+class GRPOOptionError(ValueError):
+    """A ``PolicyLossConfig.<field>`` ValueError of :func:`grpo_policy_loss_config`, named by the ``argument`` it
+    came from and that argument's value (``epsilon_low=-0.1: PolicyLossConfig.clip_low must be >= 0``)."""
+
+    def __init__(self, argument: str, value, cause: ValueError) -> None:
+        super().__init__(f"{argument}={value!r}: {cause}")
+        self.argument, self.cause = argument, cause
+
+
+def _naming_arguments(fn):
+    """``fn`` raising :class:`GRPOOptionError` for a ``PolicyLossConfig.<field>`` ValueError of one of its
+    arguments, the names users passed."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as exc:
+            field = re.match(r"PolicyLossConfig\.(\w+)", str(exc))
+            arguments = inspect.signature(fn).bind(*args, **kwargs)
+            arguments.apply_defaults()
+            name = None if field is None else GRPO_ARGUMENT_OF_FIELD.get(field.group(1), field.group(1))
+            if name not in arguments.arguments:
+                raise
+            raise GRPOOptionError(name, arguments.arguments[name], exc) from exc
+
+    return wrapper
+
+
+@_naming_arguments
 def grpo_policy_loss_config(
     loss_type: str = "dapo",
     *,

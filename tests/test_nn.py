@@ -315,6 +315,36 @@ def test_liger_unsupported_raise(ctor, forward, exc, needle):
         FusedLinearGRPOLoss(**ctor)(h, w, targets, mask, adv, **forward)
 
 
+@pytest.mark.parametrize("ctor, needle", [
+    (dict(epsilon_low=-0.1), r"^epsilon_low=-0.1: PolicyLossConfig.clip_low must be >= 0"),
+    (dict(epsilon_high=-0.5), r"^epsilon_high=-0.5: PolicyLossConfig.clip_high must be >= 0"),
+    (dict(beta=-0.1), r"^beta=-0.1: PolicyLossConfig.beta must be >= 0"),
+    (dict(temperature=0.0), r"^temperature=0.0: PolicyLossConfig.temperature must be >= 1e-05"),
+    (dict(delta=float("nan")), r"^delta=nan: PolicyLossConfig.delta must be finite"),
+    (dict(loss_type="vespo", vespo_lambda_neg=-1.0), r"^vespo_lambda_neg=-1.0: PolicyLossConfig.vespo_lambda_neg"),
+    (dict(loss_type="dr_grpo", max_completion_length=0), r"^max_completion_length=0: PolicyLossConfig.max_len"),
+])
+def test_bad_settings_name_liger_arguments(ctor, needle):
+    """Bad constructor values raise naming Liger's argument and its value (they named the PolicyLossConfig field
+    it maps to: ``epsilon_low=-0.1`` raised ``PolicyLossConfig.clip_low must be >= 0``)."""
+    with pytest.raises(ValueError, match=needle):
+        FusedLinearGRPOLoss(**ctor)
+
+
+def test_grpo_config_names_its_arguments():
+    """:func:`grpo_policy_loss_config` names its own arguments (TRL's names for the vLLM correction and the
+    off-policy mask); a ValueError of its own passes unchanged."""
+    with pytest.raises(ValueError, match=r"^epsilon_low=-0.2: PolicyLossConfig.clip_low"):
+        grpo_policy_loss_config("grpo", epsilon_low=-0.2)  # epsilon_high None: epsilon_low's, checked after it
+    with pytest.raises(ValueError, match=r"^loss_type='cispo' caps the ratio"):
+        grpo_policy_loss_config("cispo", epsilon_high=0.5)
+    with pytest.raises(ValueError, match=r"^vllm_importance_sampling_clip_min=-1.0: PolicyLossConfig.rollout_is_min"):
+        grpo_policy_loss_config("grpo", vllm_importance_sampling_mode="token_truncate",
+                                vllm_importance_sampling_clip_min=-1.0)
+    with pytest.raises(ValueError, match=r"^off_policy_mask_threshold=-1.0: PolicyLossConfig.off_policy_mask"):
+        grpo_policy_loss_config("grpo", off_policy_mask_threshold=-1.0)
+
+
 def test_frozen_weight_without_bias():
     """A frozen lm_head (LoRA) without bias: no weight / bias gradient is requested."""
     h, w, _, targets, mask, adv, old, _ = _linear_case(bias=False)

@@ -307,6 +307,22 @@ def test_cispo_cap_below_one_raises(model_dir, tmp_path):
         FusedGRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="cispo", epsilon_high=0.2))
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(epsilon=-0.1), r"^GRPOConfig.epsilon=-0.1 is outside what fused_rl computes: PolicyLossConfig.clip_low"),
+    (dict(epsilon_high=-0.3), r"^GRPOConfig.epsilon_high=-0.3 is outside .*: PolicyLossConfig.clip_high must"),
+    (dict(top_entropy_quantile=1.5), r"^GRPOConfig.top_entropy_quantile=1.5 is outside .*: PolicyLossConfig.top_"),
+])
+def test_out_of_range_options_name_the_grpo_config_option(model_dir, tmp_path, overrides, needle):
+    """A value TRL takes but fused_rl's config refuses raises naming TRL's option (``epsilon``, Liger's
+    ``epsilon_low``) and its value, with the field's own message."""
+    trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path))
+    for name, value in overrides.items():  # after construction: TRL's own checks would refuse some at __init__
+        setattr(trainer.args, name, value)
+        setattr(trainer, name if name != "epsilon" else "epsilon_low", value)
+    with pytest.raises(ValueError, match=needle):
+        patch_grpo_trainer(trainer, backend="torch")
+
+
 def test_supported_trainer_has_no_unsupported_options(model_dir, tmp_path):
     trainer = trl.GRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="dapo", beta=0.04,
                                          use_bias_correction_kl=False))

@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import types
 from typing import Any, Optional
 
 import torch
 
 from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator, rollout_weights, vespo_weights
-from ..nn import NUM_ITEMS_LOSS_TYPES, SUPPORTED_LOSS_TYPES, grpo_policy_loss_config
+from ..nn import NUM_ITEMS_LOSS_TYPES, SUPPORTED_LOSS_TYPES, GRPOOptionError, grpo_policy_loss_config
 from ..ops import linear_policy_loss, linear_token_logprobs
 from ..validation import binary_mask
 from .hf_models import plain_lm_head_problems
@@ -246,24 +245,12 @@ def _checked_config(trainer: GRPOTrainer):
                                   + "; ".join(problems))
     try:
         return _loss_config(trainer)
-    except ValueError as exc:  # name the GRPOConfig option, not only the PolicyLossConfig field it maps to
-        field = re.search(r"PolicyLossConfig\.(\w+)", str(exc))
-        option = None
-        if field:  # the GRPOConfig option of another name, or of the same name (beta)
-            option = _TRL_OPTION_OF_FIELD.get(field.group(1), field.group(1))
-            option = option if hasattr(trainer.args, option) else None
-        if option is None:
+    except GRPOOptionError as exc:  # name the GRPOConfig option (Liger's epsilon_low is TRL's epsilon)
+        option = "epsilon" if exc.argument == "epsilon_low" else exc.argument
+        if not hasattr(trainer.args, option):
             raise
         value = getattr(trainer, option, getattr(trainer.args, option, None))
-        raise ValueError(f"GRPOConfig.{option}={value!r} is outside what fused_rl computes: {exc}") from exc
-
-
-#: PolicyLossConfig fields whose TRL option has another name (for error messages).
-_TRL_OPTION_OF_FIELD = {"clip_low": "epsilon", "clip_high": "epsilon_high",
-                        "off_policy_mask": "off_policy_mask_threshold",
-                        "rollout_is": "vllm_importance_sampling_mode",
-                        "rollout_is_min": "vllm_importance_sampling_clip_min",
-                        "rollout_is_max": "vllm_importance_sampling_clip_max"}
+        raise ValueError(f"GRPOConfig.{option}={value!r} is outside what fused_rl computes: {exc.cause}") from exc
 
 
 def _loss_config(trainer: GRPOTrainer):
