@@ -774,6 +774,12 @@ def responses_factor(mask: torch.Tensor, dtype: torch.dtype, dp_size=1, global_c
     return mask.shape[0] * dp_size / torch.as_tensor(global_count, dtype=dtype, device=mask.device)
 
 
+def clip_fractions_per_sequence(config: PolicyLossConfig) -> bool:
+    """Whether :func:`metrics`' clip fractions are fractions of the ``B`` sequences (gspo: one ratio a sequence),
+    not of the tokens: a mean over several batches weights them by their sequences."""
+    return config.policy_loss == "gspo"
+
+
 def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig,
             kl: Optional[torch.Tensor], entropy: Optional[torch.Tensor],
             extras: Optional[dict] = None) -> dict[str, torch.Tensor]:
@@ -816,7 +822,7 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
         dropped = ~extras["dppo_keep"]
         low, high = dropped & ~(a > 0), dropped & (a > 0)
     clip_mean = mean
-    if config.policy_loss == "gspo":
+    if clip_fractions_per_sequence(config):
         clip_mean = lambda x: (x & mask).any(dim=-1).to(torch.float32).mean()  # noqa: E731
     out = {
         "kl_mean": mean(kl) if kl is not None else torch.zeros((), dtype=torch.float32, device=mask.device),

@@ -774,6 +774,42 @@ def test_micro_batches_add_up_to_the_minibatch(tmp_path, algorithm):
         torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-4, msg=n)
 
 
+def test_gspo_clip_fraction_is_over_sequences_whatever_the_micro_batches(tmp_path):
+    """gspo's ``clip_frac`` (a fraction of sequences: one ratio a sequence) is the minibatch's, weighted by
+    sequences, not by each micro-batch's tokens (it changed with ``micro_batch_size``: 0.406 / 0.401 / 0.404 at 16 /
+    4 / 1 in a review's run). The old log-probs are the current ones shifted by a per-sequence ``c_i``, so the
+    sequence ratio is ``exp(-c_i)``: clipped where it leaves ``[1 - clip_low, 1 + clip_high]`` on its advantage's
+    side."""
+    from fused_rl.train.trainer import Trainer
+
+    logged, expected = [], []
+    for micro in (16, 2, 1):
+        t = Trainer(small(tmp_path, run_dir=str(tmp_path / str(micro)), loss_preset="gspo", num_iterations=2,
+                          micro_batch_size=micro), quiet=True)
+        t.optimizer.step = lambda: None  # the ratios stay the shifted ones
+        shift = torch.linspace(-1e-3, 1e-3, 16)  # gspo's clip range is 3e-4 / 4e-4
+        current = t._logprobs
+
+        def shifted(module, batch, with_values=False, current=current):
+            logps, values = current(module, batch, with_values)
+            return logps + shift[:, None].to(logps), values
+
+        t._logprobs = shifted
+        torch.manual_seed(0)
+        batch = t.collect()
+        advantages = t.advantages(batch, None)[0]
+        metrics = t.update(batch)
+        rows = batch.mask.any(dim=1)
+        a = advantages
+        ratio, cfg = torch.exp(-shift), t.loss_config
+        clipped = ((ratio < 1 - cfg.clip_low) & (a < 0)) | ((ratio > 1 + cfg.clip_high) & (a > 0))
+        assert rows.all() and (a != 0).all() and 0 < clipped.sum() < 16
+        logged.append(metrics["clip_frac"])
+        expected.append(clipped.float().mean().item())
+    assert expected[0] == expected[1] == expected[2]
+    assert logged == pytest.approx(expected, abs=1e-12), (logged, expected)
+
+
 def test_value_loss_clipping_worked_numbers():
     """PPO2's clipped value loss, ``0.5 max((V - R)^2, (V_old + clamp(V - V_old, -c, c) - R)^2)``, on hand
     numbers (V_old = 0, R = 1, c = 0.2): V = 0.5 overshot the clip range toward R, so the clipped term

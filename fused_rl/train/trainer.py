@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import fused_rl
 from fused_rl import advantages as adv_lib
+from fused_rl import loss_math
 
 from . import checkpoint
 from .config import SEED_LIMIT, ConfigError, TrainConfig, to_dict, yaml_dump
@@ -336,6 +337,7 @@ class Trainer:
         ref = self._logprobs(self.ref, batch)[0] if self.ref is not None else None
         advantages, returns = self.advantages(batch, values)
         token_mean = self.loss_config.agg == "token-mean"
+        per_sequence_clip = loss_math.clip_fractions_per_sequence(self.loss_config)
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
         perm_gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + self.step * 101 + self.rank) % SEED_LIMIT)
@@ -380,11 +382,14 @@ class Trainer:
                                 sums["value_clip_frac"] = sums.get("value_clip_frac", 0.0) + value_clipped
                         loss.backward()
                     tokens = self._trained_mask(batch.mask[idx], batch.truncated[idx]).sum().float()
+                    rows = torch.tensor(float(len(idx)), device=tokens.device)
                     for key, name in (("kl", "kl_mean"), ("clip_frac", "clip_frac"), ("entropy", "entropy_mean"),
                                       *((k, k) for k in OPTION_METRICS)):
                         if name in out.metrics and (key != "kl" or ref is not None):
-                            sums[key] = sums.get(key, 0.0) + out.metrics[name].detach().float() * tokens
+                            weight = rows if key == "clip_frac" and per_sequence_clip else tokens
+                            sums[key] = sums.get(key, 0.0) + out.metrics[name].detach().float() * weight
                     sums["tokens"] = sums.get("tokens", 0.0) + tokens
+                    sums["rows"] = sums.get("rows", 0.0) + rows
                 if cfg.max_grad_norm > 0:
                     gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 else:
@@ -399,7 +404,7 @@ class Trainer:
                 grad_norms.append(gn.detach().float())
                 self.optimizer.step()
         n_updates = len(grad_norms)
-        tokens = sums.pop("tokens")
+        tokens, rows = sums.pop("tokens"), sums.pop("rows")
         keys = [k for k in ("kl", "clip_frac", "entropy", *OPTION_METRICS, "value_clip_frac") if k in sums]
         # the value loss: each process holds its share of the minibatches' global token means
         value_loss = [sums["value_loss"] / n_updates] if "value_loss" in sums else []
@@ -407,11 +412,13 @@ class Trainer:
                              batch.rewards.float().sum(), (batch.rewards.float() ** 2).sum(),
                              self._correct(batch).float().sum(),
                              batch.lengths.float().sum(), batch.truncated.float().sum(),
-                             torch.tensor(float(n), device=batch.rewards.device)] + value_loss)
+                             torch.tensor(float(n), device=batch.rewards.device), rows] + value_loss)
         tot = _all_sum(local.to(self.device).double())
         k = len(keys)
         count = tot[k + 7]
-        metrics = {key: float(tot[i] / tot[k + 1].clamp(min=1)) for i, key in enumerate(keys)}
+        # token means, but gspo's clip fraction a mean over the sequences (every iteration's, every process's)
+        metrics = {key: float(tot[i] / tot[k + 8 if key == "clip_frac" and per_sequence_clip else k + 1].clamp(min=1))
+                   for i, key in enumerate(keys)}
         mean_r = float(tot[k + 2] / count)
         metrics.update(loss=float(tot[k]), reward=mean_r,
                        reward_std=math.sqrt(max(0.0, float(tot[k + 3] / count) - mean_r ** 2)),
@@ -419,7 +426,7 @@ class Trainer:
                        truncated=float(tot[k + 6] / count), grad_norm=float(torch.stack(grad_norms).mean()),
                        lr=self.optimizer.param_groups[0]["lr"])
         if value_loss:
-            metrics["value_loss"] = float(tot[k + 8])
+            metrics["value_loss"] = float(tot[k + 9])
         return metrics
 
     # ------------------------------------------------------------------ loop
