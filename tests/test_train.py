@@ -95,6 +95,11 @@ def small(tmp_path, **kw):
     (["--loss_options.rollout_is_max", "3.0"], ["loss_options", "'rollout_is_max' is only used with rollout_is"]),
     (["--truncation", "penalize", "--loss_options.mask_truncated_completions", "true"],
      ["'truncation' = 'penalize'", "never trained on"]),
+    (["--steps", "5"], ["'warmup_steps' = 10", "smaller than steps = 5", "warmup_steps: 0 for none"]),
+    # a length reward that never applies; a reward listed twice (its values kept under one name)
+    (["--kimi_length_coef", "0.1", "--kimi_length_warmup_steps", "150"],
+     ["kimi_length_warmup_steps", "smaller than steps = 150", "never apply"]),
+    (["--rewards", "[partial_match, exact_match, partial_match]"], ["rewards", "lists 'partial_match' twice"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:
@@ -182,8 +187,10 @@ def test_a_bare_boolean_flag_means_true(tmp_path, capsys):
                                           r"value that starts with -- is given as --lr=VALUE\)$"):
         load_config(None, ["--lr", "--steps", "3"])
     assert load_config(None, ["--run_dir=--odd"]).run_dir == "--odd"
-    with pytest.raises(SystemExit, match="--config needs a file"):
-        main(["train", "--config", "--steps", "3"])
+    assert main(["train", "--config", "--steps", "3"]) == 2  # as every CLI error: exit 2, "error:" (it exited 1)
+    assert capsys.readouterr().err == ("fused-rl train: error: --config needs a file (bundled configs, by name: "
+                                       "['default', 'smollm2'])\n")
+    assert main(["train", "--config"]) == 2 and "--config needs a file" in capsys.readouterr().err
     # through the CLI: a bare --resume resumes (here: no checkpoint, the resume error)
     assert main(["train", "--run_dir", str(tmp_path / "none"), "--resume"]) == 2
     assert "resume: no checkpoint in run_dir" in capsys.readouterr().err
@@ -198,6 +205,9 @@ def test_fields_of_the_wrong_type_are_config_errors(field, value):
 @pytest.mark.parametrize("sizes, words", [
     ({"hidden_size": 30}, ["model_config", "hidden size (30) is not a multiple"]),
     ({"vocab_size": 5}, ["model_config", "['vocab_size'] are set by the tiny model's character tokenizer"]),
+    # sizes LlamaConfig takes but the model cannot run (they failed at the first forward, a traceback)
+    ({"num_key_value_heads": 3}, ["model_config", "the tiny Llama refuses it", "must match the size"]),
+    ({"rms_norm_eps": float("nan")}, ["model_config", "logits are not finite"]),
 ])
 def test_bad_tiny_model_sizes_are_config_errors(tmp_path, sizes, words):
     from fused_rl.train.trainer import Trainer
@@ -206,6 +216,25 @@ def test_bad_tiny_model_sizes_are_config_errors(tmp_path, sizes, words):
         Trainer(small(tmp_path, model_config=sizes), quiet=True)
     for w in words:
         assert w in str(info.value), str(info.value)
+
+
+def test_task_errors_name_the_task_and_the_backend_is_checked_before_the_model_loads(tmp_path, monkeypatch):
+    """The copy task's errors said "reverse task" (its base class's); an unusable backend was refused only after
+    the model had loaded (minutes for a real one)."""
+    from fused_rl.train import trainer as trainer_module
+
+    with pytest.raises(ConfigError, match=r"^copy task: need integers 1 <= min_digits <= max_digits, got 5, 3$"):
+        trainer_module.Trainer(small(tmp_path, task_args={"min_digits": 5}), quiet=True)
+    if torch.cuda.is_available():
+        return
+
+    def no_loading(*args):
+        raise AssertionError("the model loaded before the backend was checked")
+
+    monkeypatch.setattr(trainer_module, "load_policy", no_loading)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="config field 'backend' = 'cuda'"):
+        trainer_module.Trainer(small(tmp_path, backend="cuda"), quiet=True)
 
 
 def test_model_config_is_for_the_tiny_model_only(tmp_path):

@@ -14,7 +14,7 @@ from typing import Optional
 
 
 def _train(argv: list[str]) -> int:
-    from .config import load_config
+    from .config import ConfigError, bundled_names, load_config
     from .trainer import Trainer, close_distributed
 
     config = None
@@ -23,7 +23,7 @@ def _train(argv: list[str]) -> int:
     while i < len(argv):
         if argv[i] in ("-c", "--config"):
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise SystemExit("fused-rl train: --config needs a file")
+                raise ConfigError(f"--config needs a file (bundled configs, by name: {bundled_names()})")
             config = argv[i + 1]
             i += 2
         elif argv[i].startswith("--config="):

@@ -337,12 +337,19 @@ class TrainConfig:
             fail("kimi_length_coef", f"the Kimi length reward compares the lengths of one prompt's samples: needs "
                                      f"group_size >= 2 (group_size = {self.group_size})")
         self._resolve_paths()
+        twice = sorted({r for r in self.rewards if self.rewards.count(r) > 1})
+        if twice:
+            fail("rewards", f"lists {', '.join(map(repr, twice))} twice (a reward's values are logged and read by "
+                            "correct_reward under its name): weight it with reward_weights instead")
         if self.resolved_minibatch > self.rollout_size or self.rollout_size % self.resolved_minibatch:
             fail("minibatch_size", f"must divide the rollout batch prompts_per_step * group_size = {self.rollout_size}")
         if self.resolved_minibatch % self.resolved_micro:
             fail("micro_batch_size", f"must divide minibatch_size = {self.resolved_minibatch}")
         if self.warmup_steps >= self.steps and self.warmup_steps > 0:
-            fail("warmup_steps", f"must be smaller than steps = {self.steps}")
+            fail("warmup_steps", f"must be smaller than steps = {self.steps} (warmup_steps: 0 for none)")
+        if self.kimi_length_coef > 0 and self.kimi_length_warmup_steps >= self.steps:
+            fail("kimi_length_warmup_steps", f"must be smaller than steps = {self.steps}: the length reward would "
+                                             "never apply")
         self.loss_config()  # validates the loss fields together
         self._reject_unused()
         return self

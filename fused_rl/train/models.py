@@ -111,10 +111,15 @@ def tiny_model(vocab_size: int, sizes: Optional[dict] = None) -> nn.Module:
         config = LlamaConfig(vocab_size=vocab_size, pad_token_id=CharTokenizer.pad_token_id,
                              bos_token_id=CharTokenizer.bos_token_id, eos_token_id=CharTokenizer.eos_token_id, **cfg)
         config._attn_implementation = "eager"
-        return LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():  # sizes it takes but cannot run (key-value heads that do not divide the heads, ...)
+            logits = model.eval()(torch.tensor([[CharTokenizer.bos_token_id]])).logits
     except Exception as exc:  # transformers' checks raise ValueError, TypeError or huggingface_hub's own errors
         raise ValueError(f"config field 'model_config' = {sizes}: the tiny Llama refuses it: "
                          f"{' '.join(str(exc).split())}") from exc
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"config field 'model_config' = {sizes}: the tiny Llama's logits are not finite")
+    return model.train()
 
 
 def _attn_impl(requested: str, device: torch.device) -> str:

@@ -250,12 +250,12 @@ class ReverseTask(Task):
 
     def __init__(self, min_digits: int = 3, max_digits: int = 3, digits: str = "0123456789", mode: str = "reverse"):
         if not (_is_int(min_digits) and _is_int(max_digits) and 1 <= min_digits <= max_digits):
-            raise ValueError(f"reverse task: need integers 1 <= min_digits <= max_digits, got {min_digits!r}, "
+            raise ValueError(f"{self.name} task: need integers 1 <= min_digits <= max_digits, got {min_digits!r}, "
                              f"{max_digits!r}")
         if mode not in ("reverse", "copy"):
-            raise ValueError(f"reverse task: mode must be 'reverse' or 'copy', got {mode!r}")
+            raise ValueError(f"{self.name} task: mode must be 'reverse' or 'copy', got {mode!r}")
         if not digits or set(digits) - set("0123456789"):
-            raise ValueError(f"reverse task: digits must be a non-empty subset of 0-9, got {digits!r}")
+            raise ValueError(f"{self.name} task: digits must be a non-empty subset of 0-9, got {digits!r}")
         self.min_digits, self.max_digits, self.digits, self.mode = min_digits, max_digits, digits, mode
 
     def make(self, rng: random.Random) -> dict:

@@ -173,13 +173,13 @@ class Trainer:
                               "count a wrong but well-formatted answer as correct and give it the length bonus)")
         self.loss_config = cfg.loss_config()
         self.advantage = cfg.resolved_advantage
+        try:  # before the model loads (minutes for a real one); load_policy's weights are fp32 whatever cfg.dtype
+            self.backend = resolve_linear_backend(cfg.backend, self.device, torch.float32)
+        except (RuntimeError, ValueError) as exc:  # e.g. backend: triton / cuda on a CPU-only machine
+            raise ConfigError(f"config field 'backend' = {cfg.backend!r}: {exc}") from exc
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         with _config_errors():
             lm, self.tokenizer = load_policy(cfg, self.task, self.device)
-        try:
-            self.backend = resolve_linear_backend(cfg.backend, self.device, next(lm.parameters()).dtype)
-        except (RuntimeError, ValueError) as exc:  # e.g. backend: triton / cuda on a CPU-only machine
-            raise ConfigError(f"config field 'backend' = {cfg.backend!r}: {exc}") from exc
         self.policy = PolicyModule(lm, value_head=self.advantage == "gae",
                                    compute_dtype=DTYPES[cfg.dtype]).to(self.device)
         # no dropout (as TRL's disable_dropout): the old, reference and training log-probs must be one
