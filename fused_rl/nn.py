@@ -166,7 +166,9 @@ def grpo_policy_loss_config(
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        extra["max_len"] = int(max_completion_length)
+        integral = isinstance(max_completion_length, numbers.Integral) and not isinstance(max_completion_length, bool)
+        # a numpy int as an int; anything else to the config's check (int(4.5) divided by 4 where Liger takes 4.5)
+        extra["max_len"] = int(max_completion_length) if integral else max_completion_length
     policy = "gspo" if importance_sampling_level == "sequence" else "ppo_clip"
     return PolicyLossConfig(policy_loss=policy, clip_low=float(epsilon_low), clip_high=float(epsilon_high), agg=agg,
                             delta=delta, **kl, **extra)

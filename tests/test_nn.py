@@ -323,6 +323,9 @@ def test_liger_unsupported_raise(ctor, forward, exc, needle):
     (dict(delta=float("nan")), r"^delta=nan: PolicyLossConfig.delta must be finite"),
     (dict(loss_type="vespo", vespo_lambda_neg=-1.0), r"^vespo_lambda_neg=-1.0: PolicyLossConfig.vespo_lambda_neg"),
     (dict(loss_type="dr_grpo", max_completion_length=0), r"^max_completion_length=0: PolicyLossConfig.max_len"),
+    # was int(4.5): a loss divided by 4 where Liger divides by 4.5
+    (dict(loss_type="dr_grpo", max_completion_length=4.5), r"^max_completion_length=4.5: .*must be a positive int"),
+    (dict(loss_type="dr_grpo", max_completion_length=True), r"^max_completion_length=True: .*must be a positive int"),
 ])
 def test_bad_settings_name_liger_arguments(ctor, needle):
     """Bad constructor values raise naming Liger's argument and its value (they named the PolicyLossConfig field
