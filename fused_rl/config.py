@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional
 
@@ -494,3 +497,37 @@ PRESETS: dict[str, dict[str, Any]] = {
     "vespo": dict(policy_loss="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
                   agg="token-mean"),
 }
+
+
+class OptionError(ValueError):
+    """A ``PolicyLossConfig.<field>`` ValueError of a function that builds the config from another library's
+    options (:func:`naming_arguments`), named by the ``argument`` it came from and that argument's value
+    (``epsilon_low=-0.1: PolicyLossConfig.clip_low must be >= 0, got -0.1``); ``cause`` the config's error."""
+
+    def __init__(self, argument: str, value: Any, cause: ValueError) -> None:
+        super().__init__(f"{argument}={value!r}: {cause}")
+        self.argument, self.cause = argument, cause
+
+
+def naming_arguments(argument_of_field: dict[str, str]):
+    """A decorator: the function raises :class:`OptionError` for a ``PolicyLossConfig.<field>`` ValueError of one
+    of its arguments (``argument_of_field`` maps the fields whose argument has another name), the names its callers
+    passed; other errors pass unchanged."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except ValueError as exc:
+                field = re.match(r"PolicyLossConfig\.(\w+)", str(exc))
+                arguments = inspect.signature(fn).bind(*args, **kwargs)
+                arguments.apply_defaults()
+                name = None if field is None else argument_of_field.get(field.group(1), field.group(1))
+                if name not in arguments.arguments:
+                    raise
+                raise OptionError(name, arguments.arguments[name], exc) from exc
+
+        return wrapper
+
+    return decorate

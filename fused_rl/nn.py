@@ -15,14 +15,13 @@ computing something else).
 from __future__ import annotations
 
 import functools
-import inspect
 import numbers
 import re
 from typing import Optional
 
 import torch
 
-from .config import IGNORE_INDEX, PolicyLossConfig
+from .config import IGNORE_INDEX, PolicyLossConfig, naming_arguments
 from .loss_math import Normalizer
 from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
@@ -38,36 +37,7 @@ GRPO_ARGUMENT_OF_FIELD = {"clip_low": "epsilon_low", "clip_high": "epsilon_high"
                           "rollout_is_max": "vllm_importance_sampling_clip_max"}
 
 
-class GRPOOptionError(ValueError):
-    """A ``PolicyLossConfig.<field>`` ValueError of :func:`grpo_policy_loss_config`, named by the ``argument`` it
-    came from and that argument's value (``epsilon_low=-0.1: PolicyLossConfig.clip_low must be >= 0``)."""
-
-    def __init__(self, argument: str, value, cause: ValueError) -> None:
-        super().__init__(f"{argument}={value!r}: {cause}")
-        self.argument, self.cause = argument, cause
-
-
-def _naming_arguments(fn):
-    """``fn`` raising :class:`GRPOOptionError` for a ``PolicyLossConfig.<field>`` ValueError of one of its
-    arguments, the names users passed."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ValueError as exc:
-            field = re.match(r"PolicyLossConfig\.(\w+)", str(exc))
-            arguments = inspect.signature(fn).bind(*args, **kwargs)
-            arguments.apply_defaults()
-            name = None if field is None else GRPO_ARGUMENT_OF_FIELD.get(field.group(1), field.group(1))
-            if name not in arguments.arguments:
-                raise
-            raise GRPOOptionError(name, arguments.arguments[name], exc) from exc
-
-    return wrapper
-
-
-@_naming_arguments
+@naming_arguments(GRPO_ARGUMENT_OF_FIELD)
 def grpo_policy_loss_config(
     loss_type: str = "dapo",
     *,

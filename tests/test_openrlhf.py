@@ -342,6 +342,9 @@ def test_config_mapping():
     (dict(is_correction_mode="truncate"), "is_correction_mode"),
     (dict(is_correction_gating="kl"), "is_correction_gating"),
     (dict(is_correction_level="seq", is_correction_mode="clip"), "needs is_correction_level='token'"),
+    # checked with the correction off too, as OpenRLHF's constructor
+    (dict(is_correction_level="off", is_correction_mode="clip", is_correction_gating="tv"),
+     "needs is_correction_level='token'"),
     (dict(is_correction_level="token", is_correction_gating="tv"), "upper bound only"),
     (dict(is_correction_level="token", is_correction_threshold=(2.0, 1.0)), "low <= high"),
     (dict(is_correction_level="seq", is_correction_threshold=(float("nan"), 1.0)), "low <= high"),
@@ -357,6 +360,20 @@ def test_constructor_checks(kwargs, needle):
                                   options.get("is_correction_mode", "mask"),
                                   options.get("is_correction_gating", "ratio"),
                                   *options.get("is_correction_threshold", (0.5, 5.0)))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(clip_eps_low=-0.1), r"^clip_eps_low=-0.1: PolicyLossConfig.clip_low must be >= 0"),
+    (dict(clip_eps_high=float("nan")), r"^clip_eps_high=nan: PolicyLossConfig.clip_high must be finite"),
+    (dict(dual_clip=float("inf")), r"^dual_clip=inf: PolicyLossConfig.dual_clip must be finite"),
+])
+def test_bad_settings_name_openrlhf_s_argument(kwargs, needle):
+    """Settings the config refuses are named by OpenRLHF's argument and its value (they named the PolicyLossConfig
+    field: ``clip_eps_low=-0.1`` raised ``PolicyLossConfig.clip_low must be >= 0``)."""
+    with pytest.raises(ValueError, match=needle):
+        PolicyLoss(**kwargs)
+    with pytest.raises(ValueError, match=r"^kl_coef=-0.5: PolicyLossConfig.beta must be >= 0"):
+        policy_loss_config_from_openrlhf(kl_coef=-0.5)
 
 
 def test_bad_inputs_raise_naming_openrlhf_s_argument():

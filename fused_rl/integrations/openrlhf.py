@@ -61,7 +61,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import PolicyLossConfig
+from ..config import PolicyLossConfig, naming_arguments
 from ..loss_math import (ROLLOUT_LOG_RHO_BOUND, compute_policy_loss as _compute_policy_loss, importance_ratio,
                          masked_mean, ratio_bounds, responses_factor)
 from ..ops import _check_linear_targets, linear_policy_loss
@@ -92,6 +92,9 @@ def _check_is_correction(level: str, mode: str, gating: str, threshold) -> tuple
                                  (gating, "is_correction_gating", IS_CORRECTION_GATINGS)):
         if value not in choices:
             _fail(f"{name} must be one of {'/'.join(choices)}, got {value!r}")
+    if mode == "clip" and (level == "seq" or gating != "ratio"):  # also with level "off", as OpenRLHF
+        _fail("is_correction_mode='clip' needs is_correction_level='token' and is_correction_gating='ratio' "
+              "(only the token ratio is a weight that can be clamped)")
     if level == "off":
         return -float("inf"), float("inf")
     try:
@@ -100,9 +103,6 @@ def _check_is_correction(level: str, mode: str, gating: str, threshold) -> tuple
         _fail(f"is_correction_threshold must be two numbers (low, high), got {threshold!r}")
     if not low <= high:  # also NaN
         _fail(f"is_correction_threshold must satisfy low <= high, got {threshold!r}")
-    if mode == "clip" and (level == "seq" or gating != "ratio"):
-        _fail("is_correction_mode='clip' needs is_correction_level='token' and is_correction_gating='ratio' "
-              "(only the token ratio is a weight that can be clamped)")
     if gating != "ratio" and level != "off" and low > 0:
         _fail(f"is_correction_gating={gating!r} takes an upper bound only (low must be 0, got {low})")
     return low, high
@@ -158,6 +158,7 @@ def is_correction_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.
     return torch.where(mask, weights, one), ~keep
 
 
+@naming_arguments({"clip_low": "clip_eps_low", "clip_high": "clip_eps_high", "beta": "kl_coef"})
 def policy_loss_config_from_openrlhf(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,

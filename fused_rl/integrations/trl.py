@@ -57,8 +57,9 @@ from typing import Any, Optional
 
 import torch
 
+from ..config import OptionError
 from ..loss_math import entropy_quantile_across, importance_ratio, kl_estimator, rollout_weights, vespo_weights
-from ..nn import NUM_ITEMS_LOSS_TYPES, SUPPORTED_LOSS_TYPES, GRPOOptionError, grpo_policy_loss_config
+from ..nn import NUM_ITEMS_LOSS_TYPES, SUPPORTED_LOSS_TYPES, grpo_policy_loss_config
 from ..ops import linear_policy_loss, linear_token_logprobs
 from ..validation import binary_mask
 from .hf_models import plain_lm_head_problems
@@ -245,7 +246,7 @@ def _checked_config(trainer: GRPOTrainer):
                                   + "; ".join(problems))
     try:
         return _loss_config(trainer)
-    except GRPOOptionError as exc:  # name the GRPOConfig option (Liger's epsilon_low is TRL's epsilon)
+    except OptionError as exc:  # name the GRPOConfig option (Liger's epsilon_low is TRL's epsilon)
         option = "epsilon" if exc.argument == "epsilon_low" else exc.argument
         if not hasattr(trainer.args, option):
             raise
