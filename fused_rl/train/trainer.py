@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import fused_rl
 from fused_rl import advantages as adv_lib
 from fused_rl import loss_math
 
