@@ -17,7 +17,7 @@ from .backends.reference import compute_dtype
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .outputs import PolicyLossOutput
-from .validation import (INDEX_DTYPES, _check_per_token, _is_compiling, check_flag, check_logits, check_not_meta,
+from .validation import (INDEX_DTYPES, LOGIT_DTYPES, _check_per_token, _is_compiling, check_flag, check_logits, check_not_meta,
                          check_rows_disjoint, check_temperature, prepare_policy_inputs, run_value_checks,
                          target_range_ok, token_logprobs_checks)
 
@@ -121,15 +121,18 @@ def _memory_budget(memory_budget_bytes) -> Optional[int]:
 
 def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     for x, name in ((hidden, "hidden"), (weight, "weight")):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating torch.Tensor")
+        if not isinstance(x, torch.Tensor) or x.dtype not in LOGIT_DTYPES:
+            raise ValueError(f"{name} must be a float32, bfloat16, float16 or float64 torch.Tensor, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)}")
     check_not_meta(hidden, "hidden")
     if hidden.dim() != 3 or hidden.numel() == 0:
         raise ValueError(f"hidden must have non-empty shape (B, T, H), got {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.shape[0] == 0:
         raise ValueError(f"weight must have shape (V, H={hidden.shape[2]}), got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+        raise ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: cast one of them "
+                         "(under autocast the head's output has the autocast dtype, its weight keeps its own; "
+                         "fused_rl.nn's modules cast both to the wider dtype)")
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
     if bias is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fused_rl
-from fused_rl.backends import tiled_linear, torch_linear
+from fused_rl.backends import get_backend, tiled_linear, torch_linear
 from fused_rl.backends.custom_ops import config_args
 from fused_rl.backends.reference import ReferenceBackend
 from fused_rl.validation import prepare_policy_inputs
@@ -588,6 +588,24 @@ def test_autocast_does_not_change_the_gradients(backend, amp):
     for name, got, expected in zip(names, *results[::-1]):  # the reference's backward GEMMs are autocast's
         assert got.dtype == expected.dtype == torch.float32, name
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "reference"])
+def test_operand_dtypes_are_refused_by_name(backend):
+    """float8 operands, which no backend computes in, are refused under ``auto`` as when named (``auto`` fell back to
+    the torch backend and returned float8 gradients, most entries rounded to 0); so is a bf16 / fp32 pair (autocast's
+    bf16 head output against the fp32 head weight), with the way out."""
+    case = make_linear_case(vocab=50, hidden_size=16, seed=0)
+    args = (case.targets, case.advantages, case.mask)
+    fp8 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="hidden must be a float32, bfloat16, float16 or float64 torch.Tensor"):
+        fused_rl.linear_policy_loss(case.hidden.to(fp8), case.weight.to(fp8), *args, backend=backend)
+    with pytest.raises(ValueError, match="weight must be a float32, bfloat16, float16 or float64 torch.Tensor"):
+        fused_rl.linear_token_logprobs(case.hidden, case.weight.to(fp8), case.targets, backend=backend)
+    with pytest.raises(ValueError, match=r"weight dtype torch.float32 differs from hidden dtype torch.bfloat16: cast"):
+        fused_rl.linear_policy_loss(case.hidden.bfloat16(), case.weight, *args, backend=backend)
+    with pytest.raises(ValueError, match="backend 'torch' does not support torch.float8_e4m3fn"):
+        get_backend("auto", torch.device("cpu"), fp8, linear=True)
 
 
 @pytest.mark.parametrize("backend", [b for b in ("torch", "cpu", "triton")

@@ -76,7 +76,7 @@ def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = 
             if be is not None and (dtype is None or dtype in be.dtypes) and (be.has_linear or not linear) \
                     and be.unavailable_reason(device) is None:
                 return be
-        return _REGISTRY["torch"]
+        name = "torch"  # the fallback, checked as if named: a dtype no backend takes is refused
     be = _REGISTRY.get(name)
     if be is None:
         raise RuntimeError(f"backend {name!r} is unavailable: {_MISSING.get(name, 'not registered')}")
