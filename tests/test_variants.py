@@ -372,6 +372,22 @@ def test_truncated_rows_contribute_nothing():
     torch.testing.assert_close(out.loss, expected.loss)
 
 
+@pytest.mark.parametrize("device, backend", [pytest.param("cpu", "reference", id="reference"), *device_backends()])
+def test_off_policy_mask_with_per_token_advantages_drops_the_negative_tokens(device, backend):
+    """README: with advantages ``(B, T)`` the off-policy mask's ``A < 0`` is a per-token condition, so a sequence
+    past ``delta`` keeps its ``A >= 0`` tokens: the loss of reinforce (``-A logp``, token mean over all 4 tokens)
+    without the middle token, which is what the mask drops."""
+    case = on_device(make_case(batch=1, length=4, vocab=VOCAB.get(backend, 100), seed=3), device)
+    targets, mask = case.targets, torch.ones_like(case.mask)
+    logp = torch.log_softmax(case.logits.double(), -1).gather(-1, targets[..., None])[..., 0]
+    adv = torch.tensor([[1.0, -1.0, 0.5, 2.0]], device=device)
+    out = fused_rl.policy_loss(case.logits, targets, adv, mask, rollout_logprobs=(logp + 1.0).clamp(max=0).float(),
+                               config=PolicyLossConfig(policy_loss="reinforce", off_policy_mask=0.1), backend=backend)
+    kept = torch.tensor([[1.0, 0.0, 1.0, 1.0]], dtype=torch.float64, device=device)
+    torch.testing.assert_close(out.loss.double(), -(adv.double() * logp * kept).sum() / 4, rtol=1e-5, atol=0)
+    assert out.metrics["off_policy_mask_frac"].item() == 0.25
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(config=PolicyLossConfig(rollout_is="token_mask")), "needs rollout_logprobs"),
     (dict(rollout_logprobs=torch.zeros(4, 5)), "only used with config.rollout_is or config.off_policy_mask"),
