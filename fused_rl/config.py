@@ -132,8 +132,8 @@ class PolicyLossConfig:
       old_t)`` the token ratio (1 on-policy) whatever ``policy_loss``: OpenRLHF's ``unbiased_gradient`` (``C =
       KL_IS_WEIGHT_CLIP = 10``), the off-policy estimate ``E_old[w k1 grad logp]`` of the reverse KL's gradient.
     * ``kl_bias_correction``: the KL term is ``beta * r * kl`` with the (differentiable) importance
-      ratio ``r`` (sequence ratio for gspo / gmpo; gspo_token: its value, with the token's own gradient ``d r_t / d logp_t
-      = r_t``, as TRL), DeepSeek-V3.2's unbiased KL gradient
+      ratio ``r`` (sequence ratio for gspo / gmpo; gspo_token: its value, with the token's own gradient
+      ``d r_t / d logp_t = r_t``, as TRL), DeepSeek-V3.2's unbiased KL gradient
       off-policy; TRL's ``use_bias_correction_kl``. For k3 and the ``"X+"`` estimators its gradient is the
       exact slope, not autograd's cancelling product (:func:`fused_rl.loss_math.bias_corrected_kl`).
     * ``rollout_is`` (needs ``rollout_logprobs``, the sampler's log-probs): importance weight

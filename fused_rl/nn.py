@@ -253,7 +253,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     Same constructor and ``forward`` arguments, same return value ``(loss, metrics)`` with
     ``metrics = (kl_mean, clip_ratio)`` when ``beta != 0`` and ``(clip_ratio,)`` otherwise, where
-    ``kl_mean = sum(k3 m) / max(sum m, 1)`` (``r k3`` with ``use_bias_correction_kl``, as Liger logs it) and ``clip_ratio`` is the masked fraction of tokens with
+    ``kl_mean = sum(k3 m) / max(sum m, 1)`` (``r k3`` with ``use_bias_correction_kl``, as Liger logs it) and
+    ``clip_ratio`` is the masked fraction of tokens with
     ``r < 1-eps_low, A < 0`` or ``r > 1+eps_high, A > 0`` (cispo: ``r > eps_high, A > 0``; sequence level:
     the sequence ratio, counted on every token). See :func:`grpo_policy_loss_config` for the losses.
     ``dapo``/``cispo``/``vespo`` divide by ``num_items_in_batch / world_size`` (clamped at 1) or, without it, by

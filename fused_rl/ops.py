@@ -17,9 +17,9 @@ from .backends.reference import compute_dtype
 from .config import PolicyLossConfig
 from .loss_math import Normalizer
 from .outputs import PolicyLossOutput
-from .validation import (INDEX_DTYPES, LOGIT_DTYPES, _check_per_token, _is_compiling, check_flag, check_logits, check_not_meta,
-                         check_rows_disjoint, check_temperature, prepare_policy_inputs, run_value_checks,
-                         target_range_ok, token_logprobs_checks)
+from .validation import (INDEX_DTYPES, LOGIT_DTYPES, _check_per_token, _is_compiling, check_flag, check_logits,
+                         check_not_meta, check_rows_disjoint, check_temperature, prepare_policy_inputs,
+                         run_value_checks, target_range_ok, token_logprobs_checks)
 
 
 def _check_flags(**flags) -> None:
