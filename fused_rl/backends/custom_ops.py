@@ -175,10 +175,19 @@ def register_stored_grad(attach_op, scale_, backend: str) -> None:
     def backward(ctx, grad):
         consume_stored_grad(ctx, backend)
         (dlogits,) = ctx.saved_tensors
+        if is_batched(grad):  # no batching rule for the in-place scale: one product per batch entry
+            return None, dlogits * grad, None
         scale_(dlogits, grad)
         return None, dlogits, None
 
     attach_op.register_autograd(backward, setup_context=setup_context)
+
+
+def is_batched(grad: torch.Tensor) -> bool:
+    """Whether a backward's incoming gradient is a batch of them (``torch.autograd.grad(..., is_grads_batched=True)``,
+    ``jacobian(vectorize=True)``): the ``out=`` and in-place products of the stored gradients have no batching rule,
+    so their backwards multiply out of place there."""
+    return torch._C._functorch.is_legacy_batchedtensor(grad) or torch._C._functorch.is_batchedtensor(grad)
 
 
 def consume_stored_grad(ctx, backend: str) -> None:

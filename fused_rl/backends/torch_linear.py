@@ -42,7 +42,8 @@ from ..config import IGNORE_INDEX, PolicyLossConfig
 from ..loss_math import aggregation_weights, compute_policy_loss, metrics, per_token_loss
 from ..outputs import PolicyLossOutput
 from ..validation import PolicyInputs
-from .custom_ops import autocast_free_op, config_args, config_from_args, host_floats, refuse_double_backward
+from .custom_ops import (autocast_free_op, config_args, config_from_args, host_floats, is_batched,
+                         refuse_double_backward)
 
 #: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
 MEMORY_BUDGET_BYTES: Optional[int] = None
@@ -458,6 +459,9 @@ def scale_grads(ctx, g_loss, grads=None):
     (the product in the stored dtype, e.g. the fp32 accumulator of the weight gradient, rounded once to
     the input dtype on store: one pass over it, no temporary); None where not needed."""
     grads = ctx.saved_tensors if grads is None else grads
+    if is_batched(g_loss):
+        return tuple((g * g_loss.to(g.dtype)).to(dtype) if need else None
+                     for g, need, dtype in zip(grads, ctx.flags, ctx.dtypes))
     return tuple(torch.mul(g, g_loss.to(g.dtype), out=torch.empty(g.shape, dtype=dtype, device=g.device))
                  if need else None for g, need, dtype in zip(grads, ctx.flags, ctx.dtypes))
 
