@@ -450,6 +450,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             vllm_is_ratio = vllm_is_ratio.squeeze(1)  # Liger's per-sequence (B, 1) form
         config = self.config
         if isinstance(_input, torch.Tensor) and _input.dim() == 3 and _input.shape[0] * _input.shape[1] == 0:
+            # the token count's all_reduce as on the ranks with tokens (an unmatched one breaks the next collective)
+            self._normalizer(torch.zeros((), device=_input.device), num_items_in_batch)
             return self._no_tokens(_input, lin_weight, bias, selected_token_ids, attention_mask)
         ref = None
         if config.kl is not None:
@@ -466,19 +468,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         scored = mask  # the tokens the loss counts (-100: no token); mismatched ids raise in linear_policy_loss
         if isinstance(selected_token_ids, torch.Tensor) and selected_token_ids.shape == mask.shape:
             scored = mask & (selected_token_ids != IGNORE_INDEX)
-        normalizer = None
-        if self.loss_type in NUM_ITEMS_LOSS_TYPES:
-            world = _world_size()
-            if isinstance(num_items_in_batch, torch.Tensor):
-                n = num_items_in_batch.to(device=_input.device, dtype=torch.float32)
-            elif num_items_in_batch is not None:  # a Python number stays one: under torch.compile a tensor made
-                n = float(num_items_in_batch)      # from it would be a constant of the graph, one graph per value
-            else:
-                n = scored.sum().to(torch.float32)
-                if world > 1:
-                    n = n.clone()
-                    torch.distributed.all_reduce(n)
-            normalizer = max(n / world, 1.0) if isinstance(n, float) else (n / world).clamp(min=1.0)
+        normalizer = self._normalizer(scored.sum(), num_items_in_batch)
         _input, lin_weight, bias = _widest(_input, lin_weight, bias)
         if isinstance(advantages, torch.Tensor) and not advantages.is_floating_point():
             advantages = advantages.to(torch.float32)
@@ -494,6 +484,24 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             metrics.append(out.metrics["kl_mean"])
         metrics.append(self._clip_ratio(out, advantages, scored, old_per_token_logps))
         return out.loss, tuple(metrics)
+
+    def _normalizer(self, local_tokens: torch.Tensor, num_items_in_batch):
+        """dapo / cispo / vespo's token normalizer (None for the other loss types), as Liger's:
+        ``max(num_items_in_batch / world_size, 1)`` or, without it, the loss tokens of all ranks (``local_tokens``
+        summed by one ``all_reduce``, on every rank, an empty one included) over the world size."""
+        if self.loss_type not in NUM_ITEMS_LOSS_TYPES:
+            return None
+        world = _world_size()
+        if isinstance(num_items_in_batch, torch.Tensor):
+            n = num_items_in_batch.to(device=local_tokens.device, dtype=torch.float32)
+        elif num_items_in_batch is not None:  # a Python number stays one: under torch.compile a tensor made
+            n = float(num_items_in_batch)      # from it would be a constant of the graph, one graph per value
+        else:
+            n = local_tokens.to(torch.float32)
+            if world > 1:
+                n = n.clone()
+                torch.distributed.all_reduce(n)
+        return max(n / world, 1.0) if isinstance(n, float) else (n / world).clamp(min=1.0)
 
     def _no_tokens(self, _input, lin_weight, bias, selected_token_ids, attention_mask):
         """A micro-batch without tokens (``B == 0`` or ``T == 0``, e.g. a rank that dynamic sampling left empty): loss

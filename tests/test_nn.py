@@ -572,6 +572,47 @@ def test_a_micro_batch_without_tokens_is_a_zero_loss(batch, length, beta):
         FusedLinearGRPOLoss(beta=beta)(h, w, targets, torch.ones(batch + 1, length), torch.randn(batch))
 
 
+def _empty_rank_step(rank: int, init_file: str, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        h, w = torch.randn(3, 5, 8, generator=g), torch.randn(20, 8, generator=g).requires_grad_(True)
+        targets, mask, adv = torch.randint(0, 20, (3, 5), generator=g), torch.ones(3, 5), torch.randn(3, generator=g)
+        mask[1, 2:] = 0
+        rows = slice(0, 3 if rank == 0 else 0)
+        loss, _ = FusedLinearGRPOLoss(beta=0.0, loss_type="dapo")(h[rows].requires_grad_(True), w, targets[rows],
+                                                                   mask[rows], adv[rows])
+        loss.backward()
+        dist.all_reduce(w.grad)  # DDP's: the next collective after the loss's token count
+        torch.save({"loss": loss.detach(), "grad": w.grad}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_without_tokens_joins_the_token_count(tmp_path):
+    """dapo without ``num_items_in_batch`` all-reduces the token count on every rank: a rank whose micro-batch is
+    empty takes part too (it returned early before, and its unmatched collective broke DDP's gradient all-reduce:
+    gloo's "collective mismatch"); the other rank's loss is the one-process loss over its 12 tokens / 2 ranks."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_empty_rank_step, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(3, 5, 8, generator=g), torch.randn(20, 8, generator=g).requires_grad_(True)
+    targets, mask, adv = torch.randint(0, 20, (3, 5), generator=g), torch.ones(3, 5), torch.randn(3, generator=g)
+    mask[1, 2:] = 0
+    expected, _ = FusedLinearGRPOLoss(beta=0.0, loss_type="dapo")(h, w, targets, mask, adv, num_items_in_batch=12 / 2)
+    expected.backward()
+    assert got[1]["loss"].item() == 0.0
+    torch.testing.assert_close(got[0]["loss"], expected.detach(), rtol=1e-6, atol=0)
+    for rank in range(2):
+        torch.testing.assert_close(got[rank]["grad"], w.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_dr_grpo_takes_its_max_completion_length_after_construction():
     """Liger asks for dr_grpo's ``max_completion_length`` at ``forward`` only: constructing without it works, a
     ``forward`` without it raises, and assigning it afterwards gives the loss of a module constructed with it."""
