@@ -1,11 +1,11 @@
 // Closed-form per-token policy-loss epilogue shared by the C++ CPU and the CUDA kernels.
 //
-// This header is the only second copy of fused_rl/loss_math.py (tests/test_native.py checks it
-// against autograd of loss_math.per_token_loss). For one unmasked token with log-prob `logp`,
-// entropy `H`, advantage `a`, old / ref / rollout log-probs and aggregation weight `w` it returns the
-// value of the per-token loss l_t and w * dl_t/dlogp, w * dl_t/dH, using the same tie rules as torch
-// autograd (torch.maximum / minimum split the gradient in half on ties, clamp passes it at the
-// bounds):
+// This header is, with the Triton epilogue (kernels/epilogue.py), the only other copy of
+// fused_rl/loss_math.py (tests/test_native.py checks it against autograd of loss_math.per_token_loss).
+// For one unmasked token with log-prob `logp`, entropy `H`, advantage `a`, old / ref / rollout
+// log-probs and aggregation weight `w` it returns the value of the per-token loss l_t and
+// w * dl_t/dlogp, w * dl_t/dH, using the same tie rules as torch autograd (torch.maximum / minimum
+// split the gradient in half on ties, clamp passes it at the bounds):
 //
 //   r = exp(logp - old)                     (old = sg(logp) on-policy: r = 1, dr/dlogp = r; an r that
 //                                            overflows to inf is a constant: no gradient through it)

@@ -394,7 +394,7 @@ class PolicyLossConfig:
         cispo, ``sapo_temperature_*`` outside sapo, ``vespo_*`` outside vespo, ``rollout_is_min`` / ``_max``
         without ``rollout_is``, ``cov_ratio`` without ``cov_mode``, ``clip_cov_lb`` / ``_ub`` and ``kl_cov_coef``
         outside clip_cov / kl_cov. (Construction refuses the other such fields when they differ from their defaults:
-        ``dual_clip``, ``delta``, ``max_len``, ``kl_bias_correction``.)"""
+        ``dual_clip``, ``delta``, ``max_len``, ``kl_bias_correction``, ``kl_clamp``, ``kl_is_clip``.)"""
         clipped = ("ppo_clip", "gspo", "gspo_token", "gmpo") + DPPO
         readers = {"clip_low": (self.policy_loss in clipped, f"is not used by policy_loss {self.policy_loss!r}"),
                    "clip_high": (self.policy_loss in clipped + ("cispo",),

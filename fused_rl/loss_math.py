@@ -367,8 +367,8 @@ def bias_corrected_kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, 
     Far off-policy, where ``r`` is small and ``d`` large, each term is its limit (:func:`_ratio_kl_parts`): at a
     ``-inf`` log-prob (``r = 0``, ``d = inf``) a token-level ``r kl`` is ``exp(ref - old)`` for k3 and k3+ and 0 for
     the others, its ``logp`` gradient 0 (k3+: ``r (k3 - d) -> exp(ref - old)``; the plain product was ``0 * inf =
-    NaN``); past ``d = 88``, where fp32's ``exp(d)``
-    overflows, k3's ``r kl`` is ``exp(ref - old) - r (d + 1)``, finite (the product was ``inf``). An overflowed ``r``
+    NaN``); past :data:`KL_BIAS_FAR` (before fp32's ``exp(d)`` overflows at 88), k3's ``r kl`` is
+    ``exp(ref - old) - r (d + 1)``, finite (the product was ``inf``). An overflowed ``r``
     (an old log-prob far below the new one) is a constant in the backward and forward mode, as :func:`ratio_exp`
     makes it: ``r kl`` is ``+-inf`` (0 for a zero term), its ``logp`` gradient ``r K'`` (0 for a zero slope), its
     ``old`` gradient 0; second derivatives there are not defined (NaN). A sequence ratio
@@ -788,8 +788,9 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
     Clip fractions follow TRL (``low``: ``r < 1-clip_low`` and ``A < 0``; ``high``: ``r > 1+clip_high``
     and ``A > 0``; gmpo: the token log-ratio beyond ``-clip_low`` / ``clip_high``); cispo's ``high``
     counts every truncated weight ``r > 1+clip_high``; dppo's the tokens its trust-region mask drops (``high``: ``A >
-    0``, ``low``: ``A <= 0``; ``clip_frac`` is verl's ``pg_clipfrac``); ``dual``: tokens where the dual-clip cap
-    ``-c A`` is the active value. For gspo (one ratio a sequence) they are fractions of the ``B`` sequences, as TRL's
+    0``, ``low``: ``A <= 0``; ``clip_frac`` is verl's ``pg_clipfrac``); ``dual``: tokens with ``A < 0`` and ``r > c``
+    (the dual clip's condition; with a ``delta`` below ``c`` it is ``delta``'s cap ``-delta A`` that binds
+    there). For gspo (one ratio a sequence) they are fractions of the ``B`` sequences, as TRL's
     ``importance_sampling_level="sequence"`` counts them (a sequence counts if any of its tokens does). With the
     options that use them (``extras`` of :class:`TokenTerms`):
     ``rollout_is_mean`` (the applied rollout weight), ``rollout_is_clip_frac`` (tokens whose ``rho`` is
@@ -810,7 +811,8 @@ def metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c
         lo, hi = ratio_bounds(ratio, config)
         low, high = (ratio < lo) & (a < 0), (ratio > hi) & (a > 0)
         if config.dual_clip is not None:
-            # for A < 0 the clipped surrogate is |A| max(r, 1 - clip_low); the cap |A| c binds when r > c.
+            # for A < 0 the clipped surrogate is |A| max(u, 1 - clip_low) (u = r, or min(r, delta)); the cap |A| c
+            # binds when u > c, counted as r > c (a delta below c binds first: its cap, counted here too)
             dual = (a < 0) & (ratio > config.dual_clip)
     elif config.policy_loss == "gmpo":
         log_ratio = extras["log_ratio"]

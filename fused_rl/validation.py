@@ -312,7 +312,7 @@ class PolicyInputs:
     @property
     def kernel_advantages(self) -> torch.Tensor:
         """``A * rollout_is_weights`` (or ``A``): the advantages the single-pass kernels read. Their
-        token-local policy terms (ppo_clip with dual clip / delta, sapo, cispo, reinforce) are positively
+        token-local policy terms (ppo_clip with dual clip / delta, sapo, cispo, dppo, reinforce) are positively
         homogeneous in ``A`` (``pg(c A) = c pg(A)`` for ``c >= 0``, gradient included), so the weights fold
         into the advantages; the KL and entropy terms do not read ``A``. Metrics keep ``advantages``."""
         return self.advantages if self.is_weights is None else self.advantages * self.is_weights

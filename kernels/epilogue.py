@@ -73,7 +73,8 @@ def epilogue_args(config, on_policy: bool) -> dict:
     """Kernel arguments (runtime floats and constexpr switches) of a token-level ``PolicyLossConfig``,
     in the order of :func:`token_epilogue`'s parameters after ``valid``."""
     if not config.has_token_epilogue:
-        raise ValueError(f"no token epilogue for this config (sequence ratio or mask, top-entropy quantile): {config}")
+        raise ValueError("no token epilogue for this config (sequence ratio or mask, top-entropy quantile, cov_mode): "
+                         f"{config}")
     kl = config.kl
     lo, hi = (config.rollout_is_min, config.rollout_is_max) if config.rollout_is is not None else (None, None)
     return dict(
@@ -97,7 +98,7 @@ def epilogue_args(config, on_policy: bool) -> dict:
 
 @triton.jit
 def expm1(x):
-    """``exp(x) - 1`` accurate near 0: Taylor to ``x^9 / 9!`` for ``|x| < 0.5`` (truncation < 3e-10
+    """``exp(x) - 1`` accurate near 0: Taylor to ``x^9 / 9!`` for ``|x| < 0.5`` (truncation < 1e-9
     relative), ``exp(x) - 1`` elsewhere. Does not rely on an accurate ``log`` (GPU ``log`` is approximate)."""
     p = 1.0 / 362880.0
     p = p * x + 1.0 / 40320.0

@@ -1,16 +1,17 @@
 """Triton kernels over vocabulary logits ``(B, T, V)`` (any ``stride(0)``, ``stride(1)``; unit stride along V).
 
-One program per row ``n = b * T + t`` on grid axis 0 (up to 2^31 - 1 rows, no 65,535 limit); all
-pointer offsets are int64. Per row, with ``z = x / tau`` accumulated in fp32 whatever the input dtype:
+One program per tile of ``BLOCK_N`` rows ``n = b * T + t`` (one row at large vocabularies) on grid axis 0
+(up to 2^31 - 1 programs, no 65,535 limit); all pointer offsets are int64. Per row, with ``z = x / tau``
+accumulated in fp32 whatever the input dtype:
 
 * **stats** (one read of the row): online raw max ``m = max x``, ``s = sum exp((x - m) / tau)`` and
   ``q = sum exp((x - m) / tau) (x - m) / tau`` over blocks of ``BLOCK_V`` (``m`` starts at ``-inf``, masked
   lanes load ``-inf``; ``m`` is subtracted before the scaling by ``1 / tau``, so large ``|x|`` costs no
   accuracy), giving ``logp = (x_target - m) / tau - log s`` and ``H = -sum p log p = log s - q / s``;
-  ``m`` and ``log s`` are saved apart (``lse = m / tau + log s`` rounded to one fp32 loses ``log s`` when
-  ``|m|`` is large, and with it ``1 - p`` of a near-certain token);
+  ``m`` and ``log s`` (as ``log2 s``) are saved apart (``lse = m / tau + log s`` rounded to one fp32 loses
+  ``log s`` when ``|m|`` is large, and with it ``1 - p`` of a near-certain token);
 * **grad** (one read + one write): ``dlogits_j = (g_logp (onehot_j - p_j) + g_H p_j (E[z] - z_j)) / tau``
-  with ``p_j = exp((z_j - m) - log s)`` and ``E[z] - z_j = -H - log p_j``, from the saved ``m``,
+  with ``p_j = exp((x_j - m) / tau - log s)`` and ``E[z] - z_j = -H - log p_j``, from the saved ``m``,
   ``log s`` (and ``H``);
 * **fused policy loss** (stats loop, then the epilogue of :mod:`fused_rl.kernels.epilogue` on the
   row's scalars, then the grad loop with ``g_logp = w dl/dlogp``, ``g_H = w dl/dH``): reads the
@@ -90,7 +91,8 @@ def block_config(vocab: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_V, num_warps)``: blocks of up to 8192 vocabulary entries for 2-byte logits and
     4096 for fp32 (16 KiB per row block load, 16-32 elements per thread), i.e. 19 / 38 blocks per row at
     V = 151936 with one row per program; ``BLOCK_N = TILE_ELEMENTS // BLOCK_V`` rows (at least 1) per
-    program for small vocabularies; 4 warps up to 1024 elements per tile, 8 above. On an H200 at
+    program for small vocabularies; 4 warps up to 1024 elements per tile (only with a ``TILE_ELEMENTS`` below its
+    4096, as tests set), 8 above. On an H200 at
     N = 16384, V = 151936 bf16 with GRAD_REVERSE and CACHE_HINTS: 8192 x 8 warps 2.99 ms, 4096 x 4 or 8
     3.09-3.10, 16384 x 16 3.07, 8192 x 16 3.16, 2048 x 4 3.34 (docs/triton.md)."""
     cap = MAX_BLOCK_V if MAX_BLOCK_V is not None else (8192 if dtype.itemsize <= 2 else 4096)

@@ -128,8 +128,8 @@ def _sequences_in_two_passes(device: torch.device) -> bool:
 def _fold_sequence_rollout(config: PolicyLossConfig, inputs: PolicyInputs) -> tuple[tuple[str, torch.Tensor],
                                                                                     torch.Tensor]:
     """The kernel config and advantages of a sequence-level rollout correction off-policy: ``w`` of
-    :func:`loss_math.rollout_weights` (``rho = exp(sum_t m (old - rollout))`` truncated or masked, detached, a
-    function of the old and rollout log-probs only) multiplies the policy term alone, which is positively
+    :func:`loss_math.rollout_weights` (``rho = exp(clamp(sum_t m (old - rollout), -20, 20))`` truncated or masked,
+    detached, a function of the old and rollout log-probs only) multiplies the policy term alone, which is positively
     homogeneous in ``A`` (``PolicyInputs.kernel_advantages``): the kernel runs the config without the correction
     on ``A w``."""
     w = rollout_weights(inputs.old, inputs.rollout, inputs.mask, config)[1]

@@ -6,7 +6,7 @@ before the scaling by ``1 / tau``, so ``zs`` is rounded relative to ``z - m``, n
 
     m = max z,  zs = (z - m) / tau,  s = sum exp(zs),  p = exp(zs) / s
     logp = zs_target - log s,  H = log s - E_p[zs]
-    dz   = (g_logp (onehot - p) + g_H p (E_p[z] - z)) / tau
+    dz   = (g_logp (onehot - p) + g_H p (E_p[zs] - zs)) / tau
     grad_h = dz @ W,  grad_W += dz^T h (fp32 accumulator),  grad_b += sum_rows dz
 
 ``g_logp`` and ``g_H`` (the derivatives of the loss w.r.t. the tile's per-token log-probs and
@@ -47,7 +47,7 @@ from .custom_ops import (autocast_free_op, config_args, config_from_args, host_f
 
 #: Bytes of logits-sized temporaries one tile may hold (two ``(n, V)`` buffers). ``None`` -> default.
 MEMORY_BUDGET_BYTES: Optional[int] = None
-#: Default budget: 128 MiB, i.e. 512 tokens per tile at V = 32000 in fp32.
+#: Default budget: 128 MiB, i.e. 524 tokens per tile at V = 32000 in fp32.
 DEFAULT_MEMORY_BUDGET_BYTES = 128 << 20
 #: Default budget on CUDA (this module's tiles and the tiled route's of :mod:`.tiled_linear`): 1 GiB, 1046
 #: tokens a tile here and 1395 in the tiled route's mixed mode at V = 128256. Thin tiles cost GEMM efficiency
@@ -242,7 +242,7 @@ def _tile_stats(h, t, weight_c, bias_c, inv_tau: float, with_entropy: bool, ws: 
 
 
 def _tile_dlogits(state, t, g_logp, g_ent, inv_tau: float) -> torch.Tensor:
-    """``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``p = e / s``, written over ``zs``
+    """``dz = (g_logp (onehot - p) + g_H p (E_p[zs] - zs)) / tau`` with ``p = e / s``, written over ``zs``
     (``(V, n)``, i.e. ``dz^T``)."""
     zs, e, inv_s = state[:3]
     gl = (g_logp * inv_tau).unsqueeze(0)
@@ -495,8 +495,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                        memory_budget_bytes: Optional[int] = None) -> PolicyLossOutput:
     """The backend method: aggregation weights and metrics on ``(B, T)`` vectors around one op call.
 
-    A batch-level config (the top-entropy quantile: no token's coefficient is known before every
-    token's entropy is) takes two passes instead: :func:`linear_token_logprobs` (stats; its backward
+    A batch-level config (the top-entropy quantile, ``cov_mode``: no token's coefficient is known before every
+    token's entropy / log-prob is) takes two passes instead: :func:`linear_token_logprobs` (stats; its backward
     recomputes the tiles) and :func:`fused_rl.loss_math.compute_policy_loss` on the ``(B, T)`` vectors."""
     batch, length, _ = hidden.shape
     want_ent = compute_entropy or config.needs_entropy
@@ -576,7 +576,7 @@ def linear_token_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
                       targets: torch.Tensor, g_logp: torch.Tensor, g_entropy: Optional[torch.Tensor],
                       temperature: torch.Tensor, need_h: bool, need_w: bool, need_b: bool,
                       n_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recompute each tile and apply ``dz = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``; returns
+    """Recompute each tile and apply ``dz = (g_logp (onehot - p) + g_H p (E_p[zs] - zs)) / tau``; returns
     ``(grad_hidden, grad_weight, grad_bias)``, empty where not needed."""
     cdtype, hidden_flat, weight_c, bias_c = _prepare(hidden, weight, bias)
     inv_tau = 1.0 / float(temperature)
