@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -944,6 +945,26 @@ def test_torn_checkpoint_and_metrics_line(tmp_path):
     metrics.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         read_metrics(tmp_path / "run")
+
+
+def test_resume_needs_the_checkpoint_s_number_of_processes(tmp_path):
+    """A checkpoint records how many processes wrote it: a resume with another number is a ConfigError before
+    anything is restored (2 -> 1 resumed silently with half the global batch, 1 -> 2 failed on a missing RNG file
+    of rank 1); a save removes the RNG files of ranks the run does not have (left by a run with more processes)."""
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=1, save_every=1), quiet=True).train()
+    ckpt = checkpoint.checkpoint_dir(tmp_path / "run")
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    assert state["world_size"] == 1
+    torch.save({**state, "world_size": 2}, ckpt / "state.pt")  # as 2 processes write it
+    shutil.copy(ckpt / "rng_rank0.pt", ckpt / "rng_rank1.pt")
+    with pytest.raises(ConfigError, match=r"resume: the checkpoint in .* was written by 2 process\(es\) and this run "
+                                          r"has 1: .*torchrun --nproc_per_node 2"):
+        Trainer(small(tmp_path, steps=2, resume=True), quiet=True)
+    torch.save(state, ckpt / "state.pt")
+    Trainer(small(tmp_path, steps=2, resume=True), quiet=True).train()
+    assert sorted(p.name for p in ckpt.glob("rng_rank*.pt")) == ["rng_rank0.pt"]
 
 
 def test_resume_refuses_a_change_that_rebuilds_another_reference_model(tmp_path):

@@ -1,7 +1,8 @@
 """Checkpoints: model (+ value head), optimizer, scheduler, step and every RNG state, for exact resume.
 
-Layout in ``RUN_DIR/checkpoint/``: ``state.pt`` (model, optimizer, scheduler, step, config; written by
-rank 0) and ``rng_rank{R}.pt`` (torch / CUDA / Python / NumPy RNGs and the prompt sampler of rank R).
+Layout in ``RUN_DIR/checkpoint/``: ``state.pt`` (model, optimizer, scheduler, step, config, the number of processes;
+written by rank 0) and ``rng_rank{R}.pt`` (torch / CUDA / Python / NumPy RNGs and the prompt sampler of rank R). A
+resume needs the same number of processes (each samples ``prompts_per_step`` prompts from its own sampler).
 Writes go to a temporary file first, then are renamed, so a crash never leaves half a file; each RNG file
 records its step, so a crash between the files' renames (the state of step 20, the RNGs of step 10) is
 refused at load instead of resuming inexactly.
@@ -52,14 +53,18 @@ def set_rng_state(state: dict, prompt_rng: random.Random) -> None:
 
 
 def save(run_dir, *, model, optimizer, scheduler, step: int, config: dict, prompt_rng: random.Random,
-         rank: int = 0, barrier=None) -> Path:
+         rank: int = 0, world_size: int = 1, barrier=None) -> Path:
     d = checkpoint_dir(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     _atomic_save({**rng_state(prompt_rng), "step": step}, d / f"rng_rank{rank}.pt")
     if rank == 0:
         _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "scheduler": scheduler.state_dict(), "step": step, "config": config}, d / "state.pt")
+                      "scheduler": scheduler.state_dict(), "step": step, "config": config,
+                      "world_size": world_size}, d / "state.pt")
         drop_metrics_aside(run_dir)  # an earlier run's metrics, set aside: its checkpoint is gone
+        for stale in d.glob("rng_rank*.pt"):  # of an earlier run with more processes
+            if int(stale.stem[len("rng_rank"):]) >= world_size:
+                stale.unlink(missing_ok=True)
     if barrier is not None:
         barrier()
     return d
@@ -111,6 +116,10 @@ class CheckpointMismatch(ValueError):
     """The checkpoint's model does not fit the model built from the current config."""
 
 
+class WorldSizeMismatch(ValueError):
+    """The checkpoint was written by another number of processes than the resuming run has."""
+
+
 def _same(saved, current) -> bool:
     """Equal config values, or two names of one existing file or directory (a model path saved relative by an
     older run, resumed from the same working directory)."""
@@ -120,12 +129,20 @@ def _same(saved, current) -> bool:
             and Path(saved).resolve() == Path(current).resolve())
 
 
-def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, rank: int = 0,
+def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, rank: int = 0, world_size: int = 1,
          map_location="cpu", fixed: Optional[dict] = None) -> int:
     """Restore everything saved by :func:`save`; returns the step to continue from. Raises
-    :class:`CheckpointMismatch` (a message and the checkpoint's config) when its model does not load into
-    ``model`` or its config differs from ``fixed`` (``{field: value}`` the run must keep)."""
+    :class:`WorldSizeMismatch` (on every rank, before anything is restored) when the checkpoint was written by
+    another number of processes, :class:`CheckpointMismatch` (a message and the checkpoint's config) when its model
+    does not load into ``model`` or its config differs from ``fixed`` (``{field: value}`` the run must keep)."""
     state = load_state(run_dir, map_location)
+    saved_world = state.get("world_size")  # None: written before it was recorded (the RNG files then tell)
+    if saved_world is not None and saved_world != world_size:
+        raise WorldSizeMismatch(f"the checkpoint in {checkpoint_dir(run_dir)} was written by {saved_world} "
+                                f"process(es) and this run has {world_size}: each process samples prompts_per_step "
+                                f"prompts from its own sampler state, so the run would go on with another global "
+                                f"batch; resume with {saved_world} process(es) (torchrun --nproc_per_node "
+                                f"{saved_world})")
     saved = state.get("config", {})
     changed = sorted(name for name, value in (fixed or {}).items() if not _same(saved.get(name), value))
     if changed:

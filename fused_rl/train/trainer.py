@@ -214,7 +214,7 @@ class Trainer:
             try:
                 self.step = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
                                             scheduler=self.scheduler, prompt_rng=self.prompt_rng, rank=self.rank,
-                                            map_location=self.device,
+                                            world_size=self.world, map_location=self.device,
                                             fixed={name: getattr(cfg, name) for name in ref_fields})
             except checkpoint.CheckpointMismatch as exc:
                 message, saved = exc.args
@@ -223,6 +223,8 @@ class Trainer:
                 raise ConfigError(f"resume: the checkpoint in {str(self.run_dir)!r} does not fit this config's model "
                                   f"({message}); fields changed since it was written (checkpoint, now): "
                                   f"{changed}") from None
+            except checkpoint.WorldSizeMismatch as exc:
+                raise ConfigError(f"resume: {exc}") from None
             self._apply_optimizer_config()
 
     def _apply_optimizer_config(self) -> None:
@@ -469,7 +471,7 @@ class Trainer:
     def save(self) -> None:
         checkpoint.save(self.run_dir, model=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
                         step=self.step, config=to_dict(self.cfg), prompt_rng=self.prompt_rng, rank=self.rank,
-                        barrier=dist.barrier if self.world > 1 else None)
+                        world_size=self.world, barrier=dist.barrier if self.world > 1 else None)
 
     def _metrics_file(self) -> Path:
         return self.run_dir / "metrics.jsonl"
