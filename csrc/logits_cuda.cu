@@ -310,7 +310,8 @@ __device__ Acc row_reduce(const T* row, int64_t V, float scale2, Acc* smem) {
   __syncthreads();
   const Acc r = smem[32];
   __syncthreads();  // smem is reused by the next row
-  if (any_nan || r.m * scale2 == INFINITY || r.m == -INFINITY) return Acc{NAN, NAN, NAN};
+  // m / tau = inf: no softmax (m scale2 overflows earlier, by log2(e), for finite rows the CPU kernel computes)
+  if (any_nan || r.m * (scale2 * kLn2) == INFINITY || r.m == -INFINITY) return Acc{NAN, NAN, NAN};
   return r;
 }
 

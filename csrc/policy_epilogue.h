@@ -71,7 +71,10 @@ struct EpilogueOut {
   float g_ent;   // w * dl/dH
 };
 
-FRL_HD float frl_clamp(float x, float lo, float hi) { return fminf(fmaxf(x, lo), hi); }
+// torch.clamp / torch.minimum: a NaN operand gives NaN (fminf / fmaxf would drop it: a NaN old log-prob, which
+// only check_inputs=False lets through, gave a finite gradient where the reference's is NaN)
+FRL_HD float frl_clamp(float x, float lo, float hi) { return x != x ? x : fminf(fmaxf(x, lo), hi); }
+FRL_HD float frl_min(float x, float y) { return (x != x || y != y) ? NAN : fminf(x, y); }
 
 // d(clamp(x, lo, hi))/dx as torch computes it: 1 on the closed interval, else 0.
 FRL_HD float frl_clamp_grad(float x, float lo, float hi) { return (x >= lo && x <= hi) ? 1.0f : 0.0f; }
@@ -112,7 +115,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
                                       : ((rho >= p.rollout_min && rho <= p.rollout_max) ? rho : 0.0f);
   }
   if (p.policy == kCispo) {
-    const float tw = fminf(r, 1.0f + p.clip_high);
+    const float tw = frl_min(r, 1.0f + p.clip_high);
     loss = frl_weighted(-tw * a, logp);
     dl_dlogp = -tw * a;
   } else if (p.policy == kReinforce) {
@@ -126,7 +129,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
     // d sigmoid(x) / dr = tau s sigmoid(-x): 1 - s would be 0 once s rounds to 1 (x > 17), e^-x is not
     dl_dlogp = frl_times_ratio(-4.0f * a * s * (1.0f / (1.0f + expf(x))), r);
   } else if (p.policy == kDppoTv || p.policy == kDppoKl) {
-    const float tw = p.has_delta ? fminf(r, p.delta) : r;
+    const float tw = p.has_delta ? frl_min(r, p.delta) : r;
     const float lq = p.has_old ? old : logp;
     const float prob = expf(logp), q = expf(lq);
     bool up, down;
@@ -198,7 +201,7 @@ FRL_HD EpilogueOut policy_epilogue(const EpilogueParams& p, float logp, float en
       k = k > p.kl_clamp ? p.kl_clamp : (k < -p.kl_clamp ? -p.kl_clamp : k);  // a NaN passes
     }
     if (p.kl_straight) {  // the gradient of k2 = d^2 / 2, 0 at an infinite d (loss_math._k2_slope)
-      dk_dd = fabsf(d) == INFINITY ? 0.0f : (p.has_kl_is ? fminf(r, p.kl_is_clip) * d : d);
+      dk_dd = fabsf(d) == INFINITY ? 0.0f : (p.has_kl_is ? frl_min(r, p.kl_is_clip) * d : d);
       k3_slope = false;
     }
     if (p.beta != 0.0f) {

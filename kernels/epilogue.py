@@ -42,8 +42,9 @@ checks it against autograd of ``per_token_loss`` on random inputs. With ``r = ex
 * entropy bonus: ``l -= entropy_coef H``, ``dl/dH = -entropy_coef``;
 * a NaN ``logp`` (a row whose softmax is undefined: NaN / ``+inf`` logits, or all ``-inf``) gives
   ``l = dl/dlogp = r = NaN`` (and ``kl = NaN`` with ``KL``) at a valid token for every option, as
-  autograd of the reference does: the on-policy ``r = 1``, ``tl.minimum`` / ``tl.maximum`` (which drop
-  NaN on GPUs) and the clamps would otherwise lose it.
+  autograd of the reference does: the on-policy ``r = 1`` and the clamps would otherwise lose it. Every min / max
+  / clamp keeps a NaN operand (``_nan_min`` / ``_nan_max``, as torch's), so a NaN old / ref / rollout log-prob
+  (possible only with ``check_inputs=False``) gives what the reference gives.
 
 Every output is 0 at masked tokens (``valid == False``); the ratio is 1 there. Each option is a
 ``tl.constexpr`` switch (an unused one compiles to nothing); its numbers are runtime arguments (a
@@ -134,16 +135,30 @@ def _weighted(coef, x):
 
 
 @triton.jit
+def _nan_min(x, y):
+    """``torch.minimum`` / the upper side of ``torch.clamp``: NaN where either operand is (``tl.minimum`` drops a NaN
+    on GPUs, and in the interpreter: a NaN old log-prob, which only ``check_inputs=False`` lets through, gave a finite
+    loss where the reference's is NaN)."""
+    return tl.minimum(x, y, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _nan_max(x, y):
+    """``torch.maximum`` / the lower side of ``torch.clamp``: NaN where either operand is."""
+    return tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _max_grad(x, y, dx, dy):
     """``(max(x, y), d max)`` from the derivatives ``dx``, ``dy`` of ``x``, ``y``: torch's rule, half of
     each on ties."""
-    return tl.maximum(x, y), tl.where(x > y, dx, tl.where(x < y, dy, 0.5 * (dx + dy)))
+    return _nan_max(x, y), tl.where(x > y, dx, tl.where(x < y, dy, 0.5 * (dx + dy)))
 
 
 @triton.jit
 def _min_grad(x, y, dx, dy):
     """``(min(x, y), d min)``, half of each derivative on ties (torch's rule)."""
-    return tl.minimum(x, y), tl.where(x < y, dx, tl.where(x > y, dy, 0.5 * (dx + dy)))
+    return _nan_min(x, y), tl.where(x < y, dx, tl.where(x > y, dy, 0.5 * (dx + dy)))
 
 
 @triton.jit
@@ -178,9 +193,9 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         if ROLLOUT == 1:  # token_truncate
             w_is = rho
             if HAS_RIS_MIN:
-                w_is = tl.maximum(w_is, ris_min)
+                w_is = _nan_max(w_is, ris_min)
             if HAS_RIS_MAX:
-                w_is = tl.minimum(w_is, ris_max)
+                w_is = _nan_min(w_is, ris_max)
         else:  # token_mask
             keep = valid
             if HAS_RIS_MIN:
@@ -189,10 +204,10 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
                 keep = keep & (rho <= ris_max)
             w_is = tl.where(keep, rho, zero)
     if POLICY == 0:  # ppo_clip
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+        clipped = _nan_min(_nan_max(ratio, 1.0 - clip_low), 1.0 + clip_high)
         d_clipped = tl.where((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high), -a, zero)
         if HAS_DELTA:
-            unclipped = tl.minimum(ratio, delta)
+            unclipped = _nan_min(ratio, delta)
             d_unclipped = tl.where(ratio <= delta, -a, zero)
         else:
             unclipped = ratio
@@ -205,7 +220,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             dl_dr = tl.where(neg, d_capped, dl_dr)
         dlogp = _times_ratio(dl_dr, ratio)
     elif POLICY == 1:  # cispo
-        weight = tl.minimum(ratio, 1.0 + clip_high)
+        weight = _nan_min(ratio, 1.0 + clip_high)
         loss = _weighted(-weight * a, lp)
         dlogp = -weight * a
     elif POLICY == 2:  # reinforce
@@ -220,7 +235,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
     else:  # dppo: 4 total variation, 5 binary KL
         weight = ratio
         if HAS_DELTA:
-            weight = tl.minimum(ratio, delta)
+            weight = _nan_min(ratio, delta)
         prob = tl.exp(lp)
         if ON_POLICY:
             lq = lp
@@ -260,10 +275,10 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
             kl = tl.abs(d)
             dkl = tl.where(d > 0.0, zero - 1.0, tl.where(d < 0.0, zero + 1.0, zero))
         else:  # low_var_kl
-            dc = tl.minimum(tl.maximum(d, -20.0), 20.0)
+            dc = _nan_min(_nan_max(d, -20.0), 20.0)
             em1 = expm1(dc)
             k3 = em1 - dc
-            kl = tl.minimum(tl.maximum(k3, -10.0), 10.0)
+            kl = _nan_min(_nan_max(k3, -10.0), 10.0)
             inside = (d >= -20.0) & (d <= 20.0) & (k3 >= -10.0) & (k3 <= 10.0)
             dkl = tl.where(inside, -em1, zero)
         if KL_CLAMP:  # clamp(kl, -c, c), its gradient passing on the closed interval (torch's clamp)
@@ -273,7 +288,7 @@ def token_epilogue(logp, entropy, old, ref, rollout, adv, valid,
         if KL_ST:  # "X+": the value of X, the gradient of k2 (0 at an infinite d, as loss_math._k2_slope)
             dkl = tl.where(tl.abs(d) == float("inf"), zero, -d)
             if KL_IS:  # times sg(min(r, C)), the token ratio
-                dkl = tl.minimum(ratio, kl_is_clip) * dkl
+                dkl = _nan_min(ratio, kl_is_clip) * dkl
         kl = tl.where(valid, kl, zero)
         if KL_BIAS:  # r kl with the differentiable ratio: d(r kl)/dlogp = r kl + r dkl, products at their limits
             rd = _times_limit(ratio, d)

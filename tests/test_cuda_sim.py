@@ -353,6 +353,15 @@ def test_fp16_gradient_is_formed_after_the_loss_scale(cuda_kernels):
     assert cuda_kernels.calls["cuda_token_grad"] == 1 and cuda_kernels.calls["cuda_policy_fused"] == 0
 
 
+def test_nan_inputs_and_logits_near_the_float32_maximum(cuda_kernels):
+    """The epilogue's min / max / clamp keep a NaN old / ref / rollout log-prob as torch's; a finite row max above
+    ``float32 max / log2(e)`` is a defined softmax."""
+    for nan_in in ("old", "ref", "rollout"):
+        hardening.test_a_nan_log_prob_input_gives_what_the_reference_gives("cpu", nan_in)
+    hardening.test_finite_logits_near_the_float32_maximum_have_a_softmax("cpu")
+    assert cuda_kernels.calls["cuda_policy_fused"] > 0 and cuda_kernels.calls["cuda_token_stats"] > 0
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_a_huge_jump_of_the_row_max(cuda_kernels, temperature):

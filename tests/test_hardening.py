@@ -1231,3 +1231,61 @@ def test_batched_backward_matches_the_reference(backend, config):
     for got, expected in zip(grads(backend), grads("reference")):
         assert got.shape[0] == 3
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+NAN_INPUT_CONFIGS = {
+    "ppo": PolicyLossConfig(), "dual_delta": PolicyLossConfig(dual_clip=3.0, delta=1.5),
+    "cispo": PolicyLossConfig(policy_loss="cispo", clip_high=4.0), "sapo": PolicyLossConfig(policy_loss="sapo"),
+    "reinforce": PolicyLossConfig(policy_loss="reinforce"), "dppo_kl": PolicyLossConfig(policy_loss="dppo_kl", delta=2.0),
+    "tis_truncate": PolicyLossConfig(policy_loss="reinforce", rollout_is="token_truncate"),
+    "tis_mask": PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5),
+    "low_var_kl": PolicyLossConfig(kl="low_var_kl", beta=0.1), "k1_clamp": PolicyLossConfig(kl="k1", beta=0.1, kl_clamp=5.0),
+    "k2+_is": PolicyLossConfig(kl="k2+", beta=0.1, kl_is_clip=2.0),
+    "k3_bias": PolicyLossConfig(kl="k3", beta=0.1, kl_bias_correction=True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("nan_in", ["old", "ref", "rollout"])
+def test_a_nan_log_prob_input_gives_what_the_reference_gives(backend, nan_in):
+    """A NaN old / ref / rollout log-prob (refused by the value checks; ``check_inputs=False`` and ``torch.compile``
+    skip them) gives the reference's loss and logits gradient, NaN where the reference's is: the kernels' min / max /
+    clamp keep a NaN operand as torch's do (``fminf`` / ``tl.minimum`` dropped it: cispo's gradient came out finite,
+    a truncated rollout weight -inf, the Triton loss finite)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 3, 16, generator=g)
+    targets = torch.randint(0, 16, (1, 3), generator=g)
+    mask, adv = torch.ones(1, 3, dtype=torch.bool), torch.tensor([0.7])
+    inputs = dict(old_logprobs=torch.tensor([[-2.1, -2.0, -2.5]]), ref_logprobs=torch.tensor([[-2.0, -1.0, -3.0]]),
+                  rollout_logprobs=torch.tensor([[-2.2, -2.1, -2.4]]))
+    inputs[f"{nan_in}_logprobs"][0, 0] = float("nan")
+    for name, config in NAN_INPUT_CONFIGS.items():
+        kw = dict(inputs)
+        if config.kl is None:
+            kw.pop("ref_logprobs")
+        if config.rollout_is is None:
+            kw.pop("rollout_logprobs")
+        results = []
+        for be in (backend, "reference"):
+            x = logits.clone().requires_grad_(True)
+            out = fused_rl.policy_loss(x, targets, adv, mask, config=config, backend=be, check_inputs=False, **kw)
+            out.loss.backward()
+            results.append((out.loss.detach(), x.grad))
+        for got, expected in zip(*results):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_finite_logits_near_the_float32_maximum_have_a_softmax(backend):
+    """A row whose max is finite but above ``float32 max / log2(e)`` (~2.4e38) is a defined softmax, as the reference
+    computes it: the CUDA kernel tested ``m log2(e) / tau`` for overflow instead of ``m / tau`` and made it NaN
+    (``tests/test_cuda_sim.py`` runs this on its emulation)."""
+    vocab = 16
+    x = torch.zeros(1, 2, vocab)
+    x[0, 0, 0], x[0, 0, 3], x[0, 1, 5] = 3.0e38, 1.5e38, 2.5e38
+    targets = torch.tensor([[0, 5]])
+    got = fused_rl.token_logprobs(x, targets, return_entropy=True, backend=backend)
+    expected = fused_rl.token_logprobs(x, targets, return_entropy=True, backend="reference")
+    for a, b in zip(got, expected):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
