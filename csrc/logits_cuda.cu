@@ -354,7 +354,8 @@ __device__ void row_grad(const T* row, TO* out, int64_t V, float scale2, float i
   const int64_t nvec = vectorized ? V / VEC : 0, start = nvec * VEC;  // for_each_vector's part
   const int64_t tvec = tune.reverse ? nvec - 1 - target / VEC : target / VEC;  // its k: on thread k % blockDim
   const int64_t owner = target < start ? tvec % blockDim.x : (target - start) % blockDim.x;
-  const bool own = threadIdx.x == owner;
+  // the callers send no target outside [0, V) here (NaN rows take another path); none is read or written if one came
+  const bool own = threadIdx.x == owner && target >= 0 && target < V;
   const float g_target = own ? gc.target(E::load(row + target)) : 0.0f;
   if (vectorized) {
     for_each_vector<T, U>(row, V, [&](float* v, int64_t j) {
