@@ -1236,10 +1236,12 @@ def test_batched_backward_matches_the_reference(backend, config):
 NAN_INPUT_CONFIGS = {
     "ppo": PolicyLossConfig(), "dual_delta": PolicyLossConfig(dual_clip=3.0, delta=1.5),
     "cispo": PolicyLossConfig(policy_loss="cispo", clip_high=4.0), "sapo": PolicyLossConfig(policy_loss="sapo"),
-    "reinforce": PolicyLossConfig(policy_loss="reinforce"), "dppo_kl": PolicyLossConfig(policy_loss="dppo_kl", delta=2.0),
+    "reinforce": PolicyLossConfig(policy_loss="reinforce"),
+    "dppo_kl": PolicyLossConfig(policy_loss="dppo_kl", delta=2.0),
     "tis_truncate": PolicyLossConfig(policy_loss="reinforce", rollout_is="token_truncate"),
     "tis_mask": PolicyLossConfig(rollout_is="token_mask", rollout_is_min=0.5),
-    "low_var_kl": PolicyLossConfig(kl="low_var_kl", beta=0.1), "k1_clamp": PolicyLossConfig(kl="k1", beta=0.1, kl_clamp=5.0),
+    "low_var_kl": PolicyLossConfig(kl="low_var_kl", beta=0.1),
+    "k1_clamp": PolicyLossConfig(kl="k1", beta=0.1, kl_clamp=5.0),
     "k2+_is": PolicyLossConfig(kl="k2+", beta=0.1, kl_is_clip=2.0),
     "k3_bias": PolicyLossConfig(kl="k3", beta=0.1, kl_bias_correction=True),
 }

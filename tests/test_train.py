@@ -604,7 +604,7 @@ def test_jsonl_task_bad_rows_name_file_and_line(tmp_path, line, words):
 def test_training_logprobs_match_the_sampling_distribution(tmp_path):
     """The hidden-state + linear-loss log-probs equal log_softmax(generate's logits / T) at the sampled
     tokens (the alignment of prompt / completion / positions is right, with left-padded prompts)."""
-    from fused_rl.train.rollout import generate, left_pad, position_ids_from
+    from fused_rl.train.rollout import left_pad, position_ids_from
     from fused_rl.train.trainer import Trainer
 
     cfg = small(tmp_path, temperature=0.7, task_args={"min_digits": 1, "max_digits": 4})
