@@ -7,6 +7,7 @@ Usage: TRITON_INTERPRET=0 python bench/compile_sm90.py [--all]
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -139,6 +140,19 @@ def split_ordering(kernel) -> str:
     return " ordered" if not missing else " UNORDERED: " + ", ".join(missing)
 
 
+def target_load_ordering(kernel) -> str:
+    """`` ordered`` when the row kernel's PTX has a ``bar.sync`` between the gradient loop's load of the target
+    logit (:func:`kernels.logits._row_grad`) and the first block store: in place, a block store of another warp
+    may overwrite that logit; else `` UNORDERED: target load``."""
+    lines, first = inspect.getsourcelines(K._row_grad.fn)
+    tag = f"logits.py:{first + next(i for i, line in enumerate(lines) if 'xt = tl.load(' in line)}:"
+    ptx = kernel.asm["ptx"].splitlines()
+    at = next(i for i, line in enumerate(ptx) if tag in line)
+    load = next(i for i in range(at, len(ptx)) if "ld.global" in ptx[i])
+    store = next(i for i in range(load, len(ptx)) if re.search(r"st\.global.*\.v\d", ptx[i]))
+    return " ordered" if any("bar.sync" in line for line in ptx[load:store]) else " UNORDERED: target load"
+
+
 def epilogue_signature(config, on_policy: bool) -> tuple[dict, dict]:
     """``(runtime float types, constexprs)`` of the epilogue arguments of ``config``."""
     args = E.epilogue_args(config, on_policy)
@@ -178,7 +192,7 @@ def main(full: bool) -> None:
             k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, **knobs}, warps)
             hints = "evict_last" in k.asm["ptx"] and "evict_first" in k.asm["ptx"]
             tag = " ".join(f"{n}={int(v)}" for n, v in knobs.items())
-            print(xdt, f"policy {tag}{' cache-hints' if hints else ''}", resource_usage(k))
+            print(xdt, f"policy {tag}{' cache-hints' if hints else ''}{target_load_ordering(k)}", resource_usage(k))
         k = compile_kernel(K._policy_kernel, {**types, **floats}, {**consts, "BLOCK_N": 4, "BLOCK_V": 1024}, 8)
         print(xdt, "policy BLOCK_N=4 BLOCK_V=1024", resource_usage(k))
         # the benchmark's config: the row kernel's instructions per block of its two loops, and the split's per column

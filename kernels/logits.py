@@ -244,6 +244,9 @@ def _row_grad(x_ptr, x_off, out_ptr, o_off, in_rows, tgt, valid, V, temperature,
     in_vocab = (tgt >= 0) & (tgt < V)
     xt = tl.load(x_ptr + x_off + tl.where(valid & in_vocab, tgt, 0), mask=valid & in_vocab,
                  other=0.0).to(tl.float32)
+    # in place (out = x) a block store of another warp may overwrite the target's logit: every thread has read
+    # it before any stores
+    tl.debug_barrier()
     a, b, h2, one_minus_pt = _grad_coefs(tgt, valid, V, temperature, xt, m_row, log2_s, ent, g_logp, g_h)
     n_blocks = tl.cdiv(V, BLOCK_V)
     if PREFETCH:  # the first block before the loop; each iteration loads the next (none past the row)

@@ -471,8 +471,9 @@ def test_kernels_compile_for_sm90():
     for line in res.stdout.splitlines():  # 16-byte vector loads of the logits at V = 151936
         if line.startswith(("bf16 stats", "bf16 grad", "bf16 policy", "bf16 scale")):
             assert "vec16" in line, line
-    assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=0 cache-hints" in res.stdout  # the eviction hints reach the PTX
-    assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=1 cache-hints" in res.stdout
+    # the eviction hints reach the PTX; a barrier orders the target logit's load before the block stores
+    assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=0 cache-hints ordered" in res.stdout
+    assert "bf16 policy REVERSE=1 HINTS=1 PREFETCH=1 cache-hints ordered" in res.stdout
     # the split pass's synchronization in the PTX (barrier, acq_rel arrival, acquire wait, L2 reads), and one row
     assert "UNORDERED" not in res.stdout and "bf16 policy split CHUNK=8192 warps=4 ordered" in res.stdout
     assert "bf16 policy split N=1" in res.stdout
