@@ -46,7 +46,7 @@ def token_logprobs(
     """
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
     token_logprobs_checks(logits, targets, temperature, check_inputs)
-    be = get_backend(backend, logits.device, logits.dtype)
+    be = get_backend(backend, logits.device, logits.dtype, differentiable=(logits,))
     logp, entropy = be.token_logprobs(logits, targets, float(temperature), bool(return_entropy))
     return (logp, entropy) if return_entropy else logp
 
@@ -100,7 +100,7 @@ def policy_loss(
         raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
     if inplace:
         check_rows_disjoint(logits)
-    be = get_backend(backend, logits.device, logits.dtype)
+    be = get_backend(backend, logits.device, logits.dtype, differentiable=(logits,))
     inputs = prepare_policy_inputs(
         tuple(logits.shape), logits.device, targets, advantages, mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, config=config,
@@ -184,7 +184,7 @@ def linear_policy_loss(
     _check_flags(compute_entropy=compute_entropy, check_inputs=check_inputs)
     _check_linear(hidden, weight, bias)
     memory_budget_bytes = _memory_budget(memory_budget_bytes)
-    be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
+    be = get_backend(backend, hidden.device, hidden.dtype, linear=True, differentiable=(hidden, weight, bias))
     batch, length, _ = hidden.shape
     inputs = prepare_policy_inputs(
         (batch, length, weight.shape[0]), hidden.device, targets, advantages, mask,
@@ -226,7 +226,7 @@ def linear_token_logprobs(
     if check_inputs and not _is_compiling():
         vocab = weight.shape[0]
         run_value_checks([(f"targets must be in [0, {vocab}) or -100", target_range_ok(targets, vocab))])
-    be = get_backend(backend, hidden.device, hidden.dtype, linear=True)
+    be = get_backend(backend, hidden.device, hidden.dtype, linear=True, differentiable=(hidden, weight, bias))
     logp, entropy = be.linear_token_logprobs(hidden, weight, bias, targets, float(temperature), bool(return_entropy),
                                              memory_budget_bytes)
     return (logp, entropy) if return_entropy else logp

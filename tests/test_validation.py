@@ -437,6 +437,42 @@ def test_torch_func_transforms_are_refused_by_name_on_fused_backends(backend):
             torch.func.vmap(fn)(x.unsqueeze(0))
 
 
+@pytest.mark.parametrize("backend", ["auto"] + fused_backends())
+def test_forward_mode_ad_is_refused_by_name_on_fused_backends(backend):
+    """A forward-mode dual input (``torch.autograd.forward_ad``) is refused naming the reference: a custom op
+    drops its tangent with no error, and the output's ``None`` tangent reads as a zero directional derivative.
+    The weight of the fused-linear functions counts too; a dual level whose inputs carry no tangent is no dual."""
+    import torch.autograd.forward_ad as fwAD
+
+    logits, hidden, calls = _functorch_calls(backend)
+    for name, fn, arg in calls:
+        x = logits if arg == "logits" else hidden
+        with fwAD.dual_level():
+            with pytest.raises(RuntimeError, match="without forward-mode AD.*backend='reference'"):
+                fn(fwAD.make_dual(x, torch.randn_like(x)))
+            torch.testing.assert_close(fn(x), fn(x.clone()), msg=name)  # no tangent: runs
+    args = good()
+    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="without forward-mode AD"):
+        fused_rl.linear_policy_loss(h, fwAD.make_dual(w, torch.ones_like(w)), args["targets"], args["advantages"],
+                                    args["mask"], backend=backend)
+
+
+def test_forward_mode_ad_runs_on_the_reference():
+    """The reference's forward-mode tangent is the directional derivative: the gradient dotted with the tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    logits, hidden, calls = _functorch_calls("reference")
+    for name, fn, arg in calls:
+        x = logits if arg == "logits" else hidden
+        v = torch.randn_like(x)
+        x_ag = x.clone().requires_grad_(True)
+        (gradient,) = torch.autograd.grad(fn(x_ag), x_ag)
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x, v))).tangent
+        torch.testing.assert_close(tangent, (gradient * v).sum(), msg=name)
+
+
 def test_torch_func_grad_runs_on_the_reference():
     logits, hidden, calls = _functorch_calls("reference")
     for name, fn, arg in calls:

@@ -7,9 +7,10 @@ backend that cannot run raises instead of silently falling back.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .base import Backend
 from .reference import ReferenceBackend
@@ -61,15 +62,26 @@ def _in_functorch_transform() -> bool:
     return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def _has_forward_tangent(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether one of ``tensors`` is a forward-mode AD dual (``torch.autograd.forward_ad.make_dual``), whose
+    tangent a custom op would drop without a word (a ``None`` tangent of the outputs reads as zero)."""
+    return (not torch.compiler.is_compiling() and fwAD._current_level >= 0
+            and any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors))
+
+
 def get_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = None,
-                linear: bool = False) -> Backend:
+                linear: bool = False, differentiable: Sequence[Optional[torch.Tensor]] = ()) -> Backend:
     """The backend to use for tensors on ``device`` (and of ``dtype``); ``linear`` asks for one that
-    implements the fused-linear operations."""
+    implements the fused-linear operations; ``differentiable``, the inputs the outputs are differentiated
+    by, are checked for forward-mode AD tangents (only the reference propagates them)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name != "reference" and _in_functorch_transform():
         raise RuntimeError("the fused backends are torch.library custom ops without torch.func rules: inside "
                            "torch.func.grad, vmap, jacrev and the other torch.func transforms use backend='reference'")
+    if name != "reference" and _has_forward_tangent(differentiable):
+        raise RuntimeError("the fused backends are torch.library custom ops without forward-mode AD (jvp) rules: "
+                           "for inputs with a tangent (torch.autograd.forward_ad.make_dual) use backend='reference'")
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("torch",)):
             be = _REGISTRY.get(candidate)
