@@ -92,8 +92,16 @@ def make_inputs(op: str, shape: Shape, device: str, seed: int = 0) -> dict:
     if not shape.ragged:
         lengths.fill_(t)  # after the draw: the later inputs stay those of the ragged case
     inputs["mask"] = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)
-    inputs["old"] = -torch.rand(b, t, **on) * 5
-    inputs["ref"] = inputs["old"] + 0.1 * torch.randn(b, t, **on)
+    # old / ref near the policy's own log-probs, as in a training step (ratios ~1, some clipped, a small KL):
+    # old = -5 rand (logp ~ -12) made every ratio ~e^-8 and the loss almost all KL
+    with torch.no_grad():
+        if op == "linear_policy_loss":
+            logp = fused_rl.linear_token_logprobs(inputs["hidden"], inputs["weight"], inputs["targets"],
+                                                  check_inputs=False)
+        else:
+            logp = fused_rl.token_logprobs(inputs["logits"], inputs["targets"], check_inputs=False)
+    inputs["old"] = (logp + 0.3 * torch.randn(b, t, **on)).clamp(max=0.0)
+    inputs["ref"] = (logp + 0.3 * torch.randn(b, t, **on)).clamp(max=0.0)
     return inputs
 
 
@@ -153,13 +161,18 @@ def _liger():
     return {"linear_policy_loss": linear}
 
 
+def _liger_triton_inputs(x: dict) -> dict:
+    """``triton_grpo_loss`` reads ``(B, L+1, V)`` logits (a causal LM's, the last position unused): padded once,
+    outside the timed step, and the padded tensor is the leaf (a ``cat`` in the step added a copy of the logits
+    and, in the backward, a zero fill and an add of two full-size gradients)."""
+    return {**x, "logits": torch.cat([x["logits"], x["logits"][:, -1:]], dim=1)}
+
+
 def _liger_triton():
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
     def loss(x):
-        logits = x["logits"]
-        padded = torch.cat([logits, logits[:, -1:]], dim=1)  # it expects (B, L+1, V)
-        out, _ = triton_grpo_loss(padded, x["old"], x["ref"], x["targets"], x["advantages"], x["mask"].int(),
+        out, _ = triton_grpo_loss(x["logits"], x["old"], x["ref"], x["targets"], x["advantages"], x["mask"].int(),
                                   temperature=1.0, beta=CONFIG.beta, eps_low=CONFIG.clip_low,
                                   eps_high=CONFIG.clip_high, inplace=False, loss_type="bnpo", reduce=True)
         return out
@@ -185,7 +198,8 @@ class Impl:
     devices: tuple = ("cpu", "cuda")
     requires: Optional[str] = None  # importable module needed
     backend: Optional[str] = None  # fused_rl backend name, availability checked at run time
-    note: str = ""
+    note: str = ""  # shown after the name in the report's table: what the row leaves out
+    prepare: Optional[Callable[[dict], dict]] = None  # the inputs in the peer's layout, made outside the timed step
 
 
 IMPLS = {
@@ -198,9 +212,9 @@ IMPLS = {
     "trl": Impl("trl", _trl, ops=("token_logprobs", "policy_loss"), requires="trl"),
     "liger": Impl("liger", _liger, ops=("linear_policy_loss",), requires="liger_kernel"),
     "liger-triton": Impl("liger-triton", _liger_triton, ops=("policy_loss",), devices=("cuda",),
-                         requires="liger_kernel"),
+                         requires="liger_kernel", prepare=_liger_triton_inputs),
     "cce": Impl("cce", _cce, ops=("linear_policy_loss",), devices=("cuda",), requires="cut_cross_entropy",
-                note="log-prob part only"),
+                note="advantage-weighted log-probs only: no clip, no KL"),
 }
 
 
@@ -224,8 +238,18 @@ def unavailable(impl: Impl, op: str, device: str) -> Optional[str]:
 
 
 def make_callable(op: str, impl_name: str, mode: str, inputs: dict) -> Callable[[], None]:
-    """A zero-argument function running one iteration (gradients reset each call)."""
-    fn = IMPLS[impl_name].build()[op]
+    """A zero-argument function running one iteration (gradients reset each call); its ``inputs`` attribute
+    holds what it runs on (``inputs``, or the implementation's ``prepare`` of them: their gradients' size)."""
+    impl = IMPLS[impl_name]
+    fn = impl.build()[op]
+    if impl.prepare is not None:
+        inputs = impl.prepare(inputs)
+    run = _iteration(fn, mode, inputs)
+    run.inputs = inputs
+    return run
+
+
+def _iteration(fn, mode: str, inputs: dict) -> Callable[[], None]:
     if mode == "fwd":
         def run():
             with torch.no_grad():

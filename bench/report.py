@@ -77,7 +77,9 @@ def table(rows: list[dict], device: str) -> str:
         ratio = "-"
         if mem is not None and base and base.get("peak_extra_bytes"):
             ratio = f"{mem / base['peak_extra_bytes']:.3f}"
-        lines.append(f"| {r['op']} | {r['mode']} | {shape} | {r['impl']} | {t * 1e3:.1f} | {speed} | {thr} | "
+        note = IMPLS[r["impl"]].note if r["impl"] in IMPLS else ""
+        impl = f"{r['impl']} ({note})" if note else r["impl"]
+        lines.append(f"| {r['op']} | {r['mode']} | {shape} | {impl} | {t * 1e3:.1f} | {speed} | {thr} | "
                      f"{mem_s} | {ratio} |")
     return "\n".join(lines)
 

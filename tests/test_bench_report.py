@@ -45,3 +45,46 @@ def test_each_implementation_keeps_its_colour(ns):
             assert list(line.get_xdata()) == ns and line.get_ydata()[-1] == pytest.approx(0.3 * 4 * 1e3)
     finally:
         plt.close(fig)
+
+
+def test_a_peer_that_computes_less_says_so_in_the_table():
+    """Cut Cross-Entropy's row is the advantage-weighted log-probs without clip or KL: the table says so next to
+    its name (``Impl.note`` was never printed, and the row read as the whole loss)."""
+    from bench.report import table
+
+    row = dict(op="linear_policy_loss", mode="fwd+bwd", n=256, v=1000, h=64, dtype="fp32", batch=8, time_s=0.01)
+    lines = table([dict(row, impl="reference"), dict(row, impl="cce")], "cuda").splitlines()
+    assert "| cce (advantage-weighted log-probs only: no clip, no KL) |" in lines[-1]
+    assert "| reference |" in lines[-2]
+
+
+def test_a_peer_layout_is_made_outside_the_timed_step():
+    """Liger's ``triton_grpo_loss`` reads ``(B, L+1, V)`` logits: the callable's inputs are padded once, before
+    timing, and the padded tensor is the gradient leaf (a ``cat`` in the step added a copy and a full-size zero
+    fill and add to the backward)."""
+    import torch
+
+    from bench.cases import IMPLS, Shape, make_inputs
+
+    shape = Shape(n=32, v=50)
+    inputs = make_inputs("policy_loss", shape, "cpu")
+    padded = IMPLS["liger-triton"].prepare(inputs)["logits"]
+    assert padded.shape == (shape.batch, shape.t + 1, shape.v)
+    torch.testing.assert_close(padded[:, :-1], inputs["logits"], rtol=0, atol=0)
+    assert inputs["logits"].shape == (shape.batch, shape.t, shape.v)  # the caller's inputs are left as they were
+
+
+def test_benchmark_inputs_are_near_the_policy():
+    """Old and reference log-probs 0.3 randn off the policy's own (ratios near 1): ``-5 rand`` made every ratio
+    ~e^-8 and the loss almost all KL."""
+    import torch
+
+    import fused_rl
+    from bench.cases import Shape, make_inputs
+
+    for op in ("policy_loss", "linear_policy_loss"):
+        x = make_inputs(op, Shape(n=256, v=1000, h=64), "cpu")
+        logp = (fused_rl.token_logprobs(x["logits"], x["targets"]) if op == "policy_loss"
+                else fused_rl.linear_token_logprobs(x["hidden"], x["weight"], x["targets"]))
+        ratio = torch.exp(logp - x["old"])
+        assert 0.8 < ratio.median() < 1.25 and (x["old"] <= 0).all() and (x["ref"] <= 0).all(), op
