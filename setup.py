@@ -105,9 +105,9 @@ class BuildExt(build_ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            if require or mode == "on":
+            if mode == "on":
                 raise
-            if ext.extra_objects != base["extra_objects"]:  # retry CPU-only
+            if ext.extra_objects != base["extra_objects"]:  # retry CPU-only (FUSED_RL_REQUIRE_NATIVE=1 too)
                 _log(f"build with CUDA failed ({exc}); retrying CPU-only")
                 for k, v in base.items():
                     setattr(ext, k, list(v))
@@ -116,6 +116,8 @@ class BuildExt(build_ext):
                     return
                 except Exception as exc2:  # noqa: BLE001
                     exc = exc2
+            if require:
+                raise RuntimeError(f"FUSED_RL_REQUIRE_NATIVE=1 but fused_rl._C cannot be built: {exc}") from exc
             self.failed.add(ext.name)
             _log(f"WARNING: the native extension fused_rl._C was not built ({exc}); the 'cpu'/'cuda' "
                  "backends will be unavailable (the torch and triton backends still work)")

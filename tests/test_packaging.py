@@ -56,10 +56,10 @@ def test_root_on_sys_path_does_not_shadow_hf_kernels():
 def test_sdist_carries_the_sources_and_the_test_suite(tmp_path):
     """The source distribution holds every tracked file of csrc/ (the CUDA kernels' .cu, compiled by setup.py
     outside the extension's sources: without it an sdist build is silently CPU-only), kernels/, tests/
-    (the suite's helpers too), bench/ and docs/ (MANIFEST.in)."""
+    (the suite's helpers too), bench/ and docs/ (MANIFEST.in), and the license text (Apache-2.0 asks for it)."""
     import tarfile
 
-    listed = subprocess.run(["git", "ls-files", "csrc", "kernels", "tests", "bench", "docs"], cwd=ROOT,
+    listed = subprocess.run(["git", "ls-files", "csrc", "kernels", "tests", "bench", "docs", "LICENSE"], cwd=ROOT,
                             capture_output=True, text=True)
     if listed.returncode != 0 or not listed.stdout.strip():
         pytest.skip("not a git checkout")

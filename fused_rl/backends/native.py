@@ -54,7 +54,9 @@ except ImportError as exc:  # not built, or built for another Python / platform
     _spec = importlib.util.find_spec("fused_rl._C")
     if _spec is None:
         LOAD_ERROR = ("the native extension fused_rl._C is not built in this installation (building it needs g++ "
-                      "with OpenMP at install time; see the pip log, or run `python setup.py build_ext --inplace`)")
+                      "with OpenMP at install time: `pip install -v` shows why it failed; once g++ works, reinstall "
+                      "with `--no-cache-dir --force-reinstall --no-binary fused_rl` (pip reuses a cached wheel "
+                      "without it), or in a checkout run `python setup.py build_ext --inplace`)")
     else:
         LOAD_ERROR = f"the native extension {_spec.origin} failed to load: {exc}"
 
