@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -1263,6 +1264,22 @@ def test_cli_eval_refuses_fewer_than_one_prompt(tmp_path, capsys):
             main(["eval", str(tmp_path), "--prompts", value])
         assert info.value.code == 2
         assert f"--prompts: must be an integer >= 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["yaml", "transformers"])
+def test_cli_without_the_train_extra_names_it(tmp_path, monkeypatch, capsys, module):
+    """``pip install fused_rl`` installs the ``fused-rl`` script without the [train] extra's packages: a command
+    that needs one is a one-line error naming the extra (it was a ModuleNotFoundError traceback)."""
+    from fused_rl.train.cli import main
+
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ModuleNotFoundError, as when not installed
+    assert main(["train", "--run_dir", str(tmp_path / "run"), "--steps", "2", "--warmup_steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"fused-rl train: error: needs {module!r}, from the [train] extra: pip install 'fused_rl[train]'" in err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "fused-rl plot: error: needs 'matplotlib', from the [train] extra" in capsys.readouterr().err
 
 
 def test_cli_plot_without_training_steps_is_a_one_line_error(tmp_path, capsys):

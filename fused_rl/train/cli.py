@@ -107,6 +107,9 @@ def _info(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": _train, "eval": _eval, "plot": _plot, "info": _info}
+#: Top-level modules of the extras the commands import when they run -> the extra to install.
+EXTRA_OF_MODULE = {"yaml": "train", "transformers": "train", "tqdm": "train", "matplotlib": "train",
+                   "gguf": "smollm2", "accelerate": "smollm2"}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -132,6 +135,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return COMMANDS[cmd](argv[1:])
     except (ConfigError, RewardFunctionError, MetricsError, FileNotFoundError, FloatingPointError) as exc:
         print(f"fused-rl {cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # `pip install fused_rl` without the extra the command needs
+        extra = EXTRA_OF_MODULE.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"fused-rl {cmd}: error: needs {exc.name!r}, from the [{extra}] extra: "
+              f"pip install 'fused_rl[{extra}]'", file=sys.stderr)
         return 2
 
 
