@@ -4,7 +4,9 @@
   ``A_i = R_i - mean(R)``, Dr. GRPO's centring only). The centred estimator ``(1/G) sum_i A_i g_i``
   (``scale=False``, sequence scores ``g_i``) has expectation ``(1 - 1/G) grad J`` at an on-policy point: the
   group mean contains the sample's own reward. TRL's ``scale_rewards="group"`` divides by the Bessel-corrected
-  std plus ``1e-4`` (about ``sqrt((G-1)/G)`` times these); its ``"batch"`` (one std over the batch) is not offered.
+  std plus ``1e-4`` (about ``sqrt((G-1)/G)`` times these), as verl's ``compute_grpo_outcome_advantage`` (``+ 1e-6``)
+  and OpenRLHF's ``group_norm`` (``+ 1e-9``) do; its ``"batch"`` (one std over the batch) is not offered. Computed
+  in units of the group's largest ``|R|``: fp64 rewards of any size give at most ``sqrt(G - 1)``.
 * :func:`rloo`  ``A_i = R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean(R))`` (unbiased).
 * :func:`kimi_length_reward` Kimi k1.5's length term
   ``lambda_i = 1/2 - (T_i - T_min)/(T_max - T_min)``: ``lambda_i`` if correct, ``min(0, lambda_i)`` if
@@ -70,12 +72,20 @@ def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: flo
     r, out_dtype = _float_groups(rewards, group_size, "rewards")
     if group_size < 2:  # a one-sample group is its own baseline: every advantage would be 0, silently
         raise ValueError(f"grpo needs group_size >= 2 (samples of one prompt), got {group_size!r}")
+    eps_t = torch.full_like(r[:, :1], eps)
+    if scale:
+        # in units of the group's largest |R|: (R - mean) / (std + eps) = (y - mean_y) / (std_y + eps / s) for
+        # y = R / s, and no square or difference overflows (fp64 rewards spread past 1e154 gave zeros)
+        size = r.abs().amax(dim=1, keepdim=True)
+        size = torch.where(size > 0, size, torch.ones_like(size))
+        r, eps_t = r / size, eps_t / size
     # In fp64, about the group's first reward: a group of equal rewards is then exactly 0 before the
     # division (in fp32 the mean of eight 1/3 is 1 ulp off, std ~1e-8, and / (std + eps) made that 0.03).
     x = r - r[:, :1]
     centred = x - x.mean(dim=1, keepdim=True)
     if scale:
-        centred = centred / (x.std(dim=1, unbiased=False, keepdim=True) + eps)
+        denom = x.std(dim=1, unbiased=False, keepdim=True) + eps_t
+        centred = centred / torch.where(denom > 0, denom, torch.ones_like(denom))  # 0: eps / s underflowed, x = 0
     return _advantages_out(centred, out_dtype, "grpo")
 
 
@@ -151,8 +161,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     if not (torch.isfinite(r).all() and torch.isfinite(v).all()):
         raise ValueError("rewards and values must be finite where mask is set")
     adv = torch.zeros_like(r)
-    next_value = torch.zeros_like(r[:, 0])
-    next_adv = torch.zeros_like(r[:, 0])
+    next_value = r.new_zeros(r.shape[0])  # not r[:, 0]: T may be 0
+    next_adv = r.new_zeros(r.shape[0])
     for t in range(r.shape[1] - 1, -1, -1):
         mt = m[:, t]
         delta = r[:, t] + gamma * next_value - v[:, t]

@@ -240,12 +240,35 @@ def test_rloo_is_exact_for_equal_and_huge_rewards():
 @pytest.mark.parametrize("call", [
     lambda: advantages.grpo(torch.tensor([3.4e38, -3.4e38, -3.4e38, -3.4e38]), 4, scale=False),  # 5.1e38
     lambda: advantages.rloo(torch.tensor([3e38, -3e38]), 2),  # 6e38
-    lambda: advantages.grpo(torch.tensor([1.7e308, -1.7e308], dtype=torch.float64), 2),  # spread past fp64: NaN
+    lambda: advantages.grpo(torch.tensor([1.7e308, -1.7e308], dtype=torch.float64), 2, scale=False),  # 3.4e308
 ])
 def test_advantages_that_overflow_are_refused(call):
     """Finite rewards whose advantages do not fit the output dtype gave inf / NaN advantages, silently."""
     with pytest.raises(ValueError, match="overflow"):
         call()
+
+
+@pytest.mark.parametrize("rewards, expected", [
+    ([1e200, 0.0], [1.0, -1.0]),
+    ([1e160, 0.0, 0.0, 0.0], [3 ** 0.5, -(3 ** -0.5), -(3 ** -0.5), -(3 ** -0.5)]),
+    ([1.7e308, -1.7e308], [1.0, -1.0]),
+    ([1e300, 1e300], [0.0, 0.0]),
+    ([5e-324, 0.0], [0.0, 0.0]),  # spread far below eps: (R - mean) / eps, 0 in fp64 too
+])
+def test_grpo_of_huge_fp64_rewards_is_their_standard_score(rewards, expected):
+    """Scaled GRPO advantages are at most sqrt(G - 1) whatever the rewards: fp64 rewards spread past 1e154 gave
+    zeros without a word (the squares in the std overflowed) and +-1.7e308 an overflow error."""
+    a = advantages.grpo(torch.tensor(rewards, dtype=torch.float64), len(rewards))
+    torch.testing.assert_close(a, torch.tensor(expected, dtype=torch.float64))
+    # equal rewards whose eps / |R| underflows: 0, not 0 / 0
+    equal = advantages.grpo(torch.tensor([1e300, 1e300], dtype=torch.float64), 2, eps=1e-300)
+    assert torch.equal(equal, torch.zeros(2, dtype=torch.float64))
+
+
+def test_gae_of_empty_sequences_is_empty():
+    """T = 0 gave an IndexError from inside (``r[:, 0]`` of a ``(B, 0)`` tensor)."""
+    adv, ret = advantages.gae(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0))
+    assert adv.shape == ret.shape == (2, 0)
 
 
 def test_advantages_are_detached():
