@@ -290,3 +290,19 @@ def test_advantages_are_detached():
 def test_more_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_gae_scans_in_float64():
+    """One reward at the end and ``gamma = lam = 1``: ``A_t = R - V_t`` and the returns are ``R``, to one rounding
+    (the float32 scan drifted to 6e-6 at T = 2048, 5e-5 at 32k); values too large for float32 are refused."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(4, 2048, generator=g) * 0.5 + 2.0
+    reward = torch.randn(4, generator=g)
+    rewards = torch.zeros(4, 2048)
+    rewards[:, -1] = reward
+    adv, ret = advantages.gae(rewards, values, torch.ones(4, 2048))
+    assert adv.dtype == ret.dtype == torch.float32
+    assert torch.equal(adv, (reward.double()[:, None] - values.double()).float())
+    assert torch.equal(ret, reward[:, None].expand(4, 2048))
+    with pytest.raises(ValueError, match="gae advantages overflow torch.float32"):
+        advantages.gae(torch.zeros(1, 2), torch.full((1, 2), 1e300, dtype=torch.float64), torch.ones(1, 2))
