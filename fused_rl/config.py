@@ -64,7 +64,7 @@ def literal_fields(literal: str) -> dict[str, Any]:
     return dict(zip(PolicyLossConfig.__dataclass_fields__, ast.literal_eval(literal)))
 
 
-def _finite_number(name: str, value: Any) -> float:
+def finite_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
         raise ValueError(f"PolicyLossConfig.{name} must be a real number, got {value!r}")
     try:
@@ -217,7 +217,7 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.rollout_is must be one of {ROLLOUT_IS_MODES}, got {self.rollout_is!r}")
         if self.cov_mode not in COV_MODES:
             raise ValueError(f"PolicyLossConfig.cov_mode must be one of {COV_MODES}, got {self.cov_mode!r}")
-        floats = {name: _finite_number(name, getattr(self, name))
+        floats = {name: finite_number(name, getattr(self, name))
                   for name in ("clip_low", "clip_high", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                                "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "beta", "top_entropy_quantile",
                                "temperature", "entropy_coef", "cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_coef")}
@@ -229,7 +229,7 @@ class PolicyLossConfig:
             value = getattr(self, name)
             if value is None:
                 continue
-            floats[name] = _finite_number(name, value)
+            floats[name] = finite_number(name, value)
             readers = PPO_STYLE + (DPPO if name == "delta" else ())
             if self.policy_loss not in readers:
                 raise ValueError(f"PolicyLossConfig.{name} applies to {readers} only, not {self.policy_loss!r}")
@@ -262,7 +262,7 @@ class PolicyLossConfig:
         for name in ("rollout_is_min", "rollout_is_max", "off_policy_mask"):
             value = getattr(self, name)
             if value is not None:
-                floats[name] = _finite_number(name, value)
+                floats[name] = finite_number(name, value)
                 if floats[name] < 0.0:
                     raise ValueError(f"PolicyLossConfig.{name} must be >= 0 (or None), got {value!r}")
         if self.rollout_is is not None:
@@ -303,7 +303,7 @@ class PolicyLossConfig:
             value = getattr(self, name)
             if value is None:
                 continue
-            floats[name] = _finite_number(name, value)
+            floats[name] = finite_number(name, value)
             if floats[name] <= 0.0:
                 raise ValueError(f"PolicyLossConfig.{name} must be > 0 (or None), got {value!r}")
             if self.kl_bias_correction:

@@ -21,10 +21,11 @@ from typing import Optional
 
 import torch
 
-from .config import IGNORE_INDEX, PolicyLossConfig, naming_arguments
+from .config import IGNORE_INDEX, PolicyLossConfig, finite_number, naming_arguments
 from .loss_math import Normalizer
 from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
+from .validation import check_flag
 
 #: TRL / Liger ``loss_type`` values fused_rl computes exactly.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -90,6 +91,19 @@ def grpo_policy_loss_config(
     ``ValueError`` for options out of range (e.g. cispo with ``epsilon_high < 1``, dr_grpo without
     ``max_completion_length``, vespo with a sequence-level vLLM correction, ``delta`` with cispo / sapo / vespo).
     """
+    # the numbers as numbers before any arithmetic or comparison on them (float("0.2") took a string, bool("False")
+    # is True, and "2" <= 1.2 raised a TypeError); None only where an option may be absent
+    for field, value in dict(clip_low=epsilon_low, clip_high=epsilon_high, beta=beta, temperature=temperature,
+                             delta=delta, sapo_temperature_pos=sapo_temperature_pos,
+                             sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+                             vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+                             top_entropy_quantile=top_entropy_quantile, off_policy_mask=off_policy_mask_threshold,
+                             rollout_is_min=vllm_importance_sampling_clip_min,
+                             rollout_is_max=vllm_importance_sampling_clip_max).items():
+        if value is not None or field not in ("clip_high", "delta", "off_policy_mask", "rollout_is_min",
+                                              "rollout_is_max"):
+            finite_number(field, value)
+    check_flag(use_bias_correction_kl, "use_bias_correction_kl")
     if epsilon_high is None:
         epsilon_high = epsilon_low
     if loss_type not in SUPPORTED_LOSS_TYPES:
@@ -382,8 +396,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         return self._config
 
     def _build_config(self):
+        # numbers and a bool before they are compared or combined (below, and in grpo_policy_loss_config)
+        finite_number("beta", self.beta)
+        check_flag(self.use_bias_correction_kl, "use_bias_correction_kl")
         for name in ("pos", "neg"):
-            tau = getattr(self, f"sapo_temperature_{name}")
+            tau = finite_number(f"sapo_temperature_{name}", getattr(self, f"sapo_temperature_{name}"))
             if not tau > 0:  # checked whatever the loss_type, as Liger does
                 raise ValueError(f"sapo_temperature_{name} must be positive, got {tau}")
         # A KL to the current policy itself (use_ref_model=False) is 0 with zero gradient: beta drops out.

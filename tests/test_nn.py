@@ -334,6 +334,33 @@ def test_bad_settings_name_liger_arguments(ctor, needle):
         FusedLinearGRPOLoss(**ctor)
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(epsilon_low="0.2"), r"^epsilon_low='0.2': PolicyLossConfig.clip_low must be a real number"),  # was 0.2
+    (dict(epsilon_low=True), r"^epsilon_low=True: .*must be a real number"),  # was 1.0
+    (dict(beta="0.04"), r"^beta='0.04': .*must be a real number"),  # was 0.04
+    (dict(beta=0.1, use_bias_correction_kl="False"), r"^use_bias_correction_kl must be a bool, got 'False'"),  # True
+    (dict(epsilon_low=None), r"^epsilon_low=None: .*must be a real number"),  # TypeError from float()
+    (dict(delta="2"), r"^delta='2': .*must be a real number"),  # TypeError from "2" <= 1.2
+    (dict(loss_type="cispo", epsilon_high="5"), r"^epsilon_high='5': .*must be a real number"),  # TypeError
+    (dict(loss_type="sapo", sapo_temperature_pos=None), r"^sapo_temperature_pos=None: .*must be a real number"),
+])
+def test_grpo_config_refuses_what_is_not_a_number(kwargs, needle):
+    """TRL's / Liger's numeric options are numbers before anything compares or converts them: a string or a bool
+    was converted by ``float()`` / ``bool()`` (``"False"`` turned the bias correction on) or raised a TypeError."""
+    with pytest.raises(ValueError, match=needle):
+        grpo_policy_loss_config(**{"loss_type": "grpo", **kwargs})
+
+
+@pytest.mark.parametrize("ctor, needle", [
+    (dict(sapo_temperature_pos="1"), r"sapo_temperature_pos must be a real number"),  # TypeError from "1" > 0
+    (dict(beta="0.1", use_ref_model=False), r"beta must be a real number"),  # unread without a reference model
+    (dict(beta=0.1, use_bias_correction_kl="False"), r"use_bias_correction_kl must be a bool"),
+])
+def test_liger_module_refuses_what_is_not_a_number(ctor, needle):
+    with pytest.raises(ValueError, match=needle):
+        FusedLinearGRPOLoss(**ctor)
+
+
 def test_grpo_config_names_its_arguments():
     """:func:`grpo_policy_loss_config` names its own arguments (TRL's names for the vLLM correction and the
     off-policy mask); a ValueError of its own passes unchanged."""
