@@ -89,8 +89,9 @@ struct F32 {
   using T = float;
   static inline v8f load8(const T* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
   static inline void store8(T* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-  static inline float load1(const T* p) { return *p; }
-  static inline void store1(T* p, float v) { *p = v; }
+  // memcpy: a tensor of torch.frombuffer / from_numpy may start at any byte (UB through a typed pointer)
+  static inline float load1(const T* p) { float v; std::memcpy(&v, p, sizeof v); return v; }
+  static inline void store1(T* p, float v) { std::memcpy(p, &v, sizeof v); }
 };
 
 struct BF16 {
@@ -105,8 +106,15 @@ struct BF16 {
   }
   static inline v8f load8(const T* p) { v8h h; std::memcpy(&h, p, sizeof h); return from_bits(h); }
   static inline void store8(T* p, v8f v) { v8h h = to_bits(v); std::memcpy(p, &h, sizeof h); }
-  static inline float load1(const T* p) { v8h h = {*p}; return from_bits(h)[0]; }
-  static inline void store1(T* p, float v) { *p = to_bits(splat(v))[0]; }
+  static inline float load1(const T* p) {  // memcpy: any byte alignment (F32::load1)
+    T bits;
+    std::memcpy(&bits, p, sizeof bits);
+    return from_bits(v8h{bits})[0];
+  }
+  static inline void store1(T* p, float v) {
+    const T bits = to_bits(splat(v))[0];
+    std::memcpy(p, &bits, sizeof bits);
+  }
 };
 
 struct F16 {
@@ -141,8 +149,15 @@ struct F16 {
   }
   static inline v8f load8(const T* p) { v8h h; std::memcpy(&h, p, sizeof h); return from_bits(h); }
   static inline void store8(T* p, v8f v) { v8h h = to_bits(v); std::memcpy(p, &h, sizeof h); }
-  static inline float load1(const T* p) { v8h h = {*p}; return from_bits(h)[0]; }
-  static inline void store1(T* p, float v) { *p = to_bits(splat(v))[0]; }
+  static inline float load1(const T* p) {  // memcpy: any byte alignment (F32::load1)
+    T bits;
+    std::memcpy(&bits, p, sizeof bits);
+    return from_bits(v8h{bits})[0];
+  }
+  static inline void store1(T* p, float v) {
+    const T bits = to_bits(splat(v))[0];
+    std::memcpy(p, &bits, sizeof bits);
+  }
 };
 
 // Load n < W trailing elements, the rest of the lanes = fill.
@@ -298,7 +313,14 @@ inline void row_nan(typename D::T* out, int64_t V) {
 }
 
 inline int64_t target_at(const void* t, int tdtype, int64_t i) {
-  return tdtype == kInt32 ? int64_t(static_cast<const int32_t*>(t)[i]) : static_cast<const int64_t*>(t)[i];
+  if (tdtype == kInt32) {
+    int32_t v;
+    std::memcpy(&v, static_cast<const int32_t*>(t) + i, sizeof v);  // any byte alignment, as load1
+    return v;
+  }
+  int64_t v;
+  std::memcpy(&v, static_cast<const int64_t*>(t) + i, sizeof v);
+  return v;
 }
 
 inline int threads(int n) { return n > 0 ? n : omp_get_max_threads(); }

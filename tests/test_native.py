@@ -83,6 +83,33 @@ def test_sliced_logits_int32_targets(dtype):
         compare_policy_loss("cpu", case, config)
 
 
+def _at_odd_address(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` starting one byte past an aligned address (``torch.frombuffer`` with a byte offset)."""
+    raw = bytearray(x.numel() * x.element_size() + 8)
+    out = torch.frombuffer(raw, dtype=x.dtype, offset=1, count=x.numel()).view(x.shape)
+    out.copy_(x)
+    assert out.data_ptr() % x.element_size() != 0
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32], ids=str)
+def test_tensors_at_any_byte_address(dtype, target_dtype):
+    """Logits, targets and per-token inputs at an odd address (``torch.frombuffer`` / ``numpy`` views): the kernels
+    read them by memcpy (a ``float*`` / ``int64_t*`` read there is undefined behaviour, found by UBSan) or from an
+    aligned copy, and give the reference's results."""
+    case = make_case(batch=3, length=5, vocab=1000, dtype=dtype, seed=8)
+    case.logits = _at_odd_address(case.logits)
+    case.targets = _at_odd_address(case.targets.to(target_dtype))
+    case.advantages = _at_odd_address(case.advantages)
+    case.old = _at_odd_address(case.old)
+    case.ref = _at_odd_address(case.ref)
+    compare_policy_loss("cpu", case, CONFIGS[1])
+    torch.testing.assert_close(fused_rl.token_logprobs(case.logits, case.targets, backend="cpu"),
+                               fused_rl.token_logprobs(case.logits, case.targets, backend="reference"),
+                               **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+
+
 def test_masked_vocabulary_entries():
     """-inf logits (a masked vocabulary) give p = 0 and a zero, finite gradient there."""
     case = make_case(batch=3, length=5, vocab=1000, seed=6)

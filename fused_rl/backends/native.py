@@ -122,7 +122,12 @@ def _new_output(shape, like: torch.Tensor) -> torch.Tensor:
 
 
 def _f32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if x is None else x.detach().to(torch.float32).contiguous()
+    """``x`` as contiguous fp32 at an address the kernels' ``float*`` reads may use (a ``torch.frombuffer`` tensor
+    may start at any byte: a copy then)."""
+    if x is None:
+        return None
+    x = x.detach().to(torch.float32).contiguous()
+    return x if x.data_ptr() % 4 == 0 else x.clone()
 
 
 # ---------------------------------------------------------------- token_logprobs: stats + grad ops
