@@ -427,6 +427,13 @@ def test_compile_fullgraph():
     torch.testing.assert_close(x2.grad, x1.grad)
 
 
+@pytest.mark.parametrize("n", [0, -5, 2 ** 31 - 1, 2.5, True, "2"])
+def test_thread_count_is_a_positive_integer(n):
+    """0 / -5 were taken as OpenMP's default, 2^31 - 1 aborted the process (libgomp out of memory), 2.5 was 2."""
+    with pytest.raises(ValueError, match=r"set_num_threads takes None or an integer in \[1, 65536\]"):
+        native.set_num_threads(n)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bitwise_deterministic_across_runs_and_threads(dtype):
     case = make_case(batch=5, length=9, vocab=4099, dtype=dtype, seed=12)

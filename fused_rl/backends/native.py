@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 from typing import Optional
 
@@ -71,9 +72,16 @@ ROLLOUT_CODES = {None: 0, "token_truncate": 1, "token_mask": 2}
 _NUM_THREADS: Optional[int] = None
 
 
+#: The most threads :func:`set_num_threads` takes (OpenMP aborted the process allocating 2^31 - 1 of them).
+MAX_THREADS = 1 << 16
+
+
 def set_num_threads(n: Optional[int]) -> None:
-    """Thread count of the CPU kernels (``None``: ``torch.get_num_threads()``). Results do not depend on it."""
+    """Thread count of the CPU kernels, an integer in ``[1, MAX_THREADS]`` (``None``: ``torch.get_num_threads()``).
+    Results do not depend on it."""
     global _NUM_THREADS
+    if n is not None and not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and 1 <= n <= MAX_THREADS):
+        raise ValueError(f"set_num_threads takes None or an integer in [1, {MAX_THREADS}], got {n!r}")
     _NUM_THREADS = None if n is None else int(n)
 
 
