@@ -102,6 +102,10 @@ def small(tmp_path, **kw):
     (["--kimi_length_coef", "0.1", "--kimi_length_warmup_steps", "150"],
      ["kimi_length_warmup_steps", "smaller than steps = 150", "never apply"]),
     (["--rewards", "[partial_match, exact_match, partial_match]"], ["rewards", "lists 'partial_match' twice"]),
+    # a key YAML reads as a number or null (PolicyLossConfig.preset raised TypeError: keywords must be strings)
+    (["--loss_options", "{1: 2}"], ["loss_options", "keys are PolicyLossConfig field names, got 1"]),
+    (["--loss_options", "{null: 2}"], ["loss_options", "got None"]),
+    (["--loss_options", "sapo", "--loss_options.delta", "2"], ["--loss_options must be a mapping"]),
 ])
 def test_bad_config_values_are_rejected_clearly(flags, words):
     with pytest.raises(ConfigError) as info:
@@ -1264,6 +1268,16 @@ def test_cli_eval_refuses_fewer_than_one_prompt(tmp_path, capsys):
             main(["eval", str(tmp_path), "--prompts", value])
         assert info.value.code == 2
         assert f"--prompts: must be an integer >= 1, got {value}" in capsys.readouterr().err
+
+
+def test_dotted_loss_options_survive_a_later_mapping():
+    """``--loss_options.X`` merges into the mapping whatever the order of the flags, as ``--model_config.X`` does
+    (a later ``--loss_options {...}`` dropped an earlier dotted option without a word)."""
+    for flags in (["--loss_options.delta", "2", "--loss_options", "{top_entropy_quantile: 0.5}"],
+                  ["--loss_options", "{top_entropy_quantile: 0.5}", "--loss_options.delta", "2"]):
+        cfg = load_config(None, flags)
+        assert cfg.loss_options == {"top_entropy_quantile": 0.5, "delta": 2}, flags
+        assert cfg.loss_config().delta == 2.0
 
 
 @pytest.mark.parametrize("module", ["yaml", "transformers"])

@@ -306,6 +306,9 @@ class TrainConfig:
                                  "model: tiny)")
         if not isinstance(self.loss_options, dict):
             fail("loss_options", "must be a mapping of PolicyLossConfig fields")
+        for name in self.loss_options:
+            if not isinstance(name, str):  # YAML reads {1: 2} or {null: 2}; PolicyLossConfig.preset raised TypeError
+                fail("loss_options", f"keys are PolicyLossConfig field names, got {name!r}")
         for name in LOSS_OPTIONS_OWNED:
             if name in self.loss_options:
                 fail("loss_options", f"{name!r} is set by the trainer ({LOSS_OPTIONS_OWNED[name]})")
@@ -524,6 +527,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     model_config_set = "model_config" in kwargs
     dotted_task_args: dict[str, str] = {}  # applied once the task is known (its parameters' types)
     dotted_model_config: dict[str, Any] = {}  # applied once the model is known (a file's sizes dropped or not)
+    dotted_loss_options: dict[str, Any] = {}  # applied last: a later whole --loss_options mapping dropped them
     items = list(overrides or [])
     i = 0
     while i < len(items):
@@ -554,7 +558,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
             elif top == "model_config":
                 dotted_model_config[sub] = _coerce(raw, None, key)
             else:
-                getattr(cfg, top)[sub] = _coerce(raw, None, key)
+                dotted_loss_options[sub] = _coerce(raw, None, key)
             continue
         if key not in field_names():
             import difflib
@@ -575,6 +579,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         cfg.model_config = {}  # the file's model_config sized its own (tiny) model
     if dotted_model_config:
         cfg.model_config = {**cfg.model_config, **dotted_model_config}
+    if dotted_loss_options:
+        if not isinstance(cfg.loss_options, dict):
+            raise ConfigError(f"--loss_options must be a mapping of PolicyLossConfig fields, got {cfg.loss_options!r}")
+        cfg.loss_options = {**cfg.loss_options, **dotted_loss_options}
     for sub, raw in dotted_task_args.items():
         cfg.task_args[sub] = _coerce_task_arg(cfg.task, sub, raw)
     return cfg.validate()
