@@ -920,6 +920,24 @@ def test_resume_applies_a_changed_optimizer_config(tmp_path):
     assert resumed.train()[-1]["lr"] == 0.05
 
 
+def test_resume_says_which_fields_changed(tmp_path, capsys):
+    """A resumed run takes this config, the loss's fields too: it says which fields changed since the checkpoint
+    (a changed loss applied without a word, where the docs say a resume continues exactly)."""
+    from fused_rl.train.trainer import Trainer
+
+    Trainer(small(tmp_path, steps=2, save_every=2, beta=0.05), quiet=True).train()
+    capsys.readouterr()
+    resumed = Trainer(small(tmp_path, steps=3, save_every=2, resume=True, beta=0.05, kl="k1",
+                            loss_options={"policy_loss": "sapo"}))
+    assert resumed.resume_changes == {"steps": (2, 3), "kl": ("k3", "k1"), "loss_options": ({}, {"policy_loss": "sapo"})}
+    resumed.train()
+    printed = capsys.readouterr().out
+    assert ("resuming at step 2 with fields changed since the checkpoint, applied from here: steps: 2 -> 3, "
+            "kl: 'k3' -> 'k1', loss_options: {} -> {'policy_loss': 'sapo'}") in printed
+    assert Trainer(small(tmp_path, steps=4, save_every=2, resume=True, beta=0.05, kl="k1",
+                         loss_options={"policy_loss": "sapo"}), quiet=True).resume_changes == {"steps": (3, 4)}
+
+
 def test_resume_into_another_model_names_the_changed_fields(tmp_path):
     from fused_rl.train.trainer import Trainer
 

@@ -130,8 +130,9 @@ def _same(saved, current) -> bool:
 
 
 def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, rank: int = 0, world_size: int = 1,
-         map_location="cpu", fixed: Optional[dict] = None) -> int:
-    """Restore everything saved by :func:`save`; returns the step to continue from. Raises
+         map_location="cpu", fixed: Optional[dict] = None) -> tuple[int, dict]:
+    """Restore everything saved by :func:`save`; returns the step to continue from and the checkpoint's config.
+    Raises
     :class:`WorldSizeMismatch` (on every rank, before anything is restored) when the checkpoint was written by
     another number of processes, :class:`CheckpointMismatch` (a message and the checkpoint's config) when its model
     does not load into ``model`` or its config differs from ``fixed`` (``{field: value}`` the run must keep)."""
@@ -162,4 +163,4 @@ def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, ran
         raise FileNotFoundError(f"checkpoint in {checkpoint_dir(run_dir)} is incomplete: state.pt is step "
                                 f"{state['step']}, {rng_path.name} step {rng['step']} (a crash between their writes?)")
     set_rng_state(rng, prompt_rng)
-    return int(state["step"])
+    return int(state["step"]), saved

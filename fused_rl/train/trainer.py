@@ -202,6 +202,7 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step = 0
         self._metrics_prepared = False
+        self.resume_changes: dict = {}  # field -> (checkpoint's value, this config's) of a resumed run
         if cfg.resume:
             if not checkpoint.exists(self.run_dir):  # as HF's resume_from_checkpoint=True: never a silent restart
                 raise ConfigError(f"resume: no checkpoint in run_dir {str(self.run_dir)!r} to resume from "
@@ -212,7 +213,7 @@ class Trainer:
             if self.ref is not None:
                 ref_fields = ("model", "model_config", "seed") if cfg.model == "tiny" else ("model",)
             try:
-                self.step = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
+                self.step, saved = checkpoint.load(self.run_dir, model=self.policy, optimizer=self.optimizer,
                                             scheduler=self.scheduler, prompt_rng=self.prompt_rng, rank=self.rank,
                                             world_size=self.world, map_location=self.device,
                                             fixed={name: getattr(cfg, name) for name in ref_fields})
@@ -226,6 +227,9 @@ class Trainer:
             except checkpoint.WorldSizeMismatch as exc:
                 raise ConfigError(f"resume: {exc}") from None
             self._apply_optimizer_config()
+            # said at the start of training: a resumed run takes this config, the loss's fields too
+            self.resume_changes = {k: (saved[k], v) for k, v in to_dict(cfg).items()
+                                   if k in saved and saved[k] != v and k != "resume"}
 
     def _apply_optimizer_config(self) -> None:
         """After a resume: the checkpoint restored AdamW's moments and the schedule's position; ``lr``,
@@ -522,6 +526,10 @@ class Trainer:
             if self.step >= cfg.steps:
                 print(f"fused-rl train: the checkpoint is at step {self.step} >= steps = {cfg.steps}: nothing to "
                       "train (raise --steps to go on)", flush=True)
+            elif self.resume_changes and self.rank == 0:
+                changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in self.resume_changes.items())
+                print(f"fused-rl train: resuming at step {self.step} with fields changed since the checkpoint, "
+                      f"applied from here: {changes}", flush=True)
 
         def show(line: str) -> None:
             if bar is not None:
