@@ -929,7 +929,8 @@ def test_resume_says_which_fields_changed(tmp_path, capsys):
     capsys.readouterr()
     resumed = Trainer(small(tmp_path, steps=3, save_every=2, resume=True, beta=0.05, kl="k1",
                             loss_options={"policy_loss": "sapo"}))
-    assert resumed.resume_changes == {"steps": (2, 3), "kl": ("k3", "k1"), "loss_options": ({}, {"policy_loss": "sapo"})}
+    assert resumed.resume_changes == {"steps": (2, 3), "kl": ("k3", "k1"),
+                                      "loss_options": ({}, {"policy_loss": "sapo"})}
     resumed.train()
     printed = capsys.readouterr().out
     assert ("resuming at step 2 with fields changed since the checkpoint, applied from here: steps: 2 -> 3, "
