@@ -393,8 +393,10 @@ class PolicyLossConfig:
         its metrics -> why: ``clip_low`` outside ppo_clip / gspo / gspo_token / gmpo / dppo, ``clip_high`` also outside
         cispo, ``sapo_temperature_*`` outside sapo, ``vespo_*`` outside vespo, ``rollout_is_min`` / ``_max``
         without ``rollout_is``, ``cov_ratio`` without ``cov_mode``, ``clip_cov_lb`` / ``_ub`` and ``kl_cov_coef``
-        outside clip_cov / kl_cov. (Construction refuses the other such fields when they differ from their defaults:
-        ``dual_clip``, ``delta``, ``max_len``, ``kl_bias_correction``, ``kl_clamp``, ``kl_is_clip``.)"""
+        outside clip_cov / kl_cov, ``kl_is_clip`` at ``beta = 0`` (it weights the KL's gradient only; the KL metric
+        is the same). (Construction refuses the other such fields when they differ from their defaults:
+        ``dual_clip``, ``delta``, ``max_len``, ``kl_bias_correction``, ``kl_clamp``, ``kl_is_clip`` without ``kl``.)
+        The library's functions take such fields without a word; the bundled trainer refuses them."""
         clipped = ("ppo_clip", "gspo", "gspo_token", "gmpo") + DPPO
         readers = {"clip_low": (self.policy_loss in clipped, f"is not used by policy_loss {self.policy_loss!r}"),
                    "clip_high": (self.policy_loss in clipped + ("cispo",),
@@ -408,7 +410,8 @@ class PolicyLossConfig:
                    "cov_ratio": (self.cov_mode is not None, "is only used with cov_mode"),
                    **{name: (self.cov_mode == "clip_cov", "is only used with cov_mode 'clip_cov'")
                       for name in ("clip_cov_lb", "clip_cov_ub")},
-                   "kl_cov_coef": (self.cov_mode == "kl_cov", "is only used with cov_mode 'kl_cov'")}
+                   "kl_cov_coef": (self.cov_mode == "kl_cov", "is only used with cov_mode 'kl_cov'"),
+                   "kl_is_clip": (self.beta != 0.0, "only weights the KL's gradient: it does nothing at beta = 0")}
         return {name: readers[name][1] for name in names if name in readers and not readers[name][0]}
 
     @property

@@ -297,3 +297,28 @@ def test_gspo_presets_clip_range(name):
                                   config, old_logprobs=logp.detach() - 3.5e-4)
     loss.backward()
     assert (logp.grad != 0).all()
+
+
+def test_kl_is_clip_is_unused_at_beta_zero():
+    """``kl_is_clip`` weights the KL's gradient only: at ``beta = 0`` loss, gradient and metrics are those without
+    it, and ``unused_fields`` says so (it listed nothing)."""
+    import fused_rl
+
+    with_clip = PolicyLossConfig(kl="k2+", kl_is_clip=2.0)
+    assert set(with_clip.unused_fields(["kl_is_clip", "kl"])) == {"kl_is_clip"}
+    assert not PolicyLossConfig(kl="k2+", beta=0.1, kl_is_clip=2.0).unused_fields(["kl_is_clip"])
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 7, generator=g)
+    targets = torch.randint(0, 7, (2, 4), generator=g)
+    lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    old, ref = lp + 0.5 * torch.randn(2, 4, generator=g), lp + 0.5 * torch.randn(2, 4, generator=g)
+    outs = []
+    for config in (with_clip, PolicyLossConfig(kl="k2+")):
+        x = logits.clone().requires_grad_(True)
+        out = fused_rl.reference.policy_loss(x, targets, torch.tensor([1.0, -1.0]), torch.ones(2, 4, dtype=torch.bool),
+                                             old_logprobs=old.clamp(max=0), ref_logprobs=ref.clamp(max=0), config=config)
+        out.loss.backward()
+        outs.append((out.loss, x.grad, out.metrics))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2].keys() == outs[1][2].keys()
+    assert all(torch.equal(outs[0][2][k], outs[1][2][k]) for k in outs[0][2])
