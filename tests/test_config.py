@@ -316,7 +316,8 @@ def test_kl_is_clip_is_unused_at_beta_zero():
     for config in (with_clip, PolicyLossConfig(kl="k2+")):
         x = logits.clone().requires_grad_(True)
         out = fused_rl.reference.policy_loss(x, targets, torch.tensor([1.0, -1.0]), torch.ones(2, 4, dtype=torch.bool),
-                                             old_logprobs=old.clamp(max=0), ref_logprobs=ref.clamp(max=0), config=config)
+                                             old_logprobs=old.clamp(max=0), ref_logprobs=ref.clamp(max=0),
+                                             config=config)
         out.loss.backward()
         outs.append((out.loss, x.grad, out.metrics))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
