@@ -262,7 +262,9 @@ def _config_from_verl(config: Any, loss_agg_mode: str, *, response_length: int, 
         fields.update(policy_loss="reinforce")
     fields["agg"] = "token-mean" if policy_agg == "token-sum" else policy_agg
     if policy_agg == "seq-mean-token-sum-norm":
-        fields["max_len"] = _loss_scale_factor(config, actor) or int(response_length)
+        # a positive integer (int(4.5) divided by 4)
+        fields["max_len"] = (_loss_scale_factor(config, actor)
+                             or int(positive_integer(response_length, "response_length")))
     if kl and _get(config, "use_kl_loss", False):  # verl's ActorConfig default
         if loss_mode == "dro":
             raise NotImplementedError("verl loss_mode='dro' with use_kl_loss: DRO's penalty is fused_rl's k2 KL term "
