@@ -43,6 +43,9 @@ IGNORE_INDEX = -100
 #: The smallest sampling temperature: below it vLLM's sampler (``_SAMPLING_EPS``) decodes greedily, so there is no
 #: sampling distribution to take log-probs of, and ``logits / temperature`` overflows fp32 for logits ~1e-38 / tau.
 MIN_TEMPERATURE = 1e-5
+#: The kernels compute in float32 (and the custom ops carry the float fields as a float32 tensor): a field's value
+#: must stay finite there, so below this magnitude (the first that rounds to float32's inf).
+FLOAT32_ROUNDS_TO_INF = float.fromhex("0x1.ffffffp+127")
 
 
 #: The float fields, in :attr:`PolicyLossConfig.float_values` order: the values the custom ops take as a tensor.
@@ -71,8 +74,10 @@ def finite_number(name: str, value: Any) -> float:
         number = float(value)
     except OverflowError:  # an int beyond float's range (10**400)
         number = math.inf
-    if not -math.inf < number < math.inf:  # not math.isfinite: dynamo traces comparisons of a symbolic float
-        raise ValueError(f"PolicyLossConfig.{name} must be finite, got {value!r}")
+    # not math.isfinite: dynamo traces comparisons of a symbolic float
+    if not -FLOAT32_ROUNDS_TO_INF < number < FLOAT32_ROUNDS_TO_INF:
+        raise ValueError(f"PolicyLossConfig.{name} must be finite in float32 (|x| < 3.4e38), the kernels' "
+                         f"precision, got {value!r}")
     return number
 
 
@@ -243,8 +248,9 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.delta must be > 1 + clip_high = {1.0 + floats['clip_high']!r} "
                              f"(or None), got {self.delta!r}")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if floats[name] <= 0.0:
-                raise ValueError(f"PolicyLossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+            if not floats[name] > 4.0 / FLOAT32_ROUNDS_TO_INF:  # the loss's 4 / tau, finite in float32
+                raise ValueError(f"PolicyLossConfig.{name} must be > 1.2e-38 (4 / tau finite in float32), got "
+                                 f"{getattr(self, name)!r}")
         for name in ("vespo_lambda_pos", "vespo_lambda_neg"):  # the loss uses max(lam, 1e-4), as TRL and Liger
             if floats[name] < 0.0:
                 raise ValueError(f"PolicyLossConfig.{name} must be >= 0, got {getattr(self, name)!r}")

@@ -171,7 +171,11 @@ def test_presets_match_trl(preset, trl_args, beta, bias_correction):
     (dict(delta=1.1), "delta must be > 1 \\+ clip_high"),
     (dict(policy_loss="cispo", delta=2.0), "delta applies to"),
     (dict(policy_loss="sapo", dual_clip=3.0), "dual_clip applies to"),
-    (dict(policy_loss="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
+    (dict(policy_loss="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 1.2e-38"),
+    # finite in fp64, not in the kernels' fp32: a -inf loss, an inf gradient (1e-50: 4 / tau) or NaN (1e39)
+    (dict(policy_loss="sapo", sapo_temperature_pos=1e-50), r"must be > 1.2e-38 \(4 / tau finite in float32\)"),
+    (dict(policy_loss="sapo", sapo_temperature_pos=1e39), r"must be finite in float32 \(\|x\| < 3.4e38\)"),
+    (dict(kl="k3", beta=1e39), "beta must be finite in float32"),
     (dict(policy_loss="vespo", vespo_lambda_pos=-0.5), "vespo_lambda_pos must be >= 0"),
     (dict(policy_loss="gmpo", clip_low=-0.1), "clip_low must be >= 0"),
     (dict(kl="k4+", beta=0.1), "kl must be one of"),
