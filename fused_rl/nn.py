@@ -38,6 +38,14 @@ GRPO_ARGUMENT_OF_FIELD = {"clip_low": "epsilon_low", "clip_high": "epsilon_high"
                           "rollout_is_max": "vllm_importance_sampling_clip_max"}
 
 
+def _as_number(value):
+    """A one-element floating tensor as its Python float (Liger's math takes a tensor ``beta`` or ``epsilon``, and
+    so did this mapping's ``float()``; a host sync), anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+        return value.item()
+    return value
+
+
 @naming_arguments(GRPO_ARGUMENT_OF_FIELD)
 def grpo_policy_loss_config(
     loss_type: str = "dapo",
@@ -102,7 +110,7 @@ def grpo_policy_loss_config(
                              rollout_is_max=vllm_importance_sampling_clip_max).items():
         if value is not None or field not in ("clip_high", "delta", "off_policy_mask", "rollout_is_min",
                                               "rollout_is_max"):
-            finite_number(field, value)
+            finite_number(field, _as_number(value))
     check_flag(use_bias_correction_kl, "use_bias_correction_kl")
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -397,10 +405,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     def _build_config(self):
         # numbers and a bool before they are compared or combined (below, and in grpo_policy_loss_config)
-        finite_number("beta", self.beta)
+        finite_number("beta", _as_number(self.beta))
         check_flag(self.use_bias_correction_kl, "use_bias_correction_kl")
         for name in ("pos", "neg"):
-            tau = finite_number(f"sapo_temperature_{name}", getattr(self, f"sapo_temperature_{name}"))
+            tau = finite_number(f"sapo_temperature_{name}", _as_number(getattr(self, f"sapo_temperature_{name}")))
             if not tau > 0:  # checked whatever the loss_type, as Liger does
                 raise ValueError(f"sapo_temperature_{name} must be positive, got {tau}")
         # A KL to the current policy itself (use_ref_model=False) is 0 with zero gradient: beta drops out.

@@ -361,6 +361,15 @@ def test_liger_module_refuses_what_is_not_a_number(ctor, needle):
         FusedLinearGRPOLoss(**ctor)
 
 
+def test_liger_module_takes_one_element_tensors_as_numbers():
+    """Liger's math takes a tensor ``beta`` or ``epsilon`` (an adaptive KL controller's): their value is the
+    config's, as before the checks of what is a number."""
+    module = FusedLinearGRPOLoss(beta=torch.tensor(0.04), epsilon_low=torch.tensor(0.25), loss_type="sapo",
+                                 sapo_temperature_pos=torch.tensor(2.0))
+    assert (module.config.beta, module.config.sapo_temperature_pos) == (pytest.approx(0.04), 2.0)
+    assert grpo_policy_loss_config("grpo", epsilon_low=torch.tensor(0.25)).clip_low == 0.25
+
+
 def test_grpo_config_names_its_arguments():
     """:func:`grpo_policy_loss_config` names its own arguments (TRL's names for the vLLM correction and the
     off-policy mask); a ValueError of its own passes unchanged."""
