@@ -395,8 +395,9 @@ void policy_impl(const PolicyArgs& a) {
     a.logp[i] = logp;
     a.ent[i] = H;
     if (st.bad()) { row_nan<DO>(orow, V); continue; }  // NaN logp and H (the epilogue's g_logp is NaN too)
-    const EpilogueOut e = policy_epilogue(a.ep, logp, H, a.adv[i], a.old ? a.old[i] : 0.0f,
-                                          a.ref ? a.ref[i] : 0.0f, a.rollout ? a.rollout[i] : 0.0f, a.w[i]);
+    const EpilogueOut e = policy_epilogue(a.ep, logp, H, F32::load1(a.adv + i), a.old ? F32::load1(a.old + i) : 0.0f,
+                                          a.ref ? F32::load1(a.ref + i) : 0.0f,
+                                          a.rollout ? F32::load1(a.rollout + i) : 0.0f, a.w[i]);
     if (e.g_logp == 0.0f && e.g_ent == 0.0f) { row_zero<DO>(orow, V); continue; }
     row_grad<D, DO>(row, orow, V, a.inv_tau, st.m, logs, H, e.g_logp, e.g_ent, t);
   }

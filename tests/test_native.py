@@ -96,8 +96,8 @@ def _at_odd_address(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32], ids=str)
 def test_tensors_at_any_byte_address(dtype, target_dtype):
     """Logits, targets and per-token inputs at an odd address (``torch.frombuffer`` / ``numpy`` views): the kernels
-    read them by memcpy (a ``float*`` / ``int64_t*`` read there is undefined behaviour, found by UBSan) or from an
-    aligned copy, and give the reference's results."""
+    read them by memcpy (a ``float*`` / ``int64_t*`` read there is undefined behaviour, found by UBSan) and give the
+    reference's results."""
     case = make_case(batch=3, length=5, vocab=1000, dtype=dtype, seed=8)
     case.logits = _at_odd_address(case.logits)
     case.targets = _at_odd_address(case.targets.to(target_dtype))

@@ -130,12 +130,8 @@ def _new_output(shape, like: torch.Tensor) -> torch.Tensor:
 
 
 def _f32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``x`` as contiguous fp32 at an address the kernels' ``float*`` reads may use (a ``torch.frombuffer`` tensor
-    may start at any byte: a copy then)."""
-    if x is None:
-        return None
-    x = x.detach().to(torch.float32).contiguous()
-    return x if x.data_ptr() % 4 == 0 else x.clone()
+    """``x`` as contiguous fp32 (at any byte address: the kernels read the user's per-token inputs by memcpy)."""
+    return None if x is None else x.detach().to(torch.float32).contiguous()
 
 
 # ---------------------------------------------------------------- token_logprobs: stats + grad ops
