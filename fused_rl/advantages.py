@@ -6,7 +6,8 @@
   group mean contains the sample's own reward. TRL's ``scale_rewards="group"`` divides by the Bessel-corrected
   std plus ``1e-4`` (about ``sqrt((G-1)/G)`` times these), as verl's ``compute_grpo_outcome_advantage`` (``+ 1e-6``)
   and OpenRLHF's ``group_norm`` (``+ 1e-9``) do; its ``"batch"`` (one std over the batch) is not offered. Computed
-  in units of the group's largest ``|R|``: fp64 rewards of any size give at most ``sqrt(G - 1)``.
+  in units of a power of two at the group's largest ``|R|`` (exact): fp64 rewards of any size give at most
+  ``sqrt(G - 1)``.
 * :func:`rloo`  ``A_i = R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean(R))`` (unbiased).
 * :func:`kimi_length_reward` Kimi k1.5's length term
   ``lambda_i = 1/2 - (T_i - T_min)/(T_max - T_min)``: ``lambda_i`` if correct, ``min(0, lambda_i)`` if
@@ -75,10 +76,11 @@ def grpo(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: flo
         raise ValueError(f"grpo needs group_size >= 2 (samples of one prompt), got {group_size!r}")
     eps_t = torch.full_like(r[:, :1], eps)
     if scale:
-        # in units of the group's largest |R|: (R - mean) / (std + eps) = (y - mean_y) / (std_y + eps / s) for
-        # y = R / s, and no square or difference overflows (fp64 rewards spread past 1e154 gave zeros)
-        size = r.abs().amax(dim=1, keepdim=True)
-        size = torch.where(size > 0, size, torch.ones_like(size))
+        # in units of s, the power of two at or below the group's largest |R| (|R| / s < 2): (R - mean) / (std + eps)
+        # = (y - mean_y) / (std_y + eps / s) for y = R / s, exact (integer rewards equal to their group's mean stay
+        # exactly 0), and no square or difference overflows (fp64 rewards spread past 1e154 gave zeros)
+        exponent = torch.frexp(r.abs().amax(dim=1, keepdim=True)).exponent - 1
+        size = torch.ldexp(torch.ones_like(r[:, :1]), exponent)
         r, eps_t = r / size, eps_t / size
     # In fp64, about the group's first reward: a group of equal rewards is then exactly 0 before the
     # division (in fp32 the mean of eight 1/3 is 1 ulp off, std ~1e-8, and / (std + eps) made that 0.03).

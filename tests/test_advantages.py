@@ -265,6 +265,17 @@ def test_grpo_of_huge_fp64_rewards_is_their_standard_score(rewards, expected):
     assert torch.equal(equal, torch.zeros(2, dtype=torch.float64))
 
 
+def test_grpo_rewards_at_their_group_mean_are_exactly_zero():
+    """The scaling is by a power of two, exact: an integer reward equal to its group's mean stays exactly 0 (a
+    scaling by the largest |R| itself, 9 here, gave -5.7e-17)."""
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.cat([torch.tensor([6.0, 8, 9, 4, 2, 5, 8, 6]), torch.randint(0, 11, (2000 * 8,), generator=g)])
+    groups = rewards.reshape(-1, 8).double()
+    at_mean = groups == groups.mean(dim=1, keepdim=True)
+    a = advantages.grpo(rewards, 8).reshape(-1, 8)
+    assert at_mean.sum() > 100 and torch.equal(a[at_mean], torch.zeros(int(at_mean.sum())))
+
+
 def test_gae_of_empty_sequences_is_empty():
     """T = 0 gave an IndexError from inside (``r[:, 0]`` of a ``(B, 0)`` tensor)."""
     adv, ret = advantages.gae(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0))
