@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import numbers
 import re
+import sys
 from typing import Optional
 
 import torch
@@ -39,9 +40,12 @@ GRPO_ARGUMENT_OF_FIELD = {"clip_low": "epsilon_low", "clip_high": "epsilon_high"
 
 
 def _as_number(value):
-    """A one-element floating tensor as its Python float (Liger's math takes a tensor ``beta`` or ``epsilon``, and
-    so did this mapping's ``float()``; a host sync), anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+    """A one-element tensor or 0-d numpy array (not of bools) as its Python number (Liger's math takes a tensor
+    ``beta`` or ``epsilon``, and so did this mapping's ``float()``; a host sync), anything else as it is."""
+    np = sys.modules.get("numpy")
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        return value.item()
+    if np is not None and isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
         return value.item()
     return value
 
@@ -104,7 +108,8 @@ def grpo_policy_loss_config(
     for field, value in dict(clip_low=epsilon_low, clip_high=epsilon_high, beta=beta, temperature=temperature,
                              delta=delta, sapo_temperature_pos=sapo_temperature_pos,
                              sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
-                             vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+                             vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                             vespo_lambda_neg=vespo_lambda_neg,
                              top_entropy_quantile=top_entropy_quantile, off_policy_mask=off_policy_mask_threshold,
                              rollout_is_min=vllm_importance_sampling_clip_min,
                              rollout_is_max=vllm_importance_sampling_clip_max).items():
@@ -405,7 +410,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     def _build_config(self):
         # numbers and a bool before they are compared or combined (below, and in grpo_policy_loss_config)
-        finite_number("beta", _as_number(self.beta))
+        beta = finite_number("beta", _as_number(self.beta))
         check_flag(self.use_bias_correction_kl, "use_bias_correction_kl")
         for name in ("pos", "neg"):
             tau = finite_number(f"sapo_temperature_{name}", _as_number(getattr(self, f"sapo_temperature_{name}")))
@@ -417,7 +422,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=kl_beta,
             importance_sampling_level=self.importance_sampling_level,
             max_completion_length=self.max_completion_length, temperature=self.temperature, delta=self.delta,
-            use_bias_correction_kl=self.use_bias_correction_kl and self.beta != 0.0,
+            use_bias_correction_kl=bool(self.use_bias_correction_kl) and beta != 0.0,
             sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
             vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
             vespo_lambda_neg=self.vespo_lambda_neg)

@@ -754,3 +754,14 @@ def test_liger_ref_pass_tolerates_an_id_equal_to_the_vocabulary_in_padding(backe
     loss0, (kl0, _) = loss_fn(h, w, torch.where(mask.bool(), ids, 0), mask, adv, **ref)
     torch.testing.assert_close(loss, loss0)
     torch.testing.assert_close(kl, kl0)
+
+
+def test_liger_module_takes_a_tensor_beta_with_the_bias_correction():
+    """``use_bias_correction_kl and beta != 0`` was a tensor for a tensor ``beta``, refused as not a bool."""
+    import numpy as np
+
+    assert FusedLinearGRPOLoss(beta=torch.tensor(0.04), use_bias_correction_kl=True).config.kl_bias_correction
+    assert grpo_policy_loss_config("grpo", beta=torch.tensor(1)).beta == 1.0  # an integer tensor, as float() took
+    assert grpo_policy_loss_config("grpo", epsilon_low=np.array(0.25)).clip_low == 0.25
+    with pytest.raises(ValueError, match="must be a real number"):
+        grpo_policy_loss_config("grpo", beta=torch.tensor(True))
