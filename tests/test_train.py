@@ -937,6 +937,11 @@ def test_resume_says_which_fields_changed(tmp_path, capsys):
             "kl: 'k3' -> 'k1', loss_options: {} -> {'policy_loss': 'sapo'}") in printed
     assert Trainer(small(tmp_path, steps=4, save_every=2, resume=True, beta=0.05, kl="k1",
                          loss_options={"policy_loss": "sapo"}), quiet=True).resume_changes == {"steps": (3, 4)}
+    # the same run named otherwise: a path through another name, betas as a tuple (YAML gives a list)
+    other = small(tmp_path, steps=4, save_every=2, resume=True, beta=0.05, kl="k1", adam_betas=(0.9, 0.99),
+                  loss_options={"policy_loss": "sapo"})
+    other.run_dir = str(tmp_path / "." / "run")
+    assert Trainer(other, quiet=True).resume_changes == {"steps": (3, 4)}
 
 
 def test_resume_into_another_model_names_the_changed_fields(tmp_path):

@@ -120,11 +120,13 @@ class WorldSizeMismatch(ValueError):
     """The checkpoint was written by another number of processes than the resuming run has."""
 
 
-def _same(saved, current) -> bool:
-    """Equal config values, or two names of one existing file or directory (a model path saved relative by an
-    older run, resumed from the same working directory)."""
+def same(saved, current) -> bool:
+    """Equal config values (a list and a tuple of equal items too: YAML gives lists), or two names of one existing
+    file or directory (a model path saved relative by an older run, resumed from the same working directory)."""
     if saved == current:
         return True
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)):
+        return list(saved) == list(current)
     return (isinstance(saved, str) and isinstance(current, str) and Path(saved).exists() and Path(current).exists()
             and Path(saved).resolve() == Path(current).resolve())
 
@@ -145,7 +147,7 @@ def load(run_dir, *, model, optimizer, scheduler, prompt_rng: random.Random, ran
                                 f"batch; resume with {saved_world} process(es) (torchrun --nproc_per_node "
                                 f"{saved_world})")
     saved = state.get("config", {})
-    changed = sorted(name for name, value in (fixed or {}).items() if not _same(saved.get(name), value))
+    changed = sorted(name for name, value in (fixed or {}).items() if not same(saved.get(name), value))
     if changed:
         raise CheckpointMismatch(f"its fields {sorted(fixed)} must not change: they rebuild the reference model "
                                  f"(beta > 0), the run's start point, which is not saved; changed: {changed}", saved)

@@ -228,8 +228,8 @@ class Trainer:
                 raise ConfigError(f"resume: {exc}") from None
             self._apply_optimizer_config()
             # said at the start of training: a resumed run takes this config, the loss's fields too
-            self.resume_changes = {k: (saved[k], v) for k, v in to_dict(cfg).items()
-                                   if k in saved and saved[k] != v and k != "resume"}
+            self.resume_changes = {k: (saved[k], v) for k, v in to_dict(cfg).items() if k in saved
+                                   and k not in ("resume", "run_dir") and not checkpoint.same(saved[k], v)}
 
     def _apply_optimizer_config(self) -> None:
         """After a resume: the checkpoint restored AdamW's moments and the schedule's position; ``lr``,
