@@ -117,7 +117,7 @@ def test_config_mapping():
         assert policy_loss_config_from_verl(dict(options, **info), "seq-mean-token-sum-norm", response_length=64,
                                             actor=actor).max_len == max_len
     assert policy_loss_config_from_verl(options, "token-sum", response_length=64).agg == "token-mean"
-    for bad in (4.5, 0, "64", True):  # int(4.5) divided by 4
+    for bad in (4.5, 0, "64", True, torch.tensor(4.5)):  # int(4.5) divided by 4
         with pytest.raises(ValueError, match="response_length must be a positive integer"):
             policy_loss_config_from_verl(options, "seq-mean-token-sum-norm", response_length=bad)
     for verl_name, ours in (("kl", "k1"), ("k1", "k1"), ("mse", "k2"), ("abs", "abs"), ("k3", "low_var_kl")):

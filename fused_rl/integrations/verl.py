@@ -101,12 +101,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
-from ..config import AGGREGATIONS, IGNORE_INDEX, PolicyLossConfig
+from ..config import AGGREGATIONS, IGNORE_INDEX, OptionError, PolicyLossConfig
 from ..loss_math import (Normalizer, compute_policy_loss as _compute_policy_loss, config_scalar, dppo_keep,
                          masked_mean, metrics as loss_metrics, responses_factor)
 from ..ops import _check_linear_targets, linear_policy_loss, linear_token_logprobs
@@ -262,9 +263,9 @@ def _config_from_verl(config: Any, loss_agg_mode: str, *, response_length: int, 
         fields.update(policy_loss="reinforce")
     fields["agg"] = "token-mean" if policy_agg == "token-sum" else policy_agg
     if policy_agg == "seq-mean-token-sum-norm":
-        # a positive integer (int(4.5) divided by 4)
-        fields["max_len"] = (_loss_scale_factor(config, actor)
-                             or int(positive_integer(response_length, "response_length")))
+        # a positive integer (int(4.5) divided by 4); a tensor read (a host sync: the config needs the number)
+        length = response_length.item() if isinstance(response_length, torch.Tensor) else response_length
+        fields["max_len"] = _loss_scale_factor(config, actor) or positive_integer(length, "response_length")
     if kl and _get(config, "use_kl_loss", False):  # verl's ActorConfig default
         if loss_mode == "dro":
             raise NotImplementedError("verl loss_mode='dro' with use_kl_loss: DRO's penalty is fused_rl's k2 KL term "
@@ -277,7 +278,23 @@ def _config_from_verl(config: Any, loss_agg_mode: str, *, response_length: int, 
         fields.update(kl=_KL_TYPES[kl_type], beta=_get_number(config, "kl_loss_coef", 0.001))
     if entropy:
         fields["entropy_coef"] = _get_number(config, "entropy_coeff", 0.0)
-    return PolicyLossConfig(**fields)
+    try:
+        return PolicyLossConfig(**fields)
+    except ValueError as exc:  # named by verl's option (clip_ratio_low=-0.1), as the TRL / OpenRLHF mappings do
+        field = re.match(r"PolicyLossConfig\.(\w+)", str(exc))
+        option = None if field is None else _VERL_OPTION_OF_FIELD.get(field.group(1))
+        if option is None:
+            raise
+        raise OptionError(f"verl {option}", fields[field.group(1)], exc) from exc
+
+
+#: The verl option each PolicyLossConfig field of :func:`_config_from_verl` comes from (error messages).
+_VERL_OPTION_OF_FIELD = {"clip_low": "clip_ratio_low (or clip_ratio)", "clip_high": "clip_ratio_high (or clip_ratio)",
+                         "dual_clip": "clip_ratio_c",
+                         "delta": "clip_ratio_c", "sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg",
+                         "beta": "kl_loss_coef", "entropy_coef": "entropy_coeff", "cov_ratio": "clip_cov_ratio",
+                         "clip_cov_lb": "clip_cov_lb", "clip_cov_ub": "clip_cov_ub", "kl_cov_coef": "ppo_kl_coef",
+                         "rollout_is_min": "rollout_is_threshold", "rollout_is_max": "rollout_is_threshold"}
 
 
 def _dro_beta(config: Any) -> float:
