@@ -432,6 +432,11 @@ def test_thread_count_is_a_positive_integer(n):
     """0 / -5 were taken as OpenMP's default, 2^31 - 1 aborted the process (libgomp out of memory), 2.5 was 2."""
     with pytest.raises(ValueError, match=r"set_num_threads takes None or an integer in \[1, 65536\]"):
         native.set_num_threads(n)
+    try:  # an integer tensor or numpy int is a number
+        native.set_num_threads(torch.tensor(3))
+        assert native._threads() == 3
+    finally:
+        native.set_num_threads(None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
