@@ -117,6 +117,11 @@ def test_config_mapping():
         assert policy_loss_config_from_verl(dict(options, **info), "seq-mean-token-sum-norm", response_length=64,
                                             actor=actor).max_len == max_len
     assert policy_loss_config_from_verl(options, "token-sum", response_length=64).agg == "token-mean"
+    # errors name verl's option (they named the PolicyLossConfig field only)
+    with pytest.raises(ValueError, match=r"^verl clip_ratio_low \(or clip_ratio\)=-0.1: PolicyLossConfig.clip_low"):
+        policy_loss_config_from_verl({"clip_ratio_low": -0.1}, response_length=4)
+    with pytest.raises(ValueError, match=r"^verl kl_loss_coef=-1.0: PolicyLossConfig.beta must be >= 0"):
+        policy_loss_config_from_verl({"use_kl_loss": True, "kl_loss_coef": -1}, response_length=4, kl=True)
     for bad in (4.5, 0, "64", True, torch.tensor(4.5)):  # int(4.5) divided by 4
         with pytest.raises(ValueError, match="response_length must be a positive integer"):
             policy_loss_config_from_verl(options, "seq-mean-token-sum-norm", response_length=bad)
