@@ -43,7 +43,7 @@ def _as_number(value):
     """A one-element tensor or 0-d numpy array (not of bools) as its Python number (Liger's math takes a tensor
     ``beta`` or ``epsilon``, and so did this mapping's ``float()``; a host sync), anything else as it is."""
     np = sys.modules.get("numpy")
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool and not value.is_meta:
         return value.item()
     if np is not None and isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
         return value.item()
@@ -383,8 +383,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
 
     def __setattr__(self, name, value) -> None:
-        if name in ("beta", "temperature") and isinstance(value, numbers.Real) and not isinstance(value, bool):
-            value = float(value)  # a Python float: a numpy scalar is an array of unknown value in a compiled step
+        if name in ("beta", "temperature"):
+            value = _as_number(value)  # a tensor's number, read here: forward branches on beta
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                value = float(value)  # a Python float: a numpy scalar is an array of unknown value in a compiled step
         super().__setattr__(name, value)
         if name in self._CONFIG_SETTINGS and "_config" in self.__dict__:  # (__init__ builds the first one)
             self._rebuild_config()

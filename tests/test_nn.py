@@ -760,7 +760,9 @@ def test_liger_module_takes_a_tensor_beta_with_the_bias_correction():
     """``use_bias_correction_kl and beta != 0`` was a tensor for a tensor ``beta``, refused as not a bool."""
     import numpy as np
 
-    assert FusedLinearGRPOLoss(beta=torch.tensor(0.04), use_bias_correction_kl=True).config.kl_bias_correction
+    module = FusedLinearGRPOLoss(beta=torch.tensor(0.04), use_bias_correction_kl=True)
+    assert module.config.kl_bias_correction
+    assert type(module.beta) is float  # read at the assignment: forward branches on it (a compiled step could not)
     assert grpo_policy_loss_config("grpo", beta=torch.tensor(1)).beta == 1.0  # an integer tensor, as float() took
     assert grpo_policy_loss_config("grpo", epsilon_low=np.array(0.25)).clip_low == 0.25
     with pytest.raises(ValueError, match="must be a real number"):

@@ -1350,9 +1350,9 @@ def test_relative_paths_are_stored_absolute(tmp_path, monkeypatch, capsys):
     hub = load_config(None, ["--model", "org/model", "--tokenizer", "org/tok"])
     assert (hub.model, hub.tokenizer) == ("org/model", "org/tok")
     # a checkpoint of an older run saved the model path relative: the same directory, not a change
-    from fused_rl.train.checkpoint import _same
+    from fused_rl.train.checkpoint import same
 
-    assert _same("m", f"{work}/m") and not _same("m", f"{work}/t") and not _same("org/model", "org/other")
+    assert same("m", f"{work}/m") and not same("m", f"{work}/t") and not same("org/model", "org/other")
     Trainer(cfg, quiet=True).train()
     monkeypatch.chdir(tmp_path)
     assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0

@@ -122,6 +122,12 @@ def test_config_mapping():
         policy_loss_config_from_verl({"clip_ratio_low": -0.1}, response_length=4)
     with pytest.raises(ValueError, match=r"^verl kl_loss_coef=-1.0: PolicyLossConfig.beta must be >= 0"):
         policy_loss_config_from_verl({"use_kl_loss": True, "kl_loss_coef": -1}, response_length=4, kl=True)
+    with pytest.raises(ValueError, match=r"^verl policy_loss.kl_cov_ratio=-0.5: PolicyLossConfig.cov_ratio"):
+        policy_loss_config_from_verl({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": -0.5}}, response_length=4)
+    with pytest.raises(ValueError, match=r"^verl policy_loss.dro_beta=1e\+39: PolicyLossConfig.beta must be finite"):
+        policy_loss_config_from_verl({"policy_loss": {"loss_mode": "dro", "dro_beta": 1e39}}, response_length=4)
+    assert policy_loss_config_from_verl(options, "seq-mean-token-sum-norm", response_length=torch.tensor(64)).max_len \
+        == 64
     for bad in (4.5, 0, "64", True, torch.tensor(4.5)):  # int(4.5) divided by 4
         with pytest.raises(ValueError, match="response_length must be a positive integer"):
             policy_loss_config_from_verl(options, "seq-mean-token-sum-norm", response_length=bad)

@@ -80,7 +80,8 @@ def set_num_threads(n: Optional[int]) -> None:
     """Thread count of the CPU kernels, an integer in ``[1, MAX_THREADS]`` (``None``: ``torch.get_num_threads()``).
     Results do not depend on it."""
     global _NUM_THREADS
-    if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point() and n.dtype != torch.bool:
+    if (isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point() and n.dtype != torch.bool
+            and not n.is_meta):
         n = n.item()
     if n is not None and not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and 1 <= n <= MAX_THREADS):
         raise ValueError(f"set_num_threads takes None or an integer in [1, {MAX_THREADS}], got {n!r}")

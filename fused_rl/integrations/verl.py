@@ -263,9 +263,7 @@ def _config_from_verl(config: Any, loss_agg_mode: str, *, response_length: int, 
         fields.update(policy_loss="reinforce")
     fields["agg"] = "token-mean" if policy_agg == "token-sum" else policy_agg
     if policy_agg == "seq-mean-token-sum-norm":
-        # a positive integer (int(4.5) divided by 4); a tensor read (a host sync: the config needs the number)
-        length = response_length.item() if isinstance(response_length, torch.Tensor) else response_length
-        fields["max_len"] = _loss_scale_factor(config, actor) or positive_integer(length, "response_length")
+        fields["max_len"] = _loss_scale_factor(config, actor) or _response_length(response_length)
     if kl and _get(config, "use_kl_loss", False):  # verl's ActorConfig default
         if loss_mode == "dro":
             raise NotImplementedError("verl loss_mode='dro' with use_kl_loss: DRO's penalty is fused_rl's k2 KL term "
@@ -282,19 +280,32 @@ def _config_from_verl(config: Any, loss_agg_mode: str, *, response_length: int, 
         return PolicyLossConfig(**fields)
     except ValueError as exc:  # named by verl's option (clip_ratio_low=-0.1), as the TRL / OpenRLHF mappings do
         field = re.match(r"PolicyLossConfig\.(\w+)", str(exc))
-        option = None if field is None else _VERL_OPTION_OF_FIELD.get(field.group(1))
+        option = None if field is None else {**_VERL_OPTION_OF_FIELD, **_VERL_OPTION_OF_MODE_FIELD.get(loss_mode, {})
+                                             }.get(field.group(1))
         if option is None:
             raise
         raise OptionError(f"verl {option}", fields[field.group(1)], exc) from exc
 
 
-#: The verl option each PolicyLossConfig field of :func:`_config_from_verl` comes from (error messages).
+def _response_length(value: Any) -> int:
+    """verl's padded response length as a positive int (int(4.5) divided by 4); a one-element tensor is read (a host
+    sync: the config needs the number)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    return positive_integer(value, "response_length")
+
+
+#: The verl option each PolicyLossConfig field of :func:`_config_from_verl` comes from (error messages) ...
 _VERL_OPTION_OF_FIELD = {"clip_low": "clip_ratio_low (or clip_ratio)", "clip_high": "clip_ratio_high (or clip_ratio)",
-                         "dual_clip": "clip_ratio_c",
-                         "delta": "clip_ratio_c", "sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg",
-                         "beta": "kl_loss_coef", "entropy_coef": "entropy_coeff", "cov_ratio": "clip_cov_ratio",
-                         "clip_cov_lb": "clip_cov_lb", "clip_cov_ub": "clip_cov_ub", "kl_cov_coef": "ppo_kl_coef",
+                         "dual_clip": "clip_ratio_c", "delta": "clip_ratio_c", "sapo_temperature_pos": "tau_pos",
+                         "sapo_temperature_neg": "tau_neg", "beta": "kl_loss_coef", "entropy_coef": "entropy_coeff",
                          "rollout_is_min": "rollout_is_threshold", "rollout_is_max": "rollout_is_threshold"}
+#: ... and where it depends on the loss mode.
+_VERL_OPTION_OF_MODE_FIELD = {
+    "kl_cov": {"cov_ratio": "policy_loss.kl_cov_ratio", "kl_cov_coef": "policy_loss.ppo_kl_coef"},
+    "clip_cov": {"cov_ratio": "policy_loss.clip_cov_ratio", "clip_cov_lb": "policy_loss.clip_cov_lb",
+                 "clip_cov_ub": "policy_loss.clip_cov_ub"},
+    "dro": {"beta": "policy_loss.dro_beta"}}
 
 
 def _dro_beta(config: Any) -> float:
