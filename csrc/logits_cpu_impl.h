@@ -94,7 +94,24 @@ struct F32 {
   static inline void store1(T* p, float v) { std::memcpy(p, &v, sizeof v); }
 };
 
-struct BF16 {
+// The loads and stores of a 16-bit type D, from its from_bits / to_bits (8 lanes).
+template <class D>
+struct Bits16 {
+  using T = uint16_t;
+  static inline v8f load8(const T* p) { v8h h; std::memcpy(&h, p, sizeof h); return D::from_bits(h); }
+  static inline void store8(T* p, v8f v) { v8h h = D::to_bits(v); std::memcpy(p, &h, sizeof h); }
+  static inline float load1(const T* p) {  // memcpy: any byte alignment (F32::load1)
+    T bits;
+    std::memcpy(&bits, p, sizeof bits);
+    return D::from_bits(v8h{bits})[0];
+  }
+  static inline void store1(T* p, float v) {
+    const T bits = D::to_bits(splat(v))[0];
+    std::memcpy(p, &bits, sizeof bits);
+  }
+};
+
+struct BF16 : Bits16<BF16> {
   using T = uint16_t;
   static inline v8f from_bits(v8h h) { return as_f(__builtin_convertvector(h, v8u) << 16); }
   static inline v8h to_bits(v8f f) {
@@ -104,20 +121,9 @@ struct BF16 {
     const v8u out = (f != f) ? nan : rounded;
     return __builtin_convertvector(out, v8h);
   }
-  static inline v8f load8(const T* p) { v8h h; std::memcpy(&h, p, sizeof h); return from_bits(h); }
-  static inline void store8(T* p, v8f v) { v8h h = to_bits(v); std::memcpy(p, &h, sizeof h); }
-  static inline float load1(const T* p) {  // memcpy: any byte alignment (F32::load1)
-    T bits;
-    std::memcpy(&bits, p, sizeof bits);
-    return from_bits(v8h{bits})[0];
-  }
-  static inline void store1(T* p, float v) {
-    const T bits = to_bits(splat(v))[0];
-    std::memcpy(p, &bits, sizeof bits);
-  }
 };
 
-struct F16 {
+struct F16 : Bits16<F16> {
   using T = uint16_t;
   static inline v8f from_bits(v8h h16) {
     const v8u h = __builtin_convertvector(h16, v8u);
@@ -146,17 +152,6 @@ struct F16 {
     const v8u nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
     const v8u res = (sign >> 16) | ((shl1 > 0xff000000u) ? (v8u)(shl1 * 0u + 0x7e00u) : nonsign);
     return __builtin_convertvector(res, v8h);
-  }
-  static inline v8f load8(const T* p) { v8h h; std::memcpy(&h, p, sizeof h); return from_bits(h); }
-  static inline void store8(T* p, v8f v) { v8h h = to_bits(v); std::memcpy(p, &h, sizeof h); }
-  static inline float load1(const T* p) {  // memcpy: any byte alignment (F32::load1)
-    T bits;
-    std::memcpy(&bits, p, sizeof bits);
-    return from_bits(v8h{bits})[0];
-  }
-  static inline void store1(T* p, float v) {
-    const T bits = to_bits(splat(v))[0];
-    std::memcpy(p, &bits, sizeof bits);
   }
 };
 
