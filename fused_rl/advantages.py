@@ -164,16 +164,40 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     v = torch.where(m, values.detach().double(), 0.0)
     if not (torch.isfinite(r).all() and torch.isfinite(v).all()):
         raise ValueError("rewards and values must be finite where mask is set")
-    adv = torch.zeros_like(r)
-    next_value = r.new_zeros(r.shape[0])  # not r[:, 0]: T may be 0
-    next_adv = r.new_zeros(r.shape[0])
-    for t in range(r.shape[1] - 1, -1, -1):
-        mt = m[:, t]
-        delta = r[:, t] + gamma * next_value - v[:, t]
-        a_t = delta + gamma * lam * next_adv
-        adv[:, t] = torch.where(mt, a_t, 0.0)
-        next_value = torch.where(mt, v[:, t], next_value)
-        next_adv = torch.where(mt, a_t, next_adv)
+    # Masked positions neither receive nor pass on advantage: move each row's kept tokens to its front, in order
+    # (a stable sort of the mask), run plain GAE there (past the last kept token, V and delta are 0), move back.
+    order = torch.argsort((~m).to(torch.uint8), dim=1, stable=True)
+    r_kept, v_kept = r.gather(1, order), v.gather(1, order)
+    v_next = torch.cat([v_kept[:, 1:], v_kept.new_zeros(v_kept.shape[0], 1)], dim=1)
+    adv_kept = discounted_suffix_sums(r_kept + gamma * v_next - v_kept, gamma * lam)
+    adv = torch.where(m, torch.zeros_like(r).scatter(1, order, adv_kept), 0.0)
     returns = torch.where(m, adv + v, 0.0)
     return tuple(_advantages_out(x, dtype, "gae", "the rewards or values are too large").reshape(x.shape)
                  for x in (adv, returns))
+
+
+def discounted_suffix_sums(x: torch.Tensor, c: float, block: int = 256) -> torch.Tensor:
+    """``y_t = sum_{k >= t} c^(k - t) x_k`` along dim 1 (so ``y_t = x_t + c y_{t+1}``), in ``x``'s dtype.
+
+    By blocks of ``block`` positions: inside a block, one product with the ``(block, block)`` matrix of
+    ``c^(k - t)`` (``k >= t``); between blocks, ``y`` at a block's positions gains ``c^(block - t)`` times ``y`` at the
+    next block's first position, a loop over ``T / block`` blocks instead of ``T`` positions (GAE at T = 32k: 1 s
+    as a per-position loop)."""
+    rows, length = x.shape
+    if length == 0:
+        return x.clone()
+    block = min(block, length)
+    blocks = -(-length // block)
+    xb = torch.nn.functional.pad(x, (0, blocks * block - length)).reshape(rows, blocks, block)
+    t = torch.arange(block, dtype=x.dtype, device=x.device)
+    lag = t[None, :] - t[:, None]  # [t, k] = k - t
+    powers = torch.where(lag >= 0, torch.tensor(c, dtype=x.dtype, device=x.device) ** lag.clamp(min=0), 0.0)
+    inside = xb @ powers.T  # [.., t] = sum_k powers[t, k] x_k
+    carry_weight = torch.tensor(c, dtype=x.dtype, device=x.device) ** (block - t)
+    out = torch.empty_like(inside)
+    carry = x.new_zeros(rows)
+    for b in range(blocks - 1, -1, -1):
+        out[:, b] = inside[:, b] + carry_weight * carry[:, None]
+        carry = out[:, b, 0]
+    return out.reshape(rows, blocks * block)[:, :length]
+

@@ -303,6 +303,45 @@ def test_more_bad_inputs(call, match):
         call()
 
 
+def _gae_loop(r, v, m, gamma, lam):
+    """GAE per row as a plain loop over its kept positions (V and A after the last one 0), in Python floats."""
+    adv = torch.zeros(r.shape, dtype=torch.float64)
+    for b in range(r.shape[0]):
+        a = next_v = 0.0
+        for t in reversed(m[b].nonzero().flatten().tolist()):
+            a = float(r[b, t]) + gamma * next_v - float(v[b, t]) + gamma * lam * a
+            adv[b, t], next_v = a, float(v[b, t])
+    return adv
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0), (0.0, 0.7), (1.0, 0.9)])
+def test_gae_matches_a_loop_across_blocks(gamma, lam):
+    """Lengths across several of ``discounted_suffix_sums``' blocks (600 = 2 x 256 + 88), holes, left and right
+    padding, an empty row and a one-token row, in float64: the blocked scan equals the loop to rounding."""
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(5, 600, generator=g, dtype=torch.float64)
+    v = torch.randn(5, 600, generator=g, dtype=torch.float64)
+    m = torch.rand(5, 600, generator=g) > 0.3
+    m[1, :100] = False  # left padding
+    m[2, 450:] = False  # right padding
+    m[3] = False
+    m[4] = False
+    m[4, 257] = True
+    adv, ret = advantages.gae(r, v, m, gamma=gamma, lam=lam)
+    expected = _gae_loop(r, v, m, gamma, lam)
+    torch.testing.assert_close(adv, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ret, torch.where(m, expected + v, 0.0), rtol=1e-12, atol=1e-12)
+
+
+def test_discounted_suffix_sums():
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]], dtype=torch.float64)
+    for block in (1, 2, 3, 5, 256):
+        y = advantages.discounted_suffix_sums(x, 0.5, block=block)
+        assert torch.equal(y, torch.tensor([[1 + 1 + 0.75 + 0.5 + 0.3125, 2 + 1.5 + 1 + 0.625, 3 + 2 + 1.25,
+                                             4 + 2.5, 5.0]], dtype=torch.float64)), block
+    assert advantages.discounted_suffix_sums(torch.zeros(3, 0), 0.9).shape == (3, 0)
+
+
 def test_gae_scans_in_float64():
     """One reward at the end and ``gamma = lam = 1``: ``A_t = R - V_t`` and the returns are ``R``, to one rounding
     (the float32 scan drifted to 6e-6 at T = 2048, 5e-5 at 32k); values too large for float32 are refused."""
