@@ -12,7 +12,7 @@ from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from helpers import DPPO_NEAR_ONE
 from fused_rl.loss_math import (aggregation_weights, compute_policy_loss, dppo_keep, entropy_quantile_across,
-                                kl_estimator, per_token_loss, top_entropy_keep)
+                                kl_estimator, log_importance_ratio, per_token_loss, top_entropy_keep, vespo_weights)
 
 
 def _kl(kind, d):
@@ -1073,3 +1073,152 @@ def test_kl_cov_penalizes_the_top_covariance_tokens():
     assert loss.item() == pytest.approx(plain.item() + 0.7 * (logp - old).abs()[top].sum().item() / batch)
     torch.testing.assert_close(x.grad - y.grad, torch.where(top, 0.7 * (logp - old).sign() / batch, 0.0))
     assert m["cov_frac"].item() == pytest.approx(n / mask.sum().item())
+
+# ----------------------------------------------------------------------------- values exactly at a bound, overflow
+# (each test names the mutant of a mutation-testing round it kills)
+def _f(x, dtype=torch.float32):
+    return torch.tensor(x, dtype=dtype)
+
+
+def test_kl_clamp_passes_the_gradient_at_the_bound():
+    """L04: a value exactly at +-kl_clamp is not cut (torch's clamp, the epilogue's ``>``): k2 at d = 2 is 2.0."""
+    logp = _f([-1.0], torch.float64).requires_grad_(True)
+    ref = _f([1.0], torch.float64)
+    value = kl_estimator(logp, ref, "k2", clamp=2.0)
+    value.sum().backward()
+    assert value.item() == 2.0
+    assert logp.grad.item() == -2.0  # -d, as autograd of clamp(d^2 / 2, -2, 2)
+
+
+def test_an_empty_row_has_sequence_log_ratio_zero_not_nan():
+    """L08: an all-masked row's sequence mean is 0 (count clamped to 1), not 0 / 0."""
+    from fused_rl.integrations.verl_rollout import _row_mean
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    logp = _f([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    old = logp - 0.1
+    cfg = PolicyLossConfig(policy_loss="gspo")
+    assert torch.equal(log_importance_ratio(logp, old, mask, cfg)[1], torch.zeros(3))
+    ratio = per_token_loss(logp, torch.ones(2, 3), mask, cfg, old_logprobs=old).ratio
+    assert torch.isfinite(ratio).all()
+    assert torch.equal(_row_mean(torch.ones(2, 3), mask), _f([1.0, 0.0]))
+
+
+def test_vespo_clamps_each_token_log_ratio_as_trl():
+    """L19: ``log w`` sums the token log-ratios clamped to [-20, 20] (TRL's get_gamma_weights)."""
+    trl = pytest.importorskip("trl")
+    log_r = torch.tensor([[30.0, -25.0, 0.0], [30.0, -25.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    cfg = PolicyLossConfig(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5,
+                           vespo_lambda_neg=0.5)
+    expected = trl.GRPOTrainer.get_gamma_weights(advantages=adv, log_ratio_per_token=log_r,
+                                                 mask=mask.double(), importance_sampling_ratio=None,
+                                                 k_pos=1.5, lambda_pos=2.5, k_neg=2.5, lambda_neg=0.5)
+    got = vespo_weights(log_r, adv.expand(2, 3), mask, cfg)
+    torch.testing.assert_close(got, expected.expand_as(got), rtol=1e-12, atol=0.0)
+    assert got[0, 0].item() == pytest.approx(1.0)  # log w = 20 - 20 + 0 = 0: phi(1) = 1
+
+
+@pytest.mark.parametrize("side", ["high", "low"])
+def test_dppo_tv_keeps_a_token_exactly_at_its_bound(side):
+    """L22: dppo_tv keeps ``p - q <= clip_high`` (A > 0) and ``p - q >= -clip_low`` (A < 0): equality is kept."""
+    lp, lq, a = (math.log(0.5), math.log(0.25), 1.0) if side == "high" else (math.log(0.25), math.log(0.5), -1.0)
+    logp, old = _f([[lp]], torch.float64), _f([[lq]], torch.float64)
+    gap = (logp.exp() - old.exp()).item()
+    cfg = PolicyLossConfig(policy_loss="dppo_tv", clip_low=max(-gap, 0.1), clip_high=max(gap, 0.1))
+    assert dppo_keep(logp, old, _f([[a]], torch.float64), cfg).item()
+    x = logp.clone().requires_grad_(True)
+    compute_policy_loss(x, _f([[a]], torch.float64), torch.ones(1, 1, dtype=torch.bool), cfg,
+                        old_logprobs=old)[0].backward()
+    assert x.grad.item() == pytest.approx(-math.exp(lp - lq) * a)
+
+
+def test_dppo_zero_advantage_uses_the_lower_side_of_the_trust_region():
+    """L24: ``A = 0`` takes the ``A <= 0`` side (``p - q >= -clip_low``): a token with p - q = 0.3 > clip_high
+    is kept, so no clip fraction is counted for it."""
+    logp = _f([[math.log(0.6), math.log(0.5)]], torch.float64)
+    old = _f([[math.log(0.3), math.log(0.5)]], torch.float64)
+    adv = _f([[0.0, 1.0]], torch.float64)
+    cfg = PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.1, clip_high=0.1)
+    assert dppo_keep(logp, old, adv, cfg).tolist() == [[True, True]]
+    _, m = compute_policy_loss(logp, adv, torch.ones(1, 2, dtype=torch.bool), cfg, old_logprobs=old)
+    assert m["clip_frac"].item() == 0.0 and m["clip_frac_low"].item() == 0.0
+
+
+def _overflow_case():
+    # token 0: r = exp(199.9) = inf in fp32; token 1 an ordinary one
+    logp = _f([[-0.1, -1.0]])
+    old = _f([[-200.0, -1.2]])
+    return logp, old
+
+
+def test_dppo_zero_advantage_with_an_overflowed_ratio_is_zero():
+    """L32: dppo without delta: ``A = 0`` gives 0 (loss and gradient), not ``inf * 0 = NaN``."""
+    logp, old = _overflow_case()
+    adv = _f([[0.0, 1.0]])
+    cfg = PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.2, clip_high=0.2)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = compute_policy_loss(x, adv, torch.ones(1, 2, dtype=torch.bool), cfg, old_logprobs=old)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    assert x.grad[0, 0].item() == 0.0
+
+
+def test_dppo_token_dropped_by_the_rollout_mask_with_an_overflowed_ratio_is_zero():
+    """L43: a dppo token kept by the trust region but dropped by the rollout mask (weight 0) with an overflowed
+    ratio: gradient 0, not ``0 * inf = NaN``."""
+    logp, old = _overflow_case()
+    rollout = old - 5.0  # rho = e^5 > rollout_is_max: masked to 0
+    adv = _f([[-1.0, 1.0]])
+    cfg = PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.2, clip_high=0.2, rollout_is="token_mask",
+                           rollout_is_max=1.5)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = compute_policy_loss(x, adv, torch.ones(1, 2, dtype=torch.bool), cfg, old_logprobs=old,
+                                  rollout_logprobs=rollout)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    assert x.grad[0, 0].item() == 0.0
+
+
+def test_kl_cov_selects_at_least_one_token():
+    """L41: ``n = max(floor(cov_ratio * N), 1)``: 5 tokens at cov_ratio 0.1 select one."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(1, 5, generator=g, dtype=torch.float64) * 3
+    adv = torch.randn(1, 5, generator=g, dtype=torch.float64)
+    cfg = PolicyLossConfig(cov_mode="kl_cov", cov_ratio=0.1, kl_cov_coef=0.5)
+    _, m = compute_policy_loss(logp, adv, torch.ones(1, 5, dtype=torch.bool), cfg, old_logprobs=logp - 0.1)
+    assert m["cov_frac"].item() == pytest.approx(1 / 5)
+
+
+def test_dual_clip_fraction_counts_negative_advantages_only():
+    """L49: ``clip_frac_dual`` counts ``A < 0`` and ``r > c`` (r = 3 > c = 2 with A > 0 does not count)."""
+    old = _f([[0.0, 0.0]], torch.float64)
+    logp = old + math.log(3.0)
+    cfg = PolicyLossConfig(dual_clip=2.0)
+    _, m = compute_policy_loss(logp, _f([[1.0, -1.0]], torch.float64), torch.ones(1, 2, dtype=torch.bool), cfg,
+                               old_logprobs=old)
+    assert m["clip_frac_dual"].item() == 0.5
+
+
+def test_gmpo_high_clip_fraction_uses_clip_high():
+    """L50: gmpo's ``clip_frac_high`` is ``log r > clip_high`` with A > 0 (0.2 is inside clip_high = 0.3)."""
+    old = _f([[0.0]], torch.float64)
+    cfg = PolicyLossConfig(policy_loss="gmpo", clip_low=0.1, clip_high=0.3)
+    _, m = compute_policy_loss(old + 0.2, _f([[1.0]], torch.float64), torch.ones(1, 1, dtype=torch.bool), cfg,
+                               old_logprobs=old)
+    assert m["clip_frac_high"].item() == 0.0
+
+
+def test_vespo_weight_that_overflows_is_zero_as_trl():
+    """L58: a non-finite ``phi`` is 0 (TRL's ``nan_to_num(posinf=0)``): fp32, k = 10, lam -> 1e-4, log w = 10 gives
+    ``exp(1e-4 + 100 - 2.2) = inf``."""
+    trl = pytest.importorskip("trl")
+    log_r = torch.tensor([[5.0, 5.0], [0.1, 0.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    adv = torch.tensor([[1.0], [1.0]])
+    cfg = PolicyLossConfig(policy_loss="vespo", vespo_k_pos=10.0, vespo_lambda_pos=0.0)
+    got = vespo_weights(log_r, adv.expand(2, 2), mask, cfg)
+    expected = trl.GRPOTrainer.get_gamma_weights(advantages=adv, log_ratio_per_token=log_r, mask=mask.float(),
+                                                 importance_sampling_ratio=None, k_pos=10.0, lambda_pos=0.0)
+    assert got[0].tolist() == [0.0, 0.0] and torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected.expand_as(got))

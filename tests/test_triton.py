@@ -5,6 +5,8 @@ Small shapes (4 x 6 tokens) and ``BLOCK_V = 256`` keep the interpreter fast whil
 (1000, 4099) ends in a partial block.
 """
 
+import dataclasses
+import math
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported (they are lazy)
@@ -200,7 +202,8 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_dppo_binary_kl_near_one(device):
-    """The Triton binary KL where ``p ~ 1`` (its ``1e-8`` smoothing decides: ``helpers.DPPO_NEAR_ONE``)."""
+    """The Triton binary KL where ``p ~ 1`` (``helpers.DPPO_NEAR_ONE``; in fp32 its ``1e-8`` smoothing changes no
+    decision here: ``test_epilogue_dppo_binary_kl_smoothing_at_p_one`` is the case where it does)."""
     from fused_rl.kernels.epilogue import apply_epilogue
 
     near = DPPO_NEAR_ONE
@@ -746,3 +749,79 @@ def test_kernel_constants_are_the_loss_maths():
     header = (Path(__file__).parents[1] / "csrc" / "policy_epilogue.h").read_text()
     assert epilogue.KL_BIAS_FAR.value == KL_BIAS_FAR
     assert float(re.search(r"constexpr float kKlBiasFar = ([0-9.]+)f;", header).group(1)) == KL_BIAS_FAR
+
+
+# --------------------------------------------------------------------------- epilogue at bounds and overflow
+# (each test names the mutant of a mutation-testing round it kills)
+def _at_bound_epilogue(device, cfg, logp, old, ref, adv, rollout=None):
+    """``apply_epilogue`` on fp32 vectors of ``device``, every token valid; ``None`` stays ``None``."""
+    from fused_rl.kernels.epilogue import apply_epilogue
+
+    f = lambda x: None if x is None else torch.tensor(x, dtype=torch.float32, device=device)  # noqa: E731
+    valid = torch.ones(len(logp), dtype=torch.bool, device=device)
+    return [x.cpu() for x in apply_epilogue(f(logp), torch.zeros(len(logp), device=device), f(old), f(ref), f(adv),
+                                            valid, cfg, rollout=f(rollout))]
+
+
+def _at_bound_autograd(cfg, logp, old, ref, adv, rollout=None, dtype=torch.float64):
+    """``(loss, d loss / d logp)`` per token by autograd of ``loss_math.per_token_loss``, on the CPU."""
+    n = len(logp)
+    lp = torch.tensor(logp, dtype=dtype).view(1, n).requires_grad_(True)
+    row = lambda x: None if x is None else torch.tensor(x, dtype=dtype).view(1, n)  # noqa: E731
+    terms = per_token_loss(lp, row(adv), torch.ones(1, n, dtype=torch.bool), cfg, old_logprobs=row(old),
+                           ref_logprobs=row(ref), rollout_logprobs=row(rollout))
+    terms.loss.sum().backward()
+    return terms.loss.detach().view(n), lp.grad.view(n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_abs_kl_has_zero_slope_where_ref_equals_logp(device):
+    """E08: ``|d|``'s slope at ``d = 0`` (ref == policy, e.g. the first step) is 0, as torch's sign / abs."""
+    cfg = PolicyLossConfig(policy_loss="reinforce", kl="abs", beta=0.5)
+    got = _at_bound_epilogue(device, cfg, [-1.0, -2.0], None, [-1.0, -2.0], [0.0, 1.0])
+    _, grad = _at_bound_autograd(cfg, [-1.0, -2.0], None, [-1.0, -2.0], [0.0, 1.0])
+    torch.testing.assert_close(got[1], grad.float())
+    assert got[1][0].item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_dppo_binary_kl_smoothing_at_p_one(device):
+    """E17: ``p = 1`` (logp = 0): the ``1e-8`` smoothing keeps the binary KL finite (6.6 <= clip_high = 10), so the
+    token is kept with slope ``-r A`` (``DPPO_NEAR_ONE``'s ``p = 1 - 1e-7`` rounds the same with or without it)."""
+    cfg = PolicyLossConfig(policy_loss="dppo_kl", clip_low=10.0, clip_high=10.0)
+    got = _at_bound_epilogue(device, cfg, [0.0], [-0.5], None, [1.0])
+    assert got[1].item() == pytest.approx(-math.exp(0.5), rel=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_dppo_zero_advantage_and_rollout_drop_with_an_overflowed_ratio(device):
+    """E12 / E13: a dppo token with ``A = 0``, or dropped by the rollout mask, whose ratio overflows (``exp(199.9)``
+    in fp32) gives loss and slope 0, not ``inf * 0 = NaN``."""
+    cfg = PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.2, clip_high=0.2)
+    got = _at_bound_epilogue(device, cfg, [-0.1, -0.1], [-200.0, -200.0], None, [0.0, 0.0])
+    assert got[0].tolist() == [0.0, 0.0] and got[1].tolist() == [0.0, 0.0]
+    cfg = dataclasses.replace(cfg, rollout_is="token_mask", rollout_is_max=1.5)
+    got = _at_bound_epilogue(device, cfg, [-0.1, -0.1], [-200.0, -200.0], None, [-1.0, -1.0], rollout=[-205.0, -205.0])
+    assert got[0].tolist() == [0.0, 0.0] and got[1].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_bias_corrected_kl_with_an_overflowed_ratio(device):
+    """E20: an overflowed ratio carries no derivative of its own: the logp slope is ``beta r K'`` (``-inf`` for k2
+    at d = 1), as autograd of loss_math in fp32, not ``r kl + r K' = inf - inf = NaN``."""
+    cfg = PolicyLossConfig(policy_loss="reinforce", kl="k2", beta=0.5, kl_bias_correction=True)
+    got = _at_bound_epilogue(device, cfg, [-0.1], [-200.0], [0.9], [0.0])
+    _, grad = _at_bound_autograd(cfg, [-0.1], [-200.0], [0.9], [0.0], dtype=torch.float32)
+    torch.testing.assert_close(got[1], grad)
+    assert got[1].item() == -math.inf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_rollout_weight_lower_bound_is_e_minus_20(device):
+    """E07: ``rho = exp(clamp(old - rollout, -20, 20))``: at ``old - rollout = -30`` the weight is ``e^-20``
+    (relative check: the absolute difference from ``e^-30`` is ~2e-9, under an absolute tolerance)."""
+    cfg = PolicyLossConfig(policy_loss="reinforce", rollout_is="token_truncate", rollout_is_max=2.0)
+    got = _at_bound_epilogue(device, cfg, [-1.0], [-1.0], None, [1.0], rollout=[29.0])
+    loss, _ = _at_bound_autograd(cfg, [-1.0], [-1.0], None, [1.0], rollout=[29.0])
+    torch.testing.assert_close(got[0], loss.float(), rtol=1e-5, atol=0.0)
+    assert got[0].item() == pytest.approx(math.exp(-20.0), rel=1e-5)
