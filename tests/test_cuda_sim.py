@@ -486,3 +486,22 @@ def test_scale_rows_in_place(sim, dtype, g):
 def test_compile_fullgraph(cuda_kernels):
     native_tests.test_compile_fullgraph()
     assert cuda_kernels.calls["cuda_policy_fused"] >= 2
+
+
+def test_policy_and_grad_offsets_beyond_int32(cuda_kernels):
+    """The policy and gradient kernels on two rows 2^31 + 8 elements apart: bitwise the dense rows' results
+    (tests/test_native.py's test)."""
+    native_tests.test_policy_and_grad_kernels_offsets_beyond_int32(None)
+    assert cuda_kernels.calls["cuda_policy_fused"] == 2 and cuda_kernels.calls["cuda_token_grad"] == 2
+
+
+def test_policy_target_equal_to_the_vocabulary_size_is_nan(cuda_kernels):
+    """A target == V in the policy kernel: a NaN row, not the next row's first logit (tests/test_native.py's)."""
+    native_tests.test_policy_target_equal_to_the_vocabulary_size_is_nan(None)
+    assert cuda_kernels.calls["cuda_policy_fused"] == 1
+
+
+def test_bf16_dlogits_round_half_to_even(cuda_kernels):
+    """bf16 dlogits of fp32 logits round half to even (tests/test_native.py's test, ~1M values)."""
+    native_tests.test_bf16_dlogits_round_half_to_even(None)
+    assert cuda_kernels.calls["cuda_policy_fused"] == 2

@@ -10,7 +10,7 @@ import torch
 import fused_rl
 from fused_rl import PolicyLossConfig
 from fused_rl.config import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from helpers import DPPO_NEAR_ONE
+from helpers import DPPO_NEAR_ONE, EPILOGUE_TIES
 from fused_rl.loss_math import (aggregation_weights, compute_policy_loss, dppo_keep, entropy_quantile_across,
                                 kl_estimator, log_importance_ratio, per_token_loss, top_entropy_keep, vespo_weights)
 
@@ -1222,3 +1222,16 @@ def test_vespo_weight_that_overflows_is_zero_as_trl():
                                                  importance_sampling_ratio=None, k_pos=10.0, lambda_pos=0.0)
     assert got[0].tolist() == [0.0, 0.0] and torch.isfinite(got).all()
     torch.testing.assert_close(got, expected.expand_as(got))
+
+
+@pytest.mark.parametrize("tie", EPILOGUE_TIES, ids=["dual_clip", "delta"])
+def test_ratio_exactly_at_a_bound(tie):
+    """``helpers.EPILOGUE_TIES`` (the kernels' epilogues are held to them): autograd of loss_math in fp32 at a
+    ratio exactly on ``dual_clip`` / ``delta`` gives the tie's loss and slope."""
+    logp = _f([[tie["logp"]]]).requires_grad_(True)
+    assert torch.exp(logp.detach() - tie["old"]).item() in (tie["config"].dual_clip, tie["loss"])
+    loss = per_token_loss(logp, _f([tie["adv"]]), torch.ones(1, 1, dtype=torch.bool), tie["config"],
+                          old_logprobs=_f([[tie["old"]]])).loss
+    loss.sum().backward()
+    assert loss.item() == tie["loss"] and logp.grad.item() == tie["slope"]
+

@@ -15,10 +15,11 @@ else:
 import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig, _C  # noqa: E402
 from fused_rl.backends import get_backend, native  # noqa: E402
-from fused_rl.backends.custom_ops import config_args  # noqa: E402
+from fused_rl.backends.custom_ops import config_args, host_floats  # noqa: E402
 from fused_rl.loss_math import kl_estimator, per_token_loss  # noqa: E402
-from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, LOGIT_KINDS, assert_close,  # noqa: E402
-                     assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device, same_layout)
+from helpers import (CONFIGS, DPPO_AT_ONE, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, EPILOGUE_TIES,  # noqa: E402
+                     LOGIT_KINDS, assert_close, assert_dppo_regions_reached, compare_policy_loss, make_case,
+                     make_logits, on_device, same_layout)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E731
@@ -154,6 +155,77 @@ def _kernel_args(case, config):
     w = aggregation_weights(mask, config, None).reshape(-1).float().contiguous()
     flat = lambda x: x.reshape(-1).float().contiguous()  # noqa: E731
     return targets, adv, flat(case.old), flat(case.ref), None, w, *config_args(config)
+
+
+def test_bf16_dlogits_round_half_to_even(isa):
+    """fp32 logits, bf16 dlogits: bitwise torch's rounding of the fp32 dlogits on ~1M values, enough that exact
+    halfway cases (low 16 bits 0x8000) with an even kept mantissa occur (round half up would differ there)."""
+    case = make_case(batch=16, length=64, vocab=1024, seed=6)
+    args = _kernel_args(case, CONFIGS[1])
+    _, _, dlogits = native.policy_fwd(case.logits, *args)
+    bits = dlogits.view(torch.int32)
+    assert (((bits & 0xFFFF) == 0x8000) & ((bits >> 16) & 1 == 0)).any(), "no halfway case in the data"
+    out = torch.empty(case.logits.shape, dtype=torch.bfloat16)
+    native.policy_fwd_into(case.logits, out, *args)
+    assert torch.equal(out.view(torch.int16), dlogits.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gradient_of_a_near_certain_target(isa, temperature):
+    """p(target) = 1 - ~5e-6, the rest of the mass in the second vocabulary block (so that S = 1 + eps is exact to
+    fp32 relative precision in the kernel's sum): the target's gradient ``(1 - p) / tau`` keeps ~1e-7 relative
+    precision by ``-expm1(d)`` (``1 - exp(d)`` in fp32 quantizes ``1 - p`` to 6e-8 steps, ~1% here)."""
+    V = 4096
+    g = torch.Generator().manual_seed(0)
+    x = torch.full((1, 4, V), -1000.0)
+    x[..., 2048:] = torch.randn(1, 4, V - 2048, generator=g) * 0.5 - 20.0
+    x = x * temperature
+    targets = torch.tensor([[3, 100, 500, 2047]])
+    x[0, torch.arange(4), targets[0]] = 0.0
+    xx = x.clone().requires_grad_(True)
+    fused_rl.token_logprobs(xx, targets, temperature=temperature, backend="cpu").sum().backward()
+    x64 = x.double().requires_grad_(True)
+    torch.log_softmax(x64 / temperature, -1).gather(-1, targets[..., None]).sum().backward()
+    idx = (0, torch.arange(4), targets[0])
+    assert (x64.grad[idx] > 1e-6).all() and (x64.grad[idx] < 2e-5).all()
+    torch.testing.assert_close(xx.grad[idx].double(), x64.grad[idx], rtol=1e-4, atol=0)
+
+
+def test_policy_target_equal_to_the_vocabulary_size_is_nan(isa):
+    """A target == V (past the row's end; only ``check_inputs=False`` lets one through) in the single pass: NaN
+    logp and a NaN dlogits row, as for any target outside [0, V), not the next row's first logit."""
+    case = make_case(batch=2, length=3, vocab=1000, seed=1)
+    targets, *rest = _kernel_args(case, CONFIGS[1])
+    targets = targets.clone()
+    targets.view(-1)[0] = 1000
+    logp, _, dlogits = native.policy_fwd(case.logits, targets, *rest)
+    assert torch.isnan(logp.view(-1)[0]) and torch.isnan(dlogits.view(-1, 1000)[0]).all()
+    assert torch.isfinite(logp.view(-1)[1:]).all()
+
+
+def test_policy_and_grad_kernels_offsets_beyond_int32(isa):
+    """The single-pass policy kernel and the two-pass gradient kernel on two rows 2^31 + 8 elements apart (the
+    stats kernel's case in test_hardening; untouched pages cost nothing): bitwise the same rows stored densely (16-byte
+    aligned as those, so that the CUDA kernels' vector loads take the same path: at 2^31 + 3 the emulation's entropy
+    differs in the last bit, a different summation order)."""
+    V, gap = 1000, 2**31 + 8
+    storage = torch.empty(gap + V, dtype=torch.bfloat16)
+    rows = (torch.randn(2, V, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
+    storage[:V] = rows[0]
+    storage[gap:gap + V] = rows[1]
+    far = storage.as_strided((1, 2, V), (gap + V, gap, 1))
+    targets, temp = torch.tensor([[5, 17]]), host_floats([0.7])
+    g_logp, g_ent = torch.tensor([1.0, -0.5]), torch.tensor([0.3, 0.2])
+    results = []
+    for x in (far, rows.view(1, 2, V).clone()):
+        logp, ent, lse = native.token_stats(x, targets, temp, True)
+        dlogits = native.token_grad(x, targets, lse, g_logp, ent, g_ent, temp)
+        policy = native.policy_fwd(x, targets, torch.tensor([1.0, -1.0]), logp - 0.1, logp + 0.2, None,
+                                   torch.tensor([0.5, 0.5]), *config_args(CONFIGS[1]))
+        results.append((logp, ent, dlogits, *policy))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert results[1][2].abs().max() > 0 and results[1][5].abs().max() > 0
 
 
 @pytest.mark.parametrize("vocab", [1024, 1003])
@@ -590,6 +662,24 @@ def test_epilogue_dppo_binary_kl_near_one():
     _, slopes, _ = _epilogue(near["config"], f(near["logp"]), torch.zeros(2), f(near["adv"]), f(near["old"]), None,
                              None, torch.ones(2))
     torch.testing.assert_close(slopes, f(near["slopes"]))
+
+
+def test_epilogue_dppo_binary_kl_at_one():
+    """``helpers.DPPO_AT_ONE``: at ``p = 1`` the header's ``1e-8`` smoothing keeps the token."""
+    case = DPPO_AT_ONE
+    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    _, slopes, _ = _epilogue(case["config"], f(case["logp"]), torch.zeros(1), f(case["adv"]), f(case["old"]), None,
+                             None, torch.ones(1))
+    torch.testing.assert_close(slopes, f(case["slopes"]))
+
+
+@pytest.mark.parametrize("tie", EPILOGUE_TIES, ids=["dual_clip", "delta"])
+def test_epilogue_ratio_exactly_at_a_bound(tie):
+    """``helpers.EPILOGUE_TIES``: dual_clip's tie splits the gradient, delta's closed bound passes it."""
+    f = lambda x: torch.tensor([x], dtype=torch.float32)  # noqa: E731
+    loss, slope, _ = _epilogue(tie["config"], f(tie["logp"]), torch.zeros(1), f(tie["adv"]), f(tie["old"]), None,
+                               None, torch.ones(1))
+    assert loss.item() == tie["loss"] and slope.item() == tie["slope"]
 
 
 def test_epilogue_params_reject_sequence_level_configs():

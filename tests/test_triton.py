@@ -20,9 +20,9 @@ import fused_rl  # noqa: E402
 from fused_rl import PolicyLossConfig  # noqa: E402
 from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import kl_estimator, metrics as loss_metrics, per_token_loss  # noqa: E402
-from helpers import (CONFIGS, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, LOGIT_KINDS, assert_close,  # noqa: E402
-                     assert_dppo_regions_reached, compare_policy_loss, make_case, make_logits, on_device,
-                     triton_interpreter_reason)
+from helpers import (CONFIGS, DPPO_AT_ONE, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, EPILOGUE_TIES,  # noqa: E402
+                     LOGIT_KINDS, assert_close, assert_dppo_regions_reached, compare_policy_loss, make_case,
+                     make_logits, on_device, triton_interpreter_reason)
 
 # numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -202,8 +202,8 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_dppo_binary_kl_near_one(device):
-    """The Triton binary KL where ``p ~ 1`` (``helpers.DPPO_NEAR_ONE``; in fp32 its ``1e-8`` smoothing changes no
-    decision here: ``test_epilogue_dppo_binary_kl_smoothing_at_p_one`` is the case where it does)."""
+    """The Triton binary KL where ``p ~ 1`` (its ``1e-8`` smoothing, against ``1e-6``, decides:
+    ``helpers.DPPO_NEAR_ONE``; without any, ``helpers.DPPO_AT_ONE``)."""
     from fused_rl.kernels.epilogue import apply_epilogue
 
     near = DPPO_NEAR_ONE
@@ -785,12 +785,19 @@ def test_epilogue_abs_kl_has_zero_slope_where_ref_equals_logp(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_epilogue_dppo_binary_kl_smoothing_at_p_one(device):
-    """E17: ``p = 1`` (logp = 0): the ``1e-8`` smoothing keeps the binary KL finite (6.6 <= clip_high = 10), so the
-    token is kept with slope ``-r A`` (``DPPO_NEAR_ONE``'s ``p = 1 - 1e-7`` rounds the same with or without it)."""
-    cfg = PolicyLossConfig(policy_loss="dppo_kl", clip_low=10.0, clip_high=10.0)
-    got = _at_bound_epilogue(device, cfg, [0.0], [-0.5], None, [1.0])
-    assert got[1].item() == pytest.approx(-math.exp(0.5), rel=1e-6)
+def test_epilogue_dppo_binary_kl_at_p_one(device):
+    """E17: ``helpers.DPPO_AT_ONE``: at ``p = 1`` the ``1e-8`` smoothing keeps the token."""
+    case = DPPO_AT_ONE
+    got = _at_bound_epilogue(device, case["config"], case["logp"], case["old"], None, case["adv"])
+    torch.testing.assert_close(got[1], torch.tensor(case["slopes"]))
+
+
+@pytest.mark.parametrize("tie", EPILOGUE_TIES, ids=["dual_clip", "delta"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_epilogue_ratio_exactly_at_a_bound(device, tie):
+    """``helpers.EPILOGUE_TIES``: dual_clip's tie splits the gradient, delta's closed bound passes it."""
+    loss, slope, *_ = _at_bound_epilogue(device, tie["config"], [tie["logp"]], [tie["old"]], None, [tie["adv"]])
+    assert loss.item() == tie["loss"] and slope.item() == tie["slope"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
