@@ -184,6 +184,7 @@ def discounted_suffix_sums(x: torch.Tensor, c: float, block: int = 256) -> torch
     next block's first position, a loop over ``T / block`` blocks instead of ``T`` positions (GAE at T = 32k: 1 s
     as a per-position loop)."""
     rows, length = x.shape
+    c = float(c)
     if length == 0:
         return x.clone()
     block = min(block, length)
@@ -200,4 +201,3 @@ def discounted_suffix_sums(x: torch.Tensor, c: float, block: int = 256) -> torch
         out[:, b] = inside[:, b] + carry_weight * carry[:, None]
         carry = out[:, b, 0]
     return out.reshape(rows, blocks * block)[:, :length]
-

@@ -463,13 +463,14 @@ DPPO_NEAR_ONE = dict(logp=[-1e-7, -1e-7], old=[-0.5, -0.5], adv=[1.0, -1.0],
                      slopes=[0.0, math.exp(0.5 - 1e-7)])
 
 #: DPPO's binary KL at ``p = 1`` exactly (``logp = 0``): only the ``1e-8`` smoothing keeps ``log((1 - q) / (1 - p))``
-#: finite (~6.6 <= the bounds 10, where ``DPPO_NEAR_ONE``'s ``p`` rounds the same without it): kept, slope ``-r A``.
+#: finite, and with it ``D`` (~6.6 <= the bounds 10; ``DPPO_NEAR_ONE``'s ``p`` rounds the same without the
+#: smoothing): kept, slope ``-r A``.
 DPPO_AT_ONE = dict(logp=[0.0], old=[-0.5], adv=[1.0],
                    config=PolicyLossConfig(policy_loss="dppo_kl", clip_low=10.0, clip_high=10.0),
                    slopes=[-math.exp(0.5)])
 
-#: Ratios exactly at a bound (``expf(logp - old)`` equals it in fp32), ``A = -1``: dual_clip's ``max(.., -c A)``
-#: ties its other side at ``r = c`` and splits the gradient in half (torch.maximum's rule: slope ``0.5 r``); TRL's
+#: Ratios exactly at a bound (``expf(logp - old)`` equals it in fp32), ``A = -1``: dual_clip's ``min(.., -c A)``
+#: ties its other side at ``r = c`` and splits the gradient in half (torch.minimum's rule: slope ``0.5 r``); TRL's
 #: two-sided ``min(r, delta)`` passes it at ``r = delta`` (torch.clamp's closed bound: slope ``r``).
 EPILOGUE_TIES = [
     dict(config=PolicyLossConfig(dual_clip=3.0, clip_low=0.2, clip_high=0.28), logp=float.fromhex("-0x1.cd82bp-1"),

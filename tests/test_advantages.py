@@ -322,6 +322,7 @@ def test_gae_matches_a_loop_across_blocks(gamma, lam):
     r = torch.randn(5, 600, generator=g, dtype=torch.float64)
     v = torch.randn(5, 600, generator=g, dtype=torch.float64)
     m = torch.rand(5, 600, generator=g) > 0.3
+    m[0] = True  # all three blocks
     m[1, :100] = False  # left padding
     m[2, 450:] = False  # right padding
     m[3] = False

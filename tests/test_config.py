@@ -330,11 +330,11 @@ def test_kl_is_clip_is_unused_at_beta_zero():
 
 
 def test_equal_rollout_bounds_are_valid():
-    """C04: ``rollout_is_min == rollout_is_max`` is allowed (only ``min > max`` is refused)."""
+    """``rollout_is_min == rollout_is_max`` is allowed (only ``min > max`` is refused)."""
     PolicyLossConfig(rollout_is="token_mask", rollout_is_min=1.0, rollout_is_max=1.0)
 
 
 def test_clip_cov_refuses_delta():
-    """C10: clip_cov needs ppo_clip without dual_clip *or delta*."""
+    """clip_cov needs ppo_clip without dual_clip *or delta*."""
     with pytest.raises(ValueError, match="without dual_clip or delta"):
         PolicyLossConfig(cov_mode="clip_cov", delta=1.5)

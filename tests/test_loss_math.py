@@ -1074,14 +1074,15 @@ def test_kl_cov_penalizes_the_top_covariance_tokens():
     torch.testing.assert_close(x.grad - y.grad, torch.where(top, 0.7 * (logp - old).sign() / batch, 0.0))
     assert m["cov_frac"].item() == pytest.approx(n / mask.sum().item())
 
+
 # ----------------------------------------------------------------------------- values exactly at a bound, overflow
-# (each test names the mutant of a mutation-testing round it kills)
+# (cases a mutation-testing round found untested)
 def _f(x, dtype=torch.float32):
     return torch.tensor(x, dtype=dtype)
 
 
 def test_kl_clamp_passes_the_gradient_at_the_bound():
-    """L04: a value exactly at +-kl_clamp is not cut (torch's clamp, the epilogue's ``>``): k2 at d = 2 is 2.0."""
+    """a value exactly at +-kl_clamp is not cut (torch's clamp, the epilogue's ``>``): k2 at d = 2 is 2.0."""
     logp = _f([-1.0], torch.float64).requires_grad_(True)
     ref = _f([1.0], torch.float64)
     value = kl_estimator(logp, ref, "k2", clamp=2.0)
@@ -1091,7 +1092,7 @@ def test_kl_clamp_passes_the_gradient_at_the_bound():
 
 
 def test_an_empty_row_has_sequence_log_ratio_zero_not_nan():
-    """L08: an all-masked row's sequence mean is 0 (count clamped to 1), not 0 / 0."""
+    """an all-masked row's sequence mean is 0 (count clamped to 1), not 0 / 0."""
     from fused_rl.integrations.verl_rollout import _row_mean
     mask = torch.tensor([[True, True, False], [False, False, False]])
     logp = _f([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
@@ -1104,7 +1105,7 @@ def test_an_empty_row_has_sequence_log_ratio_zero_not_nan():
 
 
 def test_vespo_clamps_each_token_log_ratio_as_trl():
-    """L19: ``log w`` sums the token log-ratios clamped to [-20, 20] (TRL's get_gamma_weights)."""
+    """``log w`` sums the token log-ratios clamped to [-20, 20] (TRL's get_gamma_weights)."""
     trl = pytest.importorskip("trl")
     log_r = torch.tensor([[30.0, -25.0, 0.0], [30.0, -25.0, 1.0]], dtype=torch.float64)
     mask = torch.ones(2, 3, dtype=torch.bool)
@@ -1121,7 +1122,7 @@ def test_vespo_clamps_each_token_log_ratio_as_trl():
 
 @pytest.mark.parametrize("side", ["high", "low"])
 def test_dppo_tv_keeps_a_token_exactly_at_its_bound(side):
-    """L22: dppo_tv keeps ``p - q <= clip_high`` (A > 0) and ``p - q >= -clip_low`` (A < 0): equality is kept."""
+    """dppo_tv keeps ``p - q <= clip_high`` (A > 0) and ``p - q >= -clip_low`` (A < 0): equality is kept."""
     lp, lq, a = (math.log(0.5), math.log(0.25), 1.0) if side == "high" else (math.log(0.25), math.log(0.5), -1.0)
     logp, old = _f([[lp]], torch.float64), _f([[lq]], torch.float64)
     gap = (logp.exp() - old.exp()).item()
@@ -1134,7 +1135,7 @@ def test_dppo_tv_keeps_a_token_exactly_at_its_bound(side):
 
 
 def test_dppo_zero_advantage_uses_the_lower_side_of_the_trust_region():
-    """L24: ``A = 0`` takes the ``A <= 0`` side (``p - q >= -clip_low``): a token with p - q = 0.3 > clip_high
+    """``A = 0`` takes the ``A <= 0`` side (``p - q >= -clip_low``): a token with p - q = 0.3 > clip_high
     is kept, so no clip fraction is counted for it."""
     logp = _f([[math.log(0.6), math.log(0.5)]], torch.float64)
     old = _f([[math.log(0.3), math.log(0.5)]], torch.float64)
@@ -1153,7 +1154,7 @@ def _overflow_case():
 
 
 def test_dppo_zero_advantage_with_an_overflowed_ratio_is_zero():
-    """L32: dppo without delta: ``A = 0`` gives 0 (loss and gradient), not ``inf * 0 = NaN``."""
+    """dppo without delta: ``A = 0`` gives 0 (loss and gradient), not ``inf * 0 = NaN``."""
     logp, old = _overflow_case()
     adv = _f([[0.0, 1.0]])
     cfg = PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.2, clip_high=0.2)
@@ -1165,7 +1166,7 @@ def test_dppo_zero_advantage_with_an_overflowed_ratio_is_zero():
 
 
 def test_dppo_token_dropped_by_the_rollout_mask_with_an_overflowed_ratio_is_zero():
-    """L43: a dppo token kept by the trust region but dropped by the rollout mask (weight 0) with an overflowed
+    """a dppo token kept by the trust region but dropped by the rollout mask (weight 0) with an overflowed
     ratio: gradient 0, not ``0 * inf = NaN``."""
     logp, old = _overflow_case()
     rollout = old - 5.0  # rho = e^5 > rollout_is_max: masked to 0
@@ -1181,7 +1182,7 @@ def test_dppo_token_dropped_by_the_rollout_mask_with_an_overflowed_ratio_is_zero
 
 
 def test_kl_cov_selects_at_least_one_token():
-    """L41: ``n = max(floor(cov_ratio * N), 1)``: 5 tokens at cov_ratio 0.1 select one."""
+    """``n = max(floor(cov_ratio * N), 1)``: 5 tokens at cov_ratio 0.1 select one."""
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(1, 5, generator=g, dtype=torch.float64) * 3
     adv = torch.randn(1, 5, generator=g, dtype=torch.float64)
@@ -1191,7 +1192,7 @@ def test_kl_cov_selects_at_least_one_token():
 
 
 def test_dual_clip_fraction_counts_negative_advantages_only():
-    """L49: ``clip_frac_dual`` counts ``A < 0`` and ``r > c`` (r = 3 > c = 2 with A > 0 does not count)."""
+    """``clip_frac_dual`` counts ``A < 0`` and ``r > c`` (r = 3 > c = 2 with A > 0 does not count)."""
     old = _f([[0.0, 0.0]], torch.float64)
     logp = old + math.log(3.0)
     cfg = PolicyLossConfig(dual_clip=2.0)
@@ -1201,7 +1202,7 @@ def test_dual_clip_fraction_counts_negative_advantages_only():
 
 
 def test_gmpo_high_clip_fraction_uses_clip_high():
-    """L50: gmpo's ``clip_frac_high`` is ``log r > clip_high`` with A > 0 (0.2 is inside clip_high = 0.3)."""
+    """gmpo's ``clip_frac_high`` is ``log r > clip_high`` with A > 0 (0.2 is inside clip_high = 0.3)."""
     old = _f([[0.0]], torch.float64)
     cfg = PolicyLossConfig(policy_loss="gmpo", clip_low=0.1, clip_high=0.3)
     _, m = compute_policy_loss(old + 0.2, _f([[1.0]], torch.float64), torch.ones(1, 1, dtype=torch.bool), cfg,
@@ -1210,7 +1211,7 @@ def test_gmpo_high_clip_fraction_uses_clip_high():
 
 
 def test_vespo_weight_that_overflows_is_zero_as_trl():
-    """L58: a non-finite ``phi`` is 0 (TRL's ``nan_to_num(posinf=0)``): fp32, k = 10, lam -> 1e-4, log w = 10 gives
+    """a non-finite ``phi`` is 0 (TRL's ``nan_to_num(posinf=0)``): fp32, k = 10, lam -> 1e-4, log w = 10 gives
     ``exp(1e-4 + 100 - 2.2) = inf``."""
     trl = pytest.importorskip("trl")
     log_r = torch.tensor([[5.0, 5.0], [0.1, 0.0]])
@@ -1234,4 +1235,3 @@ def test_ratio_exactly_at_a_bound(tie):
                           old_logprobs=_f([[tie["old"]]])).loss
     loss.sum().backward()
     assert loss.item() == tie["loss"] and logp.grad.item() == tie["slope"]
-

@@ -158,16 +158,23 @@ def _kernel_args(case, config):
 
 
 def test_bf16_dlogits_round_half_to_even(isa):
-    """fp32 logits, bf16 dlogits: bitwise torch's rounding of the fp32 dlogits on ~1M values, enough that exact
-    halfway cases (low 16 bits 0x8000) with an even kept mantissa occur (round half up would differ there)."""
-    case = make_case(batch=16, length=64, vocab=1024, seed=6)
-    args = _kernel_args(case, CONFIGS[1])
-    _, _, dlogits = native.policy_fwd(case.logits, *args)
+    """fp32 logits, bf16 dlogits on exact halfway cases: zero logits over V = 1024 (p = 2^-10 exactly) and a
+    reinforce advantage of ``1 + 2^-8``, so every non-target dlogit is ``(1 + 2^-8) 2^-10``, halfway between two
+    bf16 values with an even lower one: round half to even keeps ``2^-10`` (half up would give ``1 + 2^-7``),
+    bitwise torch's rounding of the fp32 single pass's dlogits."""
+    V = 1024
+    logits = torch.zeros(1, 4, V)
+    targets = torch.tensor([[0, 5, 700, 1023]])
+    flat = torch.zeros(4)
+    args = (targets, torch.full((4,), 1 + 2**-8), flat, flat, None, torch.ones(4),
+            *config_args(PolicyLossConfig(policy_loss="reinforce")))
+    _, _, dlogits = native.policy_fwd(logits, *args)
     bits = dlogits.view(torch.int32)
-    assert (((bits & 0xFFFF) == 0x8000) & ((bits >> 16) & 1 == 0)).any(), "no halfway case in the data"
-    out = torch.empty(case.logits.shape, dtype=torch.bfloat16)
-    native.policy_fwd_into(case.logits, out, *args)
+    assert (((bits & 0xFFFF) == 0x8000) & ((bits >> 16) & 1 == 0)).sum() == 4 * (V - 1)
+    out = torch.empty(logits.shape, dtype=torch.bfloat16)
+    native.policy_fwd_into(logits, out, *args)
     assert torch.equal(out.view(torch.int16), dlogits.to(torch.bfloat16).view(torch.int16))
+    assert (out.float().abs() == 2**-10).sum() == 4 * (V - 1)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -752,7 +752,7 @@ def test_kernel_constants_are_the_loss_maths():
 
 
 # --------------------------------------------------------------------------- epilogue at bounds and overflow
-# (each test names the mutant of a mutation-testing round it kills)
+# (cases a mutation-testing round found untested)
 def _at_bound_epilogue(device, cfg, logp, old, ref, adv, rollout=None):
     """``apply_epilogue`` on fp32 vectors of ``device``, every token valid; ``None`` stays ``None``."""
     from fused_rl.kernels.epilogue import apply_epilogue
@@ -776,7 +776,7 @@ def _at_bound_autograd(cfg, logp, old, ref, adv, rollout=None, dtype=torch.float
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_abs_kl_has_zero_slope_where_ref_equals_logp(device):
-    """E08: ``|d|``'s slope at ``d = 0`` (ref == policy, e.g. the first step) is 0, as torch's sign / abs."""
+    """``|d|``'s slope at ``d = 0`` (ref == policy, e.g. the first step) is 0, as torch's sign / abs."""
     cfg = PolicyLossConfig(policy_loss="reinforce", kl="abs", beta=0.5)
     got = _at_bound_epilogue(device, cfg, [-1.0, -2.0], None, [-1.0, -2.0], [0.0, 1.0])
     _, grad = _at_bound_autograd(cfg, [-1.0, -2.0], None, [-1.0, -2.0], [0.0, 1.0])
@@ -786,7 +786,7 @@ def test_epilogue_abs_kl_has_zero_slope_where_ref_equals_logp(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_dppo_binary_kl_at_p_one(device):
-    """E17: ``helpers.DPPO_AT_ONE``: at ``p = 1`` the ``1e-8`` smoothing keeps the token."""
+    """``helpers.DPPO_AT_ONE``: at ``p = 1`` the ``1e-8`` smoothing keeps the token."""
     case = DPPO_AT_ONE
     got = _at_bound_epilogue(device, case["config"], case["logp"], case["old"], None, case["adv"])
     torch.testing.assert_close(got[1], torch.tensor(case["slopes"]))
@@ -795,14 +795,20 @@ def test_epilogue_dppo_binary_kl_at_p_one(device):
 @pytest.mark.parametrize("tie", EPILOGUE_TIES, ids=["dual_clip", "delta"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_ratio_exactly_at_a_bound(device, tie):
-    """``helpers.EPILOGUE_TIES``: dual_clip's tie splits the gradient, delta's closed bound passes it."""
-    loss, slope, *_ = _at_bound_epilogue(device, tie["config"], [tie["logp"]], [tie["old"]], None, [tie["adv"]])
+    """``helpers.EPILOGUE_TIES``: dual_clip's tie splits the gradient, delta's closed bound passes it. (A GPU's
+    ``exp`` is not correctly rounded: where its ratio misses the bound there is no tie to test.)"""
+    loss, slope, _, ratio, _ = _at_bound_epilogue(device, tie["config"], [tie["logp"]], [tie["old"]], None,
+                                                  [tie["adv"]])
+    bound = tie["config"].dual_clip or tie["config"].delta
+    if device != "cpu" and ratio.item() != torch.tensor(bound).item():
+        pytest.skip(f"this device's exp gives r = {ratio.item()!r}, not the bound {bound}")
+    assert ratio.item() == torch.tensor(bound).item()
     assert loss.item() == tie["loss"] and slope.item() == tie["slope"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_dppo_zero_advantage_and_rollout_drop_with_an_overflowed_ratio(device):
-    """E12 / E13: a dppo token with ``A = 0``, or dropped by the rollout mask, whose ratio overflows (``exp(199.9)``
+    """a dppo token with ``A = 0``, or dropped by the rollout mask, whose ratio overflows (``exp(199.9)``
     in fp32) gives loss and slope 0, not ``inf * 0 = NaN``."""
     cfg = PolicyLossConfig(policy_loss="dppo_tv", clip_low=0.2, clip_high=0.2)
     got = _at_bound_epilogue(device, cfg, [-0.1, -0.1], [-200.0, -200.0], None, [0.0, 0.0])
@@ -814,7 +820,7 @@ def test_epilogue_dppo_zero_advantage_and_rollout_drop_with_an_overflowed_ratio(
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_bias_corrected_kl_with_an_overflowed_ratio(device):
-    """E20: an overflowed ratio carries no derivative of its own: the logp slope is ``beta r K'`` (``-inf`` for k2
+    """an overflowed ratio carries no derivative of its own: the logp slope is ``beta r K'`` (``-inf`` for k2
     at d = 1), as autograd of loss_math in fp32, not ``r kl + r K' = inf - inf = NaN``."""
     cfg = PolicyLossConfig(policy_loss="reinforce", kl="k2", beta=0.5, kl_bias_correction=True)
     got = _at_bound_epilogue(device, cfg, [-0.1], [-200.0], [0.9], [0.0])
@@ -825,7 +831,7 @@ def test_epilogue_bias_corrected_kl_with_an_overflowed_ratio(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_epilogue_rollout_weight_lower_bound_is_e_minus_20(device):
-    """E07: ``rho = exp(clamp(old - rollout, -20, 20))``: at ``old - rollout = -30`` the weight is ``e^-20``
+    """``rho = exp(clamp(old - rollout, -20, 20))``: at ``old - rollout = -30`` the weight is ``e^-20``
     (relative check: the absolute difference from ``e^-30`` is ~2e-9, under an absolute tolerance)."""
     cfg = PolicyLossConfig(policy_loss="reinforce", rollout_is="token_truncate", rollout_is_max=2.0)
     got = _at_bound_epilogue(device, cfg, [-1.0], [-1.0], None, [1.0], rollout=[29.0])
