@@ -767,3 +767,53 @@ def test_liger_module_takes_a_tensor_beta_with_the_bias_correction():
     assert grpo_policy_loss_config("grpo", epsilon_low=np.array(0.25)).clip_low == 0.25
     with pytest.raises(ValueError, match="must be a real number"):
         grpo_policy_loss_config("grpo", beta=torch.tensor(True))
+
+
+def _small_linear_case(seed=0, B=2, T=4, H=8, V=30):
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    return h, w, targets
+
+
+def test_fused_linear_policy_loss_module_passes_the_token_normalizer():
+    """``FusedLinearPolicyLoss.forward(token_normalizer=...)`` reaches ``linear_policy_loss`` (token-mean divides by
+    it, not by the token count)."""
+    from fused_rl.nn import FusedLinearPolicyLoss
+    h, w, targets = _small_linear_case()
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1, 3] = False
+    adv = torch.tensor([1.0, -0.5])
+    cfg = fused_rl.PolicyLossConfig(agg="token-mean")
+    got = FusedLinearPolicyLoss(cfg, backend="torch")(h, w, targets, adv, mask, token_normalizer=20.0).loss
+    want = fused_rl.linear_policy_loss(h, w, targets, adv, mask, config=cfg, token_normalizer=20.0,
+                                       backend="torch").loss
+    plain = fused_rl.linear_policy_loss(h, w, targets, adv, mask, config=cfg, backend="torch").loss
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got * 20.0, plain * 7.0)
+
+
+def test_liger_num_items_in_batch_is_clamped_at_one():
+    """dapo's normalizer is ``max(num_items_in_batch / world_size, 1)`` (Liger): 0.25 divides as 1."""
+    from fused_rl.nn import FusedLinearGRPOLoss
+    h, w, targets = _small_linear_case(1)
+    adv = torch.tensor([1.0, 0.5])
+    loss_fn = FusedLinearGRPOLoss(beta=0.0, loss_type="dapo")
+    small, _ = loss_fn(h, w, targets, torch.ones(2, 4), adv, num_items_in_batch=0.25)
+    one, _ = loss_fn(h, w, targets, torch.ones(2, 4), adv, num_items_in_batch=1)
+    assert one.item() != 0.0
+    torch.testing.assert_close(small, one)
+
+
+@pytest.mark.parametrize("ctor", [dict(loss_type="cispo", epsilon_high=1.5),
+                                  dict(importance_sampling_level="sequence")])
+def test_liger_clip_ratio_leaves_out_zero_advantages(ctor):
+    """Liger's clip_ratio counts a ratio above its bound only where ``A > 0``: a row with ``A = 0`` (and every ratio
+    ``e``) is no clipped token: 4 of the 8 tokens (the ``A = 1`` row)."""
+    from fused_rl.nn import FusedLinearGRPOLoss
+    h, w, targets = _small_linear_case(2)
+    with torch.no_grad():
+        old = torch.log_softmax(h @ w.T, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) - 1.0
+    _, metrics = FusedLinearGRPOLoss(beta=0.0, **ctor)(h, w, targets, torch.ones(2, 4), torch.tensor([1.0, 0.0]),
+                                                       old_per_token_logps=old)
+    assert metrics[-1].item() == pytest.approx(4 / 8, abs=1e-7)

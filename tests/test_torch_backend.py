@@ -130,3 +130,15 @@ def test_compile_fullgraph_bias_corrected_kl(backend, policy):
     loss_fn(x1).backward()
     torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(x2).backward()
     torch.testing.assert_close(x2.grad, x1.grad)
+
+
+def test_policy_loss_returns_the_entropy_by_default():
+    """``compute_entropy`` defaults to True: the output's entropy and its mean metric are there without asking."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 50, generator=g)
+    t = torch.randint(0, 50, (2, 3), generator=g)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    out = fused_rl.policy_loss(x, t, torch.tensor([1.0, -1.0]), mask, backend="torch")
+    assert out.entropy is not None
+    want = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
+    torch.testing.assert_close(out.entropy, want, rtol=1e-5, atol=1e-6)

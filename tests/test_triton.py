@@ -838,3 +838,28 @@ def test_epilogue_rollout_weight_lower_bound_is_e_minus_20(device):
     loss, _ = _at_bound_autograd(cfg, [-1.0], [-1.0], None, [1.0], rollout=[29.0])
     torch.testing.assert_close(got[0], loss.float(), rtol=1e-5, atol=0.0)
     assert got[0].item() == pytest.approx(math.exp(-20.0), rel=1e-5)
+
+
+@pytest.mark.parametrize("split", [None, 16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_targets_on_chunk_and_block_boundaries(device, monkeypatch, split):
+    """Targets at the first column of every split chunk / logits block (0, 16, 32, 48) and at the last column
+    (63): the chunk that holds the target (and only it) adds ``a`` at the target entry."""
+    from fused_rl.kernels import logits as K
+    monkeypatch.setattr(K, "MAX_BLOCK_V", 16)
+    monkeypatch.setattr(K, "SPLIT_CHUNK", split)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 64, generator=g).to(device)
+    t = torch.tensor([[0, 16, 32], [48, 63, 15]], device=device)
+    adv = torch.tensor([1.0, -0.5], device=device)
+    mask = torch.ones(2, 3, dtype=torch.bool, device=device)
+    cfg = fused_rl.PolicyLossConfig(temperature=0.7)
+    grads, losses = [], []
+    for backend in ("triton", "reference"):
+        xb = x.clone().requires_grad_(True)
+        out = fused_rl.policy_loss(xb, t, adv, mask, config=cfg, backend=backend)
+        out.loss.backward()
+        grads.append(xb.grad)
+        losses.append(out.loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)

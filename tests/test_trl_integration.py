@@ -694,3 +694,31 @@ def test_deepspeed_zero3_is_refused(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
     with pytest.raises(NotImplementedError, match="DeepSpeed ZeRO-3"):
         patch_grpo_trainer(trainer)
+
+
+def test_dapo_num_items_in_batch_is_clamped_at_one(model_dir, tmp_path):
+    """dapo's normalizer is ``max(num_items_in_batch, 1) / num_processes`` (module doc): 0.5 divides as 1."""
+    trainer = FusedGRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="dapo", beta=0.0),
+                               fused_backend=LINEAR_BACKEND)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.args.steps_per_generation = 1
+    inputs, _, logp = _vllm_batch(trainer, [6, 2, 4, 1], torch.Generator().manual_seed(0))
+    inputs["old_per_token_logps"] = logp - 0.1
+    trainer.model.train()
+    losses = [trainer._compute_loss(trainer.model, dict(inputs, num_items_in_batch=torch.tensor(n))).detach()
+              for n in (0.5, 1.0)]
+    assert losses[1].item() != 0.0
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+def test_cispo_clip_ratio_counts_only_positive_advantages(model_dir, tmp_path):
+    """TRL's ``cispo_clip_ratio``: tokens with ``r > epsilon_high`` and ``A > 0``. Every ratio is ``e`` (> 1.5) and
+    the advantages ``(0, 0, 0, 1)``: only the last sequence's token counts (1 of the 13 loss tokens)."""
+    trainer = FusedGRPOTrainer(**_trainer(model_dir, tmp_path, loss_type="cispo", beta=0.0, epsilon_high=1.5),
+                               fused_backend=LINEAR_BACKEND)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs, mask, logp = _vllm_batch(trainer, [6, 2, 4, 1], torch.Generator().manual_seed(0))
+    inputs.update(old_per_token_logps=logp - 1.0, advantages=torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    trainer.model.train()
+    trainer._compute_loss(trainer.model, inputs)
+    assert trainer._metrics["train"]["cispo_clip_ratio"][-1] == pytest.approx(1 / 13)
