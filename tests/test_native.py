@@ -662,21 +662,14 @@ def test_epilogue_matches_autograd_of_loss_math(config, on_policy):
     assert_dppo_regions_reached(config, logp, old, adv)
 
 
-def test_epilogue_dppo_binary_kl_near_one():
-    """The header's binary KL where ``p ~ 1`` (its ``1e-8`` smoothing decides: ``helpers.DPPO_NEAR_ONE``)."""
-    near = DPPO_NEAR_ONE
+@pytest.mark.parametrize("case", [DPPO_NEAR_ONE, DPPO_AT_ONE], ids=["near_one", "at_one"])
+def test_epilogue_dppo_binary_kl_near_one(case):
+    """The header's binary KL where ``p ~ 1`` (its ``1e-8`` smoothing, against ``1e-6``, decides:
+    ``helpers.DPPO_NEAR_ONE``) and at ``p = 1`` (it keeps the token: ``helpers.DPPO_AT_ONE``)."""
     f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    _, slopes, _ = _epilogue(near["config"], f(near["logp"]), torch.zeros(2), f(near["adv"]), f(near["old"]), None,
-                             None, torch.ones(2))
-    torch.testing.assert_close(slopes, f(near["slopes"]))
-
-
-def test_epilogue_dppo_binary_kl_at_one():
-    """``helpers.DPPO_AT_ONE``: at ``p = 1`` the header's ``1e-8`` smoothing keeps the token."""
-    case = DPPO_AT_ONE
-    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    _, slopes, _ = _epilogue(case["config"], f(case["logp"]), torch.zeros(1), f(case["adv"]), f(case["old"]), None,
-                             None, torch.ones(1))
+    n = len(case["logp"])
+    _, slopes, _ = _epilogue(case["config"], f(case["logp"]), torch.zeros(n), f(case["adv"]), f(case["old"]), None,
+                             None, torch.ones(n))
     torch.testing.assert_close(slopes, f(case["slopes"]))
 
 
