@@ -570,11 +570,12 @@ def entropy_quantile_across(gather: EntropyGather) -> Iterator[None]:
 def _quantile_of_sorted(values: torch.Tensor, count: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The ``q`` quantile of the first ``count`` entries of the ascending 1-D ``values``, linearly
     interpolated as ``torch.quantile`` does, with a tensor index (no data-dependent int under
-    torch.compile); ``values[0]`` when ``count`` is 0."""
-    pos = (count - 1).clamp(min=0).to(values.dtype) * q
+    torch.compile); ``values[0]`` when ``count`` is 0. The position and the interpolation are float64 (``q``
+    too): in bf16 entropies' own dtype the position of the quantile was off by up to 1/512 of ``count``."""
+    pos = (count - 1).clamp(min=0).to(torch.float64) * q
     lo = pos.floor()
     idx = torch.stack([lo, pos.ceil()]).long()
-    low, high = values.gather(0, idx).unbind()
+    low, high = values.gather(0, idx).to(torch.float64).unbind()
     lo_idx, hi_idx = idx.unbind()
     return torch.where(hi_idx > lo_idx, torch.lerp(low, high, pos - lo), low)
 
@@ -593,8 +594,8 @@ def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
         if values.numel() == 0:  # no unmasked token anywhere: nothing to keep (as TRL)
             return torch.zeros_like(mask)
         count = torch.tensor(values.numel(), device=values.device)
-    threshold = _quantile_of_sorted(values, count, 1.0 - config_scalar(values, quantile)).to(h.dtype)
-    return mask & (h >= threshold)
+    threshold = _quantile_of_sorted(values, count, 1.0 - config_scalar(count.double(), quantile))
+    return mask & (h.double() >= threshold)
 
 
 def covariance_selection(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -386,6 +386,18 @@ def test_top_entropy_keep_matches_torch_quantile():
     assert not top_entropy_keep(ent, torch.zeros_like(mask), 0.5).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_top_entropy_keep_of_half_precision_entropies(dtype):
+    """The quantile of bf16 / fp16 entropies is that of their exact values: in their own dtype the position
+    ``(n - 1) (1 - rho)`` was rounded (bf16: to 16 at n ~ 3000) and the threshold with it."""
+    g = torch.Generator().manual_seed(4)
+    ent = (torch.randn(3, 1100, generator=g) * 2).exp().to(dtype)
+    mask = torch.rand(3, 1100, generator=g) > 0.1
+    for rho in (0.2, 0.37, 0.5, 0.91):
+        expected = mask & (ent.double() >= torch.quantile(ent.double()[mask], 1 - rho))
+        assert torch.equal(top_entropy_keep(ent, mask, rho), expected), rho
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_top_entropy_keep_across_one_process_is_the_local_keep(dtype):
     """An identity gather (one process) gives the local mask exactly, fp64 included (the gathered entropies
