@@ -1,0 +1,174 @@
+"""The Python snippets of README.md and docs/*.md run as written and compute what the reference computes.
+
+Each fenced ``python`` block runs, paragraph by paragraph (blank-line separated), in a namespace of small CPU tensors
+named as the snippets name them (:func:`namespace`); a paragraph that needs what no test machine has (a model id to
+download) is listed in :data:`SKIP` with the reason. Each block runs twice: as written (``backend="auto"``, i.e. the
+C++ or chunked torch kernels; an explicit backend as named) and with every backend the reference. Every tensor the
+block leaves behind (outputs, metrics, tuples of them) and every gradient it accumulates on the inputs must agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl import PolicyLossConfig
+from fused_rl.backends import AUTO_ORDER
+from helpers import triton_interpreter_reason
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: (file, block, paragraph) -> why it does not run here; a stale entry fails the test of its block
+SKIP = {
+    ("README.md", 2, 0): "builds a TRL trainer from `model=...`",
+    ("migration.md", 1, 1): "builds a TRL trainer from a model id (a download)",
+}
+B, T, V, H = 4, 6, 50, 16
+BACKEND_ARG = re.compile(r"""backend=(["'])(\w+)\1""")
+
+
+def python_blocks(path: Path) -> list[str]:
+    """The fenced ``python`` blocks of a Markdown file, in order."""
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.M | re.S)
+
+
+BLOCKS = [(path.name, i, code) for path in DOCS for i, code in enumerate(python_blocks(path), start=1)]
+
+
+def namespace() -> dict:
+    """The names the snippets use, as small seeded CPU tensors (logits, hidden states and per-token log-probs
+    require gradients)."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    mask[:, 0] = True
+    logp_like = lambda: -torch.rand(B, T, generator=g) * 3  # noqa: E731
+    lm_head = torch.nn.Linear(H, V)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(V, H, generator=g) * 0.3)
+        lm_head.bias.copy_(torch.randn(V, generator=g) * 0.1)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    old, ref, rollout = logp_like(), logp_like(), logp_like()
+    n_tokens = int(mask.sum())
+    verl_config = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                                  policy_loss=SimpleNamespace(loss_mode="vanilla"))
+    args = SimpleNamespace(rollout=SimpleNamespace(temperature=0.9), actor=SimpleNamespace(entropy_coef=0.01),
+                           algo=SimpleNamespace(kl=SimpleNamespace(use_loss=True, estimator="k3",
+                                                                   unbiased_gradient=False)))
+    return dict(
+        torch=torch, fused_rl=fused_rl, PolicyLossConfig=PolicyLossConfig,
+        logits=(torch.randn(B, T, V, generator=g) * 2).requires_grad_(), targets=targets,
+        advantages=torch.randn(B, generator=g), mask=mask, old=old, ref=ref, n_tokens=n_tokens, n=n_tokens,
+        hidden=torch.randn(B, T, H, generator=g).requires_grad_(), lm_head=lm_head,
+        cfg=PolicyLossConfig.preset("dapo"),
+        rewards=(torch.rand(16, generator=g) > 0.5).float(),
+        ids=targets, completion_ids=targets, completion_mask=mask.long(),
+        g1=torch.randn(B, T, generator=g), g2=torch.randn(B, T, generator=g),
+        # verl
+        old_log_prob=old, log_prob=(old + 0.1 * torch.randn(B, T, generator=g)).requires_grad_(),
+        response_mask=mask.float(), loss_agg_mode="token-mean", actor_config=verl_config,
+        # OpenRLHF
+        log_probs=(old + 0.1 * torch.randn(B, T, generator=g)).requires_grad_(), old_log_probs=old,
+        action_mask=mask, rollout_log_probs=rollout, action_ids=targets, base_action_log_probs=ref,
+        loss_batch_info=dict(dp_size=1, batch_num_tokens=n_tokens, global_batch_size=B), kl_ctl=0.01, args=args,
+    )
+
+
+@pytest.fixture
+def fake_verl(monkeypatch) -> dict:
+    """``verl.trainer.ppo.core_algos.register_policy_loss`` recording what the snippet registers (verl itself is not
+    installed for the tests)."""
+    registered = {}
+
+    def register_policy_loss(name):
+        def deco(fn):
+            registered[name] = fn
+            return fn
+        return deco
+
+    names = ["verl", "verl.trainer", "verl.trainer.ppo", "verl.trainer.ppo.core_algos"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["verl.trainer.ppo.core_algos"].register_policy_loss = register_policy_loss
+    return registered
+
+
+def paragraphs(code: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", code) if p.strip()]
+
+
+def run_block(name: str, index: int, code: str, reference: bool) -> dict:
+    ns = namespace()
+    for j, para in enumerate(paragraphs(code)):
+        if (name, index, j) in SKIP:
+            continue
+        if reference:
+            para = BACKEND_ARG.sub('backend="reference"', para)
+        exec(compile(para, f"{name}:python block {index}, paragraph {j}", "exec"), ns)
+    return ns
+
+
+def tensors(obj, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in ``obj`` (tensors, tuples, lists, dicts, dataclasses), with its path."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return [t for k, v in obj.items() for t in tensors(v, f"{path}.{k}")]
+    if isinstance(obj, (tuple, list)):
+        return [t for i, v in enumerate(obj) for t in tensors(v, f"{path}[{i}]")]
+    return []
+
+
+def results(ns: dict, before: dict) -> dict[str, torch.Tensor]:
+    """The tensors a block made (new names) and the gradients it left on the inputs."""
+    out = {}
+    for key, value in ns.items():
+        if key not in before:
+            out.update(tensors(value, key))
+    for key in ("logits", "hidden", "log_prob", "log_probs"):
+        out[f"{key}.grad"] = ns[key].grad
+    for pname, param in ns["lm_head"].named_parameters():
+        out[f"lm_head.{pname}.grad"] = param.grad
+    return out
+
+
+def test_the_snippets_are_found():
+    """The docs have the blocks this file runs (a renamed fence would silently drop one), and every SKIP entry
+    names a paragraph that exists."""
+    names = {name for name, _, _ in BLOCKS}
+    assert {"README.md", "migration.md", "linear.md", "native.md", "triton.md", "train.md"} <= names
+    assert len(BLOCKS) >= 10
+    code = {(name, i): c for name, i, c in BLOCKS}
+    for name, i, j in SKIP:
+        assert j < len(paragraphs(code[(name, i)])), (name, i, j)
+
+
+@pytest.mark.parametrize("name, index, code", BLOCKS, ids=[f"{n}-{i}" for n, i, _ in BLOCKS])
+def test_snippet_runs_and_matches_the_reference(name, index, code, fake_verl, monkeypatch):
+    if any(m.group(2) == "triton" for m in BACKEND_ARG.finditer(code)) and (reason := triton_interpreter_reason()):
+        pytest.skip(reason)
+    before = namespace()
+    fused = results(run_block(name, index, code, reference=False), before)
+    registered_fused = dict(fake_verl)
+    monkeypatch.setitem(AUTO_ORDER, "cpu", ("reference",))
+    reference = results(run_block(name, index, code, reference=True), before)
+    assert fused.keys() == reference.keys()
+    for key, expected in reference.items():
+        actual = fused[key]
+        assert (actual is None) == (expected is None), key
+        if expected is not None:
+            torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-4, msg=lambda m, k=key: f"{k}: {m}")
+    if re.search(r"^register_policy_loss\(", code, flags=re.M):
+        assert set(registered_fused) == {"fused_vanilla"} and callable(registered_fused["fused_vanilla"])
+    if "def brevity" in code:
+        ns = run_block(name, index, code, reference=False)
+        assert ns["brevity"](["p", "q"], ["short", "x" * 300], answer=[None, None]) == [1.0, 0.0]
