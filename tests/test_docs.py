@@ -1,4 +1,5 @@
-"""The Python snippets of README.md and docs/*.md run as written and compute what the reference computes.
+"""The Python snippets of README.md and docs/*.md run as written and compute what the reference computes; their YAML
+configs and ``fused-rl train`` lines are valid.
 
 Each fenced ``python`` block runs, paragraph by paragraph (blank-line separated), in a namespace of small CPU tensors
 named as the snippets name them (:func:`namespace`); a paragraph that needs what no test machine has (a model id to
@@ -172,3 +173,46 @@ def test_snippet_runs_and_matches_the_reference(name, index, code, fake_verl, mo
     if "def brevity" in code:
         ns = run_block(name, index, code, reference=False)
         assert ns["brevity"](["p", "q"], ["short", "x" * 300], answer=[None, None]) == [1.0, 0.0]
+
+
+# ------------------------------------------------------------------------------ the trainer's YAML and command lines
+YAML_BLOCKS = [(path.name, code) for path in DOCS
+               for code in re.findall(r"^```ya?ml\n(.*?)^```", path.read_text(), flags=re.M | re.S)]
+#: ``fused-rl train ...`` lines of the docs (README's indented blocks included), comments cut
+TRAIN_LINES = [(path.name, line.split("#")[0].split()[2:]) for path in DOCS for line in path.read_text().splitlines()
+               if line.strip().startswith("fused-rl train ")]
+
+
+@pytest.mark.parametrize("name, text", YAML_BLOCKS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(YAML_BLOCKS)])
+def test_yaml_snippet_is_a_valid_trainer_config(name, text):
+    """Each YAML block of the docs is a valid trainer config whose every key reads back as written."""
+    from fused_rl.train.config import from_dict, to_dict, yaml_load
+
+    data = yaml_load(text)
+    written = to_dict(from_dict(data, source=name).validate())
+    assert {key: written[key] for key in data} == data
+
+
+@pytest.mark.parametrize("name, argv", TRAIN_LINES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(TRAIN_LINES)])
+def test_train_command_line_is_valid(name, argv, tmp_path, monkeypatch):
+    """Each ``fused-rl train`` line of the docs parses to a valid config, its flags applied as written (a ``--config``
+    file the line names but does not ship is an empty file here)."""
+    from fused_rl.train.config import bundled_names, load_config
+
+    assert len(TRAIN_LINES) >= 3
+    monkeypatch.chdir(tmp_path)
+    config = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        config, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        if config not in bundled_names():
+            (tmp_path / config).write_text("{}\n")
+    cfg = load_config(config, argv)
+    flags = dict(zip(argv[::2], argv[1::2]))
+    for flag, raw in flags.items():
+        *parents, leaf = flag.removeprefix("--").split(".")
+        value = cfg
+        for part in parents:
+            value = getattr(value, part) if not isinstance(value, dict) else value[part]
+        value = value[leaf] if isinstance(value, dict) else getattr(value, leaf)
+        assert value == type(value)(raw), flag
