@@ -215,6 +215,61 @@ def test_penalize_replaces_the_reward_of_truncated_completions():
     assert b.mask[1].all()
 
 
+def test_each_row_gets_its_own_prompt_and_fields_and_lengths_count_dropped_rows():
+    """Samples of one prompt are consecutive: row ``i`` is prompt ``i // G`` for the reward functions and the
+    rollout's ``prompts``; ``lengths`` count the completion up to its stop token *before* ``truncation="mask"``
+    drops a truncated row from ``mask`` (the Kimi length reward reads them) (mutation audit)."""
+    seen = []
+
+    def by_prompt(prompts, completions, answer, **_):
+        seen.append((list(prompts), list(answer)))
+        return [10.0 * len(p) + float(a) for p, a in zip(prompts, answer)]
+
+    model = _Scripted([[7, 2, 0, 0], [7, 8, 9, 9], [7, 7, 2, 0], [8, 8, 8, 8]])
+    b = rollout(model, _tok(0, (2,)), [{"prompt": "abc", "answer": 1}, {"prompt": "ab", "answer": 2}],
+                [("by_prompt", by_prompt)], [1.0], group_size=2, max_new_tokens=4, temperature=1.0, top_p=1.0,
+                truncation="mask")
+    assert seen == [(["abc", "abc", "ab", "ab"], [1, 1, 2, 2])]
+    assert b.prompts == ["abc", "abc", "ab", "ab"]
+    assert b.rewards.tolist() == [31.0, 31.0, 22.0, 22.0]
+    assert b.attention_mask[:, :b.prompt_len].sum(1).tolist() == [3, 3, 2, 2]
+    assert b.truncated.tolist() == [False, True, False, True]
+    assert b.mask.sum(1).tolist() == [2, 0, 3, 0]
+    assert b.lengths.tolist() == [2, 4, 3, 4]
+
+
+def test_generate_restores_the_model_s_own_generation_config():
+    """``generate`` swaps a default ``GenerationConfig`` in during the call and puts the model's own object back
+    afterwards (a later ``model.generate`` or ``save_pretrained`` sees its settings) (mutation audit)."""
+    class Recording(_Scripted):
+        def generate(self, *args, **kwargs):
+            self.during = self.generation_config
+            return super().generate(*args, **kwargs)
+
+    model = Recording([[7, 2, 0, 0]])
+    own = model.generation_config
+    own.repetition_penalty = 1.5
+    rollout(model, _tok(0, (2,)), [{"prompt": "abc"}], [("zero", _zero_reward)], [1.0], group_size=1,
+            max_new_tokens=4, temperature=1.0, top_p=1.0)
+    assert model.during is not own and model.during.repetition_penalty in (None, 1.0)  # a default one, meanwhile
+    assert model.generation_config is own and own.repetition_penalty == 1.5
+
+
+def test_select_takes_the_rows_of_every_field():
+    """``Rollout.select(idx)``: every per-row field, the sampler log-probs and the reward parts included, is the
+    rows ``idx`` of the full rollout's (mutation audit)."""
+    b = _rollout(_policy(), ["1=", "12="], group_size=3, max_new_tokens=4, sampler_logprobs=True)
+    idx = torch.tensor([4, 0, 3])
+    sub = b.select(idx)
+    for name in ("input_ids", "attention_mask", "position_ids", "targets", "mask", "truncated", "rewards",
+                 "lengths", "sampler_logprobs"):
+        assert torch.equal(getattr(sub, name), getattr(b, name)[idx]), name
+    assert torch.equal(sub.reward_parts["zero"], b.reward_parts["zero"][idx])
+    assert sub.prompts == [b.prompts[i] for i in (4, 0, 3)] and sub.prompt_len == b.prompt_len
+    assert sub.completions == [b.completions[i] for i in (4, 0, 3)]
+    assert sub.sampler_logprobs[sub.mask].lt(0).all()
+
+
 def test_eos_from_a_real_generate_is_scored_and_masks_the_rest():
     """With a real ``generate`` (EOS made likely at a high temperature): the EOS is a loss token scored by
     the sampling distribution, nothing after it is, and rows without EOS are truncated."""

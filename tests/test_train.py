@@ -114,6 +114,40 @@ def test_bad_config_values_are_rejected_clearly(flags, words):
         assert w in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--top_p", "0"], ["'top_p' = 0.0", "(0.0, 1.0]"]),
+    (["--adam_betas", "[0.9, 1.0]"], ["adam_betas", "two numbers in [0, 1)"]),
+    (["--minibatch_size", "8", "--micro_batch_size", "3"], ["micro_batch_size", "must divide minibatch_size = 8"]),
+    (["--steps", "10", "--warmup_steps", "10"], ["'warmup_steps' = 10", "smaller than steps = 10"]),
+    (["--algorithm", "ppo", "--gamma", "1.5"], ["'gamma' = 1.5", "[0.0, 1.0]"]),
+    (["--min_lr_ratio", "1.5"], ["'min_lr_ratio' = 1.5", "[0.0, 1.0]"]),
+    (["--progress", "maybe"], ["progress", "true or false"]),
+    (["--max_grad_norm", "-1"], ["'max_grad_norm' = -1.0", "[0.0, inf]"]),
+    (["--temperature", "1e-9"], ["'temperature' = 1e-09"]),
+])
+def test_config_bounds_are_enforced_at_their_edges(flags, words):
+    """Each bound holds at its edge value (mutation audit): a value just outside is a config error naming it."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, flags)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_config_values_that_are_derived_or_spelled_differently(tmp_path):
+    """Quoted numbers in YAML are numbers; ``--a-b`` is ``--a_b``; a value after ``=`` may hold ``=``; a micro
+    batch larger than the minibatch is clamped to it; dr_grpo's ``max_len`` is ``max_new_tokens``; a lone reward
+    name is a one-item list (mutation audit)."""
+    path = tmp_path / "q.yaml"
+    path.write_text('steps: "20"\nlr: "2e-3"\nwarmup_steps: "0"\n')
+    cfg = load_config(str(path), ["--max-new-tokens", "5", f"--run_dir={tmp_path}/a=b"])
+    assert (cfg.steps, cfg.lr, cfg.warmup_steps, cfg.max_new_tokens) == (20, 0.002, 0, 5)
+    assert isinstance(cfg.steps, int) and cfg.run_dir == f"{tmp_path}/a=b"
+    cfg = load_config(None, ["--minibatch_size", "8", "--micro_batch_size", "64"])
+    assert (cfg.resolved_minibatch, cfg.resolved_micro) == (8, 8)
+    assert load_config(None, ["--algorithm", "dr_grpo", "--max_new_tokens", "6"]).loss_config().max_len == 6
+    assert load_config(None, ["--rewards", "exact_match"]).rewards == ["exact_match"]
+
+
 def test_config_overrides_and_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("steps: 17\nlr: 1e-3\nmodel_config: {hidden_size: 48}\n")
@@ -585,6 +619,39 @@ def test_jsonl_task_gsm8k_style(tmp_path):
     assert rows[0]["question"] not in {e["prompt"] for e in task.train_rows}
 
 
+def test_jsonl_task_holds_out_at_least_one_row_and_keeps_extra_fields(tmp_path):
+    """However small ``heldout_fraction`` is, the last row is held out (``1 - 1e-20`` is 1.0 in floating point);
+    a row's other keys reach the rewards (a per-row ``format_regex``) (mutation audit)."""
+    from fused_rl.train.tasks import batch_fields, make_task
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"q": f"q{i}", "a": i, "format_regex": f"x{i}"}) for i in range(3)))
+    task = make_task("jsonl", {"path": str(path), "prompt_key": "q", "answer_key": "a", "heldout_fraction": 1e-20})
+    assert [r["prompt"] for r in task.heldout(5)] == ["q2"]
+    assert [r["prompt"] for r in task.train_rows] == ["q0", "q1"]
+    assert task.heldout(5)[0]["answer"] == "2" and task.heldout(5)[0]["format_regex"] == "x2"
+    assert batch_fields(task.train_rows)["format_regex"] == ["x0", "x1"]
+    task = make_task("jsonl", {"path": str(path), "prompt_key": "q", "answer_key": "a", "heldout_fraction": 0.5})
+    assert [r["prompt"] for r in task.heldout(2)] == ["q1", "q2"] and [r["prompt"] for r in task.heldout(1)] == ["q1"]
+
+
+def test_a_task_without_held_out_prompts_evaluates_on_training_prompts():
+    """``"0="`` is the one prompt of this task and is not held out (CRC-32 % 10 = 3): ``heldout(n)`` falls back
+    to ``n`` training prompts rather than an empty evaluation (mutation audit)."""
+    from fused_rl.train.tasks import make_task
+
+    task = make_task("copy", {"min_digits": 1, "max_digits": 1, "digits": "0"})
+    assert task.heldout(3) == [{"prompt": "0=", "answer": "0"}] * 3
+
+
+def test_format_regex_must_match_the_whole_completion_and_rewards_are_scalars():
+    """A row's ``format_regex`` matches the whole (stripped) completion, not a prefix; a reward value that is a
+    one-element tensor is refused like any sequence (mutation audit)."""
+    assert format_reward(None, ["5 apples", " 5\n", "x5"], format_regex=r"\d") == [0.0, 1.0, 0.0]
+    with pytest.raises(RewardFunctionError, match="must return a list of numbers, got Tensor"):
+        call_reward("t", lambda p, c, **b: [torch.tensor([0.5])], ["p"], ["c"], {})
+
+
 @pytest.mark.parametrize("line, words", [
     ('{"prompt": "", "answer": "1"}', "'prompt' must be a non-empty string, got ''"),
     ('{"prompt": null, "answer": "1"}', "'prompt' must be a non-empty string, got None"),
@@ -950,6 +1017,26 @@ def test_resume_into_another_model_names_the_changed_fields(tmp_path):
     Trainer(small(tmp_path, steps=1, save_every=1), quiet=True).train()
     with pytest.raises(ConfigError, match=r"does not fit this config's model .*'algorithm': \('grpo', 'ppo'\)"):
         Trainer(small(tmp_path, steps=2, resume=True, algorithm="ppo"), quiet=True)
+
+
+def test_checkpoint_restores_every_rng_state(tmp_path):
+    """``checkpoint.load`` puts back the torch, Python, NumPy and prompt-sampler RNGs of the save (a user reward
+    that draws from ``random`` or NumPy resumes exactly too) (mutation audit)."""
+    import random
+
+    import numpy as np
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    prompt_rng = random.Random(5)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, step=7, config={}, prompt_rng=prompt_rng)
+    draw = lambda: (random.random(), float(np.random.rand()), float(torch.rand(())), prompt_rng.random())  # noqa: E731
+    want = draw()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9), prompt_rng.seed(9)
+    step, _ = checkpoint.load(tmp_path, model=model, optimizer=opt, scheduler=sched, prompt_rng=prompt_rng)
+    assert step == 7 and draw() == want
 
 
 def test_torn_checkpoint_and_metrics_line(tmp_path):
@@ -1376,6 +1463,34 @@ def test_bad_task_args_are_refused_when_the_task_is_built(task, args, words):
 
     with pytest.raises(ValueError, match=re.escape(words)):
         make_task(task, args)
+
+
+def test_generated_tasks_answer_their_own_prompts():
+    """Each generated task's answer is its prompt's, worked out here from the prompt text; operands span the whole
+    documented range (``add``: ``0 .. 10**max_digits - 1``, reached at both ends) and a digit outside 0-9 is
+    refused (mutation audit)."""
+    import random
+
+    from fused_rl.train.tasks import make_task
+
+    add = make_task("add", {"max_digits": 1}).sample(random.Random(0), 400)
+    operands = set()
+    for e in add:
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", e["prompt"]).groups())
+        operands |= {a, b}
+        assert e["answer"] == str(a + b), e
+    assert operands == set(range(10))
+    arith = make_task("arithmetic", {"max_value": 5, "ops": "+-*", "suffix": ""}).sample(random.Random(1), 300)
+    for e in arith:
+        a, op, b = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", e["prompt"]).groups()
+        assert int(e["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op], e
+    assert {e["prompt"].split()[3] for e in arith} == {"+", "-", "*"}
+    assert any(int(e["answer"]) < 0 for e in arith)
+    for e in make_task("reverse", {"min_digits": 2, "max_digits": 4}).sample(random.Random(2), 100):
+        assert e["answer"] == e["prompt"][:-1][::-1]
+    for digits in ("01a", "1 2", "-1"):
+        with pytest.raises(ValueError, match="digits must be a non-empty subset of 0-9"):
+            make_task("reverse", {"digits": digits})
 
 
 def test_task_flag_takes_the_task_defaults_and_string_task_args():
