@@ -111,3 +111,21 @@ def test_two_gloo_processes_match_their_one_process_simulation(tmp_path):
 def test_all_gather_1d_rejects_other_shapes():
     with pytest.raises(ValueError, match="1-D"):
         all_gather_1d(torch.zeros(2, 3))
+
+
+def _rank_gather(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        local = torch.arange(5 - 2 * rank, dtype=torch.float32) + 10.0 * (rank + 1)  # rank 0: 5 values, rank 1: 3
+        torch.save(all_gather_1d(local), os.path.join(out_dir, f"gathered{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_gather_1d_concatenates_in_rank_order_without_padding(tmp_path):
+    """Two gloo processes with 5 and 3 values (the longer one first): every process gets exactly both tensors,
+    in rank order, the shorter one cut back (no padding zeros)."""
+    mp.spawn(_rank_gather, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    want = torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0, 20.0, 21.0, 22.0])
+    for rank in range(2):
+        assert torch.equal(torch.load(tmp_path / f"gathered{rank}.pt"), want)

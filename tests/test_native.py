@@ -336,6 +336,22 @@ def test_second_backward_raises_a_clear_error():
         out.loss.backward()
 
 
+@pytest.mark.parametrize("scale", [0.0, 2.5])
+def test_single_pass_gradient_is_scaled_by_the_incoming_gradient(scale):
+    """The stored single-pass gradient times the backward's incoming gradient, 0 included (``(0 * loss)``, a
+    zeroed loss term, has a zero gradient): the reference's gradient of ``scale * loss``."""
+    case = make_case(batch=3, length=4, vocab=300, seed=2)
+    grads = []
+    for backend in ("cpu", "reference"):
+        x = case.logits.clone().requires_grad_(True)
+        out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIGS[0], backend=backend,
+                                   **case.kwargs())
+        (scale * out.loss).backward()
+        grads.append(x.grad)
+    assert_close(grads[0], grads[1], torch.float32, "dlogits", grad=True)
+    assert (grads[0].abs().max() > 0) == (scale != 0)
+
+
 def test_inplace_on_sliced_view():
     case = make_case(batch=3, length=7, vocab=1000, seed=9)
     full = make_logits((3, 8, 1000), generator=torch.Generator().manual_seed(4)).requires_grad_(True)

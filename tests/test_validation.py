@@ -32,6 +32,7 @@ CASES = [
     (dict(logits=torch.randn(6, 11)), r"logits must have shape \(B, T, V\)"),
     (dict(logits=torch.randn(0, 3, 11)), "logits is empty"),
     (dict(logits=torch.randn(2, 3, 11, 2)[..., 0]), "stride"),
+    (dict(logits=torch.randn(2, 3, 2, 2)[..., 0]), r"stride\(-1\) == 1"),  # a vocabulary of 2 is checked too
     (dict(targets=torch.zeros(2, 3)), "targets must be an int32 or int64"),
     (dict(targets=torch.zeros(2, 4, dtype=torch.long)), "targets must have shape"),
     (dict(targets=torch.full((2, 3), 11)), r"targets must be in \[0, 11\)"),
@@ -223,6 +224,33 @@ def test_inplace_refuses_rows_that_share_memory(backend):
     fused_rl.policy_loss((full * 1.0)[:, 1:-1], targets, adv, mask, backend=backend,
                          inplace=True).loss.backward()  # a slice: disjoint rows
     assert torch.isfinite(full.grad).all()
+
+
+@pytest.mark.parametrize("backend", fused_backends())
+def test_inplace_refuses_rows_that_overlap_partially(backend):
+    """Rows that overlap by a single element (row stride ``V - 1``), or a batch stride inside the span of the
+    time rows below it (``2 V + 5 < 3 V``), share memory too: refused with ``inplace=True``. A batch stride
+    clearing the span (``3 V``) is accepted, and so is any stride of a size-1 dimension (never stepped: 0 here),
+    with the reference's gradient."""
+    g = torch.Generator().manual_seed(7)
+    vocab = 40
+    targets = torch.randint(0, vocab, (2, 3), generator=g)
+    adv, mask = torch.randn(2, generator=g), torch.ones(2, 3, dtype=torch.bool)
+    base = torch.randn(4 * 3 * vocab, generator=g, requires_grad=True)
+    for strides in ((3 * (vocab - 1), vocab - 1, 1), (2 * vocab + 5, vocab, 1)):
+        with pytest.raises(ValueError, match="rows do not share memory"):
+            fused_rl.policy_loss((base * 1.0).as_strided((2, 3, vocab), strides), targets, adv, mask,
+                                 backend=backend, inplace=True)
+    fused_rl.policy_loss((base * 1.0).as_strided((2, 3, vocab), (3 * vocab, vocab, 1)), targets, adv, mask,
+                         backend=backend, inplace=True).loss.backward()
+    assert torch.isfinite(base.grad).all() and base.grad.abs().sum() > 0
+    grads = []
+    for be, inplace in ((backend, True), ("reference", False)):
+        x = base.detach()[:2 * vocab].clone().requires_grad_(True)
+        fused_rl.policy_loss((x * 1.0).as_strided((2, 1, vocab), (vocab, 0, 1)), targets[:, :1], adv, mask[:, :1],
+                             backend=be, inplace=inplace).loss.backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", [b for b in fused_backends() if b in ("cpu", "triton")])
@@ -745,3 +773,45 @@ def test_flags_must_be_bools(backend):
     fused_rl.policy_loss(logits * 1.0, t, a, m, backend=backend, inplace=np.bool_(False), check_inputs=np.bool_(True))
     logp, entropy = fused_rl.token_logprobs(logits, t, backend=backend, return_entropy=np.bool_(True))
     assert entropy.shape == t.shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_sequence_weights_are_checked_in_every_row_with_a_valid_token(backend):
+    """A per-sequence ``(B,)`` ``rollout_is_weights`` entry is read where its row has a valid token, even a single
+    one: a NaN there raises; in a row without one it is padding, neutral (the loss of any finite weight there)."""
+    args = good()
+    mask = args["mask"].clone()
+    mask[0, 1:] = False
+    with pytest.raises(ValueError, match="rollout_is_weights must be finite and >= 0 where mask is set"):
+        fused_rl.policy_loss(args["logits"], args["targets"], args["advantages"], mask, backend=backend,
+                             rollout_is_weights=torch.tensor([float("nan"), 1.0]))
+    mask[1] = False
+    got, want = (fused_rl.policy_loss(args["logits"], args["targets"], args["advantages"], mask, backend=backend,
+                                      rollout_is_weights=torch.tensor([0.5, w])).loss for w in (float("nan"), 3.0))
+    assert torch.isfinite(want) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + [b for b in fused_backends() if b in ("torch", "cpu")])
+def test_fp16_finite_target_logit_is_finite_over_a_temperature(backend):
+    """The on-policy -inf target check scales the target logit in fp32 (as the kernels do): fp16's ``finfo.min``
+    over a temperature of 0.5 is -131008 there, not the fp16 overflow -inf, so it passes, with the log-probs of the
+    fp32 ``log_softmax``."""
+    args = good()
+    logits = args["logits"].clone().half()
+    logits[1, 2, args["targets"][1, 2]] = torch.finfo(torch.float16).min
+    out = fused_rl.policy_loss(logits, args["targets"], args["advantages"], args["mask"], backend=backend,
+                               config=PolicyLossConfig(temperature=0.5))
+    want = torch.log_softmax(logits.float() / 0.5, -1).gather(-1, args["targets"].unsqueeze(-1)).squeeze(-1)
+    assert torch.isfinite(out.loss)
+    torch.testing.assert_close(out.logprobs.float(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_number_normalizer_bounds_are_fp32_s(backend):
+    """The Python-number normalizer bounds as numbers, not as ``validation.FP32_POSITIVE_FINITE`` itself: 3.5e38
+    (above fp32's max, inf once cast) and 2^-150 (rounds to 0) raise; fp32's max 3.4e38 and 2^-149 pass."""
+    for number in (3.5e38, 2.0 ** -150):
+        with pytest.raises(ValueError, match="positive and finite in fp32"):
+            call(backend, token_normalizer=number)
+    for number in (3.4e38, 2.0 ** -149):
+        call(backend, token_normalizer=number)

@@ -1342,3 +1342,13 @@ def test_batch_normalized_weights_over_processes(tmp_path, world):
         torch.testing.assert_close(parts[mask], whole[mask], rtol=1e-12, atol=0)
         alone = correct(corr, x["log_prob"][:3], x["rollout"][:3], mask[:3]).weights
         assert not torch.allclose(alone[mask[:3]], whole[:3][mask[:3]])
+
+
+def test_bypass_mode_refuses_fewer_thresholds_than_options():
+    """Two thresholds for three options is neither one shared nor one per option: it raises (a zip of the two
+    lists silently dropped the third option)."""
+    from fused_rl.integrations.verl_rollout import parse_rejection
+
+    with pytest.raises(ValueError, match=r"one per option \(3\), got 2"):
+        parse_rejection("token_k2,seq_sum_k3,seq_max_k2", "1,2")
+    assert [r.upper for r in parse_rejection("token_k2,seq_sum_k3,seq_max_k2", "1,2,3")] == [1.0, 2.0, 3.0]
