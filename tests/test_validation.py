@@ -815,3 +815,38 @@ def test_number_normalizer_bounds_are_fp32_s(backend):
             call(backend, token_normalizer=number)
     for number in (3.4e38, 2.0 ** -149):
         call(backend, token_normalizer=number)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_per_token_weights_in_padding_are_not_read(backend):
+    """``(B, T)`` rollout_is_weights at masked positions (and ignored targets) are padding: NaN or inf there gives
+    the loss and gradient of any finite weight there (they are made neutral, so that ``A w`` stays finite)."""
+    args = good(V=300)
+    mask = args["mask"].clone()
+    mask[0, 2] = mask[1, 0] = False
+    targets = args["targets"].clone()
+    targets[1, 1] = fused_rl.IGNORE_INDEX
+    w = torch.rand(2, 3, generator=torch.Generator().manual_seed(3)) + 0.5
+    results = []
+    for pad in (2.0, float("nan"), float("inf")):
+        weights = w.clone()
+        weights[0, 2] = weights[1, 0] = weights[1, 1] = pad
+        x = args["logits"].clone().requires_grad_(True)
+        out = fused_rl.policy_loss(x, targets, args["advantages"], mask, backend=backend, rollout_is_weights=weights)
+        out.loss.backward()
+        results.append((out.loss, x.grad))
+    for loss, grad in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
+    assert torch.isfinite(results[0][0]) and results[0][1].abs().sum() > 0
+
+
+def test_out_of_range_targets_of_a_truncated_row_are_refused():
+    """With ``mask_truncated_completions`` a truncated row leaves the loss, but a target outside the vocabulary where
+    ``mask`` is set is still a bad input (a wrong tokenizer, say), refused as in any other row."""
+    args = good()
+    targets = args["targets"].clone()
+    targets[1, 2] = 11
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 11\)"):
+        fused_rl.policy_loss(args["logits"], targets, args["advantages"], args["mask"], backend="reference",
+                             truncated=torch.tensor([False, True]),
+                             config=PolicyLossConfig(mask_truncated_completions=True))

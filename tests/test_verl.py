@@ -1352,3 +1352,38 @@ def test_bypass_mode_refuses_fewer_thresholds_than_options():
     with pytest.raises(ValueError, match=r"one per option \(3\), got 2"):
         parse_rejection("token_k2,seq_sum_k3,seq_max_k2", "1,2")
     assert [r.upper for r in parse_rejection("token_k2,seq_sum_k3,seq_max_k2", "1,2,3")] == [1.0, 2.0, 3.0]
+
+
+def test_rejection_bounds_are_inclusive():
+    """A k1 threshold ``"1_1"`` (lower = upper) is valid (verl checks ``lower <= upper``), ``"2_1"`` is not; a
+    statistic exactly at its bound is kept (verl's ``<=``): k2 of ``log r = 1`` is 0.5, kept at threshold 0.5 and
+    dropped at 0.49, beside a token at ``log r = 1.25`` (k2 0.78125) dropped at both."""
+    from fused_rl.integrations.verl_rollout import BypassCorrection, Rejection, parse_rejection
+
+    assert parse_rejection("token_k1", "1_1") == (Rejection("token_k1", 1.0, 1.0),)
+    with pytest.raises(ValueError, match="lower <= upper"):
+        parse_rejection("token_k1", "2_1")
+    logp, rollout = torch.tensor([[-0.5, -0.5, -0.5]]), torch.tensor([[-1.5, -1.75, -0.5]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for threshold, want in ((0.5, [True, False, True]), (0.49, [False, False, True])):
+        corr = BypassCorrection("ppo_clip", None, False, parse_rejection("token_k2", threshold))
+        assert correct(corr, logp, rollout, mask).mask.tolist() == [want]
+
+
+def test_sequence_weight_metrics_clamp_the_log_ratio_and_read_half_precision_in_fp32():
+    """``rollout_is_max`` of sequence weights is ``exp(min(max_i sum_t log r, 20))`` (verl's safety bound: a sum of
+    30 reads exp(20), not exp(30)); bf16 log-probs give the metrics of the same values in fp32 (computed in fp32,
+    not in bf16)."""
+    corr = _bypass_correction({"policy_loss": {"rollout_correction": {
+        "loss_type": "reinforce", "rollout_is": "sequence", "rollout_is_threshold": 2.0}}})
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    logp, rollout = torch.full((2, 3), -1.0), torch.tensor([[-11.0, -11.0, -11.0], [-1.5, -0.75, -1.0]])
+    metrics = correct(corr, logp, rollout, mask).metrics
+    assert metrics["rollout_corr/rollout_is_max"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    g = torch.Generator().manual_seed(5)
+    logp, rollout = (-torch.rand(3, 7, generator=g) * 4).bfloat16(), (-torch.rand(3, 7, generator=g) * 4).bfloat16()
+    mask = torch.rand(3, 7, generator=g) > 0.2
+    half, full = (correct(corr, lp, ro, mask) for lp, ro in ((logp, rollout), (logp.float(), rollout.float())))
+    assert torch.equal(half.weights, full.weights)
+    for name, value in full.metrics.items():
+        assert torch.equal(half.metrics[name], value), name
