@@ -569,13 +569,14 @@ def entropy_quantile_across(gather: EntropyGather) -> Iterator[None]:
 
 def _quantile_of_sorted(values: torch.Tensor, count: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The ``q`` quantile of the first ``count`` entries of the ascending 1-D ``values``, linearly
-    interpolated as ``torch.quantile`` does, with a tensor index (no data-dependent int under
-    torch.compile); ``values[0]`` when ``count`` is 0. The position and the interpolation are float64 (``q``
-    too): in bf16 entropies' own dtype the position of the quantile was off by up to 1/512 of ``count``."""
-    pos = (count - 1).clamp(min=0).to(torch.float64) * q
+    interpolated as ``torch.quantile`` does on them in ``q``'s dtype (TRL's ``get_high_entropy_mask``: on the
+    entropies ``.float()``), with a tensor index (no data-dependent int under torch.compile); ``values[0]`` when
+    ``count`` is 0. In bf16 entropies' own dtype the position was off by up to 1/512 of ``count``; an fp32
+    position past 2^24 may round beyond the last entry: clamped to it."""
+    pos = (count - 1).clamp(min=0).to(q.dtype) * q
     lo = pos.floor()
-    idx = torch.stack([lo, pos.ceil()]).long()
-    low, high = values.gather(0, idx).to(torch.float64).unbind()
+    idx = torch.minimum(torch.stack([lo, pos.ceil()]).long(), (count - 1).clamp(min=0))
+    low, high = values.gather(0, idx).to(q.dtype).unbind()
     lo_idx, hi_idx = idx.unbind()
     return torch.where(hi_idx > lo_idx, torch.lerp(low, high, pos - lo), low)
 
@@ -594,8 +595,10 @@ def top_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
         if values.numel() == 0:  # no unmasked token anywhere: nothing to keep (as TRL)
             return torch.zeros_like(mask)
         count = torch.tensor(values.numel(), device=values.device)
-    threshold = _quantile_of_sorted(values, count, 1.0 - config_scalar(count.double(), quantile))
-    return mask & (h.double() >= threshold)
+    # in fp32 at least, q = fp32(1 - quantile) (TRL: torch.quantile(entropies.float(), 1 - quantile))
+    dtype = torch.promote_types(h.dtype, torch.float32)
+    threshold = _quantile_of_sorted(values, count, (1.0 - config_scalar(count.double(), quantile)).to(dtype))
+    return mask & (h.to(dtype) >= threshold)
 
 
 def covariance_selection(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -388,14 +388,23 @@ def test_top_entropy_keep_matches_torch_quantile():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_top_entropy_keep_of_half_precision_entropies(dtype):
-    """The quantile of bf16 / fp16 entropies is that of their exact values: in their own dtype the position
-    ``(n - 1) (1 - rho)`` was rounded (bf16: to 16 at n ~ 3000) and the threshold with it."""
+    """bf16 / fp16 entropies get TRL's threshold, ``torch.quantile(H.float(), 1 - rho)``: in their own dtype the
+    position ``(n - 1) (1 - rho)`` was rounded (bf16: to 16 at n ~ 3000) and the threshold with it."""
     g = torch.Generator().manual_seed(4)
     ent = (torch.randn(3, 1100, generator=g) * 2).exp().to(dtype)
     mask = torch.rand(3, 1100, generator=g) > 0.1
     for rho in (0.2, 0.37, 0.5, 0.91):
-        expected = mask & (ent.double() >= torch.quantile(ent.double()[mask], 1 - rho))
+        expected = mask & (ent.float() >= torch.quantile(ent.float()[mask], 1 - rho))
         assert torch.equal(top_entropy_keep(ent, mask, rho), expected), rho
+
+
+def test_top_entropy_keep_interpolates_in_fp32_as_trl():
+    """An fp32 threshold interpolated between 1 and the next float at 0.2 of the way rounds to 1 (position 4 * 0.3 =
+    1.2), as in TRL's ``torch.quantile`` of fp32 entropies: the token at 1.0 is kept (exactly: it is dropped)."""
+    up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
+    ent = torch.tensor([[0.0, 1.0, up, 2.0, 3.0]])
+    mask = torch.ones_like(ent, dtype=torch.bool)
+    assert top_entropy_keep(ent, mask, 0.7).tolist() == [[False, True, True, True, True]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
