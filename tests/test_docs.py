@@ -1,21 +1,26 @@
 """The Python snippets of README.md and docs/*.md run as written and compute what the reference computes; their YAML
 configs and ``fused-rl train`` lines are valid.
 
-Each fenced ``python`` block runs, paragraph by paragraph (blank-line separated), in a namespace of small CPU tensors
-named as the snippets name them (:func:`namespace`); a paragraph that needs what no test machine has (a model id to
-download) is listed in :data:`SKIP` with the reason. Each block runs twice: as written (``backend="auto"``, i.e. the
-C++ or chunked torch kernels; an explicit backend as named) and with every backend the reference. Every tensor the
-block leaves behind (outputs, metrics, tuples of them) and every gradient it accumulates on the inputs must agree.
+Each fenced ``python`` block runs, statement by statement, in a namespace of small CPU tensors named as the snippets
+name them (:func:`namespace`); a paragraph (blank-line separated) that needs what no test machine has (a model id to
+download) is listed in :data:`SKIP`. Each block runs twice: as written (``backend="auto"``, i.e. the C++ or chunked
+torch kernels; an explicit backend as named) and with every backend the reference. Every tensor each statement binds
+(outputs, metrics, tuples of them; a name bound again is compared each time) and every gradient the block leaves on
+the inputs must agree. Blocks with nothing to compare: :data:`NO_TENSORS` (imports, a reward function, checked
+otherwise); the verl block's ``compute_policy_loss`` runs ``loss_math`` on log-probs, the same code either way.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import sys
 import types
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -27,11 +32,11 @@ from helpers import triton_interpreter_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-#: (file, block, paragraph) -> why it does not run here; a stale entry fails the test of its block
-SKIP = {
-    ("README.md", 2, 0): "builds a TRL trainer from `model=...`",
-    ("migration.md", 1, 1): "builds a TRL trainer from a model id (a download)",
-}
+#: (file, block, paragraph) -> text the skipped paragraph holds: it builds a TRL trainer from a model id (a download)
+SKIP = {("README.md", 2, 0): "FusedGRPOTrainer(model=", ("migration.md", 1, 1): "FusedGRPOTrainer(model="}
+#: the fenced python blocks per file: a renamed fence or a dropped block fails :func:`test_the_snippets_are_found`
+BLOCK_COUNTS = {"README.md": 2, "migration.md": 4, "linear.md": 1, "native.md": 1, "train.md": 1, "triton.md": 1}
+NO_TENSORS = {("migration.md", 1), ("train.md", 1)}
 B, T, V, H = 4, 6, 50, 16
 BACKEND_ARG = re.compile(r"""backend=(["'])(\w+)\1""")
 
@@ -105,15 +110,25 @@ def paragraphs(code: str) -> list[str]:
     return [p for p in re.split(r"\n\s*\n", code) if p.strip()]
 
 
-def run_block(name: str, index: int, code: str, reference: bool) -> dict:
+def run_block(name: str, index: int, code: str, reference: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The namespace after the block, and every tensor each of its statements bound, keyed by paragraph, statement and
+    name."""
     ns = namespace()
+    bound: dict[str, torch.Tensor] = {}
     for j, para in enumerate(paragraphs(code)):
-        if (name, index, j) in SKIP:
+        if (marker := SKIP.get((name, index, j))) is not None:
+            assert marker in para, (name, index, j, "the SKIP entry names another paragraph")
             continue
         if reference:
             para = BACKEND_ARG.sub('backend="reference"', para)
-        exec(compile(para, f"{name}:python block {index}, paragraph {j}", "exec"), ns)
-    return ns
+        for k, stmt in enumerate(ast.parse(para).body):
+            before = dict(ns)
+            exec(compile(ast.Module([stmt], type_ignores=[]), f"{name}:python block {index}, paragraph {j}", "exec"),
+                 ns)
+            for key, value in ns.items():
+                if key not in before or before[key] is not value:
+                    bound.update(tensors(value, f"{j}.{k}.{key}"))
+    return ns, bound
 
 
 def tensors(obj, path: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -129,12 +144,9 @@ def tensors(obj, path: str = "") -> list[tuple[str, torch.Tensor]]:
     return []
 
 
-def results(ns: dict, before: dict) -> dict[str, torch.Tensor]:
-    """The tensors a block made (new names) and the gradients it left on the inputs."""
-    out = {}
-    for key, value in ns.items():
-        if key not in before:
-            out.update(tensors(value, key))
+def results(name: str, index: int, code: str, reference: bool) -> dict[str, Optional[torch.Tensor]]:
+    """The tensors a block's statements bound and the gradients it left on the inputs."""
+    ns, out = run_block(name, index, code, reference)
     for key in ("logits", "hidden", "log_prob", "log_probs"):
         out[f"{key}.grad"] = ns[key].grad
     for pname, param in ns["lm_head"].named_parameters():
@@ -145,24 +157,23 @@ def results(ns: dict, before: dict) -> dict[str, torch.Tensor]:
 def test_the_snippets_are_found():
     """The docs have the blocks this file runs (a renamed fence would silently drop one), and every SKIP entry
     names a paragraph that exists."""
-    names = {name for name, _, _ in BLOCKS}
-    assert {"README.md", "migration.md", "linear.md", "native.md", "triton.md", "train.md"} <= names
-    assert len(BLOCKS) >= 10
+    assert Counter(name for name, _, _ in BLOCKS) == BLOCK_COUNTS
+    assert len(YAML_BLOCKS) == 2 and len(TRAIN_LINES) >= 10
     code = {(name, i): c for name, i, c in BLOCKS}
-    for name, i, j in SKIP:
-        assert j < len(paragraphs(code[(name, i)])), (name, i, j)
+    for (name, i, j), marker in SKIP.items():
+        assert marker in paragraphs(code[(name, i)])[j], (name, i, j)
 
 
 @pytest.mark.parametrize("name, index, code", BLOCKS, ids=[f"{n}-{i}" for n, i, _ in BLOCKS])
 def test_snippet_runs_and_matches_the_reference(name, index, code, fake_verl, monkeypatch):
     if any(m.group(2) == "triton" for m in BACKEND_ARG.finditer(code)) and (reason := triton_interpreter_reason()):
         pytest.skip(reason)
-    before = namespace()
-    fused = results(run_block(name, index, code, reference=False), before)
+    fused = results(name, index, code, reference=False)
     registered_fused = dict(fake_verl)
     monkeypatch.setitem(AUTO_ORDER, "cpu", ("reference",))
-    reference = results(run_block(name, index, code, reference=True), before)
+    reference = results(name, index, code, reference=True)
     assert fused.keys() == reference.keys()
+    assert (not any(v is not None for v in fused.values())) == ((name, index) in NO_TENSORS)
     for key, expected in reference.items():
         actual = fused[key]
         assert (actual is None) == (expected is None), key
@@ -171,16 +182,23 @@ def test_snippet_runs_and_matches_the_reference(name, index, code, fake_verl, mo
     if re.search(r"^register_policy_loss\(", code, flags=re.M):
         assert set(registered_fused) == {"fused_vanilla"} and callable(registered_fused["fused_vanilla"])
     if "def brevity" in code:
-        ns = run_block(name, index, code, reference=False)
+        ns, _ = run_block(name, index, code, reference=False)
         assert ns["brevity"](["p", "q"], ["short", "x" * 300], answer=[None, None]) == [1.0, 0.0]
 
 
 # ------------------------------------------------------------------------------ the trainer's YAML and command lines
 YAML_BLOCKS = [(path.name, code) for path in DOCS
                for code in re.findall(r"^```ya?ml\n(.*?)^```", path.read_text(), flags=re.M | re.S)]
-#: ``fused-rl train ...`` lines of the docs (README's indented blocks included), comments cut
-TRAIN_LINES = [(path.name, line.split("#")[0].split()[2:]) for path in DOCS for line in path.read_text().splitlines()
-               if line.strip().startswith("fused-rl train ")]
+
+
+def train_commands(text: str) -> list[list[str]]:
+    """The arguments of each ``fused-rl train`` command of a Markdown text: lines that start with it (comments cut)
+    and inline code spans (across a line break too)."""
+    lines = [line.split("#")[0] for line in text.splitlines() if line.strip().startswith("fused-rl train")]
+    return [cmd.split()[2:] for cmd in lines + re.findall(r"`(fused-rl train\b[^`]*)`", text)]
+
+
+TRAIN_LINES = [(path.name, argv) for path in DOCS for argv in train_commands(path.read_text())]
 
 
 @pytest.mark.parametrize("name, text", YAML_BLOCKS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(YAML_BLOCKS)])
@@ -197,9 +215,8 @@ def test_yaml_snippet_is_a_valid_trainer_config(name, text):
 def test_train_command_line_is_valid(name, argv, tmp_path, monkeypatch):
     """Each ``fused-rl train`` line of the docs parses to a valid config, its flags applied as written (a ``--config``
     file the line names but does not ship is an empty file here)."""
-    from fused_rl.train.config import bundled_names, load_config
+    from fused_rl.train.config import bundled_names, load_config, yaml_load
 
-    assert len(TRAIN_LINES) >= 3
     monkeypatch.chdir(tmp_path)
     config = None
     if "--config" in argv:
@@ -215,4 +232,4 @@ def test_train_command_line_is_valid(name, argv, tmp_path, monkeypatch):
         for part in parents:
             value = getattr(value, part) if not isinstance(value, dict) else value[part]
         value = value[leaf] if isinstance(value, dict) else getattr(value, leaf)
-        assert value == type(value)(raw), flag
+        assert value == yaml_load(raw), flag
