@@ -119,18 +119,30 @@ def test_bad_config_values_are_rejected_clearly(flags, words):
     (["--adam_betas", "[0.9, 1.0]"], ["adam_betas", "two numbers in [0, 1)"]),
     (["--minibatch_size", "8", "--micro_batch_size", "3"], ["micro_batch_size", "must divide minibatch_size = 8"]),
     (["--steps", "10", "--warmup_steps", "10"], ["'warmup_steps' = 10", "smaller than steps = 10"]),
-    (["--algorithm", "ppo", "--gamma", "1.5"], ["'gamma' = 1.5", "[0.0, 1.0]"]),
-    (["--min_lr_ratio", "1.5"], ["'min_lr_ratio' = 1.5", "[0.0, 1.0]"]),
+    (["--algorithm", "ppo", "--gamma", "1.0000001"], ["'gamma' = 1.0000001", "[0.0, 1.0]"]),
+    (["--min_lr_ratio", "1.0000001"], ["'min_lr_ratio' = 1.0000001", "[0.0, 1.0]"]),
     (["--progress", "maybe"], ["progress", "true or false"]),
-    (["--max_grad_norm", "-1"], ["'max_grad_norm' = -1.0", "[0.0, inf]"]),
-    (["--temperature", "1e-9"], ["'temperature' = 1e-09"]),
+    (["--max_grad_norm", "-1e-9"], ["'max_grad_norm' = -1e-09", "[0.0, inf]"]),
+    (["--temperature", "9.99e-6"], ["'temperature' = 9.99e-06", "[1e-05, inf]"]),
 ])
 def test_config_bounds_are_enforced_at_their_edges(flags, words):
-    """Each bound holds at its edge value (mutation audit): a value just outside is a config error naming it."""
+    """Each bound holds at its edge (mutation audit): a value just outside is a config error naming it, the edge
+    value itself (:func:`test_config_edge_values_are_accepted`) is not."""
     with pytest.raises(ConfigError) as info:
         load_config(None, flags)
     for w in words:
         assert w in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--top_p", "1"], ["--adam_betas", "[0.0, 0.999999]"], ["--minibatch_size", "8", "--micro_batch_size", "4"],
+    ["--steps", "10", "--warmup_steps", "9"], ["--algorithm", "ppo", "--gamma", "1.0"], ["--min_lr_ratio", "1.0"],
+    ["--max_grad_norm", "0"], ["--temperature", "1e-5"], ["--progress", "false"],
+])
+def test_config_edge_values_are_accepted(flags):
+    cfg = load_config(None, flags)
+    for flag, raw in zip(flags[::2], flags[1::2]):
+        assert getattr(cfg, flag.removeprefix("--")) == yaml_load(raw), flag
 
 
 def test_config_values_that_are_derived_or_spelled_differently(tmp_path):
@@ -1030,13 +1042,20 @@ def test_checkpoint_restores_every_rng_state(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     prompt_rng = random.Random(5)
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, step=7, config={}, prompt_rng=prompt_rng)
-    draw = lambda: (random.random(), float(np.random.rand()), float(torch.rand(())), prompt_rng.random())  # noqa: E731
-    want = draw()
-    random.seed(9), np.random.seed(9), torch.manual_seed(9), prompt_rng.seed(9)
-    step, _ = checkpoint.load(tmp_path, model=model, optimizer=opt, scheduler=sched, prompt_rng=prompt_rng)
-    assert step == 7 and draw() == want
+    saved = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng():
+            random.seed(1), np.random.seed(2), torch.manual_seed(3)
+            checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, step=7, config={},
+                            prompt_rng=prompt_rng)
+            draw = lambda: (random.random(), float(np.random.rand()), float(torch.rand(())),  # noqa: E731
+                            prompt_rng.random())
+            want = draw()
+            random.seed(9), np.random.seed(9), torch.manual_seed(9), prompt_rng.seed(9)
+            step, _ = checkpoint.load(tmp_path, model=model, optimizer=opt, scheduler=sched, prompt_rng=prompt_rng)
+            assert step == 7 and draw() == want
+    finally:  # the session's RNGs as they were
+        random.setstate(saved[0]), np.random.set_state(saved[1])
 
 
 def test_torn_checkpoint_and_metrics_line(tmp_path):
