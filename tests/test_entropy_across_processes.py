@@ -83,14 +83,18 @@ def _rank_loss(rank: int, world: int, init_file: str, out_dir: str) -> None:
             out = fused_rl.policy_loss(x, case.targets, case.advantages, case.mask, config=CONFIG,
                                        **case.kwargs())
         out.loss.backward()
-        torch.save({"loss": out.loss.detach(), "grad": x.grad}, os.path.join(out_dir, f"rank{rank}.pt"))
+        local = torch.arange(5 - 2 * rank, dtype=torch.float32) + 10.0 * (rank + 1)  # rank 0: 5 values, rank 1: 3
+        torch.save({"loss": out.loss.detach(), "grad": x.grad, "gathered": all_gather_1d(local)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_two_gloo_processes_match_their_one_process_simulation(tmp_path):
     """Two processes with different batches (different token counts) under ``all_gather_1d``: each one's
-    loss and gradient equal the one-process computation whose gather appends the other's entropies."""
+    loss and gradient equal the one-process computation whose gather appends the other's entropies; and
+    ``all_gather_1d`` of 5 and 3 values (the longer one first) gives every process both tensors, in rank order,
+    the shorter one cut back (no padding zeros)."""
     world = 2
     init_file = str(tmp_path / "init")
     mp.spawn(_rank_loss, args=(world, init_file, str(tmp_path)), nprocs=world, join=True)
@@ -106,26 +110,10 @@ def test_two_gloo_processes_match_their_one_process_simulation(tmp_path):
         expected.loss.backward()
         torch.testing.assert_close(got["loss"], expected.loss.detach(), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(got["grad"], x.grad, atol=1e-7, rtol=1e-5)
+        assert torch.equal(got["gathered"], torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0, 20.0, 21.0, 22.0]))
 
 
 def test_all_gather_1d_rejects_other_shapes():
     with pytest.raises(ValueError, match="1-D"):
         all_gather_1d(torch.zeros(2, 3))
 
-
-def _rank_gather(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        local = torch.arange(5 - 2 * rank, dtype=torch.float32) + 10.0 * (rank + 1)  # rank 0: 5 values, rank 1: 3
-        torch.save(all_gather_1d(local), os.path.join(out_dir, f"gathered{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_all_gather_1d_concatenates_in_rank_order_without_padding(tmp_path):
-    """Two gloo processes with 5 and 3 values (the longer one first): every process gets exactly both tensors,
-    in rank order, the shorter one cut back (no padding zeros)."""
-    mp.spawn(_rank_gather, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    want = torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0, 20.0, 21.0, 22.0])
-    for rank in range(2):
-        assert torch.equal(torch.load(tmp_path / f"gathered{rank}.pt"), want)
