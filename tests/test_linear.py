@@ -326,6 +326,35 @@ def test_all_masked_and_no_grad(backend):
     assert_close(got.logprobs, expected.logprobs, torch.float32, "logprobs")
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_no_valid_token_zeroes_the_unwritten_weight_gradient(backend):
+    """With no valid token the CPU gathers no tile, so nothing writes the weight-gradient buffer (allocated without a
+    zero fill: the first tile writes it) and the results zero it. Deterministic mode fills uninitialized memory with
+    NaN, so a missing zero fill cannot pass on whatever the allocator's memory held (the loss and the two passes of
+    ``linear_token_logprobs``, whose targets are all ``IGNORE_INDEX``)."""
+    reason = fused_rl.available_backends(torch.device("cpu"))[backend]
+    if reason is not None:
+        pytest.skip(reason)
+    case = make_linear_case(vocab=300, hidden_size=32, seed=6)
+    ignored = torch.full_like(case.targets, fused_rl.IGNORE_INDEX)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for run in ("loss", "token_logprobs"):
+            h, w, b = _leaves(case, torch.float32, clean=True)
+            if run == "loss":
+                out = fused_rl.linear_policy_loss(h, w, case.targets, case.advantages, torch.zeros_like(case.mask),
+                                                  bias=b, config=CONFIGS[1], backend=backend, **case.kwargs())
+                out.loss.backward()
+            else:
+                logp, ent = fused_rl.linear_token_logprobs(h, w, ignored, bias=b, return_entropy=True, backend=backend)
+                (logp.sum() + ent.sum()).backward()
+            for name, x in zip(("hidden", "weight", "bias"), (h, w, b)):
+                assert x.grad is not None and (x.grad == 0).all(), (run, name)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
 def test_chunk_rule(monkeypatch):
     assert torch_linear.chunk_tokens(4096, 32000, torch.float32) == (128 << 20) // (8 * 32000) == 524
     assert torch_linear.chunk_tokens(4096, 32000, torch.bfloat16, memory_budget_bytes=1 << 30) == 4096

@@ -327,6 +327,22 @@ def test_cpu_mixed_gemm_mode(config, dtype, tiles, monkeypatch):
     compare_linear(make_linear_case(vocab=4099, dtype=dtype, seed=14), config, frozen_weight=True, backend="cpu")
 
 
+def test_mixed_bias_gradient_sums_the_16_bit_dz_in_fp32():
+    """The mixed GEMM mode's bias gradient sums each tile's 16-bit ``dz`` rows in fp32 (the module doc: fp32
+    accumulation in the bias sum), not in bf16 (one rounding of each tile's sum): hand-computed bf16 rows whose fp32
+    sums bf16 cannot hold (``1 + 3 * 2^-9`` rounds to ``1 + 2^-7`` in bf16)."""
+    h = torch.zeros(1, 4, 2, dtype=torch.bfloat16)
+    w = torch.zeros(4, 2, dtype=torch.bfloat16)
+    grads = tiled_linear._MixedGrads(h, w, False, False, True, torch.float32)
+    eps = 2.0 ** -9
+    dz = torch.tensor([[1.0, -1.0, eps, 3.0], [eps, -eps, eps, 4 * eps], [eps, -eps, 0.0, 4 * eps],
+                       [eps, -eps, 0.0, 4 * eps]], dtype=torch.float64)
+    for _ in range(2):  # two tiles
+        grads.add_mixed(None, dz.to(torch.bfloat16), None, None, None)
+    assert grads.b.dtype == torch.float32
+    torch.testing.assert_close(grads.b.double(), 2 * dz.sum(dim=0), rtol=0, atol=0)
+
+
 def test_chunk_rule(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert tiled_linear.chunk_tokens(4096, 32000, torch.float32, cpu) == (128 << 20) // (4 * 32000) == 1048
@@ -413,6 +429,24 @@ def test_two_passes_mixed_unit_reads_no_ignored_row(monkeypatch):
     h, w, b = _leaves(case, torch.bfloat16)
     torch.autograd.backward(fused_rl.linear_token_logprobs(h, w, targets, bias=b, backend="cpu"), g)
     assert all(bool(torch.isfinite(x.grad).all()) for x in (h, w, b))
+
+
+@needs_cpu
+def test_two_passes_mixed_all_zero_upstream_gradients_give_zero_gradients(monkeypatch):
+    """In mixed mode the gradient pass writes ``dz`` in units of the largest upstream gradient, and keeps the unit 1
+    where every one is 0 (gspo's two passes over a GRPO batch whose groups all had equal rewards: every advantage
+    0): the gradients are exactly 0, not ``0 / 0`` NaN."""
+    monkeypatch.setattr(tiled_linear, "GEMM_MODE", "mixed")
+    monkeypatch.setattr(tiled_linear, "_sequences_in_two_passes", lambda device: True)
+    case = make_linear_case(batch=3, length=5, vocab=300, seed=4, dtype=torch.bfloat16)
+    case.hidden = torch.nan_to_num(case.hidden)
+    h, w, b = _leaves(case, torch.bfloat16)
+    out = fused_rl.linear_policy_loss(h, w, case.targets, torch.zeros_like(case.advantages), case.mask, bias=b,
+                                      config=CONFIGS[2], backend="cpu", **case.kwargs())
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    for name, x in zip(("hidden", "weight", "bias"), (h, w, b)):
+        assert x.grad is not None and (x.grad == 0).all(), name
 
 
 @needs_cpu
