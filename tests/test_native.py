@@ -846,3 +846,36 @@ def test_cuda_tuning_knobs(name, default, good, bad, message):
         assert get() == good
     finally:
         set_(default)
+
+
+def test_info_names_versions_the_native_build_and_every_backend_on_both_devices(capsys, monkeypatch):
+    """Each line of ``fused_rl.info``: the package's own version, each library's own version, whether the
+    extension has CUDA kernels (also for a build of the other kind), and every backend on cpu and cuda with the
+    reason it is unavailable."""
+    import importlib.metadata
+
+    from fused_rl import info
+
+    real = native._C
+
+    class OtherBuild:  # the extension, with has_cuda flipped
+        has_cuda = not real.has_cuda
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(native, "_C", OtherBuild())
+    info.main()
+    assert f"CUDA kernels: {'built' if not real.has_cuda else 'not built'}\n" in capsys.readouterr().out
+    monkeypatch.setattr(native, "_C", real)
+    info.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"fused_rl {fused_rl.__version__} ({fused_rl.__file__})"
+    assert f"transformers: {importlib.metadata.version('transformers')}" in lines
+    assert f"triton: {importlib.metadata.version('triton')}" in lines
+    built = "built" if native._C.has_cuda else "not built"
+    assert any(line.startswith("native extension: ") and line.endswith(f"CUDA kernels: {built}") for line in lines)
+    for dev in ("cpu", "cuda"):
+        section = lines[lines.index(f"backends on {dev}:") + 1:]
+        for name, reason in fused_rl.available_backends(torch.device(dev)).items():
+            assert f"  {name:10s} {'available' if reason is None else 'unavailable: ' + reason}" in section

@@ -1800,3 +1800,221 @@ def test_warmup_starts_at_one_over_warmup_steps_and_cosine_ends_at_the_floor():
     assert lrs[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])  # step 4: the decay's progress 0
     assert lrs[8] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # at ``steps``: the floor
+
+
+# ---------------------------------------------------------------------------------------------- loading and CLI details
+def test_char_tokenizer_ids_length_and_decoding():
+    """Characters take ids 3.. in sorted order after <pad>/<bos>/<eos>; a prompt starts with <bos>; decoding drops
+    the special ids; a character outside the alphabet is refused (not silently mapped)."""
+    from fused_rl.train.models import CharTokenizer
+
+    tok = CharTokenizer("b=ab")
+    assert (tok.chars, len(tok)) == ("=ab", 6)
+    assert tok.encode_prompt("ab=") == [1, 4, 5, 3]
+    assert tok.decode([1, 5, 4, 2, 0, 0]) == "ba"
+    with pytest.raises(ValueError, match=r"characters \['c', 'd'\] are not in its alphabet '=ab'"):
+        tok.encode_prompt("dabc")
+
+
+def test_hf_tokenizer_adapter_pad_and_eos():
+    """The adapter pads with the tokenizer's pad id (its eos only when it has none) and refuses a tokenizer
+    without an eos token."""
+    from types import SimpleNamespace
+
+    from fused_rl.train.models import HFTokenizer
+
+    tok = HFTokenizer(SimpleNamespace(eos_token_id=7, pad_token_id=0), stop_token_ids=[9, 7])
+    assert (tok.pad_token_id, tok.eos_token_id, tok.stop_token_ids) == (0, 7, (7, 9))
+    assert HFTokenizer(SimpleNamespace(eos_token_id=7, pad_token_id=None)).pad_token_id == 7
+    with pytest.raises(ValueError, match="no eos token"):
+        HFTokenizer(SimpleNamespace(eos_token_id=None, pad_token_id=0))
+
+
+def test_gguf_eos_takes_the_model_config_s_eos(tmp_path):
+    """A GGUF tokenizer whose eos is not the file's (transformers 5.17 took SmolLM2's bos for it) gets the
+    config's ``eos_token_id``; one that agrees, or a config with a list of eos ids, is left alone."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from fused_rl.train.models import _gguf_eos
+
+    path, vocab = _hf_model_dir(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert tok.eos_token_id == vocab["<eos>"]
+    _gguf_eos(tok, SimpleNamespace(eos_token_id=[vocab["="]]))
+    assert tok.eos_token_id == vocab["<eos>"]
+    _gguf_eos(tok, SimpleNamespace(eos_token_id=vocab["="]))
+    assert (tok.eos_token, tok.eos_token_id) == ("=", vocab["="])
+
+
+def test_tiny_model_defaults_and_unknown_fields():
+    """The tiny model's defaults (key-value heads = attention heads, a tied head, the character tokenizer's special
+    ids), a size overridden, and a misspelt field refused (LlamaConfig takes any keyword and ignores it)."""
+    from fused_rl.train.models import tiny_model
+
+    c = tiny_model(7).config
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == \
+        (7, 64, 2, 4, 4)
+    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id, c.tie_word_embeddings) == (0, 1, 2, True)
+    c = tiny_model(7, {"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1}).config
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (16, 2, 2, 1)
+    with pytest.raises(ValueError, match=r"unknown LlamaConfig field\(s\) \['hiden_size'\]"):
+        tiny_model(7, {"hiden_size": 16})
+
+
+def test_load_policy_refuses_what_it_cannot_load_and_takes_a_separate_tokenizer(tmp_path, monkeypatch):
+    """A task without an alphabet for the tiny model, a missing package or .gguf file, and a plain file are
+    ValueErrors naming the problem; ``tokenizer: DIR`` loads that tokenizer, not the model directory's (nor the
+    .gguf file's: its ``gguf_file`` is the model's only)."""
+    from types import SimpleNamespace
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from fused_rl.train.models import load_policy
+    from fused_rl.train.tasks import ReverseTask
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="task 'mine' has no alphabet"):
+        load_policy(SimpleNamespace(model="tiny", model_config={}), SimpleNamespace(alphabet="", name="mine"), cpu)
+    (tmp_path / "weights.bin").write_bytes(b"")
+    for model, words in (("package:no_such_package_here", "package not installed or holds no .gguf file"),
+                         (str(tmp_path / "none.gguf"), "no such GGUF file"),
+                         (str(tmp_path / "weights.bin"), "model must be 'tiny', a local model directory")):
+        with pytest.raises(ValueError, match=words):
+            load_policy(_hf_cfg(model), ReverseTask(3, 3), cpu)
+    path, _ = _hf_model_dir(tmp_path / "m")
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate("0123456789=")}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            bos_token="<s>").save_pretrained(tmp_path / "t")
+    cfg = _hf_cfg(path)
+    cfg.tokenizer = str(tmp_path / "t")
+    _, hf = load_policy(cfg, ReverseTask(3, 3), cpu)
+    assert (hf.eos_token_id, hf.tok.convert_ids_to_tokens(2)) == (2, "</s>")
+    # a .gguf model (its weights stood in for by the directory's) with the same separate tokenizer
+    (tmp_path / "w.gguf").write_bytes(b"")
+    seen = []
+    load = LlamaForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda src, **kw: seen.append((src, kw.get("gguf_file"))) or load(path))
+    cfg.model = str(tmp_path / "w.gguf")
+    _, hf = load_policy(cfg, ReverseTask(3, 3), cpu)
+    assert seen == [(str(tmp_path), "w.gguf")] and hf.eos_token_id == 2
+
+
+def test_cli_eval_loads_the_checkpoint_and_prints_its_step_and_numbers(tmp_path, capsys, monkeypatch):
+    """``fused-rl eval`` evaluates the checkpoint's weights (not the fresh model's) on the prompts asked, without
+    resuming, and prints the checkpoint's step (not the config's ``steps``), reward, accuracy and the samples."""
+    from fused_rl.train import trainer as trainer_module
+    from fused_rl.train.cli import main
+
+    t = trainer_module.Trainer(small(tmp_path, steps=1), quiet=True)
+    t.train()
+    t.save()
+    path = checkpoint.checkpoint_dir(tmp_path / "run") / "state.pt"
+    state = torch.load(path, weights_only=False)
+    key = next(k for k in state["model"] if "layers.0.mlp" in k)  # not the tied embedding / head pair
+    state["model"][key] = torch.full_like(state["model"][key], 0.5)
+    state["config"]["steps"] = 7  # a run stopped at step 1 of 7
+    torch.save(state, path)
+    seen = []
+
+    def evaluate(self, n=None):
+        seen.append((n, bool((self.policy.state_dict()[key] == 0.5).all()), self.cfg.resume))
+        return {"eval_reward": 0.25, "eval_accuracy": 0.125, "samples": [("12=", "21")]}
+
+    monkeypatch.setattr(trainer_module.Trainer, "evaluate", evaluate)
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--prompts", "3"]) == 0
+    assert capsys.readouterr().out == "step 1: eval_reward=0.2500 eval_accuracy=0.1250 on 3 held-out prompts\n" \
+                                      "  '12=' -> '21'\n"
+    assert seen == [(3, True, False)]
+
+
+def test_cli_help_config_equals_and_flags_without_a_command(tmp_path, capsys):
+    """``-h`` prints the usage with exit 0, ``--config=FILE`` names FILE, a bare flag means ``train`` (its config
+    error, exit 2), an unknown command is exit 2."""
+    from fused_rl.train.cli import main
+
+    assert main(["--help"]) == 0 and "fused-rl train" in capsys.readouterr().out
+    assert main(["train", "-h"]) == 0 and "usage: fused-rl train" in capsys.readouterr().out
+    missing = tmp_path / "missing.yaml"
+    assert main(["train", f"--config={missing}"]) == 2
+    assert str(missing) in capsys.readouterr().err
+    assert main(["--group_size", "1"]) == 2 and "fused-rl train: error:" in capsys.readouterr().err
+    assert main(["trian"]) == 2 and "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_cli_plot_out_eval_points_and_blank_lines(tmp_path, capsys, monkeypatch):
+    """``fused-rl plot RUN --out FILE`` writes FILE and prints its path; the eval curve includes the step-0
+    evaluation line; blank lines in metrics.jsonl are skipped; a missing submodule of an extra names the extra."""
+    import matplotlib.axes
+
+    from fused_rl.train.cli import main
+
+    rows = [{"step": 0, "eval_reward": 0.1}, {"step": 1, "reward": 0.5, "length": 3},
+            {"step": 2, "reward": 0.75, "length": 4, "eval_reward": 0.3, "elapsed_s": 12.4}]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + "\n".join(map(json.dumps, rows[1:])) + "\n")
+    plotted = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **kw: plotted.append(a) or plot(ax, *a, **kw))
+    out = tmp_path / "curve.png"
+    assert main(["plot", str(tmp_path), "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out}\n" and out.stat().st_size > 1000
+    assert not (tmp_path / "reward_curve.png").exists()
+    assert [[list(x) for x in a[:2]] for a in plotted[:2]] == [[[1, 2], [0.5, 0.75]], [[0, 2], [0.1, 0.3]]]
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "needs 'matplotlib.pyplot', from the [train] extra" in capsys.readouterr().err
+
+
+def test_plain_lm_head_problems_of_each_logit_transform():
+    """Soft-capping or any logit scale other than 1 (above or below) is named; a scale of exactly 1 or None is
+    plain; a multimodal config is judged by its text config."""
+    from types import SimpleNamespace
+
+    from fused_rl.integrations.hf_models import plain_lm_head_problems
+
+    assert plain_lm_head_problems(SimpleNamespace(logit_scale=1, logits_scaling=None)) == []
+    assert plain_lm_head_problems(SimpleNamespace(logit_scale=0.0625)) == ["logit_scale=0.0625 (model config logit "
+                                                                           "scaling)"]
+    assert plain_lm_head_problems(SimpleNamespace(final_logit_softcapping=30.0, output_multiplier=2)) == [
+        "final_logit_softcapping=30.0 (model config)", "output_multiplier=2 (model config logit scaling)"]
+    text = SimpleNamespace(lm_head_multiplier=0.5)
+    assert plain_lm_head_problems(SimpleNamespace(get_text_config=lambda: text)) == [
+        "lm_head_multiplier=0.5 (model config logit scaling)"]
+
+
+def test_hidden_states_come_in_the_lm_head_s_dtype():
+    """A decoder whose last hidden state is bf16 under autocast (a final norm that does not upcast) hands the fused
+    loss the LM head's fp32 (the loss refuses mixed dtypes), with the bf16 values exactly."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from fused_rl.train.models import PolicyModule
+
+    class Decoder(nn.Module):
+        def forward(self, input_ids, **kw):
+            return SimpleNamespace(last_hidden_state=(input_ids.unsqueeze(-1) / 3.0).expand(-1, -1, 4).bfloat16())
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head, self.decoder = nn.Linear(4, 5, bias=False), Decoder()
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def get_decoder(self):
+            return self.decoder
+
+    policy = PolicyModule(LM(), compute_dtype=torch.bfloat16)
+    ids = torch.tensor([[1, 2]])
+    h = policy.hidden_states(ids, torch.ones_like(ids), ids)
+    assert h.dtype == torch.float32
+    assert h[0, :, 0].tolist() == [torch.tensor(1 / 3).bfloat16().item(), torch.tensor(2 / 3).bfloat16().item()]
