@@ -400,7 +400,8 @@ def test_top_entropy_keep_of_half_precision_entropies(dtype):
 
 def test_top_entropy_keep_interpolates_in_fp32_as_trl():
     """An fp32 threshold interpolated between 1 and the next float at 0.2 of the way rounds to 1 (position 4 * 0.3 =
-    1.2), as in TRL's ``torch.quantile`` of fp32 entropies: the token at 1.0 is kept (exactly: it is dropped)."""
+    1.2), as in TRL's ``torch.quantile`` of fp32 entropies: the token at 1.0 is kept (an exact, e.g. float64,
+    threshold lies above 1 and drops it)."""
     up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
     ent = torch.tensor([[0.0, 1.0, up, 2.0, 3.0]])
     mask = torch.ones_like(ent, dtype=torch.bool)
