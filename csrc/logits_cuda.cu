@@ -25,9 +25,13 @@
 #include "cuda_kernels.h"
 #include "policy_epilogue.h"
 
-// tests/cuda_sim (the CPU emulation these kernels are tested with where no GPU is present) defines its own.
+// The launch and a block's shared array; tests/cuda_sim (the CPU emulation these kernels are tested with where no
+// GPU is present) defines its own (its shared arrays hold NaN bytes when each block starts).
 #ifndef FRL_LAUNCH
 #define FRL_LAUNCH(kernel, grid, block, stream, args) kernel<<<grid, block, 0, stream>>>(args)
+#endif
+#ifndef FRL_SHARED
+#define FRL_SHARED(type, name, n) __shared__ type name[n]
 #endif
 
 namespace fused_rl {
@@ -383,7 +387,7 @@ __device__ __forceinline__ int64_t target_at(const void* t, int tdtype, int64_t 
 template <class T, int U>
 __global__ void __launch_bounds__(kMaxThreads) stats_kernel(Launch<StatsArgs> l) {
   const StatsArgs& a = l.a;
-  __shared__ Acc smem[33];
+  FRL_SHARED(Acc, smem, 33);
   const T* x = static_cast<const T*>(a.in.x);
   const int64_t N = a.in.B * a.in.T, V = a.in.V;
   const float scale2 = a.inv_tau * kLog2e;
@@ -435,8 +439,8 @@ __global__ void __launch_bounds__(kMaxThreads) grad_kernel(Launch<GradArgs> l) {
 template <class T, class TO, int U>
 __global__ void __launch_bounds__(kMaxThreads) policy_kernel(Launch<PolicyArgs> l) {
   const PolicyArgs& a = l.a;
-  __shared__ Acc smem[33];
-  __shared__ float coef[5];
+  FRL_SHARED(Acc, smem, 33);
+  FRL_SHARED(float, coef, 5);
   const T* x = static_cast<const T*>(a.in.x);
   TO* out = static_cast<TO*>(a.out);
   const int64_t N = a.in.B * a.in.T, V = a.in.V;

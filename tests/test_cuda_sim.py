@@ -177,7 +177,7 @@ def cuda_kernels(sim, monkeypatch):
 
 # ------------------------------------------------------------------------------ the emulation itself
 SELFTEST = {"block_sum": 0, "block_sum_missing_barrier": 1, "warp_sum": 2, "divergent_barrier": 3,
-            "divergent_shuffle": 4}
+            "divergent_shuffle": 4, "block_sum_half_written": 5}
 
 
 @pytest.fixture(scope="session")
@@ -215,6 +215,17 @@ def test_the_emulation_catches_a_missing_barrier(selftest):
         assert err == ""
         wrong += not torch.allclose(out[0], x.sum())
     assert wrong > 0
+
+
+def test_the_emulation_poisons_shared_memory_per_block(selftest):
+    """Half of each block's shared entries are never written: they hold NaN bytes at every block's start, as
+    garbage on a GPU (a zeroed static array would give the first warp's sum, the next block the last one's)."""
+    x = torch.randn(3 * 64, generator=torch.Generator().manual_seed(0))
+    out, err = selftest("block_sum", x)  # writes all 64 entries of each block first
+    assert err == ""
+    out, err = selftest("block_sum_half_written", x)
+    assert err == ""
+    assert out[:3].isnan().all()
 
 
 @pytest.mark.parametrize("kernel, message", [("divergent_barrier", "exited"), ("divergent_shuffle", "deadlock")])

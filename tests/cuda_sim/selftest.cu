@@ -14,7 +14,7 @@ struct Args {
 
 // out[b] = sum of the block's 64 inputs, through shared memory and thread 0.
 __global__ void block_sum(Args a) {
-  __shared__ float s[kThreads];
+  FRL_SHARED(float, s, kThreads);
   s[threadIdx.x] = a.x[blockIdx.x * blockDim.x + threadIdx.x];
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -26,8 +26,20 @@ __global__ void block_sum(Args a) {
 
 // The same without the barrier: thread 0 may read entries not yet written.
 __global__ void block_sum_missing_barrier(Args a) {
-  __shared__ float s[kThreads];
+  FRL_SHARED(float, s, kThreads);
   s[threadIdx.x] = a.x[blockIdx.x * blockDim.x + threadIdx.x];
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+    for (unsigned i = 0; i < blockDim.x; ++i) t += s[i];
+    a.out[blockIdx.x] = t;
+  }
+}
+
+// block_sum where only the first warp writes its entries: thread 0 reads 32 it never wrote.
+__global__ void block_sum_half_written(Args a) {
+  FRL_SHARED(float, s, kThreads);
+  if (threadIdx.x < 32) s[threadIdx.x] = a.x[blockIdx.x * blockDim.x + threadIdx.x];
+  __syncthreads();
   if (threadIdx.x == 0) {
     float t = 0.0f;
     for (unsigned i = 0; i < blockDim.x; ++i) t += s[i];
@@ -61,7 +73,7 @@ __global__ void divergent_shuffle(Args a) {
 // Runs kernel `which` on `blocks` blocks of 64 threads; returns the launch error text ("" if none).
 extern "C" const char* cuda_sim_selftest(int which, int blocks, const float* x, float* out) {
   void (*const kernels[])(Args) = {block_sum, block_sum_missing_barrier, warp_sum, divergent_barrier,
-                                   divergent_shuffle};
+                                   divergent_shuffle, block_sum_half_written};
   cudaStream_t stream = nullptr;
   FRL_LAUNCH(kernels[which], blocks, kThreads, stream, (Args{x, out}));
   const cudaError_t e = cudaGetLastError();

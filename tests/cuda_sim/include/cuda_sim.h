@@ -10,7 +10,10 @@
 // error, as are a __syncthreads after some threads exited, mixing __syncthreads and __syncthreads_or at
 // one barrier, and a partial shuffle mask. Between barriers the fibers run in an order drawn anew
 // (seeded per launch), so that a read of shared memory that misses its barrier sees a stale value.
-// `__shared__` becomes `static`: one copy per kernel instantiation, shared by the block's fibers.
+// A block's shared array is declared `FRL_SHARED(type, name, n)` (`__shared__ type name[n]` under nvcc): here
+// one buffer per declaration, shared by the block's fibers and filled with 0xff bytes (a NaN float, a -1
+// integer) when each block starts, so that a read of an entry the block has not written sees garbage, as on a
+// GPU, not the previous block's value. A plain `__shared__` does not compile here.
 // Arithmetic is the host's (libm exp2f / log2f / expm1f; bf16 and fp16 conversions round to nearest
 // even, as the CUDA intrinsics do); what it cannot show: timing, memory coalescing, register pressure,
 // and alignment faults (tests/test_cuda_sim.py compiles the kernels with -fsanitize=alignment for those).
@@ -23,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -35,7 +39,6 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -70,6 +73,9 @@ inline std::string g_error;     // first emulation error since the last cudaGetL
 inline std::string g_reported;  // the text of the error cudaGetLastError returned last
 inline int g_sms = 4;           // the multiprocessors the emulated device reports
 inline uint64_t g_launches = 0;  // seeds each launch's scheduling order
+// FRL_SHARED's buffers, by (declaring line, bytes); poisoned at each block's start (run_block)
+inline std::map<std::pair<int, size_t>, std::unique_ptr<unsigned char[]>> g_shared;
+constexpr unsigned char kSharedPoison = 0xff;
 
 inline void fail(const std::string& what) {
   if (g_error.empty()) g_error = "cuda_sim: " + what;
@@ -133,7 +139,20 @@ inline char* stack_of(unsigned thread) {
   return stacks[thread].get();
 }
 
+template <class T>
+T* block_shared(int line, size_t n) {
+  static_assert(std::is_trivially_copyable<T>::value, "shared array element");
+  const size_t bytes = n * sizeof(T);
+  std::unique_ptr<unsigned char[]>& buffer = g_shared[{line, bytes}];
+  if (!buffer) {  // first reached in this block: poisoned as run_block poisons the others
+    buffer.reset(new unsigned char[bytes]);
+    std::memset(buffer.get(), kSharedPoison, bytes);
+  }
+  return reinterpret_cast<T*>(buffer.get());
+}
+
 inline void run_block(BlockRun& run, unsigned block, std::mt19937_64& rng) {
+  for (auto& [key, buffer] : g_shared) std::memset(buffer.get(), kSharedPoison, key.second);
   run.fibers.assign(block, Fiber{});
   run.lanes.assign(block, 0);
   for (unsigned i = 0; i < block; ++i) {
@@ -190,6 +209,7 @@ void launch(void (*kernel)(Args), int grid, int block, const Args& args) {
 
 }  // namespace cuda_sim
 
+#define FRL_SHARED(type, name, n) type* const name = ::cuda_sim::block_shared<type>(__LINE__, n)
 #define FRL_LAUNCH(kernel, grid, block, stream, args) (static_cast<void>(stream), ::cuda_sim::launch(kernel, grid, block, args))
 
 #define threadIdx (::cuda_sim::g_thread)
