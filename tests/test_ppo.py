@@ -278,3 +278,15 @@ def test_reference_model_is_the_start_lm_without_a_value_head(tmp_path):
         assert not p.requires_grad and p.data_ptr() != policy[name].data_ptr()
         torch.testing.assert_close(p, policy[name], atol=0, rtol=0)
     assert t.ref.compute_dtype == t.policy.compute_dtype and not t.ref.training
+
+
+def test_advantages_of_no_spread_whiten_to_zero(tmp_path):
+    """Equal GAE advantages (gamma = lam = 1, V = 0: A = R = 0.1 on each of 53 tokens) whiten to exactly 0: their
+    float64 variance ``E[A^2] - mean^2`` comes out -1.7e-18 there, clamped to 0 (its square root was NaN on every
+    token) (mutation audit)."""
+    t = trainer(tmp_path, gamma=1.0, lam=1.0)
+    batch = SimpleNamespace(rewards=torch.tensor([0.1]), mask=torch.ones(1, 53, dtype=torch.bool),
+                            truncated=torch.zeros(1, dtype=torch.bool))
+    adv, returns = t.advantages(batch, torch.zeros(1, 53))
+    assert torch.equal(adv, torch.zeros(1, 53))
+    torch.testing.assert_close(returns, torch.full((1, 53), 0.1))

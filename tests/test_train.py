@@ -845,13 +845,15 @@ def test_loss_option_mask_truncated_completions_equals_truncation_mask(tmp_path,
     trainer's own ``truncation: mask`` (which drops those rows from the mask): the same loss and gradient
     norm, and parameters equal after one Adam step of lr 1e-2 up to summation-order noise (Adam turns a
     wrong mask into changes of ~lr). dapo (token-mean) also checks the normalizer: the kept tokens; ppo that
-    the dropped rows take no part in GAE, the advantage whitening and the value loss."""
+    the dropped rows take no part in GAE, the advantage whitening and the value loss. In micro-batches of 4, the
+    logged entropy weighs each by its kept tokens (mutation audit)."""
     from fused_rl.train.trainer import Trainer
 
     params, hists = [], []
     for kw in (dict(truncation="mask"), dict(loss_options=dict(mask_truncated_completions=True))):
         t = Trainer(small(tmp_path, run_dir=str(tmp_path / str(len(params))), steps=2, lr=1e-2, max_new_tokens=6,
-                          algorithm=algorithm, task_args={"min_digits": 1, "max_digits": 5}, **kw), quiet=True)
+                          algorithm=algorithm, task_args={"min_digits": 1, "max_digits": 5}, micro_batch_size=4,
+                          **kw), quiet=True)
         hists.append(t.train_step())
         assert 0.0 < hists[-1]["truncated"] < 1.0, hists  # both kinds of rows are present
         params.append(t.policy.state_dict())
@@ -1013,14 +1015,19 @@ def test_resume_says_which_fields_changed(tmp_path, capsys):
                   loss_options={"policy_loss": "sapo"})
     other.run_dir = str(tmp_path / "." / "run")
     assert Trainer(other, quiet=True).resume_changes == {"steps": (3, 4)}
+    # the run dir moved (copied elsewhere and resumed there) is no field changed (mutation audit)
+    shutil.copytree(tmp_path / "run", tmp_path / "moved")
+    other.run_dir = str(tmp_path / "moved")
+    assert Trainer(other, quiet=True).resume_changes == {"steps": (3, 4)}
 
 
 def test_resume_into_another_model_names_the_changed_fields(tmp_path):
     from fused_rl.train.trainer import Trainer
 
     Trainer(small(tmp_path, steps=1, save_every=1), quiet=True).train()
-    with pytest.raises(ConfigError, match=r"does not fit this config's model .*'algorithm': \('grpo', 'ppo'\)"):
+    with pytest.raises(ConfigError, match=r"does not fit this config's model .*'algorithm': \('grpo', 'ppo'\)") as info:
         Trainer(small(tmp_path, steps=2, resume=True, algorithm="ppo"), quiet=True)
+    assert "'resume'" not in str(info.value)  # --resume itself is no change of the run (mutation audit)
 
 
 def test_checkpoint_restores_every_rng_state(tmp_path):
@@ -2010,3 +2017,229 @@ def test_hidden_states_come_in_the_lm_head_s_dtype():
     h = policy.hidden_states(ids, torch.ones_like(ids), ids)
     assert h.dtype == torch.float32
     assert h[0, :, 0].tolist() == [torch.tensor(1 / 3).bfloat16().item(), torch.tensor(2 / 3).bfloat16().item()]
+
+
+# ---------------------------------------------------------------------------------------------- trainer mutation round
+def test_close_distributed_ends_only_the_group_it_started(tmp_path, monkeypatch):
+    """``close_distributed`` ends the process group ``init_distributed`` started; a group the caller started (its own
+    set-up around the trainer) stays the caller's (mutation audit)."""
+    import torch.distributed as dist
+
+    from fused_rl.train.trainer import close_distributed, init_distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert init_distributed("cpu") == (0, 1)
+        close_distributed()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_rank_starts_from_the_same_weights_and_draws_its_own_prompts_and_noise(tmp_path, monkeypatch, capsys):
+    """Under torchrun (the rank faked here) every process builds rank 0's initial weights (its reference model copies
+    them before DDP broadcasts anything) but samples its own prompts and its own noise; the seed fixes Python's
+    ``random`` too (a user reward may draw from it); only rank 0 prints (mutation audit)."""
+    import random
+
+    from fused_rl.train import trainer as trainer_module
+
+    def build(rank):
+        monkeypatch.setattr(trainer_module, "init_distributed", lambda device_type: (rank, 1))
+        t = trainer_module.Trainer(small(tmp_path, run_dir=str(tmp_path / str(rank)), beta=0.05), quiet=False)
+        return t, random.random(), torch.rand(8)
+
+    saved = random.getstate()
+    try:
+        (t0, py0, noise0), (_, py0_again, noise0_again), (t1, py1, noise1) = build(0), build(0), build(1)
+    finally:
+        random.setstate(saved)
+    assert py0 == py0_again and py1 != py0
+    assert torch.equal(noise0, noise0_again) and not torch.equal(noise1, noise0)
+    prompts = [[e["prompt"] for e in t.task.sample(t.prompt_rng, 8)] for t in (t0, t1)]
+    assert prompts[0] != prompts[1]
+    for module in ("policy", "ref"):
+        ours = dict(getattr(t1, module).named_parameters())
+        for name, p in getattr(t0, module).named_parameters():
+            assert torch.equal(ours[name], p), (module, name)
+    capsys.readouterr()
+    t1.train(stop_after=1)
+    assert capsys.readouterr().out == ""
+    t0.train(stop_after=1)
+    assert "fused-rl train: " in capsys.readouterr().out
+
+
+def test_weight_decay_spares_norms_and_biases_and_adam_takes_the_config_s_betas(tmp_path):
+    """Two AdamW groups: the matrices (embedding, projections, the value head's weight) decay by ``weight_decay``,
+    the norm weights and the value head's bias not at all; both take ``lr`` and ``adam_betas`` (mutation audit: the
+    fresh run's groups were checked only after a resume had rewritten them)."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, algorithm="ppo", weight_decay=0.1, adam_betas=[0.8, 0.95], lr=0.02), quiet=True)
+    decay, no_decay = t.optimizer.param_groups
+    params = dict(t.policy.named_parameters())
+    matrices = {n for n in params if n.endswith(".weight") and "norm" not in n}
+    assert {"lm.model.embed_tokens.weight", "value_head.weight"} <= matrices
+    name = {id(p): n for n, p in params.items()}
+    assert {name[id(p)] for p in decay["params"]} == matrices
+    assert {name[id(p)] for p in no_decay["params"]} == set(params) - matrices
+    assert "value_head.bias" in set(params) - matrices
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    for group in (decay, no_decay):
+        assert (group["lr"], group["betas"], group["eps"]) == (0.02, (0.8, 0.95), 1e-8)
+
+
+def test_the_logged_lr_follows_the_schedule_through_a_resume_with_a_new_lr(tmp_path):
+    """Warm-up of one step, then cosine to ``min_lr_ratio`` 0.1 at step 4: the factors of steps 1-4 are 1, 1,
+    0.1 + 0.45 (1 + cos(pi / 3)) = 0.775 and 0.1 + 0.45 (1 + cos(2 pi / 3)) = 0.325; each step logs the lr it trained
+    with (the scheduler steps after the update). A resume at step 2 with lr 0.02 goes on at 0.02 times the factors
+    (not the checkpoint's lr, nor the new lr without the factor). The metrics file holds one line a step and one
+    step-0 evaluation, ``config.yaml`` the resumed config, the checkpoint the last step; ``tokens_per_s`` is the
+    step's generated tokens over its time (mutation audit)."""
+    from fused_rl.train.trainer import Trainer
+
+    kw = dict(steps=4, warmup_steps=1, save_every=2, eval_every=2, eval_prompts=2)
+    first = Trainer(small(tmp_path, lr=0.01, **kw), quiet=True).train(stop_after=2)
+    resumed = Trainer(small(tmp_path, lr=0.02, resume=True, **kw), quiet=True).train()
+    assert [h["lr"] for h in first] == pytest.approx([0.01, 0.01], rel=1e-9)
+    assert [h["lr"] for h in resumed] == pytest.approx([0.0155, 0.0065], rel=1e-9)
+    run = tmp_path / "run"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3, 4]
+    assert [x["step"] for x in lines if "eval_reward" in x] == [0, 2, 4]
+    saved = yaml_load((run / "config.yaml").read_text())
+    assert (saved["lr"], saved["resume"]) == (0.02, True)
+    assert torch.load(checkpoint.checkpoint_dir(run) / "state.pt", weights_only=False)["step"] == 4
+    for h in first + resumed:
+        assert h["tokens_per_s"] * h["step_time"] == pytest.approx(h["length"] * 16, rel=1e-9)
+
+
+def test_update_metrics_are_means_over_the_updates_and_the_rollout(tmp_path):
+    """grpo, two epochs of two shuffled minibatches of 8 (micro-batches of 4), the optimizer step held: every update
+    sees the rollout's policy (ratio 1), so a minibatch's loss is ``-mean(A_i)`` over its sequences (seq-mean-token-
+    mean of ``-A_i``) and the logged loss, the mean over the four updates, is ``-mean(A)``; ``grad_norm`` is the mean
+    of the four gradients' norms (``max_grad_norm: 0``: none clipped); the rollout's rewards [0, 1/3, 2/3, 1] in every
+    group give reward 0.5, reward_std sqrt(5) / 6, accuracy 0.25 (mutation audit)."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, minibatch_size=8, micro_batch_size=4, num_iterations=2, max_grad_norm=0.0),
+                quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    assert batch.mask.any(dim=1).all() and 0 < int(batch.truncated.sum()) < 16
+    batch.rewards = (torch.arange(16) % 4) / 3
+    advantages = torch.linspace(0.5, 2.0, 16)
+    t.advantages = lambda b, values: (advantages, None)
+    norms = []
+    t.optimizer.step = lambda: norms.append(math.sqrt(sum(float((p.grad.double() ** 2).sum())
+                                                          for p in t.policy.parameters() if p.grad is not None)))
+    m = t.update(batch)
+    assert len(norms) == 4 and len(set(norms)) == 4
+    assert m["grad_norm"] == pytest.approx(sum(norms) / 4, rel=1e-5)
+    assert m["loss"] == pytest.approx(-1.25, rel=1e-5)
+    assert (m["reward"], m["accuracy"]) == pytest.approx((0.5, 0.25), rel=1e-6)
+    assert m["reward_std"] == pytest.approx(math.sqrt(5) / 6, rel=1e-6)
+    assert m["length"] == pytest.approx(float(batch.lengths.float().mean()), rel=1e-6)
+    assert m["truncated"] == pytest.approx(float(batch.truncated.float().mean()), rel=1e-6)
+    assert "kl" not in m  # beta = 0: no reference model, no KL metric (the loss reports a zero one)
+
+
+@pytest.mark.parametrize("algorithm, expected", [
+    ("rloo", [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, 2 / 3, 2 / 3, -2 / 3, -2 / 3, 4 / 3, -4 / 3, 0, 0]),
+    ("dr_grpo", [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, 0.5, 0.5, -0.5, -0.5, 1, -1, 0, 0]),
+])
+def test_rloo_and_dr_grpo_advantages_on_hand_numbers(tmp_path, algorithm, expected):
+    """Per group of 4: rloo ``R_i - mean_{j != i} R_j``, dr_grpo ``R_i - mean_j R_j`` (rewards [1, 0, 0, 0],
+    [0, 0, 0, 0], [1, 1, 0, 0], [3, 1, 2, 2]) (mutation audit: rloo's were never checked)."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, algorithm=algorithm), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    batch.rewards = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 3, 1, 2, 2])
+    adv, returns = t.advantages(batch, None)
+    assert returns is None
+    torch.testing.assert_close(adv, torch.tensor(expected))
+
+
+def test_minibatches_are_reshuffled_every_epoch_and_every_step(tmp_path):
+    """``minibatch_size < n``: each epoch's minibatches partition the rollout in a fresh order, another at the next
+    step (the shuffle's seed takes the step), and the same again for the same step (an exact resume) (mutation
+    audit: every step trained its minibatches in the same order)."""
+    from fused_rl.train.trainer import Trainer
+
+    def orders(step):
+        t = Trainer(small(tmp_path, minibatch_size=4, num_iterations=2), quiet=True)
+        torch.manual_seed(0)
+        batch = t.collect()
+        t.advantages = lambda b, values: (torch.arange(16.0), None)  # advantage i on row i: it names the row
+        seen, model = [], t.model
+        t.model = lambda *args, **kw: seen.append(args[5].long().tolist()) or model(*args, **kw)
+        t.step = step
+        t.update(batch)
+        assert len(seen) == 8 and all(len(rows) == 4 for rows in seen)
+        epochs = [sum(seen[:4], []), sum(seen[4:], [])]
+        assert all(sorted(rows) == list(range(16)) for rows in epochs)
+        return epochs
+
+    step0, step1 = orders(0), orders(1)
+    assert step0[0] != step0[1] and step0[0] != list(range(16)) and step1[0] != step0[0]
+    assert orders(1) == step1
+
+
+def test_evaluation_is_greedy_and_needs_a_prompt(tmp_path):
+    """``evaluate`` decodes greedily: the same numbers and completions whatever the sampling RNG; fewer than one
+    prompt is refused (mutation audit)."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, eval_prompts=4, max_new_tokens=6), quiet=True)
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        runs.append(t.evaluate())
+    assert runs[0] == runs[1] and len(runs[0]["samples"]) == 4
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        t.evaluate(0)
+
+
+def test_console_line_formats():
+    """The plain console line: reward, accuracy, the evaluation and kl when there, clip fraction and entropy (0
+    when not logged), length and throughput (mutation audit)."""
+    from fused_rl.train.trainer import format_postfix
+
+    m = dict(reward=0.5, accuracy=0.25, clip_frac=0.125, entropy=1.5, length=3.75, tokens_per_s=1234.4)
+    assert format_postfix(m) == "reward=0.500 acc=0.25 clip=0.125 ent=1.500 len=3.8 tok/s=1234"
+    m = dict(reward=0.5, accuracy=0.25, kl=0.00123, eval_reward=0.75, eval_accuracy=0.5, length=2.0,
+             tokens_per_s=10.0)
+    assert format_postfix(m) == "reward=0.500 acc=0.25 eval=0.750 eval_acc=0.50 kl=0.0012 clip=0.000 ent=0.000 " \
+                                "len=2.0 tok/s=10"
+
+
+def test_reward_weights_weigh_the_rollout_s_rewards(tmp_path):
+    """The rollout's reward is the ``reward_weights``-weighted sum of the listed rewards (mutation audit: every
+    weight 1 survived the suite)."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, rewards=["exact_match", "partial_match"], reward_weights=[1.0, 2.0]), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    parts = {name: batch.reward_parts[name].float() for name in ("exact_match", "partial_match")}
+    assert parts["partial_match"].any()
+    torch.testing.assert_close(batch.rewards.float(), parts["exact_match"] + 2.0 * parts["partial_match"])
+
+
+def test_a_step_without_loss_tokens_logs_zeros_and_moves_nothing(tmp_path):
+    """Every completion cut at ``max_new_tokens`` under ``truncation: mask`` leaves no loss token: the step's
+    token-weighted metrics are 0 (not 0 / 0), its loss and gradient 0, and no weight moves (mutation audit)."""
+    from fused_rl.train.trainer import Trainer
+
+    t = Trainer(small(tmp_path, truncation="mask", micro_batch_size=4), quiet=True)
+    torch.manual_seed(0)
+    batch = t.collect()
+    batch.truncated = torch.ones_like(batch.truncated)
+    batch.mask = torch.zeros_like(batch.mask)
+    before = [p.detach().clone() for p in t.policy.parameters()]
+    m = t.update(batch)
+    assert (m["entropy"], m["clip_frac"], m["loss"], m["grad_norm"], m["truncated"]) == (0.0, 0.0, 0.0, 0.0, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, t.policy.parameters()))
