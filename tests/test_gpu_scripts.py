@@ -143,3 +143,22 @@ def test_verdicts_from_the_benchmarks_json(tmp_path):
         "memory goal not met (peak beyond the fp32 dW: 1.0 GiB ? MiB, 1.2 GiB 1206 MiB)"]
     (tmp_path / "linear_budget" / "linear_budget.json").write_text(json.dumps(dict(results=[{"ms": 1.0}])))
     assert _verdicts(tmp_path)[1] == "issue 4: no verdict (KeyError: 'backend')"
+
+
+def test_issue4_verdict_is_the_fastest_rows(tmp_path):
+    """Issue 4's FLOP verdict is the fastest row's (a slower row that met it does not count); its memory verdict is
+    "not measured" where no row measured it, and lists every budget that met it."""
+    from bench.gpu_verdicts import issue4_lines
+
+    def lines(*rows):
+        (tmp_path / "linear_budget").mkdir(exist_ok=True)
+        (tmp_path / "linear_budget" / "linear_budget.json").write_text(json.dumps(dict(results=list(rows))))
+        return issue4_lines(tmp_path)
+
+    row = dict(backend="triton", budget_gib=1.0, knobs={}, variant=None, ms=40.0, tflops=645.0,
+               peak_extra_beyond_fp32_dw_mib=None, issue4_memory_goal_met=None, issue4_flop_goal_met=False)
+    assert lines(row, {**row, "budget_gib": 1.35, "ms": 45.0, "issue4_flop_goal_met": True}) == [
+        "issue 4 (triton): fastest 40.00 ms (645 TFLOP/s, 1.0 GiB tiles, knobs default): FLOP goal not met; "
+        "memory goal not measured (peak beyond the fp32 dW: 1.0 GiB ? MiB, 1.35 GiB ? MiB)"]
+    met = dict(issue4_memory_goal_met=True, peak_extra_beyond_fp32_dw_mib=1000.0)
+    assert "memory goal MET at 1.0 GiB, 1.2 GiB (peak" in lines({**row, **met, "budget_gib": 1.2}, {**row, **met})[0]
