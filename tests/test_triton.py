@@ -419,6 +419,74 @@ def test_no_grad_path_matches(device, layout):
         assert_close(got.metrics[k], ref.metrics[k], torch.float32, k)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_entropy_bonus_with_compute_entropy_off(device):
+    """``compute_entropy=False`` with a config that needs the entropy (``entropy_coef``): the single pass still
+    computes it for the loss (its gradient term included) and returns it, as the reference does."""
+    case = on_device(make_case(vocab=1000, seed=14), device)
+    cfg = PolicyLossConfig(clip_high=0.28, entropy_coef=0.2)
+    outs, grads = {}, {}
+    for backend in ("reference", "triton"):
+        x = case.logits.clone().requires_grad_(True)
+        outs[backend] = _loss(case, x, cfg, backend=backend, compute_entropy=False)
+        outs[backend].loss.backward()
+        grads[backend] = x.grad
+    got, want = outs["triton"], outs["reference"]
+    assert got.entropy is not None and set(got.metrics) == set(want.metrics)
+    assert_close(got.entropy, want.entropy, torch.float32, "entropy")
+    assert_close(got.loss, want.loss, torch.float32, "loss")
+    assert_close(grads["triton"], grads["reference"], torch.float32, "dlogits", grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_writes_no_gradient(device, monkeypatch):
+    """Under ``torch.no_grad`` logits that require grad get no gradient buffer (the single pass runs with
+    ``write_grad=False``), and ``inplace=True`` leaves them intact (nothing to write)."""
+    from fused_rl.backends import triton as triton_backend
+
+    calls = []
+    for name in ("policy_fwd", "policy_fwd_inplace"):
+        op = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name, lambda *a, op=op, name=name: calls.append((name, a[-1])) or op(*a))
+    case = on_device(make_case(vocab=300, seed=15), device)
+    buf = case.logits.clone().requires_grad_(True)
+    logits = buf * 1.0  # a non-leaf model output
+    before = logits.detach().clone()
+    with torch.no_grad():
+        out = _loss(case, logits, CONFIGS[1], backend="triton", inplace=True)
+        ref = _loss(case, case.logits, CONFIGS[1], backend="reference")
+    assert calls == [("policy_fwd", False)]
+    assert torch.equal(logits.detach(), before)
+    assert_close(out.loss, ref.loss, torch.float32, "loss")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_per_token_inputs(device, monkeypatch, small_blocks):
+    """Per-token inputs that are strided views (every other column of a wider tensor: a flat view with stride
+    2, not a copy) reach the kernels as the values they view: old / ref log-probs of the single pass, targets of
+    the two-pass ``token_logprobs``."""
+    case = on_device(make_case(vocab=500, seed=16), device)
+    wide = lambda x: torch.stack([x, torch.full_like(x, -7.0)], -1).flatten(1)[:, ::2]  # noqa: E731
+    case.old, case.ref = wide(case.old), wide(case.ref)
+    assert case.old.reshape(-1).stride() == (2,)
+    compare_policy_loss("triton", case, CONFIGS[1])
+    g = torch.Generator().manual_seed(1)
+    x = make_logits((3, 4, 500), generator=g).to(device)
+    t = torch.randint(0, 500, (3, 8), generator=g).to(device)[:, ::2]
+    lp, ent = fused_rl.token_logprobs(x, t, return_entropy=True, backend="triton")
+    lp_r, ent_r = fused_rl.token_logprobs(x, t.contiguous(), return_entropy=True, backend="reference")
+    assert_close(lp, lp_r, torch.float32, "logp")
+    assert_close(ent, ent_r, torch.float32, "entropy")
+
+
+def test_float64_logits_are_refused_by_name():
+    """The kernels take fp32 / bf16 / fp16: fp64 logits on ``backend="triton"`` raise before any kernel runs."""
+    x = torch.randn(2, 3, 7, dtype=torch.float64)
+    t = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="does not support torch.float64"):
+        fused_rl.token_logprobs(x, t, backend="triton")
+
+
 COMPILE_CASES = [
     pytest.param(1, False, "aot_eager", id="ppo-dual-k3-ent"),
     pytest.param(1, True, "aot_eager", id="ppo-dual-k3-ent-inplace"),

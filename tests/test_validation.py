@@ -1,6 +1,7 @@
 """Bad input is rejected with a ValueError naming the argument, on every backend, before any work."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -849,3 +850,148 @@ def test_out_of_range_targets_of_a_truncated_row_are_refused():
         fused_rl.policy_loss(args["logits"], targets, args["advantages"], args["mask"], backend="reference",
                              truncated=torch.tensor([False, True]),
                              config=PolicyLossConfig(mask_truncated_completions=True))
+
+
+def test_auto_on_cuda_prefers_triton_then_cuda_then_torch(monkeypatch):
+    """``AUTO_ORDER`` on a CUDA device, as on a GPU machine (every backend's device check passing): triton first,
+    the native CUDA kernels without triton, torch without either or for a dtype neither takes (fp64)."""
+    from fused_rl.backends import _REGISTRY, get_backend
+
+    if "triton" not in _REGISTRY or "cuda" not in _REGISTRY:
+        pytest.skip("needs both optional backends registered")
+    reasons = {"triton": None, "cuda": None}
+    for name in reasons:
+        monkeypatch.setattr(_REGISTRY[name], "unavailable_reason", lambda device, name=name: reasons[name])
+    cuda = torch.device("cuda")
+    assert get_backend("auto", cuda, torch.bfloat16).name == "triton"
+    assert get_backend("auto", cuda, torch.float32, linear=True).name == "triton"
+    assert get_backend("auto", cuda, torch.float64).name == "torch"
+    reasons["triton"] = "no triton here"
+    assert get_backend("auto", cuda, torch.float16).name == "cuda"
+    reasons["cuda"] = "no native build"
+    assert get_backend("auto", cuda, torch.float32).name == "torch"
+
+
+def test_auto_on_a_device_type_without_an_order_takes_torch():
+    """A device type ``AUTO_ORDER`` does not list (an Apple or Intel GPU) gets the portable torch backend, never the
+    slow reference."""
+    from fused_rl.backends import get_backend
+
+    for kind in ("mps", "xpu"):
+        assert get_backend("auto", torch.device(kind), torch.float32).name == "torch"
+        assert get_backend("auto", torch.device(kind), torch.float32, linear=True).name == "torch"
+
+
+def test_an_installation_without_an_optional_backend_module_still_imports():
+    """A build that ships without ``fused_rl.backends.native`` (or triton's module): ``import fused_rl`` works and
+    the missing backends say they are not built in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['fused_rl.backends.native'] = None  # the module itself is absent\n"
+        "sys.modules['fused_rl.backends.triton'] = None\n"
+        "import torch, fused_rl\n"
+        "r = fused_rl.available_backends('cpu')\n"
+        "assert r['reference'] is None and r['torch'] is None, r\n"
+        "for name in ('triton', 'cpu', 'cuda'):\n"
+        "    assert 'not built into this installation' in r[name], r\n"
+        "assert fused_rl.backends.get_backend('auto', torch.device('cpu'), torch.float32).name == 'torch'\n"
+        "print('OK')\n"
+    )
+    root = os.path.join(os.path.dirname(__file__), "..")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+
+
+def test_available_backends_lists_every_backend_name():
+    reasons = fused_rl.available_backends(torch.device("cpu"))
+    assert set(reasons) == {"reference", "torch", "triton", "cpu", "cuda"}
+    assert reasons["reference"] is None and reasons["torch"] is None
+
+
+def test_rows_sharing_memory_are_fine_out_of_place():
+    """Only ``inplace=True`` needs disjoint rows: an ``expand``-ed batch (one sequence's logits scored for several
+    advantages) runs out of place, with the values of its contiguous copy."""
+    args = good()
+    x = args["logits"][:1].expand(2, 3, 11)
+    for backend in BACKENDS:
+        out = fused_rl.policy_loss(x, args["targets"], args["advantages"], args["mask"], backend=backend)
+        want = fused_rl.policy_loss(x.contiguous(), args["targets"], args["advantages"], args["mask"], backend=backend)
+        torch.testing.assert_close(out.loss, want.loss)
+
+
+def test_linear_operands_of_another_shape_device_or_dtype_are_refused_by_name():
+    h, w = torch.randn(2, 3, 4), torch.randn(7, 4)
+    t, a, m = torch.zeros(2, 3, dtype=torch.long), torch.ones(2), torch.ones(2, 3)
+    for fn, extra in ((fused_rl.reference.linear_policy_loss, (a, m)), (fused_rl.reference.linear_token_logprobs, ())):
+        with pytest.raises(ValueError, match=r"weight must have shape \(V, H=4\), got \(0, 4\)"):
+            fn(h, torch.randn(0, 4), t, *extra)
+        with pytest.raises(ValueError, match="weight is on meta but hidden is on cpu"):
+            fn(h, w.to("meta"), t, *extra)
+        with pytest.raises(ValueError, match="bias must have the dtype and device of hidden"):
+            fn(h, w, t, *extra, bias=torch.zeros(7, dtype=torch.float64))
+        with pytest.raises(ValueError, match="bias must have the dtype and device of hidden"):
+            fn(h, w, t, *extra, bias=torch.zeros(7, device="meta"))
+
+
+def test_reference_functions_keep_the_public_names_docs_and_signatures():
+    import inspect
+
+    for name in fused_rl.reference.__all__:
+        fn, op = getattr(fused_rl.reference, name), getattr(fused_rl.ops, name)
+        assert fn.__name__ == name and fn.__doc__ == op.__doc__ and fn.__doc__
+        assert inspect.signature(fn) == inspect.signature(op)
+
+
+def test_a_backend_without_the_fused_linear_operations_is_refused_for_them(monkeypatch):
+    """A registered backend that implements ``token_logprobs`` only (``has_linear`` False): named for a fused-linear
+    call it raises saying so; ``auto`` passes it over."""
+    from fused_rl.backends import _REGISTRY, Backend, get_backend
+
+    class TokenOnly(Backend):
+        name = "torch"
+
+    monkeypatch.setitem(_REGISTRY, "torch", TokenOnly())
+    cpu = torch.device("cpu")
+    assert get_backend("torch", cpu, torch.float32).name == "torch"
+    with pytest.raises(NotImplementedError, match="no fused-linear implementation"):
+        get_backend("torch", cpu, torch.float32, linear=True)
+    with pytest.raises(NotImplementedError, match="no fused-linear implementation"):
+        get_backend("auto", torch.device("mps"), torch.float32, linear=True)
+
+
+def test_linear_token_logprobs_rejects():
+    h, w = torch.randn(2, 3, 4), torch.randn(7, 4)
+    fn = fused_rl.reference.linear_token_logprobs
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 7\) or -100"):
+        fn(h, w, torch.full((2, 3), 7))
+    with pytest.raises(ValueError, match=r"targets must have shape \(2, 3\)"):
+        fn(h, w, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets must be an int32 or int64 tensor"):
+        fn(h, w, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="temperature"):
+        fn(h, w, torch.zeros(2, 3, dtype=torch.long), temperature=0.0)
+    t32 = torch.tensor([[6, 0, 3], [1, 5, 2]], dtype=torch.int32)  # int32 targets are fine
+    torch.testing.assert_close(fn(h, w, t32), fn(h, w, t32.long()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["token_logprobs", "policy_loss", "linear_token_logprobs", "linear_policy_loss"])
+def test_the_default_backend_is_auto(name, monkeypatch):
+    """Without ``backend=`` each public function asks ``AUTO_ORDER`` (here made to name the reference)."""
+    from fused_rl.backends import AUTO_ORDER, reference as reference_backend
+
+    calls = []
+    original = getattr(reference_backend.ReferenceBackend, name)
+    monkeypatch.setattr(reference_backend.ReferenceBackend, name,
+                        lambda self, *a, **k: calls.append(name) or original(self, *a, **k))
+    monkeypatch.setitem(AUTO_ORDER, "cpu", ("reference",))
+    args = good()
+    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    t, a, m = args["targets"], args["advantages"], args["mask"]
+    {"token_logprobs": lambda: fused_rl.token_logprobs(args["logits"], t),
+     "policy_loss": lambda: fused_rl.policy_loss(args["logits"], t, a, m),
+     "linear_token_logprobs": lambda: fused_rl.linear_token_logprobs(h, w, t),
+     "linear_policy_loss": lambda: fused_rl.linear_policy_loss(h, w, t, a, m)}[name]()
+    assert calls == [name]
