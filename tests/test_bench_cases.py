@@ -128,8 +128,11 @@ def test_each_fused_impl_runs_its_own_backend(monkeypatch):
 
 
 def test_the_workload_has_its_kl_term():
-    """The cases' loss is DAPO clipping with a k3 KL to the reference policy: moving the reference log-probs moves
-    the loss."""
+    """The cases' loss is DAPO clipping (0.2 / 0.28, token mean) with a k3 KL of weight 0.04 to the reference
+    policy, and the built loss reads the reference log-probs: moving them moves the loss."""
+    c = cases.CONFIG
+    assert (c.policy_loss, c.clip_low, c.clip_high, c.agg) == ("ppo_clip", 0.2, 0.28, "token-mean")
+    assert (c.kl, c.beta) == ("k3", 0.04)
     fn = IMPLS["reference"].build()["policy_loss"]
     x = make_inputs("policy_loss", Shape(n=64, v=50, batch=4), "cpu")
     assert float(fn(x)) != pytest.approx(float(fn({**x, "ref": x["ref"] - 1.0})), rel=1e-3)

@@ -177,7 +177,7 @@ def cuda_kernels(sim, monkeypatch):
 
 # ------------------------------------------------------------------------------ the emulation itself
 SELFTEST = {"block_sum": 0, "block_sum_missing_barrier": 1, "warp_sum": 2, "divergent_barrier": 3,
-            "divergent_shuffle": 4, "block_sum_half_written": 5}
+            "divergent_shuffle": 4, "block_sum_half_written": 5, "block_sum_two_arrays": 6}
 
 
 @pytest.fixture(scope="session")
@@ -218,14 +218,24 @@ def test_the_emulation_catches_a_missing_barrier(selftest):
 
 
 def test_the_emulation_poisons_shared_memory_per_block(selftest):
-    """Half of each block's shared entries are never written: they hold NaN bytes at every block's start, as
-    garbage on a GPU (a zeroed static array would give the first warp's sum, the next block the last one's)."""
+    """Block 0 writes all its 64 shared entries, blocks 1 and 2 only their first warp's: the 32 entries those never
+    write hold NaN bytes at each block's start, as garbage on a GPU, not block 0's values (a buffer poisoned only
+    when first used would give a finite sum there, a zeroed static array the first warp's sum)."""
     x = torch.randn(3 * 64, generator=torch.Generator().manual_seed(0))
-    out, err = selftest("block_sum", x)  # writes all 64 entries of each block first
+    for _ in range(2):  # the second launch finds the buffer the first one left
+        out, err = selftest("block_sum_half_written", x)
+        assert err == ""
+        torch.testing.assert_close(out[0], x[:64].sum(), rtol=1e-5, atol=1e-5)
+        assert out[1:3].isnan().all()
+
+
+def test_the_emulation_keeps_two_shared_arrays_of_one_line_apart(selftest):
+    """Two shared arrays of one size declared on one line are two buffers: zeroing the second leaves the first's
+    sum."""
+    x = torch.randn(3 * 64, generator=torch.Generator().manual_seed(0))
+    out, err = selftest("block_sum_two_arrays", x)
     assert err == ""
-    out, err = selftest("block_sum_half_written", x)
-    assert err == ""
-    assert out[:3].isnan().all()
+    torch.testing.assert_close(out[:3], x.view(3, 64).sum(1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel, message", [("divergent_barrier", "exited"), ("divergent_shuffle", "deadlock")])

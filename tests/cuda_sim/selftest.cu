@@ -35,14 +35,29 @@ __global__ void block_sum_missing_barrier(Args a) {
   }
 }
 
-// block_sum where only the first warp writes its entries: thread 0 reads 32 it never wrote.
+// block_sum where block 0 writes all its entries and every other block only its first warp's: thread 0 of
+// blocks >= 1 reads 32 entries its block never wrote (block 0 wrote them, in the same buffer).
 __global__ void block_sum_half_written(Args a) {
   FRL_SHARED(float, s, kThreads);
-  if (threadIdx.x < 32) s[threadIdx.x] = a.x[blockIdx.x * blockDim.x + threadIdx.x];
+  if (blockIdx.x == 0 || threadIdx.x < 32) s[threadIdx.x] = a.x[blockIdx.x * blockDim.x + threadIdx.x];
   __syncthreads();
   if (threadIdx.x == 0) {
     float t = 0.0f;
     for (unsigned i = 0; i < blockDim.x; ++i) t += s[i];
+    a.out[blockIdx.x] = t;
+  }
+}
+
+// block_sum with a second shared array declared on the same line, zeroed after the first is written.
+__global__ void block_sum_two_arrays(Args a) {
+  FRL_SHARED(float, s, kThreads); FRL_SHARED(float, z, kThreads);  // NOLINT: two on one line on purpose
+  s[threadIdx.x] = a.x[blockIdx.x * blockDim.x + threadIdx.x];
+  __syncthreads();
+  z[threadIdx.x] = 0.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+    for (unsigned i = 0; i < blockDim.x; ++i) t += s[i] + z[i];
     a.out[blockIdx.x] = t;
   }
 }
@@ -73,7 +88,7 @@ __global__ void divergent_shuffle(Args a) {
 // Runs kernel `which` on `blocks` blocks of 64 threads; returns the launch error text ("" if none).
 extern "C" const char* cuda_sim_selftest(int which, int blocks, const float* x, float* out) {
   void (*const kernels[])(Args) = {block_sum, block_sum_missing_barrier, warp_sum, divergent_barrier,
-                                   divergent_shuffle, block_sum_half_written};
+                                   divergent_shuffle, block_sum_half_written, block_sum_two_arrays};
   cudaStream_t stream = nullptr;
   FRL_LAUNCH(kernels[which], blocks, kThreads, stream, (Args{x, out}));
   const cudaError_t e = cudaGetLastError();

@@ -73,8 +73,13 @@ inline std::string g_error;     // first emulation error since the last cudaGetL
 inline std::string g_reported;  // the text of the error cudaGetLastError returned last
 inline int g_sms = 4;           // the multiprocessors the emulated device reports
 inline uint64_t g_launches = 0;  // seeds each launch's scheduling order
-// FRL_SHARED's buffers, by (declaring line, bytes); poisoned at each block's start (run_block)
-inline std::map<std::pair<int, size_t>, std::unique_ptr<unsigned char[]>> g_shared;
+// FRL_SHARED's buffers, one per declaration (keyed by the address of a static the declaration defines: two on one
+// line, or at the same line of two files, stay apart); poisoned at each block's start (run_block)
+struct SharedBuffer {
+  std::unique_ptr<unsigned char[]> data;
+  size_t bytes = 0;
+};
+inline std::map<const void*, SharedBuffer> g_shared;
 constexpr unsigned char kSharedPoison = 0xff;
 
 inline void fail(const std::string& what) {
@@ -140,19 +145,20 @@ inline char* stack_of(unsigned thread) {
 }
 
 template <class T>
-T* block_shared(int line, size_t n) {
+T* block_shared(const void* site, size_t n) {
   static_assert(std::is_trivially_copyable<T>::value, "shared array element");
-  const size_t bytes = n * sizeof(T);
-  std::unique_ptr<unsigned char[]>& buffer = g_shared[{line, bytes}];
-  if (!buffer) {  // first reached in this block: poisoned as run_block poisons the others
-    buffer.reset(new unsigned char[bytes]);
-    std::memset(buffer.get(), kSharedPoison, bytes);
+  static_assert(alignof(T) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__, "shared array element aligned beyond new[]'s");
+  SharedBuffer& buffer = g_shared[site];
+  if (!buffer.data) {  // first reached in this block: poisoned as run_block poisons the others
+    buffer.bytes = n * sizeof(T);
+    buffer.data.reset(new unsigned char[buffer.bytes]);
+    std::memset(buffer.data.get(), kSharedPoison, buffer.bytes);
   }
-  return reinterpret_cast<T*>(buffer.get());
+  return reinterpret_cast<T*>(buffer.data.get());
 }
 
 inline void run_block(BlockRun& run, unsigned block, std::mt19937_64& rng) {
-  for (auto& [key, buffer] : g_shared) std::memset(buffer.get(), kSharedPoison, key.second);
+  for (auto& [site, buffer] : g_shared) std::memset(buffer.data.get(), kSharedPoison, buffer.bytes);
   run.fibers.assign(block, Fiber{});
   run.lanes.assign(block, 0);
   for (unsigned i = 0; i < block; ++i) {
@@ -209,7 +215,9 @@ void launch(void (*kernel)(Args), int grid, int block, const Args& args) {
 
 }  // namespace cuda_sim
 
-#define FRL_SHARED(type, name, n) type* const name = ::cuda_sim::block_shared<type>(__LINE__, n)
+#define FRL_SHARED(type, name, n) \
+  static char name##_site;        \
+  type* const name = ::cuda_sim::block_shared<type>(&name##_site, n)
 #define FRL_LAUNCH(kernel, grid, block, stream, args) (static_cast<void>(stream), ::cuda_sim::launch(kernel, grid, block, args))
 
 #define threadIdx (::cuda_sim::g_thread)
