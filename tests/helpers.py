@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -399,6 +402,13 @@ def on_device(case, device):
     """A copy of the (policy or linear) case dataclass with every tensor on ``device``."""
     move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
     return dataclasses.replace(case, **{f.name: move(getattr(case, f.name)) for f in dataclasses.fields(case)})
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter from the repository root (an import of ``fused_rl`` there is this
+    checkout's), its output captured as text."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=timeout)
 
 
 def triton_interpreter_reason() -> Optional[str]:

@@ -22,7 +22,7 @@ from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import kl_estimator, metrics as loss_metrics, per_token_loss  # noqa: E402
 from helpers import (CONFIGS, DPPO_AT_ONE, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, EPILOGUE_TIES,  # noqa: E402
                      LOGIT_KINDS, assert_close, assert_dppo_regions_reached, compare_policy_loss, make_case,
-                     make_logits, on_device, triton_interpreter_reason)
+                     make_logits, on_device, run_python, triton_interpreter_reason)
 
 # numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -620,9 +620,6 @@ def test_old_interpreter_with_new_numpy_names_the_reason(monkeypatch):
 
 def test_missing_triton_registers_a_reason():
     """Without triton, importing fused_rl works and backend='triton' names the reason."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "sys.modules['triton'] = None  # import triton now raises ImportError\n"
@@ -633,8 +630,7 @@ def test_missing_triton_registers_a_reason():
         "    fused_rl.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), backend='triton')\n"
         "except RuntimeError as e: print('OK', e)\n"
     )
-    root = os.path.join(os.path.dirname(__file__), "..")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    res = run_python(code)
     assert res.returncode == 0 and "OK backend 'triton' is unavailable" in res.stdout, res.stderr[-2000:]
 
 

@@ -1,14 +1,13 @@
 """Bad input is rejected with a ValueError naming the argument, on every backend, before any work."""
 
 import math
-import os
 
 import pytest
 import torch
 
 import fused_rl
 from fused_rl import PolicyLossConfig, validation
-from helpers import fused_backends
+from helpers import fused_backends, run_python
 
 BACKENDS = ["reference", "torch"]
 
@@ -885,9 +884,6 @@ def test_auto_on_a_device_type_without_an_order_takes_torch():
 def test_an_installation_without_an_optional_backend_module_still_imports():
     """A build that ships without ``fused_rl.backends.native`` (or triton's module): ``import fused_rl`` works and
     the missing backends say they are not built in."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "sys.modules['fused_rl.backends.native'] = None  # the module itself is absent\n"
@@ -900,8 +896,7 @@ def test_an_installation_without_an_optional_backend_module_still_imports():
         "assert fused_rl.backends.get_backend('auto', torch.device('cpu'), torch.float32).name == 'torch'\n"
         "print('OK')\n"
     )
-    root = os.path.join(os.path.dirname(__file__), "..")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    res = run_python(code)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
 
 
