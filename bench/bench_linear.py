@@ -202,7 +202,7 @@ def main():
                 continue
             mem[impl] = json.loads(res.stdout.strip().splitlines()[-1])["extra"]
         for impl, extra in mem.items():
-            ratio = f"  ({extra / mem['reference']:.3f}x reference)" if "reference" in mem else ""
+            ratio = f"  ({extra / mem['reference']:.3f}x the reference's memory)" if "reference" in mem else ""
             print(f"peak extra memory {impl:9s} {extra / 2**20:9.1f} MiB{ratio}")
     if not args.memory_only:
         inp = make_inputs(args.B, args.T, args.H, args.V, args.pad, rollout_is=args.rollout_is,
@@ -224,7 +224,7 @@ def main():
                 times[impl].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
         for impl, t in med.items():
-            ratio = f"  ({t / med['reference']:.3f}x reference)" if "reference" in med else ""
+            ratio = f"  ({t / med['reference']:.3f}x the reference's time)" if "reference" in med else ""
             print(f"fwd+bwd median {impl:9s} {t * 1e3:9.1f} ms  runs={[round(x * 1e3) for x in times[impl]]}{ratio}")
 
 

@@ -56,8 +56,8 @@ def test_printed_median_and_ratio_on_a_fake_clock(monkeypatch, capsys):
                                                    "2", "--V", "3", "--repeats", "3", "--impls", "reference,fused"])
     bench_linear.main()
     lines = capsys.readouterr().out.splitlines()[1:]
-    assert lines == ["fwd+bwd median reference       3.0 ms  runs=[4, 1, 3]  (1.000x reference)",
-                     "fwd+bwd median fused           2.0 ms  runs=[2, 9, 1]  (0.667x reference)"]
+    assert lines == ["fwd+bwd median reference       3.0 ms  runs=[4, 1, 3]  (1.000x the reference's time)",
+                     "fwd+bwd median fused           2.0 ms  runs=[2, 9, 1]  (0.667x the reference's time)"]
 
 
 def test_printed_memory_in_mib_and_against_the_reference(monkeypatch, capsys):
@@ -73,5 +73,5 @@ def test_printed_memory_in_mib_and_against_the_reference(monkeypatch, capsys):
     monkeypatch.setattr(bench_linear.sys, "argv", ["bench_linear.py", "--memory-only", "--impls", "reference,fused"])
     bench_linear.main()
     assert capsys.readouterr().out.splitlines()[1:] == [
-        "peak extra memory reference      12.0 MiB  (1.000x reference)",
-        "peak extra memory fused           3.0 MiB  (0.250x reference)"]
+        "peak extra memory reference      12.0 MiB  (1.000x the reference's memory)",
+        "peak extra memory fused           3.0 MiB  (0.250x the reference's memory)"]
