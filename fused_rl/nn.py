@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .config import IGNORE_INDEX, PolicyLossConfig, finite_number, naming_arguments
-from .loss_math import Normalizer
+from .loss_math import Normalizer, importance_ratio, ratio_bounds
 from .ops import linear_policy_loss, linear_token_logprobs, policy_loss
 from .outputs import PolicyLossOutput
 from .validation import check_flag
@@ -275,6 +275,43 @@ def _world_size() -> int:
     return 1
 
 
+def liger_token_normalizer(loss_type: str, local_tokens: torch.Tensor, num_items_in_batch):
+    """dapo / cispo / vespo's token normalizer (None for the other loss types), as Liger's:
+    ``max(num_items_in_batch / world_size, 1)`` or, without it, the loss tokens of all ranks (``local_tokens``
+    summed by one ``all_reduce``, on every rank, an empty one included) over the world size."""
+    if loss_type not in NUM_ITEMS_LOSS_TYPES:
+        return None
+    world = _world_size()
+    if isinstance(num_items_in_batch, torch.Tensor):
+        n = num_items_in_batch.to(device=local_tokens.device, dtype=torch.float32)
+    elif num_items_in_batch is not None:  # a Python number stays one: under torch.compile a tensor made
+        n = float(num_items_in_batch)      # from it would be a constant of the graph, one graph per value
+    else:
+        n = local_tokens.to(torch.float32)
+        if world > 1:
+            n = n.clone()
+            torch.distributed.all_reduce(n)
+    return max(n / world, 1.0) if isinstance(n, float) else (n / world).clamp(min=1.0)
+
+
+def liger_clipped(logp: torch.Tensor, old: Optional[torch.Tensor], advantages: torch.Tensor, mask: torch.Tensor,
+                  config: PolicyLossConfig) -> torch.Tensor:
+    """Liger's ``is_clipped`` per token, ``(B, T)`` bool, False where ``mask`` is: ``r < 1-eps_low, A < 0`` or
+    ``r > 1+eps_high, A > 0`` with ``r`` the token ratio (gspo: the sequence ratio, on each of its tokens); cispo
+    ``r > eps_high, A > 0`` (fused_rl's ``clip_frac_high`` counts every truncated weight); never for the other
+    losses (sapo, vespo). ``old=None``: on-policy, ``r = 1``."""
+    if config.policy_loss not in ("ppo_clip", "gspo", "cispo"):
+        return torch.zeros_like(mask)
+    logp = logp.detach()
+    ratio = importance_ratio(logp, logp if old is None else old.to(logp.dtype), mask, config)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+    low, high = ratio_bounds(ratio, config)
+    hit = (ratio > high) & (adv > 0)
+    if config.policy_loss != "cispo":
+        hit = hit | ((ratio < low) & (adv < 0))
+    return hit & mask
+
+
 class FusedLinearGRPOLoss(torch.nn.Module):
     """Drop-in replacement of Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (liger-kernel 0.8.x).
 
@@ -483,7 +520,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         config = self.config
         if isinstance(_input, torch.Tensor) and _input.dim() == 3 and _input.shape[0] * _input.shape[1] == 0:
             # the token count's all_reduce as on the ranks with tokens (an unmatched one breaks the next collective)
-            self._normalizer(torch.zeros((), device=_input.device), num_items_in_batch)
+            liger_token_normalizer(self.loss_type, torch.zeros((), device=_input.device), num_items_in_batch)
             return self._no_tokens(_input, lin_weight, bias, selected_token_ids, attention_mask)
         ref = None
         if config.kl is not None:
@@ -500,7 +537,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         scored = mask  # the tokens the loss counts (-100: no token); mismatched ids raise in linear_policy_loss
         if isinstance(selected_token_ids, torch.Tensor) and selected_token_ids.shape == mask.shape:
             scored = mask & (selected_token_ids != IGNORE_INDEX)
-        normalizer = self._normalizer(scored.sum(), num_items_in_batch)
+        normalizer = liger_token_normalizer(self.loss_type, scored.sum(), num_items_in_batch)
         _input, lin_weight, bias = _widest(_input, lin_weight, bias)
         if isinstance(advantages, torch.Tensor) and not advantages.is_floating_point():
             advantages = advantages.to(torch.float32)
@@ -516,24 +553,6 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             metrics.append(out.metrics["kl_mean"])
         metrics.append(self._clip_ratio(out, advantages, scored, old_per_token_logps))
         return out.loss, tuple(metrics)
-
-    def _normalizer(self, local_tokens: torch.Tensor, num_items_in_batch):
-        """dapo / cispo / vespo's token normalizer (None for the other loss types), as Liger's:
-        ``max(num_items_in_batch / world_size, 1)`` or, without it, the loss tokens of all ranks (``local_tokens``
-        summed by one ``all_reduce``, on every rank, an empty one included) over the world size."""
-        if self.loss_type not in NUM_ITEMS_LOSS_TYPES:
-            return None
-        world = _world_size()
-        if isinstance(num_items_in_batch, torch.Tensor):
-            n = num_items_in_batch.to(device=local_tokens.device, dtype=torch.float32)
-        elif num_items_in_batch is not None:  # a Python number stays one: under torch.compile a tensor made
-            n = float(num_items_in_batch)      # from it would be a constant of the graph, one graph per value
-        else:
-            n = local_tokens.to(torch.float32)
-            if world > 1:
-                n = n.clone()
-                torch.distributed.all_reduce(n)
-        return max(n / world, 1.0) if isinstance(n, float) else (n / world).clamp(min=1.0)
 
     def _no_tokens(self, _input, lin_weight, bias, selected_token_ids, attention_mask):
         """A micro-batch without tokens (``B == 0`` or ``T == 0``, e.g. a rank that dynamic sampling left empty): loss
@@ -552,25 +571,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     def _clip_ratio(self, out: PolicyLossOutput, advantages: torch.Tensor, mask: torch.Tensor,
                     old: Optional[torch.Tensor]) -> torch.Tensor:
-        cfg = self.config
-        if cfg.policy_loss not in ("cispo", "gspo"):
-            return out.metrics["clip_frac"]
-        # Liger counts tokens: cispo's truncated weights only where A > 0 (fused_rl's clip_frac_high counts all),
-        # gspo's clipped tokens (fused_rl's metrics count sequences, as TRL)
-        from .loss_math import importance_ratio, ratio_bounds
-
-        logp = out.logprobs
-        ratio = importance_ratio(logp, logp if old is None else old.to(logp.dtype), mask, cfg)
-        adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
-        low, high = ratio_bounds(ratio, cfg)
-        hit = (ratio > high) & (adv > 0)
-        if cfg.policy_loss == "gspo":
-            hit = hit | ((ratio < low) & (adv < 0))
-        return (hit & mask).sum().to(torch.float32) / mask.sum().clamp(min=1).to(torch.float32)
+        hit = liger_clipped(out.logprobs, old, advantages, mask, self.config)
+        return hit.sum().to(torch.float32) / mask.sum().clamp(min=1).to(torch.float32)
 
     def extra_repr(self) -> str:
         return f"loss_type={self.loss_type!r}, beta={self.beta}, config={self.config}, backend={self.backend!r}"
 
 
 __all__ = ["FusedPolicyLoss", "FusedLinearPolicyLoss", "FusedLinearGRPOLoss", "grpo_policy_loss_config",
-           "SUPPORTED_LOSS_TYPES"]
+           "liger_clipped", "liger_token_normalizer", "SUPPORTED_LOSS_TYPES"]

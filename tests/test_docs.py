@@ -35,7 +35,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: (file, block, paragraph) -> text the skipped paragraph holds: it builds a TRL trainer from a model id (a download)
 SKIP = {("README.md", 2, 0): "FusedGRPOTrainer(model=", ("migration.md", 1, 1): "FusedGRPOTrainer(model="}
 #: the fenced python blocks per file: a renamed fence or a dropped block fails :func:`test_the_snippets_are_found`
-BLOCK_COUNTS = {"README.md": 2, "migration.md": 4, "linear.md": 1, "native.md": 1, "train.md": 1, "triton.md": 1}
+BLOCK_COUNTS = {"README.md": 2, "migration.md": 5, "linear.md": 1, "native.md": 1, "train.md": 1, "triton.md": 1}
 NO_TENSORS = {("migration.md", 1), ("train.md", 1)}
 B, T, V, H = 4, 6, 50, 16
 BACKEND_ARG = re.compile(r"""backend=(["'])(\w+)\1""")
@@ -76,6 +76,10 @@ def namespace() -> dict:
         cfg=PolicyLossConfig.preset("dapo"),
         rewards=(torch.rand(16, generator=g) > 0.5).float(),
         ids=targets, completion_ids=targets, completion_mask=mask.long(),
+        # Liger's shifted layout: logits (B, T+1, V) scoring ids (B, T); whole sequences with a 2-token prompt
+        policy_logits=(torch.randn(B, T + 1, V, generator=g) * 2).requires_grad_(), old_logp=old, ref_logp=ref,
+        input_ids=torch.cat([torch.randint(0, V, (B, 2), generator=g), targets], 1),
+        attention_mask=torch.cat([torch.ones(B, 2, dtype=torch.long), mask.long()], 1),
         g1=torch.randn(B, T, generator=g), g2=torch.randn(B, T, generator=g),
         # verl
         old_log_prob=old, log_prob=(old + 0.1 * torch.randn(B, T, generator=g)).requires_grad_(),
@@ -147,7 +151,7 @@ def tensors(obj, path: str = "") -> list[tuple[str, torch.Tensor]]:
 def results(name: str, index: int, code: str, reference: bool) -> dict[str, Optional[torch.Tensor]]:
     """The tensors a block's statements bound and the gradients it left on the inputs."""
     ns, out = run_block(name, index, code, reference)
-    for key in ("logits", "hidden", "log_prob", "log_probs"):
+    for key in ("logits", "policy_logits", "hidden", "log_prob", "log_probs"):
         out[f"{key}.grad"] = ns[key].grad
     for pname, param in ns["lm_head"].named_parameters():
         out[f"lm_head.{pname}.grad"] = param.grad

@@ -12,8 +12,11 @@
 :mod:`fused_rl.integrations.hf_models`: the check that a transformers model's logits are its plain LM
 head's (shared by the TRL adapter and the bundled trainer).
 
-The Liger-Kernel drop-in (``FusedLinearGRPOLoss``) lives in :mod:`fused_rl.nn`. Submodules import
+* :mod:`fused_rl.integrations.liger`: Liger-Kernel's logits-level ``triton_grpo_loss`` and
+  ``fused_selective_log_softmax`` (same signatures and return values).
+
+The Liger-Kernel fused-linear drop-in (``FusedLinearGRPOLoss``) lives in :mod:`fused_rl.nn`. Submodules import
 their framework lazily: importing this package never needs TRL, verl or OpenRLHF.
 """
 
-__all__ = ["hf_models", "openrlhf", "trl", "verl"]
+__all__ = ["hf_models", "liger", "openrlhf", "trl", "verl"]
