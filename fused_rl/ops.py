@@ -35,6 +35,7 @@ def token_logprobs(
     return_entropy: bool = False,
     backend: str = "auto",
     check_inputs: bool = True,
+    inplace: bool = False,
 ):
     """Log-probs ``log softmax(logits / temperature)[targets]`` of shape ``targets.shape``, fp32 (fp64
     for fp64 logits), differentiable w.r.t. ``logits``; with ``return_entropy`` also
@@ -42,12 +43,18 @@ def token_logprobs(
 
     ``logits``: ``(..., V)`` fp32 / bf16 / fp16 (fp64 on the reference and torch backends), unit
     stride along ``V``; ``targets``: int32 / int64 ``(...)``. ``check_inputs`` checks the targets are in range
-    (one host sync; skipped while ``torch.compile`` traces).
+    (one host sync; skipped while ``torch.compile`` traces). ``inplace=True`` lets the cpu / cuda / triton
+    backward write the gradient over ``logits`` (no new ``(..., V)`` buffer; Liger's ``inplace``) when they are a
+    non-leaf buffer whose rows do not share memory (a leaf or a view of a leaf is left intact, as under
+    ``torch.compile``): the logits must not be read after the backward, a second backward through the graph raises,
+    and so does the backward of any other node that saved them.
     """
-    _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
+    _check_flags(return_entropy=return_entropy, check_inputs=check_inputs, inplace=inplace)
     token_logprobs_checks(logits, targets, temperature, check_inputs)
+    if inplace:
+        check_rows_disjoint(logits)
     be = get_backend(backend, logits.device, logits.dtype, differentiable=(logits,))
-    logp, entropy = be.token_logprobs(logits, targets, float(temperature), bool(return_entropy))
+    logp, entropy = be.token_logprobs(logits, targets, float(temperature), bool(return_entropy), inplace)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -90,7 +97,8 @@ def policy_loss(
     ``inplace=True`` lets a single-pass backend write the gradient over ``logits`` (which must not be
     used afterwards, and whose rows must not share memory: an ``expand`` raises) when they are a non-leaf
     buffer such as a model's output or a slice of one (a leaf or a view of a leaf is left intact: out of place);
-    backends without a single-pass kernel ignore it.
+    configs and dtypes that take the two passes (sequence-level losses, fp16 logits) write it in the backward
+    instead (:func:`token_logprobs`'s ``inplace``); the torch and reference backends ignore it.
     See :class:`fused_rl.PolicyLossConfig` for the formulas.
     """
     config = PolicyLossConfig() if config is None else config

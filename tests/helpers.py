@@ -488,3 +488,33 @@ EPILOGUE_TIES = [
     dict(config=PolicyLossConfig(clip_high=0.28, delta=1.4), logp=float.fromhex("-0x1.53b9eap-1"), old=-1.0,
          adv=-1.0, loss=torch.tensor(1.4).item(), slope=torch.tensor(1.4).item()),
 ]
+
+
+def check_token_logprobs_inplace(backend: str, shape: tuple = (3, 5, 1000), dtype=torch.float32,
+                                 temperature: float = 0.7, device: str = "cpu") -> None:
+    """``token_logprobs(inplace=True)`` with upstream gradients of both outputs: the logits (a non-leaf buffer) are
+    intact after the forward and hold, after the backward, the out-of-place gradient bit for bit (what reaches the
+    leaf they came from); a ``-100`` target's row is zero. Backends that do not write in place (torch, reference)
+    leave them intact."""
+    g = torch.Generator().manual_seed(4)
+    x0 = make_logits(shape, kind="peaked", dtype=dtype, generator=g).to(device)
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    targets.view(-1)[1] = fused_rl.IGNORE_INDEX
+    targets = targets.to(device)
+    g_logp, g_ent = (torch.randn(shape[:-1], generator=g).to(device) for _ in range(2))
+
+    def backward(x, inplace):
+        logp, ent = fused_rl.token_logprobs(x, targets, temperature=temperature, return_entropy=True,
+                                            backend=backend, inplace=inplace)
+        assert torch.equal(x.detach(), x0)  # nothing written in the forward
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+
+    expected = x0.clone().requires_grad_(True)
+    backward(expected, False)
+    leaf = x0.clone().requires_grad_(True)
+    buf = leaf * 1  # a model output: non-leaf
+    backward(buf, True)
+    assert torch.equal(leaf.grad, expected.grad)
+    writes = backend in ("cpu", "cuda", "triton")
+    assert torch.equal(buf.detach(), leaf.grad if writes else x0)
+    assert torch.all(leaf.grad.view(-1, shape[-1])[1] == 0)

@@ -34,7 +34,7 @@ from fused_rl.backends import native
 import test_hardening as hardening
 import test_native as native_tests
 import test_variants as variants
-from helpers import CONFIGS, LOGIT_KINDS, compare_policy_loss, make_case, make_logits
+from helpers import CONFIGS, LOGIT_KINDS, check_token_logprobs_inplace, compare_policy_loss, make_case, make_logits
 from test_linear import compare_linear, make_linear_case
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -291,6 +291,14 @@ def test_variants_match_reference(cuda_kernels, name, dtype):
 def test_token_logprobs_grad_of_both_outputs(cuda_kernels, temperature, dtype, shape):
     native_tests.test_token_logprobs_grad_of_both_outputs(temperature, dtype, shape)
     assert cuda_kernels.calls["cuda_token_stats"] == 1 and cuda_kernels.calls["cuda_token_grad"] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4099)], ids=str)
+def test_token_logprobs_inplace(cuda_kernels, dtype, shape):
+    """The gradient kernel written over the logits it reads (rows at every 16-byte alignment with V = 4099)."""
+    check_token_logprobs_inplace("cpu", shape, dtype)
+    assert cuda_kernels.calls["cuda_token_grad"] == 2
 
 
 # ------------------------------------------------------------------------------ exact zeros of one-hot rows

@@ -37,8 +37,8 @@ class _TokenValuesAsLeaves(ReferenceBackend):
 
     leaves: tuple = ()
 
-    def token_logprobs(self, logits, targets, temperature, return_entropy):
-        values = super().token_logprobs(logits, targets, temperature, return_entropy)
+    def token_logprobs(self, logits, targets, temperature, return_entropy, inplace=False):
+        values = super().token_logprobs(logits, targets, temperature, return_entropy, inplace)
         self.leaves = tuple(None if x is None else x.detach().requires_grad_(True) for x in values)
         return self.leaves
 

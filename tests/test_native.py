@@ -19,7 +19,7 @@ from fused_rl.backends.custom_ops import config_args, host_floats  # noqa: E402
 from fused_rl.loss_math import kl_estimator, per_token_loss  # noqa: E402
 from helpers import (CONFIGS, DPPO_AT_ONE, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, EPILOGUE_TIES,  # noqa: E402
                      LOGIT_KINDS, assert_close, assert_dppo_regions_reached, compare_policy_loss, make_case,
-                     make_logits, on_device, same_layout)
+                     check_token_logprobs_inplace, make_logits, on_device, same_layout)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 cfg_id = lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}-t{c.temperature}"  # noqa: E731
@@ -123,26 +123,30 @@ def test_masked_vocabulary_entries():
 
 def _check_inplace(backend, case, config):
     """inplace=True writes the gradient over the logits buffer (a non-leaf, as model logits are); the
-    gradient equals the out-of-place one bit for bit. fp16 logits take the two passes (their gradient is formed
-    in the backward, after the loss scale): nothing is written in the forward."""
-    fp16 = case.logits.dtype == torch.float16
+    gradient equals the out-of-place one bit for bit. The single pass writes it in the forward; fp16 logits and the
+    configs without a token epilogue (gspo, ...) take the two passes (fp16: their gradient formed after the loss
+    scale), whose backward writes it."""
+    two_pass = case.logits.dtype == torch.float16 or not config.has_token_epilogue
     expected = case.logits.detach().clone().requires_grad_(True)
-    # fp16 rounds after the upstream scale (2 here), so its gradient is not 2 x the unscaled one bit for bit
+    # two passes round after the upstream scale (2 here), so their gradient is not 2 x the unscaled one bit for bit
     (fused_rl.policy_loss(expected, case.targets, case.advantages, case.mask, config=config, backend=backend,
-                          **case.kwargs()).loss * (2.0 if fp16 else 1.0)).backward()
+                          **case.kwargs()).loss * (2.0 if two_pass else 1.0)).backward()
     base = case.logits.detach().clone().requires_grad_(True)
     buf = base.clone()
     out = fused_rl.policy_loss(buf, case.targets, case.advantages, case.mask, config=config, backend=backend,
                                inplace=True, **case.kwargs())
     overwritten = not torch.equal(buf.detach(), case.logits)  # by dlogits in the forward
-    assert overwritten == (not fp16)
+    assert overwritten == (not two_pass)
     (2.0 * out.loss).backward()
-    torch.testing.assert_close(base.grad, expected.grad * (1.0 if fp16 else 2.0), rtol=0, atol=0)
+    torch.testing.assert_close(base.grad, expected.grad * (1.0 if two_pass else 2.0), rtol=0, atol=0)
+    assert torch.equal(buf.detach(), base.grad)  # the buffer holds the gradient, either way
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_inplace(dtype):
     _check_inplace("cpu", make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2), CONFIGS[1])
+    _check_inplace("cpu", make_case(batch=3, length=6, vocab=1000, dtype=dtype, seed=2),
+                   PolicyLossConfig(policy_loss="gspo", agg="seq-mean-token-mean", kl="k3", beta=0.1))
 
 
 def _kernel_args(case, config):
@@ -879,3 +883,9 @@ def test_info_names_versions_the_native_build_and_every_backend_on_both_devices(
         section = lines[lines.index(f"backends on {dev}:") + 1:]
         for name, reason in fused_rl.available_backends(torch.device(dev)).items():
             assert f"  {name:10s} {'available' if reason is None else 'unavailable: ' + reason}" in section
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4099), (2, 2, 3, 257)], ids=str)
+def test_token_logprobs_inplace(dtype, shape):
+    check_token_logprobs_inplace("cpu", shape, dtype)

@@ -22,7 +22,8 @@ from fused_rl.backends import get_backend  # noqa: E402
 from fused_rl.loss_math import kl_estimator, metrics as loss_metrics, per_token_loss  # noqa: E402
 from helpers import (CONFIGS, DPPO_AT_ONE, DPPO_EPILOGUE_CONFIGS, DPPO_NEAR_ONE, EPILOGUE_TIES,  # noqa: E402
                      LOGIT_KINDS, assert_close, assert_dppo_regions_reached, compare_policy_loss, make_case,
-                     make_logits, on_device, run_python, triton_interpreter_reason)
+                     check_token_logprobs_inplace, make_logits, on_device, run_python,
+                     triton_interpreter_reason)
 
 # numpy warnings of the interpreter evaluating both branches of tl.where on masked lanes
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -289,6 +290,13 @@ def test_token_logprobs_grad_of_both_outputs(temperature, dtype, device):
         assert_close(a, b, dtype, what, grad=what == "grad")
     assert results["triton"][0][0, 0] == 0 and results["triton"][2][0, 0].abs().max() == 0
     assert results["triton"][2].dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4099), (2, 2, 3, 257)], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_logprobs_inplace(shape, dtype, device):
+    check_token_logprobs_inplace("triton", shape, dtype, device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

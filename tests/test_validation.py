@@ -1,5 +1,6 @@
 """Bad input is rejected with a ValueError naming the argument, on every backend, before any work."""
 
+import functools
 import math
 
 import pytest
@@ -265,6 +266,48 @@ def test_inplace_leaves_a_leaf_and_its_views_intact(backend):
                              inplace=be != "reference").loss.backward()
     assert torch.equal(leaf.detach(), args["logits"])
     torch.testing.assert_close(leaf.grad, ref.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", fused_backends())
+def test_token_logprobs_inplace_is_a_permission(backend):
+    """``token_logprobs(inplace=True)`` writes the backward's gradient over the logits only where that is safe and
+    reaches the caller: not over a leaf or a view of one, not over 4-D logits whose rows the kernels read from a
+    copy (a transposed batch), not under ``torch.compile``; rows that share memory are refused; a node that saved
+    the logits (a soft-cap ``tanh``) and a second backward raise instead of reading the gradient as logits. Every
+    gradient is the reference's."""
+    g = torch.Generator().manual_seed(9)
+    x0 = torch.randn(2, 3, 4, 40, generator=g)
+    targets = torch.randint(0, 40, (2, 3, 4), generator=g)
+
+    def grad(make, be=backend, inplace=True, compiled=False):
+        leaf = x0.clone().requires_grad_(True)
+        x = make(leaf)
+        fn = functools.partial(fused_rl.token_logprobs, backend=be, inplace=inplace)
+        if compiled:
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        ids = torch.randint(0, 40, x.shape[:-1], generator=torch.Generator().manual_seed(1))
+        (fn(x, ids) ** 2).sum().backward()
+        return leaf, x
+
+    for make in (lambda leaf: leaf, lambda leaf: leaf[:, :, 1:].transpose(0, 1),
+                 lambda leaf: (leaf * 1).transpose(0, 2)):
+        (want, _), (leaf, _) = grad(make, "reference", False), grad(make)
+        assert torch.equal(leaf.detach(), x0)
+        torch.testing.assert_close(leaf.grad, want.grad, atol=1e-6, rtol=1e-5)
+    (want, _), (leaf, x) = grad(lambda leaf: leaf * 1, "reference", False), grad(lambda leaf: leaf * 1, compiled=True)
+    assert torch.equal(x.detach(), x0)
+    torch.testing.assert_close(leaf.grad, want.grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="rows do not share memory"):
+        fused_rl.token_logprobs((x0[:, :1] * 1).expand(2, 3, 4, 40), targets, backend=backend, inplace=True)
+    if backend in ("cpu", "triton"):
+        leaf = x0.clone().requires_grad_(True)
+        logp = fused_rl.token_logprobs(torch.tanh(leaf), targets, backend=backend, inplace=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            logp.sum().backward()  # tanh's backward reads its output: the logits, now the gradient
+        logp = fused_rl.token_logprobs(leaf * 1, targets, backend=backend, inplace=True)
+        logp.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            logp.sum().backward()
 
 
 def test_numpy_scalar_arguments():

@@ -2,9 +2,10 @@
 
 A backend implements the ``O(N * V)`` part only:
 
-* ``token_logprobs(logits, targets, temperature, return_entropy)``: differentiable ``(B, T)``
+* ``token_logprobs(logits, targets, temperature, return_entropy, inplace=False)``: differentiable ``(B, T)``
   log-probs (and entropy) of ``softmax(logits / temperature)`` at the targets, ``IGNORE_INDEX``
-  rows giving 0 and no gradient;
+  rows giving 0 and no gradient (``inplace``: a permission to write the logits' gradient over them in the
+  backward, which a backend may ignore);
 
 and inherits :meth:`Backend.policy_loss`, which applies the single definition of the loss math
 (:func:`fused_rl.loss_math.compute_policy_loss`) on top. Backends with a fused single-pass kernel
@@ -40,17 +41,18 @@ class Backend:
         return None
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                       return_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       return_entropy: bool, inplace: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         raise NotImplementedError
 
     def policy_loss(self, logits: torch.Tensor, inputs: PolicyInputs, config: PolicyLossConfig,
                     compute_entropy: bool, inplace: bool = False) -> PolicyLossOutput:
         """``token_logprobs`` then the shared loss math; masked rows are not read (target ignored).
 
-        ``inplace`` is a permission, not a request: this two-pass composition does not use it."""
+        ``inplace`` is a permission, not a request: handed to ``token_logprobs``, whose backward may write the
+        gradient over the logits."""
         targets = torch.where(inputs.mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX))
         want_entropy = compute_entropy or config.needs_entropy
-        logp, entropy = self.token_logprobs(logits, targets, config.temperature, want_entropy)
+        logp, entropy = self.token_logprobs(logits, targets, config.temperature, want_entropy, inplace)
         loss, metrics = compute_policy_loss(
             logp, inputs.advantages, inputs.mask, config,
             old_logprobs=inputs.old, ref_logprobs=inputs.ref, entropy=entropy, rollout_logprobs=inputs.rollout,

@@ -2,14 +2,15 @@
 
 Each backend defines two ``torch.library`` custom ops with the same schema:
 
-* ``stats(logits, targets, temperature, with_entropy) -> (logp, entropy, lse)`` (``temperature`` a
-  :func:`host_floats` of one value; outputs flat, length ``N``;
+* ``stats(logits, targets, temperature, with_entropy, grad_in_place=False) -> (logp, entropy, lse)``
+  (``temperature`` a :func:`host_floats` of one value; outputs flat, length ``N``;
   ``lse`` in any layout the backend's ``grad`` reads, its last dimension ``N``;
-  ``entropy`` empty unless ``with_entropy``);
+  ``entropy`` empty unless ``with_entropy``; ``grad_in_place``: the backward writes ``dlogits`` over ``logits``);
 * ``grad(logits, targets, lse, g_logp, entropy, g_entropy, temperature) -> dlogits`` with
-  ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, ``E[z] = lse - H``.
+  ``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau``, ``E[z] = lse - H``;
+* optionally ``grad_inplace(logits, ...) -> None``, the same written over ``logits``.
 
-:func:`register_token_ops` wires the backward of ``stats`` to ``grad`` and gives ``grad`` its fake
+:func:`register_token_ops` wires the backward of ``stats`` to ``grad`` (or ``grad_inplace``) and gives ``grad`` its fake
 implementation and a backward that refuses, by name, a second-order gradient, so the three backends do
 not each repeat it. :func:`consume_stored_grad` is the
 one-backward rule of the single-pass ops (triton, cpu, cuda), whose forward already wrote ``dlogits``;
@@ -31,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..config import PolicyLossConfig
+from ..validation import _is_compiling
 
 
 def host_floats(values: Sequence[float]) -> torch.Tensor:
@@ -114,6 +116,21 @@ def writable_in_place(logits: torch.Tensor) -> bool:
     return not logits.is_leaf and (logits._base is None or not logits._base.is_leaf)
 
 
+def grad_writable_in_place(logits: torch.Tensor) -> bool:
+    """Whether a backward may write ``dlogits`` over ``logits``: :func:`writable_in_place`, outside a compiled
+    graph (a traced mutation of a saved input would be copied back, not saved), and the kernels' ``(B, T, V)``
+    rows a view of them (a ``(..., V)`` tensor whose leading dims cannot be viewed as two is read from a copy)."""
+    if not writable_in_place(logits) or _is_compiling():
+        return False
+    if logits.dim() <= 3:
+        return True
+    try:
+        logits.view(-1, logits.shape[-2], logits.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
 def fp16_needs_two_passes(logits: torch.Tensor) -> bool:
     """Whether a single-pass backend hands ``logits`` to the two-pass composition: fp16 logits with a gradient. The
     single pass stores ``dlogits`` in the logits dtype in the forward, before the backward's ``grad_output``
@@ -124,16 +141,23 @@ def fp16_needs_two_passes(logits: torch.Tensor) -> bool:
     return logits.dtype == torch.float16 and logits.requires_grad and torch.is_grad_enabled()
 
 
-def register_token_ops(stats_op, grad_op) -> None:
+def register_token_ops(stats_op, grad_op, grad_inplace_op=None) -> None:
+    """The autograd of ``stats_op`` (its backward runs ``grad_op``, or ``grad_inplace_op`` over the saved logits when
+    the forward was asked ``grad_in_place`` and the backend has one: a permission, as ``policy_loss``'s ``inplace``)
+    and the fake / refusing backward of the grad ops."""
     @grad_op.register_fake
     def _(logits, targets, lse, g_logp, entropy, g_entropy, temperature):
         return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
+    if grad_inplace_op is not None:
+        grad_inplace_op.register_fake(lambda logits, targets, lse, g_logp, entropy, g_entropy, temperature: None)
+
     def setup_context(ctx, inputs, output):
-        logits, targets, temperature, with_entropy = inputs
+        logits, targets, temperature, with_entropy, grad_in_place = inputs
         _, entropy, lse = output
         ctx.save_for_backward(logits, targets, entropy, lse, temperature)
         ctx.with_entropy = with_entropy
+        ctx.in_place = grad_in_place and grad_inplace_op is not None
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # an unused entropy output: g_entropy None, its term not computed
 
@@ -143,7 +167,13 @@ def register_token_ops(stats_op, grad_op) -> None:
             g_logp = lse.new_zeros(lse.shape[-1])
         if not ctx.with_entropy or g_entropy is None:
             entropy = g_entropy = None
-        return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, temperature), None, None, None
+        if ctx.in_place and not is_batched(g_logp):
+            # over the logits' own memory (a new version of them: a node that saved them raises, as a second
+            # backward through this one does), returned as their gradient
+            x = logits.detach()
+            grad_inplace_op(x, targets, lse, g_logp, entropy, g_entropy, temperature)
+            return x, None, None, None, None
+        return grad_op(logits, targets, lse, g_logp, entropy, g_entropy, temperature), None, None, None, None
 
     stats_op.register_autograd(backward, setup_context=setup_context)
 

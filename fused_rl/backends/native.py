@@ -42,7 +42,7 @@ from ..validation import PolicyInputs, _is_compiling, check_rows_disjoint
 from . import register, register_missing
 from .base import Backend
 from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, host_reading_op,
-                         register_stored_grad, register_token_ops, writable_in_place)
+                         grad_writable_in_place, register_stored_grad, register_token_ops, writable_in_place)
 from .tiled_linear import TiledLinearMethods
 
 try:
@@ -140,9 +140,10 @@ def _f32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 # ---------------------------------------------------------------- token_logprobs: stats + grad ops
 @host_reading_op("fused_rl::native_token_stats", mutates_args=())
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                with_entropy: bool, grad_in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat fp32 ``(logp, entropy, lse)`` of length ``N``; ``entropy`` empty unless ``with_entropy``;
-    ``temperature`` a ``custom_ops.host_floats`` of one value."""
+    ``temperature`` a ``custom_ops.host_floats`` of one value; ``grad_in_place``: the backward runs
+    :func:`token_grad_inplace`."""
     x, b, t, v, sb, st = _rows(logits)
     n = targets.numel()
     tg = targets.reshape(-1).contiguous()
@@ -160,7 +161,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.
 
 
 @token_stats.register_fake
-def _(logits, targets, temperature, with_entropy):
+def _(logits, targets, temperature, with_entropy, grad_in_place=False):
     n = targets.numel()
     f = torch.float32
     return (logits.new_empty(n, dtype=f), logits.new_empty(n if with_entropy else 0, dtype=f),
@@ -176,6 +177,16 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
     _, _, t, v, _, _ = _rows(logits)
     token_grad_into(logits, out, targets, lse, g_logp, entropy, g_entropy, float(temperature), t * v, v)
     return out
+
+
+@host_reading_op("fused_rl::native_token_grad_inplace", mutates_args=("logits",))
+def token_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
+                       entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+                       temperature: torch.Tensor) -> None:
+    """:func:`token_grad` written over ``logits`` (rows viewed as ``_rows`` views them: no copy, see
+    ``custom_ops.grad_writable_in_place``)."""
+    x, _, _, _, sb, st = _rows(logits)
+    token_grad_into(logits, x, targets, lse, g_logp, entropy, g_entropy, float(temperature), sb, st)
 
 
 def token_grad_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
@@ -198,7 +209,7 @@ def token_grad_into(logits: torch.Tensor, out: torch.Tensor, targets: torch.Tens
         _C.cpu_token_grad(*args, _threads())
 
 
-register_token_ops(token_stats, token_grad)
+register_token_ops(token_stats, token_grad, token_grad_inplace)
 
 
 # ---------------------------------------------------------------- single-pass policy loss
@@ -367,8 +378,9 @@ class NativeBackend(TiledLinearMethods, Backend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     linear_kernel = "native"
 
-    def token_logprobs(self, logits, targets, temperature, return_entropy):
-        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy))
+    def token_logprobs(self, logits, targets, temperature, return_entropy, inplace=False):
+        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy),
+                                       inplace and grad_writable_in_place(logits))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 

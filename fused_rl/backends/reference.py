@@ -58,7 +58,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-    def token_logprobs(self, logits, targets, temperature, return_entropy):
+    def token_logprobs(self, logits, targets, temperature, return_entropy, inplace=False):
         return full_token_logprobs(logits, targets, temperature, return_entropy)
 
     def linear_policy_loss(self, hidden, weight, bias, inputs: PolicyInputs, config: PolicyLossConfig,

@@ -52,10 +52,11 @@ def _chunks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
 
 @host_reading_op("fused_rl::torch_token_stats", mutates_args=())
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                with_entropy: bool, grad_in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns flat ``(logp, entropy, lse)`` of length ``N = prod(logits.shape[:-1])`` (``entropy``
     empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``. ``temperature``:
-    a ``custom_ops.host_floats`` of one value ``tau``.
+    a ``custom_ops.host_floats`` of one value ``tau``. ``grad_in_place`` has no effect (no in-place grad op here:
+    the shared autograd's signature).
 
     ``lse`` is ``(2, N)``: the raw row max ``m = max logits`` and ``log s`` (``s = sum exp((logits - m) / tau)``)
     kept apart, so the backward's ``p = exp((logits - m) / tau - log s)`` does not lose ``log s`` to the
@@ -93,7 +94,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.
 
 
 @token_stats.register_fake
-def _(logits, targets, temperature, with_entropy):
+def _(logits, targets, temperature, with_entropy, grad_in_place=False):
     n = targets.numel()
     cdtype = _compute_dtype(logits.dtype)
     return (logits.new_empty(n, dtype=cdtype), logits.new_empty(n if with_entropy else 0, dtype=cdtype),
@@ -141,7 +142,7 @@ class TorchBackend(Backend):
     name = "torch"
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-    def token_logprobs(self, logits, targets, temperature, return_entropy):
+    def token_logprobs(self, logits, targets, temperature, return_entropy, inplace=False):
         logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)

@@ -38,7 +38,7 @@ from ..validation import PolicyInputs
 from . import register, register_missing
 from .base import Backend
 from .custom_ops import (config_args, config_from_args, fp16_needs_two_passes, host_floats, host_reading_op,
-                         register_stored_grad, register_token_ops, writable_in_place)
+                         grad_writable_in_place, register_stored_grad, register_token_ops, writable_in_place)
 from .tiled_linear import TiledLinearMethods
 
 # triton itself is imported lazily too: importing it fixes TRITON_INTERPRET for its own @jit library
@@ -110,14 +110,14 @@ def _kernels():
 # --------------------------------------------------------------------------- token_logprobs ops
 @host_reading_op("fused_rl::triton_token_stats", mutates_args=())
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                with_entropy: bool, grad_in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat fp32 ``(logp, entropy, lse)``; ``entropy`` empty unless ``with_entropy``; ``temperature`` a
-    ``custom_ops.host_floats`` of one value."""
+    ``custom_ops.host_floats`` of one value; ``grad_in_place``: the backward runs :func:`token_grad_inplace`."""
     return _kernels().token_stats(logits, targets, float(temperature), with_entropy)
 
 
 @token_stats.register_fake
-def _(logits, targets, temperature, with_entropy):
+def _(logits, targets, temperature, with_entropy, grad_in_place=False):
     n = targets.numel()
     return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n if with_entropy else 0, dtype=torch.float32),
             logits.new_empty((2, n), dtype=torch.float32))
@@ -131,7 +131,15 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
     return _kernels().token_grad(logits, targets, lse, g_logp, entropy, g_entropy, float(temperature))
 
 
-register_token_ops(token_stats, token_grad)
+@host_reading_op("fused_rl::triton_token_grad_inplace", mutates_args=("logits",))
+def token_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
+                       entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+                       temperature: torch.Tensor) -> None:
+    """:func:`token_grad` written over ``logits`` (each row read before its blocks are stored)."""
+    _kernels().token_grad(logits, targets, lse, g_logp, entropy, g_entropy, float(temperature), out=logits)
+
+
+register_token_ops(token_stats, token_grad, token_grad_inplace)
 
 
 # --------------------------------------------------------------------------- single-pass policy loss ops
@@ -236,8 +244,9 @@ class TritonBackend(TiledLinearMethods, Backend):
             error = _interpreter_error()
         return error
 
-    def token_logprobs(self, logits, targets, temperature, return_entropy):
-        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy))
+    def token_logprobs(self, logits, targets, temperature, return_entropy, inplace=False):
+        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy),
+                                       inplace and grad_writable_in_place(logits))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 
