@@ -220,23 +220,28 @@ def test_backends_agree(backend):
         assert_same(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_inplace_writes_the_gradient_over_non_leaf_logits():
-    """``inplace=True`` (Liger's default): the gradient of a non-leaf ``logits`` is the single pass's, written over
-    that buffer (the last, unread position's row is 0); a leaf is left intact; autograd still reaches the leaf
-    it came from."""
+@pytest.mark.parametrize("reduce", [True, False])
+def test_inplace_writes_the_gradient_over_non_leaf_logits(reduce):
+    """``inplace=True`` (Liger's default): the gradient of a non-leaf ``logits`` is written over that buffer (the
+    last, unread position's row is 0), by the single pass at the call (``reduce=True``) or by the backward
+    (``reduce=False``, as Liger); a leaf is left intact; autograd still reaches the leaf it came from."""
     case = make(seed=8)
+
+    def backward(x):
+        out = triton_grpo_loss(x, case["old"], case["ref"], case["ids"], case["adv"], case["mask"], reduce=reduce,
+                               inplace=True, loss_type="grpo")
+        overwritten = not torch.equal(x.detach(), case["logits"])
+        (out[0] if reduce else (out[0] * case["upstream"]).sum()).backward()
+        return overwritten
+
     leaf = case["logits"].clone().requires_grad_(True)
     logits = leaf * 1.0  # a model output: non-leaf
-    loss, _ = triton_grpo_loss(logits, case["old"], case["ref"], case["ids"], case["adv"], case["mask"],
-                               reduce=True, inplace=True, loss_type="grpo")
-    assert not torch.equal(logits.detach(), case["logits"])  # overwritten at the call
-    loss.backward()
-    (_, want_grad) = run(triton_grpo_loss, case, True, loss_type="grpo")
+    assert backward(logits) == reduce  # written at the call by the single pass only
+    (_, want_grad) = run(triton_grpo_loss, case, reduce, loss_type="grpo")
     torch.testing.assert_close(leaf.grad, want_grad, atol=2e-6, rtol=2e-5)
-    assert torch.all(leaf.grad[:, -1] == 0)
+    assert torch.equal(logits.detach(), leaf.grad) and torch.all(leaf.grad[:, -1] == 0)
     leaf2 = case["logits"].clone().requires_grad_(True)
-    triton_grpo_loss(leaf2, case["old"], case["ref"], case["ids"], case["adv"], case["mask"], reduce=True,
-                     inplace=True, loss_type="grpo")[0].backward()
+    assert not backward(leaf2)
     assert torch.equal(leaf2.detach(), case["logits"])
     torch.testing.assert_close(leaf2.grad, want_grad, atol=2e-6, rtol=2e-5)
 

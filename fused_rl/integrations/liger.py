@@ -19,7 +19,8 @@ Differences from Liger 0.8.5, each tested:
 
 * ``inplace=True`` (Liger's default) lets the single pass of ``reduce=True`` write the gradient over the logits
   during the call (Liger writes it during the backward): do not read the logits after the call (autograd still
-  raises if another node saved them). A leaf tensor is never overwritten. ``reduce=False`` ignores it.
+  raises if another node saved them). With ``reduce=False`` the backward writes it, as Liger's. A leaf tensor (or a
+  view of one) is never overwritten; the torch and reference backends never write in place.
 * ``luspo`` is TRL's ``(l m).sum(-1).mean()``: Liger's ``mean`` over ``B L`` positions of ``l n_b`` weights each
   sequence by ``n_b / L`` more (equal when every response has ``L`` tokens).
 * Raise where Liger computes something it should not: ``cispo`` with ``eps_high < 1`` (the cap of the ratio itself,
@@ -178,20 +179,22 @@ def triton_grpo_loss(
             hit = liger_clipped(out.logprobs, old, adv, valid, config)
             metrics.append(hit.sum().to(torch.float32) / valid.sum().clamp(min=1).to(torch.float32))
             return out.loss, metrics
-        return _per_token(logits, targets, adv, mask, old, ref, weights, config, backend, check_inputs)
+        return _per_token(logits, targets, adv, mask, old, ref, weights, config, backend, check_inputs, inplace)
     except ValueError as exc:
         raise _liger_error(exc, _NAMES) from exc
 
 
-def _per_token(logits, targets, advantages, mask, old, ref, weights, config, backend, check_inputs):
+def _per_token(logits, targets, advantages, mask, old, ref, weights, config, backend, check_inputs, inplace):
     """``reduce=False``: the per-token loss of the fused log-probs (their gradient recomputed in the backward from
-    each row's saved statistics, for whatever upstream gradient), KL and ``is_clipped``, sliced to ``(B, L)``."""
+    each row's saved statistics, for whatever upstream gradient; over the logits with ``inplace``), KL and
+    ``is_clipped``, sliced to ``(B, L)``."""
     inputs = prepare_policy_inputs(
         tuple(logits.shape), logits.device, targets, advantages, mask, old_logprobs=old, ref_logprobs=ref,
         config=config, token_normalizer=None, compute_dtype=compute_dtype(logits.dtype), check_inputs=check_inputs,
         rollout_is_weights=weights, logits=logits)
     read = torch.where(inputs.mask, inputs.targets, torch.full_like(inputs.targets, IGNORE_INDEX))
-    logp = token_logprobs(logits, read, temperature=config.temperature, backend=backend, check_inputs=False)
+    logp = token_logprobs(logits, read, temperature=config.temperature, backend=backend, check_inputs=False,
+                          inplace=inplace)
     terms = per_token_loss(logp, inputs.advantages, inputs.mask, config, old_logprobs=inputs.old,
                            ref_logprobs=inputs.ref, rollout_is_weights=inputs.is_weights)
     clipped = liger_clipped(logp, inputs.old, inputs.advantages, inputs.mask, config).to(logp.dtype)
