@@ -168,8 +168,13 @@ def _liger_triton_inputs(x: dict) -> dict:
     return {**x, "logits": torch.cat([x["logits"], x["logits"][:, -1:]], dim=1)}
 
 
-def _liger_triton():
-    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+def _liger_triton(fused: bool = False):
+    """Liger's logits-level ``triton_grpo_loss`` (bnpo, the cases' clip range and k3 KL), or with ``fused`` the same
+    call of fused_rl's drop-in (:mod:`fused_rl.integrations.liger`, backend auto: its cost over ``policy_loss``)."""
+    if fused:
+        from fused_rl.integrations.liger import triton_grpo_loss
+    else:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
     def loss(x):
         out, _ = triton_grpo_loss(x["logits"], x["old"], x["ref"], x["targets"], x["advantages"], x["mask"].int(),
@@ -213,6 +218,8 @@ IMPLS = {
     "liger": Impl("liger", _liger, ops=("linear_policy_loss",), requires="liger_kernel"),
     "liger-triton": Impl("liger-triton", _liger_triton, ops=("policy_loss",), devices=("cuda",),
                          requires="liger_kernel", prepare=_liger_triton_inputs),
+    "liger-api": Impl("liger-api", lambda: _liger_triton(fused=True), ops=("policy_loss",),
+                      note="fused_rl.integrations.liger.triton_grpo_loss", prepare=_liger_triton_inputs),
     "cce": Impl("cce", _cce, ops=("linear_policy_loss",), devices=("cuda",), requires="cut_cross_entropy",
                 note="advantage-weighted log-probs only: no clip, no KL"),
 }

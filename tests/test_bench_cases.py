@@ -148,6 +148,15 @@ def test_trl_row_computes_the_reference_loss():
     torch.testing.assert_close(IMPLS["trl"].build()["policy_loss"](x), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_liger_api_row_computes_the_reference_loss():
+    """fused_rl's ``triton_grpo_loss`` drop-in, called as the ``liger-triton`` row calls Liger's on the padded
+    ``(B, L+1, V)`` logits: the same value as the reference's loss on a ragged batch."""
+    x = make_inputs("policy_loss", Shape(n=64, v=50, batch=4), "cpu")
+    expected = IMPLS["reference"].build()["policy_loss"](x)
+    got = IMPLS["liger-api"].build()["policy_loss"](IMPLS["liger-api"].prepare(x))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_liger_row_computes_the_reference_loss():
     """Liger's ``LigerFusedLinearGRPOLoss`` as the cases build it (bnpo, clip 0.2 / 0.28, k3 KL): the same value as
     fused_rl's reference linear loss on a ragged batch."""
