@@ -47,7 +47,9 @@ def token_logprobs(
     backward write the gradient over ``logits`` (no new ``(..., V)`` buffer; Liger's ``inplace``) when they are a
     non-leaf buffer whose rows do not share memory (a leaf or a view of a leaf is left intact, as under
     ``torch.compile``): the logits must not be read after the backward, a second backward through the graph raises,
-    and so does the backward of any other node that saved them.
+    and so does the backward of any other node that saved them or another view of the same buffer (two
+    ``inplace=True`` calls on slices of one model output: pass ``inplace=False`` to one). Under ``create_graph=True``
+    and for a batch of gradients (``is_grads_batched``) the backward is out of place.
     """
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs, inplace=inplace)
     token_logprobs_checks(logits, targets, temperature, check_inputs)

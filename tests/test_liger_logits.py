@@ -31,7 +31,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LIGER_REASON = ("liger-kernel is not installed" if liger_grpo is None
                 else None if DEVICE == "cuda" else triton_interpreter_reason())
 needs_liger = pytest.mark.skipif(LIGER_REASON is not None, reason=str(LIGER_REASON))
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+# on a GPU every test runs on CUDA tensors (Liger's kernels and fused_rl's triton backend): part of the -m cuda run
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")] + (
+    [pytest.mark.cuda] if DEVICE == "cuda" else [])
 
 B, L, V = 4, 6, 300
 
@@ -185,8 +187,10 @@ def test_per_token_outputs_against_the_reference():
     log-probs, summed with the aggregation weights it is the reduced loss, the KL is k3 where unmasked."""
     case = make(seed=4)
     kwargs = dict(loss_type="bnpo", beta=0.1, eps_low=0.1, eps_high=0.2, temperature=0.9)
-    per_token, kl, clipped = triton_grpo_loss(case["logits"], case["old"], case["ref"], case["ids"], case["adv"],
-                                              case["mask"], reduce=False, **kwargs)
+    per_token, kl, clipped = triton_grpo_loss(case["logits"].clone().requires_grad_(True), case["old"], case["ref"],
+                                              case["ids"], case["adv"], case["mask"], reduce=False, **kwargs)
+    assert per_token.requires_grad and not kl.requires_grad and not clipped.requires_grad  # detached, as documented
+    per_token = per_token.detach()
     logp = torch.log_softmax(case["logits"][:, :-1].double() / 0.9, -1).gather(-1, case["ids"][..., None])[..., 0]
     m = case["mask"].bool()
     r = torch.exp(logp - case["old"].double())
@@ -205,13 +209,12 @@ def test_per_token_outputs_against_the_reference():
     torch.testing.assert_close(clip_ratio.double(), clipped.double().sum() / m.sum())
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "torch", "triton"])
 def test_backends_agree(backend):
     """Every backend the reduced and per-token paths run on gives the reference backend's values."""
-    if backend == "triton" and DEVICE == "cpu" and triton_interpreter_reason():
-        pytest.skip(triton_interpreter_reason())
-    if backend == "cpu" and "cpu" not in fused_rl.available_backends():
-        pytest.skip("the C++ extension is not built")
+    reason = fused_rl.available_backends(torch.device(DEVICE)).get(backend)
+    if reason is not None:
+        pytest.skip(reason)
     case = make(seed=6)
     for reduce in (True, False):
         kwargs = dict(loss_type="dapo", beta=0.04, use_bias_correction_kl=True)
@@ -248,7 +251,7 @@ def test_inplace_writes_the_gradient_over_non_leaf_logits(reduce):
 
 def test_ignore_index_ids_and_per_token_advantages():
     """``-100`` in ``completion_ids`` is no token (as a masked one); ``(B, L)`` advantages equal to the ``(B,)`` ones
-    broadcast give the same loss."""
+    broadcast, and Liger's ``(B, 1)`` column, give the same loss."""
     case = make(seed=9)
     ids = case["ids"].clone()
     ids[3, 2] = -100
@@ -259,7 +262,8 @@ def test_ignore_index_ids_and_per_token_advantages():
     with_mask = triton_grpo_loss(case["logits"], *args, case["ids"], case["adv"], mask, reduce=True)
     per_token_adv = triton_grpo_loss(case["logits"], *args, ids, case["adv"][:, None].expand(B, L), case["mask"],
                                      reduce=True)
-    for got in (with_ignore, per_token_adv):
+    column_adv = triton_grpo_loss(case["logits"], *args, ids, case["adv"][:, None], case["mask"], reduce=True)
+    for got in (with_ignore, per_token_adv, column_adv):
         torch.testing.assert_close(got[0], with_mask[0])
         torch.testing.assert_close(torch.stack(got[1]), torch.stack(with_mask[1]))
 
@@ -297,6 +301,7 @@ def test_empty_batch_and_no_completion(reduce):
     (dict(completion_ids=None), ValueError, "completion_ids must be a torch.Tensor"),
     (dict(old_logp=torch.full((B, L), float("nan"))), ValueError, "old_logp"),
     (dict(ref_logp=torch.ones(B, L)), ValueError, "ref_logp"),
+    (dict(ref_logp=None), ValueError, r"ref_logp is required with beta != 0"),
     (dict(vllm_is_ratio=-torch.ones(B, L)), ValueError, "vllm_is_ratio"),
     (dict(vllm_is_ratio=torch.ones(B, 2)), ValueError, r"vllm_is_ratio must have shape \(4, 6\), \(4, 1\)"),
     (dict(advantages=torch.ones(B + 1)), ValueError, "advantages must have shape"),

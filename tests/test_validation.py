@@ -310,6 +310,32 @@ def test_token_logprobs_inplace_is_a_permission(backend):
             logp.sum().backward()
 
 
+@pytest.mark.parametrize("backend", fused_backends())
+def test_token_logprobs_inplace_create_graph_and_batched_gradients(backend):
+    """``token_logprobs(inplace=True)`` on a non-leaf: under ``create_graph=True`` the backward is out of place, so a
+    second-order gradient raises by name (the in-place gradient would be a constant of the new graph: a gradient
+    penalty silently dropped); a batch of gradients (``is_grads_batched``) of either output, the entropy's alone
+    included, is the reference's (the in-place op has no batching rule)."""
+    g = torch.Generator().manual_seed(3)
+    x0, targets = torch.randn(2, 3, 40, generator=g), torch.randint(0, 40, (2, 3), generator=g)
+    if backend in ("cpu", "triton"):
+        leaf = x0.clone().requires_grad_(True)
+        logits = leaf * 1
+        (grad,) = torch.autograd.grad(fused_rl.token_logprobs(logits, targets, backend=backend, inplace=True).sum(),
+                                      logits, create_graph=True)
+        assert torch.equal(logits.detach(), x0)  # not written: the out-of-place gradient
+        with pytest.raises(RuntimeError, match="second-order gradient"):
+            (grad.pow(2).sum() + leaf.sum()).backward()
+    batch = torch.randn(3, 2, 3, generator=g)
+    for output in (0, 1):
+        grads = []
+        for be, inplace in ((backend, True), ("reference", False)):
+            leaf = x0.clone().requires_grad_(True)
+            outs = fused_rl.token_logprobs(leaf * 1, targets, return_entropy=True, backend=be, inplace=inplace)
+            grads.append(torch.autograd.grad(outs[output], leaf, grad_outputs=batch, is_grads_batched=True)[0])
+        torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
 def test_numpy_scalar_arguments():
     np = pytest.importorskip("numpy")
     args = good()

@@ -167,9 +167,12 @@ def register_token_ops(stats_op, grad_op, grad_inplace_op=None) -> None:
             g_logp = lse.new_zeros(lse.shape[-1])
         if not ctx.with_entropy or g_entropy is None:
             entropy = g_entropy = None
-        if ctx.in_place and not is_batched(g_logp):
+        batched = is_batched(g_logp) or (g_entropy is not None and is_batched(g_entropy))
+        if ctx.in_place and not batched and not torch.is_grad_enabled():
             # over the logits' own memory (a new version of them: a node that saved them raises, as a second
-            # backward through this one does), returned as their gradient
+            # backward through this one does), returned as their gradient; out of place under create_graph=True
+            # (grad mode on: grad_op's backward refuses the second-order gradient by name, where the in-place
+            # gradient would be a constant of the new graph) and for a batch of gradients (no batching rule)
             x = logits.detach()
             grad_inplace_op(x, targets, lse, g_logp, entropy, g_entropy, temperature)
             return x, None, None, None, None

@@ -27,8 +27,8 @@ Differences from Liger 0.8.5, each tested:
   so Liger's default 0.4 caps every ratio at 0.4: pass e.g. ``eps_high=5.0``); ``vllm_is_ratio`` with ``vespo``
   (pass the sampler's log-probs to :func:`fused_rl.policy_loss` with ``rollout_is`` instead); ``delta <= 1 +
   eps_high``; a ``completion_mask`` with values other than 0 and 1 (Liger weights tokens by them).
-* ``completion_ids`` may hold ``-100`` (no token); ``advantages`` may be ``(B, L)``; the logits need not be
-  contiguous; ``B == 0`` gives a zero loss and metrics (``reduce=False``: empty ``(0, L)`` tensors).
+* ``completion_ids`` may hold ``-100`` (no token); ``advantages`` may be ``(B, L)`` (or ``(B, 1)``); the logits
+  need not be contiguous; ``B == 0`` gives a zero loss and metrics (``reduce=False``: empty ``(0, L)`` tensors).
 * The per-token outputs and the metrics are detached fp32 (fp64 for fp64 logits; the per-token loss keeps its
   gradient); the metrics are a list, as Liger's.
 
@@ -160,8 +160,11 @@ def triton_grpo_loss(
                         else completion_mask, "completion_mask", shape)
         adv = advantages
         if isinstance(advantages, torch.Tensor) and advantages.dim() == 2:
-            adv = _shifted(advantages, "advantages", shape)
+            adv = _shifted(advantages, "advantages", shape, allow_seq=True)  # Liger reads (B, 1) as (B,)
         old = _shifted(old_logp, "old_logp", shape)
+        if config.kl is not None and ref_logp is None:
+            _fail(f"ref_logp is required with beta != 0 (beta={beta!r}): pass the reference log-probs (B, L) "
+                  "or beta=0")
         ref = _shifted(ref_logp, "ref_logp", shape) if config.kl is not None else None
         weights = _shifted(vllm_is_ratio, "vllm_is_ratio", shape, pad_value=1, allow_seq=True)
         normalizer = None
