@@ -43,7 +43,7 @@ def token_logprobs(
 
     ``logits``: ``(..., V)`` fp32 / bf16 / fp16 (fp64 on the reference and torch backends), unit
     stride along ``V``; ``targets``: int32 / int64 ``(...)``. ``check_inputs`` checks the targets are in range
-    (one host sync; skipped while ``torch.compile`` traces). ``inplace=True`` lets the cpu / cuda / triton
+    (one host sync; skipped while ``torch.compile`` traces). ``inplace=True`` lets the cpu / cuda / triton / torch
     backward write the gradient over ``logits`` (no new ``(..., V)`` buffer; Liger's ``inplace``) when they are a
     non-leaf buffer whose rows do not share memory (a leaf or a view of a leaf is left intact, as under
     ``torch.compile``): the logits must not be read after the backward, a second backward through the graph raises,
@@ -100,7 +100,8 @@ def policy_loss(
     used afterwards, and whose rows must not share memory: an ``expand`` raises) when they are a non-leaf
     buffer such as a model's output or a slice of one (a leaf or a view of a leaf is left intact: out of place);
     configs and dtypes that take the two passes (sequence-level losses, fp16 logits) write it in the backward
-    instead (:func:`token_logprobs`'s ``inplace``); the torch and reference backends ignore it.
+    instead (:func:`token_logprobs`'s ``inplace``), as does the torch backend for every config; the reference
+    ignores it.
     See :class:`fused_rl.PolicyLossConfig` for the formulas.
     """
     config = PolicyLossConfig() if config is None else config

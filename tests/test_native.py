@@ -125,8 +125,8 @@ def _check_inplace(backend, case, config):
     """inplace=True writes the gradient over the logits buffer (a non-leaf, as model logits are); the
     gradient equals the out-of-place one bit for bit. The single pass writes it in the forward; fp16 logits and the
     configs without a token epilogue (gspo, ...) take the two passes (fp16: their gradient formed after the loss
-    scale), whose backward writes it."""
-    two_pass = case.logits.dtype == torch.float16 or not config.has_token_epilogue
+    scale), whose backward writes it, as the torch backend's (two passes for every config)."""
+    two_pass = backend == "torch" or case.logits.dtype == torch.float16 or not config.has_token_epilogue
     expected = case.logits.detach().clone().requires_grad_(True)
     # two passes round after the upstream scale (2 here), so their gradient is not 2 x the unscaled one bit for bit
     (fused_rl.policy_loss(expected, case.targets, case.advantages, case.mask, config=config, backend=backend,

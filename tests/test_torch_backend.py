@@ -5,7 +5,8 @@ import torch
 
 import fused_rl
 from fused_rl.backends import torch_chunked
-from helpers import CONFIGS, LOGIT_KINDS, assert_close, compare_policy_loss, make_case, make_logits
+from helpers import (CONFIGS, LOGIT_KINDS, assert_close, check_token_logprobs_inplace, compare_policy_loss, make_case,
+                     make_logits)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.policy_loss}-{c.kl}-{c.agg}")
@@ -41,6 +42,23 @@ def test_token_logprobs_grad_of_both_outputs(temperature):
     for a, b, what in zip(results["torch"], results["reference"], ("logp", "entropy", "grad")):
         assert_close(a, b, torch.float32, what, grad=what == "grad")
     assert results["torch"][0][0, 0] == 0 and results["torch"][2][0, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4099), (2, 2, 3, 257)], ids=str)
+def test_token_logprobs_inplace(monkeypatch, dtype, shape):
+    """The chunked backward written over the logits, chunk by chunk (3-row chunks: the gradient of a chunk formed
+    before it is stored over it)."""
+    monkeypatch.setattr(torch_chunked, "CHUNK_ELEMENTS", 3 * shape[-1])
+    check_token_logprobs_inplace("torch", shape, dtype)
+
+
+def test_policy_loss_inplace_two_passes():
+    """The torch backend's policy loss (two passes for every config) writes its gradient over non-leaf logits in
+    the backward with ``inplace=True``: the out-of-place gradient, bit for bit."""
+    from test_native import _check_inplace
+
+    _check_inplace("torch", make_case(batch=3, length=6, vocab=1000, seed=2), CONFIGS[1])
 
 
 def test_row_blocks_of_a_non_flat_view_are_views():

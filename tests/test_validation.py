@@ -299,15 +299,14 @@ def test_token_logprobs_inplace_is_a_permission(backend):
     torch.testing.assert_close(leaf.grad, want.grad, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="rows do not share memory"):
         fused_rl.token_logprobs((x0[:, :1] * 1).expand(2, 3, 4, 40), targets, backend=backend, inplace=True)
-    if backend in ("cpu", "triton"):
-        leaf = x0.clone().requires_grad_(True)
-        logp = fused_rl.token_logprobs(torch.tanh(leaf), targets, backend=backend, inplace=True)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            logp.sum().backward()  # tanh's backward reads its output: the logits, now the gradient
-        logp = fused_rl.token_logprobs(leaf * 1, targets, backend=backend, inplace=True)
-        logp.sum().backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            logp.sum().backward()
+    leaf = x0.clone().requires_grad_(True)
+    logp = fused_rl.token_logprobs(torch.tanh(leaf), targets, backend=backend, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logp.sum().backward()  # tanh's backward reads its output: the logits, now the gradient
+    logp = fused_rl.token_logprobs(leaf * 1, targets, backend=backend, inplace=True)
+    logp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logp.sum().backward()
 
 
 @pytest.mark.parametrize("backend", fused_backends())
@@ -318,14 +317,13 @@ def test_token_logprobs_inplace_create_graph_and_batched_gradients(backend):
     included, is the reference's (the in-place op has no batching rule)."""
     g = torch.Generator().manual_seed(3)
     x0, targets = torch.randn(2, 3, 40, generator=g), torch.randint(0, 40, (2, 3), generator=g)
-    if backend in ("cpu", "triton"):
-        leaf = x0.clone().requires_grad_(True)
-        logits = leaf * 1
-        (grad,) = torch.autograd.grad(fused_rl.token_logprobs(logits, targets, backend=backend, inplace=True).sum(),
-                                      logits, create_graph=True)
-        assert torch.equal(logits.detach(), x0)  # not written: the out-of-place gradient
-        with pytest.raises(RuntimeError, match="second-order gradient"):
-            (grad.pow(2).sum() + leaf.sum()).backward()
+    leaf = x0.clone().requires_grad_(True)
+    logits = leaf * 1
+    (grad,) = torch.autograd.grad(fused_rl.token_logprobs(logits, targets, backend=backend, inplace=True).sum(),
+                                  logits, create_graph=True)
+    assert torch.equal(logits.detach(), x0)  # not written: the out-of-place gradient
+    with pytest.raises(RuntimeError, match="second-order gradient"):
+        (grad.pow(2).sum() + leaf.sum()).backward()
     batch = torch.randn(3, 2, 3, generator=g)
     for output in (0, 1):
         grads = []

@@ -18,7 +18,7 @@ import torch
 
 from ..config import IGNORE_INDEX
 from .base import Backend
-from .custom_ops import host_floats, host_reading_op, register_token_ops
+from .custom_ops import grad_writable_in_place, host_floats, host_reading_op, register_token_ops
 
 #: Elements of one fp32 chunk (8 MiB); a few such temporaries are alive at once.
 CHUNK_ELEMENTS = 1 << 21
@@ -55,8 +55,8 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.
                 with_entropy: bool, grad_in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns flat ``(logp, entropy, lse)`` of length ``N = prod(logits.shape[:-1])`` (``entropy``
     empty unless ``with_entropy``). Rows whose target is ``IGNORE_INDEX`` give ``logp = H = 0``. ``temperature``:
-    a ``custom_ops.host_floats`` of one value ``tau``. ``grad_in_place`` has no effect (no in-place grad op here:
-    the shared autograd's signature).
+    a ``custom_ops.host_floats`` of one value ``tau``; ``grad_in_place``: the backward runs
+    :func:`token_grad_inplace`.
 
     ``lse`` is ``(2, N)``: the raw row max ``m = max logits`` and ``log s`` (``s = sum exp((logits - m) / tau)``)
     kept apart, so the backward's ``p = exp((logits - m) / tau - log s)`` does not lose ``log s`` to the
@@ -108,12 +108,27 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
     """``dlogits = (g_logp (onehot - p) + g_H p (E[z] - z)) / tau`` with ``p = exp(zs - log s)``,
     ``zs = (logits - m) / tau`` and ``E[z] - z = (log s - H) - zs`` (``lse = (m, log s)`` of :func:`token_stats`);
     contiguous, in the logits dtype."""
-    cdtype = _compute_dtype(logits.dtype)
-    tau = float(temperature)
-    vocab = logits.shape[-1]
-    flat_targets = targets.reshape(-1)
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    out_rows = out.view(-1, vocab)
+    out_rows = out.view(-1, logits.shape[-1])
+    for start, _, g in _grad_chunks(logits, targets, lse, g_logp, entropy, g_entropy, float(temperature)):
+        out_rows[start:start + g.shape[0]] = g
+    return out
+
+
+@host_reading_op("fused_rl::torch_token_grad_inplace", mutates_args=("logits",))
+def token_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g_logp: torch.Tensor,
+                       entropy: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+                       temperature: torch.Tensor) -> None:
+    """:func:`token_grad` written over ``logits``, chunk by chunk (each chunk's gradient formed before it is
+    stored over the chunk: the chunks are views of the logits)."""
+    for _, chunk, g in _grad_chunks(logits, targets, lse, g_logp, entropy, g_entropy, float(temperature)):
+        chunk.copy_(g)
+
+
+def _grad_chunks(logits, targets, lse, g_logp, entropy, g_entropy, tau: float):
+    """``(first row, the rows' (n, V) view of the logits, their dlogits in the logits dtype)`` per chunk."""
+    cdtype = _compute_dtype(logits.dtype)
+    flat_targets = targets.reshape(-1)
     for start, chunk in _chunks(logits):
         stop = start + chunk.shape[0]
         t = flat_targets[start:stop]
@@ -129,11 +144,10 @@ def token_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
             ezs = log_s - entropy[start:stop].unsqueeze(-1)
             g += ge * torch.where(p > 0, p * (ezs - zs), torch.zeros_like(p))
         # ignored rows: exactly 0 (not 0 * NaN from logits never read for the loss)
-        out_rows[start:stop] = torch.where(ignored, 0.0, g / tau).to(logits.dtype)
-    return out
+        yield start, chunk, torch.where(ignored, 0.0, g / tau).to(logits.dtype)
 
 
-register_token_ops(token_stats, token_grad)
+register_token_ops(token_stats, token_grad, token_grad_inplace)
 
 
 class TorchBackend(Backend):
@@ -143,7 +157,8 @@ class TorchBackend(Backend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
     def token_logprobs(self, logits, targets, temperature, return_entropy, inplace=False):
-        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy))
+        logp, entropy, _ = token_stats(logits, targets, host_floats((temperature,)), bool(return_entropy),
+                                       inplace and grad_writable_in_place(logits))
         lead = targets.shape
         return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 

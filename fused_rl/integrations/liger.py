@@ -20,7 +20,7 @@ Differences from Liger 0.8.5, each tested:
 * ``inplace=True`` (Liger's default) lets the single pass of ``reduce=True`` write the gradient over the logits
   during the call (Liger writes it during the backward): do not read the logits after the call (autograd still
   raises if another node saved them). With ``reduce=False`` the backward writes it, as Liger's. A leaf tensor (or a
-  view of one) is never overwritten; the torch and reference backends never write in place.
+  view of one) is never overwritten; the reference backend never writes in place.
 * ``luspo`` is TRL's ``(l m).sum(-1).mean()``: Liger's ``mean`` over ``B L`` positions of ``l n_b`` weights each
   sequence by ``n_b / L`` more (equal when every response has ``L`` tokens).
 * Raise where Liger computes something it should not: ``cispo`` with ``eps_high < 1`` (the cap of the ratio itself,
