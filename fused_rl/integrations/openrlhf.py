@@ -13,6 +13,9 @@
   into the same pass, as OpenRLHF's ``PolicyTrainer.training_step`` adds them: ``actor_loss + kl_coef * kl_loss -
   entropy_coef * entropy_loss``.
 
+:func:`log_probs_from_logits` and :func:`compute_entropy` are OpenRLHF's functions of those names on the fused
+kernels (no ``(B, T, V)`` temporaries), and :func:`patch_actor` makes OpenRLHF's ``Actor.forward`` call them.
+
 Option mapping (:func:`policy_loss_config_from_openrlhf`):
 
 ==============================================  ==========================================================
@@ -64,7 +67,7 @@ import torch
 from ..config import PolicyLossConfig, naming_arguments
 from ..loss_math import (ROLLOUT_LOG_RHO_BOUND, compute_policy_loss as _compute_policy_loss, importance_ratio,
                          masked_mean, ratio_bounds, responses_factor)
-from ..ops import _check_linear_targets, linear_policy_loss
+from ..ops import _check_linear_targets, linear_policy_loss, token_logprobs
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
 
@@ -368,4 +371,38 @@ class PolicyLoss(torch.nn.Module):
         return (loss,) + metrics + (out,)
 
 
-__all__ = ["PolicyLoss", "is_correction_weights", "policy_loss_config_from_openrlhf", "POLICY_LOSS_TYPES"]
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
+                          backend: str = "auto", check_inputs: bool = True) -> torch.Tensor:
+    """OpenRLHF's ``openrlhf.models.utils.log_probs_from_logits``: ``log softmax(logits / temperature)[labels]``,
+    differentiable, from :func:`fused_rl.token_logprobs` (one fused pass over the logits; OpenRLHF's fp32 path takes
+    the flash-attn cross entropy or a chunked ``logsumexp``, its bf16 / fp16 path a ``log_softmax`` per row).
+    Differences: the result is fp32 whatever the logits' dtype (fp64 for fp64; OpenRLHF's bf16 path returns bf16
+    log-probs of a bf16 ``log_softmax``), and ``temperature != 1`` does not divide the caller's logits in place
+    (OpenRLHF's ``logits.div_``)."""
+    return token_logprobs(logits, labels, temperature=temperature, backend=backend, check_inputs=check_inputs)
+
+
+def compute_entropy(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """OpenRLHF's ``openrlhf.models.utils.compute_entropy``: ``H = logsumexp(z) - sum_j softmax(z)_j z_j`` over the
+    last dimension, differentiable, from :func:`fused_rl.token_logprobs`'s entropy (one fused pass: no
+    ``(..., V)`` softmax or product, which OpenRLHF's allocates and autograd keeps for the backward); fp32 (fp64 for
+    fp64 logits)."""
+    anchor = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)  # any valid id: unused
+    return token_logprobs(logits, anchor, return_entropy=True, backend=backend, check_inputs=False)[1]
+
+
+def patch_actor(actor_module=None) -> tuple:
+    """Make OpenRLHF's ``Actor.forward`` take its log-probs and entropies from :func:`log_probs_from_logits` and
+    :func:`compute_entropy` (it calls the names ``openrlhf.models.actor`` imported from ``openrlhf.models.utils``;
+    ``actor_module``: that module, imported here when None). Returns the previous pair, to restore with
+    ``actor_module.log_probs_from_logits, actor_module.compute_entropy = previous``. The actor still casts its
+    logits to fp32 and scales them by the temperature before these run."""
+    if actor_module is None:
+        import openrlhf.models.actor as actor_module
+    previous = (actor_module.log_probs_from_logits, actor_module.compute_entropy)
+    actor_module.log_probs_from_logits, actor_module.compute_entropy = log_probs_from_logits, compute_entropy
+    return previous
+
+
+__all__ = ["PolicyLoss", "is_correction_weights", "policy_loss_config_from_openrlhf", "POLICY_LOSS_TYPES",
+           "log_probs_from_logits", "compute_entropy", "patch_actor"]
