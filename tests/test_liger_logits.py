@@ -320,6 +320,21 @@ def test_bad_input_names_ligers_arguments(kwargs, exc, needle):
         triton_grpo_loss(**args)
 
 
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(input_ids=torch.full((B, L), V)), r"input_ids must be in \[0, 300\)"),
+    (dict(input_ids=torch.zeros(B, L - 1, dtype=torch.long)), r"input_ids must have shape \(4, >= 6\)"),
+    (dict(mask=torch.ones(B + 1, L)), r"mask must have shape \(4, >= 6\)"),
+    (dict(temperature=0.0), "temperature"),
+])
+def test_selective_log_softmax_names_ligers_arguments(kwargs, needle):
+    """Bad input to :func:`fused_selective_log_softmax` raises a ``ValueError`` naming Liger's argument."""
+    case = make()
+    args = dict(logits=case["logits"], input_ids=case["ids"])
+    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    with pytest.raises(ValueError, match=needle):
+        fused_selective_log_softmax(**args)
+
+
 def test_signatures_are_ligers():
     """Every Liger parameter, in Liger's order with Liger's defaults (then the two keyword-only extras)."""
     import inspect

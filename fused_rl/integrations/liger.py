@@ -237,8 +237,11 @@ def fused_selective_log_softmax(logits: torch.Tensor, input_ids: torch.Tensor, t
     targets = F.pad(ids, (0, 1), value=IGNORE_INDEX)
     if batch == 0:
         return logits.new_zeros((0, length), dtype=compute_dtype(logits.dtype))
-    return token_logprobs(logits, targets, temperature=temperature, backend=backend,
-                         check_inputs=check_inputs)[:, :-1]
+    try:
+        return token_logprobs(logits, targets, temperature=temperature, backend=backend,
+                              check_inputs=check_inputs)[:, :-1]
+    except ValueError as exc:
+        raise _liger_error(exc, {"targets": "input_ids"}) from exc
 
 
 __all__ = ["triton_grpo_loss", "fused_selective_log_softmax"]
