@@ -7,13 +7,13 @@
   on fused_rl's loss math, ``global_batch_info`` included, and the mapping of verl actor options onto
   :class:`fused_rl.PolicyLossConfig`;
 * :mod:`fused_rl.integrations.openrlhf`: OpenRLHF's ``PolicyLoss`` (constructor, ``forward`` and its five
-  returned values) on fused_rl's loss math, with the fused ``forward_from_hidden``.
+  returned values) on fused_rl's loss math, with the fused ``forward_from_hidden``, and the actor's
+  ``log_probs_from_logits`` / ``compute_entropy`` on the fused kernels (``patch_actor``);
+* :mod:`fused_rl.integrations.liger`: Liger-Kernel's logits-level ``triton_grpo_loss`` and
+  ``fused_selective_log_softmax`` (same signatures and return values).
 
 :mod:`fused_rl.integrations.hf_models`: the check that a transformers model's logits are its plain LM
 head's (shared by the TRL adapter and the bundled trainer).
-
-* :mod:`fused_rl.integrations.liger`: Liger-Kernel's logits-level ``triton_grpo_loss`` and
-  ``fused_selective_log_softmax`` (same signatures and return values).
 
 The Liger-Kernel fused-linear drop-in (``FusedLinearGRPOLoss``) lives in :mod:`fused_rl.nn`. Submodules import
 their framework lazily: importing this package never needs TRL, verl or OpenRLHF.
