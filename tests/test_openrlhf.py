@@ -574,3 +574,40 @@ def test_patch_actor_swaps_the_two_functions_and_returns_the_old_ones():
     assert openrlhf.patch_actor(actor) == old
     assert actor.log_probs_from_logits is openrlhf.log_probs_from_logits
     assert actor.compute_entropy is openrlhf.compute_entropy
+
+
+def test_patch_actor_reaches_openrlhf_actor_forward(upstream):
+    """The rebinding takes effect in OpenRLHF's own ``Actor.forward`` (its ``actor.py`` read as source: importing it
+    needs DeepSpeed): the module imports both names from ``.utils`` and ``forward`` calls them as module globals, so
+    it looks up what ``patch_actor`` set at each call."""
+    import ast
+
+    root = Path(importlib.metadata.distribution("openrlhf").locate_file("openrlhf")) / "models"
+    tree = ast.parse((root / "actor.py").read_text())
+    names = {"log_probs_from_logits", "compute_entropy"}
+    imported = {alias.name for node in tree.body if isinstance(node, ast.ImportFrom) and node.module == "utils"
+                and node.level == 1 for alias in node.names}
+    assert names <= imported
+    actor = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Actor")
+    forward = next(node for node in actor.body if isinstance(node, ast.FunctionDef) and node.name == "forward")
+    called = {node.func.id for node in ast.walk(forward)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert names <= called
+    assert not any(isinstance(node, (ast.Import, ast.ImportFrom, ast.Global)) for node in ast.walk(forward))
+
+
+def test_compute_entropy_of_a_row_with_minus_inf_logits_is_finite():
+    """``-inf`` logits (masked vocabulary entries) carry no probability: the entropy is that of the finite ones, with
+    a finite gradient, where OpenRLHF's formula ``logsumexp(z) - sum softmax(z) z`` gives ``0 * -inf = NaN``."""
+    from fused_rl.integrations.openrlhf import compute_entropy
+
+    z, _, _ = _logits(4)
+    z[:, :, 250:] = float("-inf")
+    x = z.clone().requires_grad_(True)
+    ours = compute_entropy(x)
+    finite = z[..., :250].double()
+    exact = torch.logsumexp(finite, -1) - (torch.softmax(finite, -1) * finite).sum(-1)
+    torch.testing.assert_close(ours.double(), exact, atol=1e-5, rtol=1e-5)
+    assert (torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)).isnan().all()  # OpenRLHF's, eager
+    ours.sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[..., 250:] == 0).all()

@@ -53,6 +53,36 @@ def test_token_logprobs_inplace(monkeypatch, dtype, shape):
     check_token_logprobs_inplace("torch", shape, dtype)
 
 
+@pytest.mark.parametrize("layout", ["slice", "transpose", "4d"])
+def test_token_logprobs_inplace_over_a_non_flat_view(monkeypatch, layout):
+    """Non-flat logits (a slice ``full[:, :-1]`` of a model output, a transpose, a 4-D slice: no ``(-1, V)`` view,
+    the ``_row_blocks`` fallback; 2-row chunks): each chunk's gradient is written over the logits' own rows, not over
+    a copy of them, so the leaf gets the out-of-place gradient bit for bit, the logits hold it, and the rest of the
+    buffer they slice is untouched."""
+    monkeypatch.setattr(torch_chunked, "CHUNK_ELEMENTS", 2 * 64)
+    view, shape = {"slice": (lambda b: b[:, :-1], (3, 6, 64)), "transpose": (lambda b: b.transpose(0, 1), (4, 3, 64)),
+                   "4d": (lambda b: b[:, :, 1:], (2, 3, 4, 64))}[layout]
+    g = torch.Generator().manual_seed(7)
+    x0 = make_logits(shape, kind="peaked", generator=g)
+    targets = torch.randint(0, 64, view(x0).shape[:-1], generator=g)
+    targets.view(-1)[1] = fused_rl.IGNORE_INDEX
+    g_logp, g_ent = (torch.randn(targets.shape, generator=g) for _ in range(2))
+    grads = []
+    for inplace in (False, True):
+        leaf = x0.clone().requires_grad_(True)
+        full = leaf * 1
+        logits = view(full)
+        logp, ent = fused_rl.token_logprobs(logits, targets, temperature=0.7, return_entropy=True, backend="torch",
+                                            inplace=inplace)
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[1], grads[0])
+    assert torch.equal(logits.detach(), view(grads[0]))  # written over the logits' rows
+    untouched = torch.ones(shape, dtype=torch.bool)
+    view(untouched).fill_(False)
+    assert torch.equal(full.detach()[untouched], x0[untouched])
+
+
 def test_policy_loss_inplace_two_passes():
     """The torch backend's policy loss (two passes for every config) writes its gradient over non-leaf logits in
     the backward with ``inplace=True``: the out-of-place gradient, bit for bit."""

@@ -14,7 +14,7 @@
   entropy_coef * entropy_loss``.
 
 :func:`log_probs_from_logits` and :func:`compute_entropy` are OpenRLHF's functions of those names on the fused
-kernels (no ``(B, T, V)`` temporaries), and :func:`patch_actor` makes OpenRLHF's ``Actor.forward`` call them.
+kernels, and :func:`patch_actor` makes OpenRLHF's ``Actor.forward`` call them.
 
 Option mapping (:func:`policy_loss_config_from_openrlhf`):
 
@@ -384,9 +384,9 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
 
 def compute_entropy(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """OpenRLHF's ``openrlhf.models.utils.compute_entropy``: ``H = logsumexp(z) - sum_j softmax(z)_j z_j`` over the
-    last dimension, differentiable, from :func:`fused_rl.token_logprobs`'s entropy (one fused pass: no
-    ``(..., V)`` softmax or product, which OpenRLHF's allocates and autograd keeps for the backward); fp32 (fp64 for
-    fp64 logits)."""
+    last dimension, differentiable, from :func:`fused_rl.token_logprobs`'s entropy (one fused pass; OpenRLHF's is
+    compiled with ``torch.compile``, which fuses it too and keeps only the logits and per-row statistics); fp32 (fp64
+    for fp64 logits). A row with ``-inf`` logits has a finite entropy (OpenRLHF's: NaN, ``0 * -inf``)."""
     anchor = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)  # any valid id: unused
     return token_logprobs(logits, anchor, return_entropy=True, backend=backend, check_inputs=False)[1]
 
@@ -394,7 +394,8 @@ def compute_entropy(logits: torch.Tensor, *, backend: str = "auto") -> torch.Ten
 def patch_actor(actor_module=None) -> tuple:
     """Make OpenRLHF's ``Actor.forward`` take its log-probs and entropies from :func:`log_probs_from_logits` and
     :func:`compute_entropy` (it calls the names ``openrlhf.models.actor`` imported from ``openrlhf.models.utils``;
-    ``actor_module``: that module, imported here when None). Returns the previous pair, to restore with
+    ``actor_module``: that module, imported here when None). It patches this process only: call it in each Ray
+    worker that builds OpenRLHF's ``Actor``, not (only) in the driver. Returns the previous pair, to restore with
     ``actor_module.log_probs_from_logits, actor_module.compute_entropy = previous``. The actor still casts its
     logits to fp32 and scales them by the temperature before these run."""
     if actor_module is None:
