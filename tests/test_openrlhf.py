@@ -611,3 +611,16 @@ def test_compute_entropy_of_a_row_with_minus_inf_logits_is_finite():
     assert (torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)).isnan().all()  # OpenRLHF's, eager
     ours.sum().backward()
     assert torch.isfinite(x.grad).all() and (x.grad[..., 250:] == 0).all()
+
+
+def test_log_prob_functions_pass_their_options_on():
+    """``backend`` reaches both functions' kernel choice and ``check_inputs`` the label check of
+    :func:`log_probs_from_logits` (an out-of-range label raises a ``ValueError``, not an out-of-bounds read)."""
+    from fused_rl.integrations.openrlhf import compute_entropy, log_probs_from_logits
+
+    z, labels, _ = _logits(5)
+    for fn in (lambda **k: log_probs_from_logits(z, labels, **k), lambda **k: compute_entropy(z, **k)):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            fn(backend="nope")
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 300\)"):
+        log_probs_from_logits(z, labels + 300)
