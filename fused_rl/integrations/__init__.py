@@ -5,7 +5,9 @@
 * :mod:`fused_rl.integrations.verl`: verl 0.9's registered policy losses (``get_policy_loss_fn``) and the
   functional ``compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)``
   on fused_rl's loss math, ``global_batch_info`` included, and the mapping of verl actor options onto
-  :class:`fused_rl.PolicyLossConfig`;
+  :class:`fused_rl.PolicyLossConfig`; :mod:`fused_rl.integrations.verl_lm_head`: verl's fused LM-head kernels
+  (``use_fused_kernels``: ``FusedLinearForPPO``, ``linear_cross_entropy``) on one fused pass, and
+  ``patch_fused_kernels`` (importing :mod:`fused_rl.integrations.verl_patch` runs it: verl's ``external_lib``);
 * :mod:`fused_rl.integrations.openrlhf`: OpenRLHF's ``PolicyLoss`` (constructor, ``forward`` and its five
   returned values) on fused_rl's loss math, with the fused ``forward_from_hidden``, and the actor's
   ``log_probs_from_logits`` / ``compute_entropy`` on the fused kernels (``patch_actor``);
@@ -19,4 +21,4 @@ The Liger-Kernel fused-linear drop-in (``FusedLinearGRPOLoss``) lives in :mod:`f
 their framework lazily: importing this package never needs TRL, verl or OpenRLHF.
 """
 
-__all__ = ["hf_models", "liger", "openrlhf", "trl", "verl"]
+__all__ = ["hf_models", "liger", "openrlhf", "trl", "verl", "verl_lm_head"]

@@ -1,0 +1,156 @@
+"""verl's fused LM-head kernels (``actor_rollout_ref.model.use_fused_kernels=True``) on fused_rl.
+
+With ``use_fused_kernels``, verl 0.9's FSDP models (``verl.models.transformers.dense_common``'s and the VL models'
+``forward_with_torch_backend`` / ``forward_with_triton_backend``) take each token's log-prob and entropy from the
+last hidden state and the LM-head weight, through ``verl.utils.experimental.torch_functional.FusedLinearForPPO``
+(``fused_kernels_backend`` ``"torch"`` / ``"liger"``) or ``verl.utils.kernel.linear_cross_entropy.
+linear_cross_entropy`` (``"triton"``), each imported where it is called. :func:`patch_fused_kernels` rebinds those
+two names to :class:`FusedLinearForPPO` and :func:`linear_cross_entropy` here, which take both from one fused pass of
+:func:`fused_rl.linear_token_logprobs` (``return_entropy=True``): the logits never exist, on any device (verl's
+Triton kernel is CUDA only and asks for ``H % 128 == 0``; its torch path holds ``(512, V)`` fp32 logits, softmax and
+log-softmax per chunk and recomputes the logits GEMM in the backward).
+
+Per token, with ``z = hidden @ weight.T / temperature``: ``log_prob = z[label] - logsumexp(z)`` and ``entropy =
+logsumexp(z) - sum_j softmax(z)_j z_j``, both differentiable w.r.t. ``hidden`` and ``weight``.
+
+Differences from verl (each tested): a label ``-100`` gives log-prob 0, entropy 0 and no gradient (fused_rl's ignore
+index: the row is not read; verl's kernels have none), and an out-of-range label raises (``check_inputs=True``: one
+host sync a call); a ``dist_process_group`` of more than one process (verl's vocabulary-parallel Triton kernel)
+raises ``NotImplementedError``; ``chunk_size`` is checked but fused_rl chooses its own tiles
+(``memory_budget_bytes``); in bf16 / fp16 the log-probs are more accurate (verl's torch path rounds the logits to the
+input dtype before its fp32 softmax).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..ops import linear_token_logprobs
+
+REDUCTIONS = ("none", "sum", "mean")
+
+
+def _single_process(group: Any) -> None:
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) > 1:
+        raise NotImplementedError(
+            "linear_cross_entropy: a dist_process_group of more than one process (a vocabulary-parallel LM head, each "
+            "rank holding a slice of the vocabulary) is not supported by fused_rl; pass dist_process_group=None "
+            "with the whole LM-head weight (verl's FSDP models do)")
+
+
+def _operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both in the autocast dtype inside an autocast region of their device, as verl's ``hidden @ weight.T`` takes
+    them there (verl's actor runs its forward under a bf16 autocast); else as given."""
+    device = hidden.device.type
+    half = (torch.float32, torch.bfloat16, torch.float16)
+    if torch.is_autocast_enabled(device) and hidden.dtype in half and weight.dtype in half:
+        dtype = torch.get_autocast_dtype(device)
+        return hidden.to(dtype), weight.to(dtype)
+    return hidden, weight
+
+
+def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, backend: str,
+           check_inputs: bool, memory_budget_bytes: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_prob, entropy)`` of ``labels.shape`` for ``hidden (*labels.shape, H)``, one fused pass."""
+    flat = hidden.reshape(1, -1, hidden.shape[-1])
+    logp, entropy = linear_token_logprobs(flat, weight, labels.reshape(1, -1), temperature=temperature,
+                                          return_entropy=True, backend=backend, check_inputs=check_inputs,
+                                          memory_budget_bytes=memory_budget_bytes)
+    return logp.view(labels.shape), entropy.view(labels.shape)
+
+
+def _check_labels(hidden: torch.Tensor, labels: torch.Tensor, name: str, tokens: tuple) -> None:
+    if not isinstance(hidden, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise ValueError(f"hidden states and {name} must be torch.Tensors")
+    if labels.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32 or int64 tensor, got {labels.dtype}")
+    if tuple(labels.shape) != tokens:
+        raise ValueError(f"{name} must have shape {tokens} (one per token of the hidden states "
+                         f"{tuple(hidden.shape)}), got {tuple(labels.shape)}")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         temperature: Optional[float] = 1.0, reduction: Optional[str] = "none",
+                         dist_process_group: Any = None, *, backend: str = "auto", check_inputs: bool = True,
+                         memory_budget_bytes: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``: ``hidden (..., H)``, ``weight (V, H)``,
+    ``labels`` with ``hidden``'s leading shape; returns ``(log_probs, entropy)`` fp32 (fp64 for fp64 input) over
+    the flattened tokens, ``(N,)`` each, as verl's kernel; ``reduction="sum"`` / ``"mean"`` reduces the log-probs to
+    a scalar (their sum / mean over the ``N`` tokens), the entropy stays ``(N,)``. ``temperature`` / ``reduction``
+    ``None`` mean 1 / ``"none"``, as verl's."""
+    temperature = 1.0 if temperature is None else temperature
+    reduction = "none" if reduction is None else reduction
+    if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _single_process(dist_process_group)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        raise ValueError(f"hidden must be a tensor of shape (..., H), got {tuple(getattr(hidden, 'shape', ()))}")
+    _check_labels(hidden, labels, "labels", tuple(hidden.shape[:-1]))
+    hidden, weight = _operands(hidden, weight)
+    logp, entropy = _fused(hidden, weight, labels, temperature, backend, check_inputs, memory_budget_bytes)
+    logp, entropy = logp.reshape(-1), entropy.reshape(-1)
+    reduction = reduction.lower()
+    if reduction == "sum":
+        logp = logp.sum()
+    elif reduction == "mean":
+        logp = logp.mean()
+    return logp, entropy
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """verl's ``verl.utils.experimental.torch_functional.FusedLinearForPPO``: ``forward(hidden_states (B, T, H) or
+    (N, H), vocab_weights (V, H), input_ids (B, T) or (N,), temperature=1.0) -> (log_probs, entropy)`` of
+    ``input_ids``'s shape, log-probs fp32, entropy in ``hidden_states``' dtype (verl's torch path; its ``"liger"``
+    path: the same values). Inside an autocast region both operands are first cast to its dtype, as verl's matmul
+    takes them (the entropy keeps the dtype of the given hidden states, as verl's output buffer). ``chunk_size``
+    (verl's tokens per chunk, a positive int) and ``impl_backend`` (``"torch"`` or ``"liger"``) are checked as verl
+    checks them; both run fused_rl's ``backend`` (``"auto"``: the fastest for the device), tiled by
+    ``memory_budget_bytes`` (None: fused_rl's default)."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch", *, backend: str = "auto",
+                 check_inputs: bool = True, memory_budget_bytes: Optional[int] = None):
+        super().__init__()
+        if impl_backend not in ("torch", "liger"):
+            raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'.")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.chunk_size, self.impl_backend = chunk_size, impl_backend
+        self.backend, self.check_inputs, self.memory_budget_bytes = backend, check_inputs, memory_budget_bytes
+
+    def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3):
+            raise ValueError(f"hidden_states must be 2D or 3D, got shape {tuple(getattr(hidden_states, 'shape', ()))}")
+        _check_labels(hidden_states, input_ids, "input_ids", tuple(hidden_states.shape[:-1]))
+        dtype = hidden_states.dtype
+        hidden, weight = _operands(hidden_states, vocab_weights)
+        logp, entropy = _fused(hidden, weight, input_ids, temperature, self.backend, self.check_inputs,
+                               self.memory_budget_bytes)
+        return logp.float(), entropy.to(dtype)
+
+
+def patch_fused_kernels(kernel_module: Any = None, functional_module: Any = None) -> tuple:
+    """Make verl's fused-kernel model forwards run on fused_rl: rebinds ``linear_cross_entropy`` in
+    ``kernel_module`` (``verl.utils.kernel.linear_cross_entropy``, imported here when None) and
+    ``FusedLinearForPPO`` in ``functional_module`` (``verl.utils.experimental.torch_functional``) to this module's.
+    verl imports both names where its forwards call them, so the patch takes effect on the next forward. It patches
+    this process only: in verl's Ray workers, set ``actor_rollout_ref.model.external_lib=fused_rl.integrations.
+    verl_patch`` (verl imports it in each worker) or call this there. Returns the previous pair, to restore with
+    ``kernel_module.linear_cross_entropy, functional_module.FusedLinearForPPO = previous``."""
+    if kernel_module is None:
+        import verl.utils.kernel.linear_cross_entropy as kernel_module
+    if functional_module is None:
+        import verl.utils.experimental.torch_functional as functional_module
+    previous = (kernel_module.linear_cross_entropy, functional_module.FusedLinearForPPO)
+    kernel_module.linear_cross_entropy = linear_cross_entropy
+    functional_module.FusedLinearForPPO = FusedLinearForPPO
+    return previous
+
+
+__all__ = ["linear_cross_entropy", "FusedLinearForPPO", "patch_fused_kernels", "REDUCTIONS"]

@@ -1,0 +1,275 @@
+"""fused_rl.integrations.verl_lm_head against verl 0.9.1's own fused LM-head code (installed with ``--no-deps`` by
+.ci/run): its torch ``FusedLinearForPPO``, and its model forwards (``dense_common.forward_with_torch_backend`` /
+``forward_with_triton_backend``) on a tiny Llama with the patch applied."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_rl.integrations.verl_lm_head import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
+from helpers import fused_backends, supports
+
+FILES = {"verl.utils.kernel.linear_cross_entropy": "utils/kernel/linear_cross_entropy.py",
+         "verl.utils.experimental.torch_functional": "utils/experimental/torch_functional.py",
+         "verl.models.transformers.dense_common": "models/transformers/dense_common.py"}
+PACKAGES = ("verl", "verl.utils", "verl.utils.kernel", "verl.utils.experimental", "verl.models",
+            "verl.models.transformers")
+
+
+@pytest.fixture
+def verl_modules(monkeypatch):
+    """verl's three files, loaded under their own names with empty stand-ins for their packages (``verl``'s
+    ``__init__`` imports Ray and the rest of verl's stack): the model forwards' call-time imports find them."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None:
+        if os.environ.get("FUSED_RL_REQUIRE_OPENRLHF") == "1":  # .ci/run installs the peers: missing is a failure
+            pytest.fail("verl is not installed (pip install --no-deps verl==0.9.1)")
+        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    root = Path(spec.submodule_search_locations[0])
+    for name in PACKAGES:
+        package = types.ModuleType(name)
+        package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
+        monkeypatch.setitem(sys.modules, name, package)
+    loaded = {}
+    for name, path in FILES.items():
+        file_spec = importlib.util.spec_from_file_location(name, root / path)
+        loaded[name.rsplit(".", 1)[1]] = module = importlib.util.module_from_spec(file_spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        file_spec.loader.exec_module(module)
+    return types.SimpleNamespace(**loaded)
+
+
+def _inputs(seed: int, shape=(2, 37), hidden=48, vocab=1000, dtype=torch.float32, kind="randn"):
+    """Hidden states and an LM head whose logits are of order 3 (``"randn"``), peaked (a few ids far above the
+    rest) or all negative (a bias-like offset folded into a constant hidden feature)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*shape, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.4
+    if kind == "peaked":
+        w[torch.randint(0, vocab, (5,), generator=g)] *= 8.0
+    elif kind == "negative":
+        h[..., 0] = 1.0
+        w[:, 0] = -60.0
+    ids = torch.randint(0, vocab, shape, generator=g)
+    return h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_(), ids
+
+
+def _grads(outputs, inputs, seed: int):
+    """Gradients of ``<g1, log_probs> + <g2, entropy>`` for random ``g1, g2``: both outputs' backward formulas."""
+    g = torch.Generator().manual_seed(seed + 1)
+    logp, entropy = outputs
+    g1, g2 = torch.randn(logp.shape, generator=g), torch.randn(entropy.shape, generator=g)
+    return torch.autograd.grad((logp.double() * g1).sum() + (entropy.double() * g2).sum(), inputs)
+
+
+def _fp64(h, w, ids, temperature):
+    """Log-probs and entropies of ``(h @ w.T) / temperature`` in float64 from the same (rounded) inputs,
+    differentiable."""
+    z = (h.double() @ w.double().T) / temperature
+    logp = z.log_softmax(-1)
+    return logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _no_worse_than_verl(ours, theirs, exact) -> None:
+    """Each of ``ours`` within 1.5x verl's own distance to the float64 values (at most 5e-5 of their scale, at least
+    1; plus 1e-6 of it), and verl's within 1e-3 of that scale (so that the float64 formula is verl's)."""
+    for a, b, e in zip(ours, theirs, exact):
+        scale = max(e.abs().max().item(), 1.0)
+        theirs_off = (b.double() - e).abs().max().item()
+        assert theirs_off <= 1e-3 * scale
+        torch.testing.assert_close(a.double(), e, rtol=0, atol=min(1.5 * theirs_off, 5e-5 * scale) + 1e-6 * scale)
+
+
+@pytest.mark.parametrize("kind", ["randn", "peaked", "negative"])
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("shape,vocab", [((2, 37), 1000), ((45,), 4099), ((1, 1), 1000)])
+def test_fused_linear_for_ppo_matches_verl_fp32(verl_modules, backend, kind, shape, vocab):
+    """verl's torch ``FusedLinearForPPO`` and ours: log-probs, entropies and the hidden / weight gradients of any
+    upstream gradient on both, fp32, 2-D and 3-D hidden states, a ragged vocabulary, one token, temperature 0.7;
+    each against float64 (verl's fp32 hidden gradient is ~1e-3 off where all logits are near -86: its column of
+    the constant feature cancels), ours no further off than verl's."""
+    h, w, ids = _inputs(3, shape, vocab=vocab, kind=kind)
+    theirs = verl_modules.torch_functional.FusedLinearForPPO(chunk_size=16)(h, w, ids, temperature=0.7)
+    ours = FusedLinearForPPO(backend=backend)(h, w, ids, temperature=0.7)
+    assert [x.dtype for x in ours] == [x.dtype for x in theirs] == [torch.float32] * 2
+    assert [x.shape for x in ours] == [x.shape for x in theirs] == [ids.shape] * 2
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exact = _fp64(h64, w64, ids, 0.7)
+    _no_worse_than_verl(ours, theirs, exact)
+    _no_worse_than_verl(_grads(ours, (h, w), 3), _grads(theirs, (h, w), 3), _grads(exact, (h64, w64), 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_fused_linear_for_ppo_half_precision(verl_modules, backend, dtype):
+    """bf16 / fp16: our log-probs and entropies (fp32 accumulation) are within fp32 rounding of the float64 values of
+    the same rounded inputs; verl's round the logits to the input dtype first and are further off. Dtypes as verl's:
+    fp32 log-probs, entropy in the input dtype."""
+    if not supports(backend, dtype):
+        pytest.skip(f"{backend} has no {dtype}")
+    h, w, ids = _inputs(5, (3, 29), dtype=dtype)
+    theirs = verl_modules.torch_functional.FusedLinearForPPO()(h, w, ids, temperature=0.9)
+    ours = FusedLinearForPPO(backend=backend)(h, w, ids, temperature=0.9)
+    assert [x.dtype for x in ours] == [x.dtype for x in theirs] == [torch.float32, dtype]
+    exact = _fp64(h, w, ids, 0.9)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(ours[0].double(), exact[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(ours[1].double(), exact[1], rtol=ulp, atol=ulp)  # rounded once, to the input dtype
+    assert (ours[0].double() - exact[0]).abs().max() < (theirs[0].double() - exact[0]).abs().max()
+    for a, b in zip(_grads(ours, (h, w), 5), _grads(theirs, (h, w), 5)):  # both round dlogits to the input dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_linear_cross_entropy_is_verls_kernel_contract(verl_modules, backend):
+    """verl's Triton ``linear_cross_entropy`` (CUDA only; its contract from its source): flattened ``(N,)`` fp32
+    log-probs and entropies of the same values as verl's torch path, ``reduction`` sum / mean of the log-probs,
+    ``None`` temperature / reduction as 1 / "none", a group of one process accepted; gradients as the torch path's."""
+    h, w, ids = _inputs(7, (2, 23))
+    theirs = verl_modules.torch_functional.FusedLinearForPPO()(h, w, ids, temperature=0.5)
+    logp, entropy = linear_cross_entropy(h, w, ids, 0.5, "none", backend=backend)
+    assert logp.shape == entropy.shape == (46,) and logp.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(logp, theirs[0].reshape(-1), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(entropy, theirs[1].reshape(-1), rtol=1e-5, atol=2e-5)
+    grads = _grads((logp.view(2, 23), entropy.view(2, 23)), (h, w), 7)
+    for a, b in zip(grads, _grads(theirs, (h, w), 7)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5 * b.abs().max().item())
+    for reduction, reduce in (("sum", torch.sum), ("MEAN", torch.mean)):
+        total, entropy2 = linear_cross_entropy(h, w, ids, 0.5, reduction, backend=backend)
+        assert total.shape == () and entropy2.shape == (46,)
+        torch.testing.assert_close(total, reduce(logp), rtol=1e-6, atol=1e-5)
+    for a, b in zip(linear_cross_entropy(h, w, ids, None, None, backend=backend),
+                    linear_cross_entropy(h, w, ids, 1.0, "none", backend=backend)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    flat = linear_cross_entropy(h.detach().reshape(46, 48), w, ids.reshape(46), 0.5, backend=backend)
+    torch.testing.assert_close(flat[0], logp, rtol=0, atol=1e-6)
+
+
+def test_autocast_casts_as_verls_matmul(verl_modules):
+    """Under a bf16 autocast (verl's actor's forward) both operands are taken in bf16, as verl's ``hidden @ W.T``:
+    fp32 hidden states with a bf16 head work (outside autocast: ValueError, as verl's matmul raises), the entropy has
+    the hidden states' dtype as verl's, and the values are those of both operands in bf16."""
+    h, w, ids = _inputs(13, (2, 9))
+    wb = w.detach().bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = verl_modules.torch_functional.FusedLinearForPPO()(h, wb, ids)
+        ours = FusedLinearForPPO()(h, wb, ids)
+        flat = linear_cross_entropy(h, wb, ids)
+    assert [x.dtype for x in ours] == [x.dtype for x in theirs] == [torch.float32, torch.float32]
+    plain = FusedLinearForPPO()(h.detach().bfloat16(), wb.detach(), ids)
+    torch.testing.assert_close(ours[0], plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(ours[1].bfloat16(), plain[1], rtol=0, atol=0)  # plain's entropy: bf16 hidden's dtype
+    torch.testing.assert_close(flat[0], plain[0].reshape(-1), rtol=0, atol=0)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0.1)  # verl's logits are rounded to bf16
+    grad_h, grad_w = torch.autograd.grad(ours[0].sum() + ours[1].sum(), (h, wb))
+    assert grad_h.dtype == torch.float32 and grad_w.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="weight dtype torch.bfloat16 differs from hidden dtype torch.float32"):
+        FusedLinearForPPO()(h, wb, ids)
+
+
+def test_ignore_index_and_bad_labels():
+    """A label ``-100`` gives log-prob 0, entropy 0 and no gradient (fused_rl's ignore index: the row is not read);
+    the other rows are unchanged; an out-of-range label raises (verl's kernels read whatever is there)."""
+    h, w, ids = _inputs(9, (2, 5))
+    full = FusedLinearForPPO()(h, w, ids)
+    ids[0, 1] = -100
+    logp, entropy = FusedLinearForPPO()(h, w, ids)
+    assert logp[0, 1] == 0 and entropy[0, 1] == 0 and full[0][0, 1] < 0 and full[1][0, 1] > 0
+    keep = ids != -100
+    torch.testing.assert_close(logp[keep], full[0][keep], rtol=1e-6, atol=1e-6)  # the GEMM's tiles may differ
+    torch.testing.assert_close(entropy[keep], full[1][keep], rtol=1e-6, atol=1e-6)
+    (grad_h,) = torch.autograd.grad(logp.sum() + entropy.sum(), (h,))
+    assert grad_h[0, 1].abs().max() == 0 and grad_h[0, 0].abs().max() > 0
+    for bad in (1000, -1):
+        ids[1, 2] = bad
+        with pytest.raises(ValueError, match=r"targets must be in \[0, 1000\) or -100"):
+            linear_cross_entropy(h, w, ids)
+
+
+def test_errors(monkeypatch):
+    h, w, ids = _inputs(11, (2, 5))
+    with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend: triton"):
+        FusedLinearForPPO(impl_backend="triton")
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            FusedLinearForPPO(chunk_size=bad)
+    with pytest.raises(ValueError, match=r"hidden_states must be 2D or 3D, got shape \(1, 2, 5, 48\)"):
+        FusedLinearForPPO()(h.unsqueeze(0), w, ids.unsqueeze(0))
+    with pytest.raises(ValueError, match=r"input_ids must have shape \(2, 5\) .* got \(10,\)"):
+        FusedLinearForPPO()(h, w, ids.reshape(10))
+    with pytest.raises(ValueError, match="input_ids must be an int32 or int64 tensor, got torch.float32"):
+        FusedLinearForPPO()(h, w, ids.float())
+    with pytest.raises(ValueError, match=r"reduction must be one of \('none', 'sum', 'mean'\), got 'max'"):
+        linear_cross_entropy(h, w, ids, 1.0, "max")
+    with pytest.raises(ValueError, match=r"labels must have shape \(2, 5\)"):
+        linear_cross_entropy(h, w, ids[:, :4])
+    with pytest.raises(ValueError, match="weight must have shape"):
+        linear_cross_entropy(h, w[:, :40], ids)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(NotImplementedError, match="vocabulary-parallel"):
+        linear_cross_entropy(h, w, ids, 1.0, "none", object())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert linear_cross_entropy(h, w, ids, 1.0, "none", object())[0].shape == (10,)
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=611, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).float()
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # verl's call, transformers 5.25
+@pytest.mark.parametrize("forward", ["forward_with_torch_backend", "forward_with_triton_backend"])
+def test_verl_model_forward_patched(verl_modules, forward):
+    """verl's own model forward (``dense_common``), patched: its triton route (CUDA only in verl) runs here, and both
+    routes give verl's torch route's log-probs, entropies and model gradients; ``shift_labels`` as verl's engine passes
+    them; restoring the returned pair undoes the patch."""
+    model = _tiny_llama(0)
+    ids = torch.randint(0, 611, (2, 19), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, return_dict=True, temperature=0.8)
+    run = getattr(verl_modules.dense_common, "forward_with_torch_backend")
+    theirs = run(model, **kwargs)
+    expected = _grads((theirs.log_probs, theirs.entropy), list(model.parameters()), 1)
+    previous = patch_fused_kernels(verl_modules.linear_cross_entropy, verl_modules.torch_functional)
+    try:
+        ours = getattr(verl_modules.dense_common, forward)(model, **kwargs)
+        rolled = getattr(verl_modules.dense_common, forward)(model, **kwargs, shift_labels=torch.roll(ids, -1, -1))
+    finally:
+        verl_modules.linear_cross_entropy.linear_cross_entropy, verl_modules.torch_functional.FusedLinearForPPO = \
+            previous
+    assert verl_modules.torch_functional.FusedLinearForPPO.__module__ == "verl.utils.experimental.torch_functional"
+    shape = (2, 19) if forward == "forward_with_torch_backend" else (38,)
+    assert ours.log_probs.shape == ours.entropy.shape == shape
+    torch.testing.assert_close(ours.log_probs.reshape(2, 19), theirs.log_probs, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ours.entropy.reshape(2, 19), theirs.entropy, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(rolled.log_probs, ours.log_probs, rtol=0, atol=0)
+    got = _grads((ours.log_probs.reshape(2, 19), ours.entropy.reshape(2, 19)), list(model.parameters()), 1)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item() + 1e-7)
+
+
+def test_verl_patch_module_patches_on_import(verl_modules, monkeypatch):
+    """``actor_rollout_ref.model.external_lib=fused_rl.integrations.verl_patch``: importing it patches verl's two
+    names (verl imports the module in each worker) and keeps verl's own pair."""
+    import fused_rl.integrations.verl_lm_head as ours
+
+    own = (verl_modules.linear_cross_entropy.linear_cross_entropy, verl_modules.torch_functional.FusedLinearForPPO)
+    monkeypatch.delitem(sys.modules, "fused_rl.integrations.verl_patch", raising=False)
+    monkeypatch.setattr(verl_modules.linear_cross_entropy, "linear_cross_entropy", own[0])
+    monkeypatch.setattr(verl_modules.torch_functional, "FusedLinearForPPO", own[1])
+    patch = importlib.import_module("fused_rl.integrations.verl_patch")
+    assert patch.PREVIOUS == own
+    assert verl_modules.linear_cross_entropy.linear_cross_entropy is ours.linear_cross_entropy
+    assert verl_modules.torch_functional.FusedLinearForPPO is ours.FusedLinearForPPO
+    monkeypatch.delitem(sys.modules, "fused_rl.integrations.verl_patch")
