@@ -94,8 +94,8 @@ def _no_worse_than_verl(ours, theirs, exact) -> None:
 def test_fused_linear_for_ppo_matches_verl_fp32(verl_modules, backend, kind, shape, vocab):
     """verl's torch ``FusedLinearForPPO`` and ours: log-probs, entropies and the hidden / weight gradients of any
     upstream gradient on both, fp32, 2-D and 3-D hidden states, a ragged vocabulary, one token, temperature 0.7;
-    each against float64 (verl's fp32 hidden gradient is ~1e-3 off where all logits are near -86: its column of
-    the constant feature cancels), ours no further off than verl's."""
+    each against float64 (verl's fp32 hidden gradient is up to ~1e-3 of its scale off where all logits are near -86:
+    its column of the constant feature cancels), ours no further off than verl's."""
     h, w, ids = _inputs(3, shape, vocab=vocab, kind=kind)
     theirs = verl_modules.torch_functional.FusedLinearForPPO(chunk_size=16)(h, w, ids, temperature=0.7)
     ours = FusedLinearForPPO(backend=backend)(h, w, ids, temperature=0.7)
@@ -213,6 +213,8 @@ def test_errors(monkeypatch):
         linear_cross_entropy(h, w, ids[:, :4])
     with pytest.raises(ValueError, match="weight must have shape"):
         linear_cross_entropy(h, w[:, :40], ids)
+    with pytest.raises(ValueError, match="non-empty"):  # zero tokens (verl's return empty outputs)
+        FusedLinearForPPO()(h[:, :0], w, ids[:, :0])
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     with pytest.raises(NotImplementedError, match="vocabulary-parallel"):
         linear_cross_entropy(h, w, ids, 1.0, "none", object())
@@ -231,7 +233,7 @@ def _tiny_llama(seed: int):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # verl's call, transformers 5.25
 @pytest.mark.parametrize("forward", ["forward_with_torch_backend", "forward_with_triton_backend"])
-def test_verl_model_forward_patched(verl_modules, forward):
+def test_verl_model_forward_patched(verl_modules, forward, monkeypatch):
     """verl's own model forward (``dense_common``), patched: its triton route (CUDA only in verl) runs here, and both
     routes give verl's torch route's log-probs, entropies and model gradients; ``shift_labels`` as verl's engine passes
     them; restoring the returned pair undoes the patch."""
@@ -241,6 +243,11 @@ def test_verl_model_forward_patched(verl_modules, forward):
     run = getattr(verl_modules.dense_common, "forward_with_torch_backend")
     theirs = run(model, **kwargs)
     expected = _grads((theirs.log_probs, theirs.entropy), list(model.parameters()), 1)
+    import fused_rl.integrations.verl_lm_head as module
+
+    calls = []
+    real = module._fused
+    monkeypatch.setattr(module, "_fused", lambda *args: calls.append(args[4]) or real(*args))
     previous = patch_fused_kernels(verl_modules.linear_cross_entropy, verl_modules.torch_functional)
     try:
         ours = getattr(verl_modules.dense_common, forward)(model, **kwargs)
@@ -249,6 +256,7 @@ def test_verl_model_forward_patched(verl_modules, forward):
         verl_modules.linear_cross_entropy.linear_cross_entropy, verl_modules.torch_functional.FusedLinearForPPO = \
             previous
     assert verl_modules.torch_functional.FusedLinearForPPO.__module__ == "verl.utils.experimental.torch_functional"
+    assert calls == ["auto", "auto"]  # both calls of the patched forward went through fused_rl
     shape = (2, 19) if forward == "forward_with_torch_backend" else (38,)
     assert ours.log_probs.shape == ours.entropy.shape == shape
     torch.testing.assert_close(ours.log_probs.reshape(2, 19), theirs.log_probs, rtol=1e-5, atol=2e-5)
@@ -270,6 +278,103 @@ def test_verl_patch_module_patches_on_import(verl_modules, monkeypatch):
     monkeypatch.setattr(verl_modules.torch_functional, "FusedLinearForPPO", own[1])
     patch = importlib.import_module("fused_rl.integrations.verl_patch")
     assert patch.PREVIOUS == own
-    assert verl_modules.linear_cross_entropy.linear_cross_entropy is ours.linear_cross_entropy
-    assert verl_modules.torch_functional.FusedLinearForPPO is ours.FusedLinearForPPO
+    assert verl_modules.linear_cross_entropy.linear_cross_entropy.func is ours.linear_cross_entropy
+    assert issubclass(verl_modules.torch_functional.FusedLinearForPPO, ours.FusedLinearForPPO)
     monkeypatch.delitem(sys.modules, "fused_rl.integrations.verl_patch")
+
+
+def test_autocast_fp32_head_and_fp64(verl_modules):
+    """Under a bf16 autocast an fp32 head is taken in bf16 too (with fp32 or bf16 hidden states: verl's matmul works
+    on both), fp64 operands are left as they are (autocast does not touch fp64 matmuls); fp64 hidden states give fp32
+    log-probs and fp64 entropies, as verl's buffers."""
+    h, w, ids = _inputs(17, (2, 9))
+    plain = FusedLinearForPPO()(h.detach().bfloat16(), w.detach().bfloat16(), ids)
+    for hidden in (h, h.detach().bfloat16().requires_grad_()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            theirs = verl_modules.torch_functional.FusedLinearForPPO()(hidden, w, ids)
+            ours = FusedLinearForPPO()(hidden, w, ids)
+            flat = linear_cross_entropy(hidden, w, ids)
+        assert [x.dtype for x in ours] == [x.dtype for x in theirs] == [torch.float32, hidden.dtype]
+        torch.testing.assert_close(ours[0], plain[0], rtol=0, atol=0)
+        torch.testing.assert_close(flat[0], plain[0].reshape(-1), rtol=0, atol=0)
+        torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0.1)
+        grad_w = torch.autograd.grad(ours[0].sum() + ours[1].float().sum(), (w,))[0]
+        assert grad_w.dtype == torch.float32 and grad_w.abs().max() > 0
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = FusedLinearForPPO(backend="reference")(h64, w64, ids)
+        theirs = verl_modules.torch_functional.FusedLinearForPPO()(h64, w64, ids)
+    assert [x.dtype for x in ours] == [x.dtype for x in theirs] == [torch.float32, torch.float64]
+    exact = _fp64(h64, w64, ids, 1.0)
+    torch.testing.assert_close(ours[1], exact[1], rtol=1e-12, atol=1e-12)  # no bf16 anywhere
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_impl_backend_matches_verls_liger_path(verl_modules, dtype):
+    """verl's ``impl_backend="liger"`` (Liger's fused scaled cross-entropy; its torch fallback off sm90): the same
+    values, dtypes and gradients as ours, the ``-100`` rows included (Liger has the same ignore index)."""
+    if verl_modules.torch_functional._LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY is None:
+        pytest.skip("liger_kernel is not installed")
+    h, w, ids = _inputs(19, (2, 11), dtype=dtype)
+    ids[1, 4] = -100
+    theirs = verl_modules.torch_functional.FusedLinearForPPO(impl_backend="liger")(h, w, ids, temperature=0.8)
+    ours = FusedLinearForPPO(impl_backend="liger")(h, w, ids, temperature=0.8)
+    assert [x.dtype for x in ours] == [x.dtype for x in theirs] == [torch.float32, dtype]
+    assert ours[0][1, 4] == theirs[0][1, 4] == 0 and ours[1][1, 4] == theirs[1][1, 4] == 0
+    tol = dict(rtol=1e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    for a, b in zip(_grads(ours, (h, w), 19), _grads(theirs, (h, w), 19)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * b.float().abs().max().item())
+
+
+def test_options_reach_the_kernel(monkeypatch):
+    """``backend``, ``check_inputs`` and ``memory_budget_bytes`` are passed to the fused pass (else the backend
+    parametrization above would run "auto" every time)."""
+    import fused_rl.integrations.verl_lm_head as module
+
+    seen = []
+    real = module.linear_token_logprobs
+
+    def spy(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("backend", "check_inputs", "memory_budget_bytes")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "linear_token_logprobs", spy)
+    h, w, ids = _inputs(23, (2, 5))
+    FusedLinearForPPO(backend="torch", check_inputs=False, memory_budget_bytes=1 << 20)(h, w, ids)
+    linear_cross_entropy(h, w, ids, backend="reference", check_inputs=False, memory_budget_bytes=1 << 21)
+    assert seen == [dict(backend="torch", check_inputs=False, memory_budget_bytes=1 << 20),
+                    dict(backend="reference", check_inputs=False, memory_budget_bytes=1 << 21)]
+    seen.clear()
+    kernel, functional = (types.SimpleNamespace(linear_cross_entropy=None, FusedLinearForPPO=None) for _ in range(2))
+    patch_fused_kernels(kernel, functional, backend="torch", check_inputs=False, memory_budget_bytes=1 << 22)
+    functional.FusedLinearForPPO(impl_backend="liger")(h, w, ids, temperature=0.5)
+    kernel.linear_cross_entropy(h, w, ids, 0.5, "none")
+    assert seen == [dict(backend="torch", check_inputs=False, memory_budget_bytes=1 << 22)] * 2
+    with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend: triton"):
+        functional.FusedLinearForPPO(impl_backend="triton")
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 1000\) or -100"):
+        ids[0, 0] = 1000
+        FusedLinearForPPO()(h, w, ids)
+
+
+def test_narrow_integer_input_ids_are_taken_as_int64():
+    """verl's ``FusedLinearForPPO`` takes ``input_ids.to(torch.int64)``: uint8 / int8 / int16 ids give the int64
+    ids' values; ``linear_cross_entropy`` (verl's kernel reads them as they are) takes int32 / int64."""
+    h, w, ids = _inputs(31, (2, 6), vocab=100)
+    expected = FusedLinearForPPO()(h, w, ids)
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+        for a, b in zip(FusedLinearForPPO()(h, w, ids.to(dtype)), expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="labels must be an int32 or int64 tensor, got torch.int16"):
+        linear_cross_entropy(h, w, ids.to(torch.int16))
+
+
+def test_linear_cross_entropy_flattens_as_verls_kernel():
+    """verl's kernel views hidden as ``(-1, H)`` and labels as ``(-1,)`` separately: Megatron's fused forward passes
+    ``(s, 1, h)`` hidden states with ``(1, s)`` labels."""
+    h, w, ids = _inputs(29, (7, 1))
+    flat = linear_cross_entropy(h.detach().reshape(7, 48), w, ids.reshape(7))
+    for a, b in zip(linear_cross_entropy(h, w, ids.reshape(1, 7)), flat):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -3,26 +3,32 @@
 With ``use_fused_kernels``, verl 0.9's FSDP models (``verl.models.transformers.dense_common``'s and the VL models'
 ``forward_with_torch_backend`` / ``forward_with_triton_backend``) take each token's log-prob and entropy from the
 last hidden state and the LM-head weight, through ``verl.utils.experimental.torch_functional.FusedLinearForPPO``
-(``fused_kernels_backend`` ``"torch"`` / ``"liger"``) or ``verl.utils.kernel.linear_cross_entropy.
-linear_cross_entropy`` (``"triton"``), each imported where it is called. :func:`patch_fused_kernels` rebinds those
-two names to :class:`FusedLinearForPPO` and :func:`linear_cross_entropy` here, which take both from one fused pass of
-:func:`fused_rl.linear_token_logprobs` (``return_entropy=True``): the logits never exist, on any device (verl's
-Triton kernel is CUDA only and asks for ``H % 128 == 0``; its torch path holds ``(512, V)`` fp32 logits, softmax and
-log-softmax per chunk and recomputes the logits GEMM in the backward).
+(``actor_rollout_ref.model.fused_kernel_options.impl_backend`` ``"torch"`` / ``"liger"``) or
+``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (``"triton"``), each imported where it is called.
+:func:`patch_fused_kernels` rebinds those two names to :class:`FusedLinearForPPO` and :func:`linear_cross_entropy`
+here, which take both from one fused pass of :func:`fused_rl.linear_token_logprobs` (``return_entropy=True``): the
+logits never exist, on any device (verl's Triton kernel is CUDA only and asks for ``H % 128 == 0``; its torch path
+holds ``(512, V)`` fp32 logits, softmax and log-softmax per chunk and recomputes the logits GEMM in the backward).
 
 Per token, with ``z = hidden @ weight.T / temperature``: ``log_prob = z[label] - logsumexp(z)`` and ``entropy =
 logsumexp(z) - sum_j softmax(z)_j z_j``, both differentiable w.r.t. ``hidden`` and ``weight``.
 
 Differences from verl (each tested): a label ``-100`` gives log-prob 0, entropy 0 and no gradient (fused_rl's ignore
-index: the row is not read; verl's kernels have none), and an out-of-range label raises (``check_inputs=True``: one
-host sync a call); a ``dist_process_group`` of more than one process (verl's vocabulary-parallel Triton kernel)
-raises ``NotImplementedError``; ``chunk_size`` is checked but fused_rl chooses its own tiles
-(``memory_budget_bytes``); in bf16 / fp16 the log-probs are more accurate (verl's torch path rounds the logits to the
-input dtype before its fp32 softmax).
+index: the row is not read; verl's torch and Triton kernels have none, its ``"liger"`` path has the same), and an
+out-of-range label raises (``check_inputs=True``: one host sync a call); a ``dist_process_group`` of more than one
+process (verl's vocabulary-parallel Triton kernel) raises ``NotImplementedError``; ``chunk_size`` is checked but
+fused_rl chooses its own tiles (``memory_budget_bytes``); in bf16 / fp16 the log-probs are more accurate (verl's torch
+path rounds the logits to the input dtype before its fp32 softmax); zero tokens raise ``ValueError`` (verl's return
+empty outputs). Through the patch verl builds :class:`FusedLinearForPPO` and calls :func:`linear_cross_entropy`
+itself: ``backend``, ``check_inputs`` and ``memory_budget_bytes`` are :func:`patch_fused_kernels`' arguments there.
+Megatron's fused forward (``verl.models.mcore``) imports ``linear_cross_entropy`` at module import and passes its
+tensor-parallel group: not covered (it keeps verl's kernel unless the patch ran first, e.g. through
+``VERL_USE_EXTERNAL_MODULES``, and then a group of more than one process raises).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -80,10 +86,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          dist_process_group: Any = None, *, backend: str = "auto", check_inputs: bool = True,
                          memory_budget_bytes: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``: ``hidden (..., H)``, ``weight (V, H)``,
-    ``labels`` with ``hidden``'s leading shape; returns ``(log_probs, entropy)`` fp32 (fp64 for fp64 input) over
-    the flattened tokens, ``(N,)`` each, as verl's kernel; ``reduction="sum"`` / ``"mean"`` reduces the log-probs to
-    a scalar (their sum / mean over the ``N`` tokens), the entropy stays ``(N,)``. ``temperature`` / ``reduction``
-    ``None`` mean 1 / ``"none"``, as verl's."""
+    ``labels`` with ``hidden``'s leading shape (or as many tokens: verl's kernel flattens both); returns ``(log_probs,
+    entropy)`` fp32 (fp64 for fp64 input) over the flattened tokens, ``(N,)`` each, as verl's kernel;
+    ``reduction="sum"`` / ``"mean"`` reduces the log-probs to a scalar (their sum / mean over the ``N`` tokens), the
+    entropy stays ``(N,)``. ``temperature`` / ``reduction`` ``None`` mean 1 / ``"none"``, as verl's."""
     temperature = 1.0 if temperature is None else temperature
     reduction = "none" if reduction is None else reduction
     if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
@@ -91,7 +97,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     _single_process(dist_process_group)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         raise ValueError(f"hidden must be a tensor of shape (..., H), got {tuple(getattr(hidden, 'shape', ()))}")
-    _check_labels(hidden, labels, "labels", tuple(hidden.shape[:-1]))
+    tokens = tuple(hidden.shape[:-1])
+    if isinstance(labels, torch.Tensor) and tuple(labels.shape) != tokens and labels.numel() == hidden[..., 0].numel():
+        # verl's kernel flattens hidden and labels separately (Megatron's fused forward: (s, 1, h) with (1, s))
+        labels = labels.reshape(tokens)
+    _check_labels(hidden, labels, "labels", tokens)
     hidden, weight = _operands(hidden, weight)
     logp, entropy = _fused(hidden, weight, labels, temperature, backend, check_inputs, memory_budget_bytes)
     logp, entropy = logp.reshape(-1), entropy.reshape(-1)
@@ -104,14 +114,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 class FusedLinearForPPO(torch.nn.Module):
-    """verl's ``verl.utils.experimental.torch_functional.FusedLinearForPPO``: ``forward(hidden_states (B, T, H) or
-    (N, H), vocab_weights (V, H), input_ids (B, T) or (N,), temperature=1.0) -> (log_probs, entropy)`` of
-    ``input_ids``'s shape, log-probs fp32, entropy in ``hidden_states``' dtype (verl's torch path; its ``"liger"``
-    path: the same values). Inside an autocast region both operands are first cast to its dtype, as verl's matmul
-    takes them (the entropy keeps the dtype of the given hidden states, as verl's output buffer). ``chunk_size``
-    (verl's tokens per chunk, a positive int) and ``impl_backend`` (``"torch"`` or ``"liger"``) are checked as verl
-    checks them; both run fused_rl's ``backend`` (``"auto"``: the fastest for the device), tiled by
-    ``memory_budget_bytes`` (None: fused_rl's default)."""
+    """verl's ``verl.utils.experimental.torch_functional.FusedLinearForPPO``: ``forward(hidden_states (B, T, H) or (N,
+    H), vocab_weights (V, H), input_ids (B, T) or (N,), temperature=1.0) -> (log_probs, entropy)`` of ``input_ids``'s
+    shape, log-probs fp32, entropy in ``hidden_states``' dtype (verl's torch path; its ``"liger"`` path: the same
+    values, and the same ``-100`` ignore index). Inside an autocast region both operands are first cast to its dtype, as
+    verl's matmul takes them (the entropy keeps the dtype of the given hidden states, as verl's output buffer).
+    ``impl_backend`` (``"torch"`` or ``"liger"``) is checked as verl checks it, ``chunk_size`` (verl's tokens per chunk;
+    verl does not check it) must be a positive int; both run fused_rl's ``backend`` (``"auto"``: the fastest for the
+    device), tiled by ``memory_budget_bytes`` (None: fused_rl's default). ``input_ids`` of a narrower integer dtype
+    (uint8, int8, int16) are taken as int64, as verl's forward takes them."""
 
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch", *, backend: str = "auto",
                  check_inputs: bool = True, memory_budget_bytes: Optional[int] = None):
@@ -127,6 +138,8 @@ class FusedLinearForPPO(torch.nn.Module):
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3):
             raise ValueError(f"hidden_states must be 2D or 3D, got shape {tuple(getattr(hidden_states, 'shape', ()))}")
+        if isinstance(input_ids, torch.Tensor) and input_ids.dtype in (torch.uint8, torch.int8, torch.int16):
+            input_ids = input_ids.long()  # verl's forward takes input_ids.to(torch.int64)
         _check_labels(hidden_states, input_ids, "input_ids", tuple(hidden_states.shape[:-1]))
         dtype = hidden_states.dtype
         hidden, weight = _operands(hidden_states, vocab_weights)
@@ -135,21 +148,30 @@ class FusedLinearForPPO(torch.nn.Module):
         return logp.float(), entropy.to(dtype)
 
 
-def patch_fused_kernels(kernel_module: Any = None, functional_module: Any = None) -> tuple:
+def patch_fused_kernels(kernel_module: Any = None, functional_module: Any = None, *, backend: str = "auto",
+                        check_inputs: bool = True, memory_budget_bytes: Optional[int] = None) -> tuple:
     """Make verl's fused-kernel model forwards run on fused_rl: rebinds ``linear_cross_entropy`` in
     ``kernel_module`` (``verl.utils.kernel.linear_cross_entropy``, imported here when None) and
-    ``FusedLinearForPPO`` in ``functional_module`` (``verl.utils.experimental.torch_functional``) to this module's.
-    verl imports both names where its forwards call them, so the patch takes effect on the next forward. It patches
-    this process only: in verl's Ray workers, set ``actor_rollout_ref.model.external_lib=fused_rl.integrations.
-    verl_patch`` (verl imports it in each worker) or call this there. Returns the previous pair, to restore with
+    ``FusedLinearForPPO`` in ``functional_module`` (``verl.utils.experimental.torch_functional``) to this module's,
+    with the given ``backend``, ``check_inputs`` (``False``: no host sync a call, out-of-range labels unchecked) and
+    ``memory_budget_bytes``. verl imports both names where its forwards call them, so the patch takes effect on the
+    next forward. It patches this process only: in verl's Ray workers, set ``actor_rollout_ref.model.external_lib=
+    fused_rl.integrations.verl_patch`` (verl imports it in each worker; it patches with the defaults) or call this
+    there (from your own ``external_lib`` module, for other options). Returns the previous pair, to restore with
     ``kernel_module.linear_cross_entropy, functional_module.FusedLinearForPPO = previous``."""
     if kernel_module is None:
         import verl.utils.kernel.linear_cross_entropy as kernel_module
     if functional_module is None:
         import verl.utils.experimental.torch_functional as functional_module
+    options = dict(backend=backend, check_inputs=check_inputs, memory_budget_bytes=memory_budget_bytes)
+
+    class PatchedFusedLinearForPPO(FusedLinearForPPO):
+        def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
+            super().__init__(chunk_size, impl_backend, **options)
+
     previous = (kernel_module.linear_cross_entropy, functional_module.FusedLinearForPPO)
-    kernel_module.linear_cross_entropy = linear_cross_entropy
-    functional_module.FusedLinearForPPO = FusedLinearForPPO
+    kernel_module.linear_cross_entropy = functools.partial(linear_cross_entropy, **options)
+    functional_module.FusedLinearForPPO = PatchedFusedLinearForPPO
     return previous
 
 
