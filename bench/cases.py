@@ -5,8 +5,9 @@ Operations: ``token_logprobs``, ``policy_loss`` (vocabulary logits in) and ``lin
 
 Implementations: the reference eager and under ``torch.compile``, each fused_rl backend, and peers
 when installed: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (linear) and ``triton_grpo_loss``
-(logits, CUDA only), TRL's ``selective_log_softmax`` + its GRPO loss formula, Cut Cross-Entropy's
-``linear_cross_entropy`` (the log-prob part of the linear loss only).
+(logits, CUDA only), TRL's ``selective_log_softmax`` + its GRPO loss formula, verl's ``FusedLinearForPPO`` + the
+same formula (linear), Cut Cross-Entropy's ``linear_cross_entropy`` (the log-prob part of the linear loss only);
+and fused_rl's drop-ins for Liger's and verl's (``liger-api``, ``verl-api``).
 
 Byte / FLOP floors used for the throughput columns (``itemsize`` of the logits / hidden dtype):
 logits ops read ``N V`` elements forward and additionally write ``N V`` in fwd+bwd; the linear op
@@ -125,21 +126,51 @@ def _fused(backend: str, compiled: bool = False):
     return fns
 
 
+def _eager_loss(logp: torch.Tensor, x: dict) -> torch.Tensor:
+    """The cases' loss (:data:`CONFIG`: clip, k3 KL, token mean over the mask) on given log-probs, in eager torch
+    (TRL's GRPO formula)."""
+    coef_1 = torch.exp(logp - x["old"])
+    coef_2 = torch.clamp(coef_1, 1 - CONFIG.clip_low, 1 + CONFIG.clip_high)
+    a = x["advantages"].unsqueeze(1)
+    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    d = x["ref"] - logp
+    per_token = per_token + CONFIG.beta * (torch.exp(d) - d - 1)
+    m = x["mask"].float()
+    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
 def _trl():
     from trl.trainer.utils import selective_log_softmax
 
-    def loss(x):
-        logp = selective_log_softmax(x["logits"], x["targets"])
-        coef_1 = torch.exp(logp - x["old"])
-        coef_2 = torch.clamp(coef_1, 1 - CONFIG.clip_low, 1 + CONFIG.clip_high)
-        a = x["advantages"].unsqueeze(1)
-        per_token = -torch.min(coef_1 * a, coef_2 * a)
-        d = x["ref"] - logp
-        per_token = per_token + CONFIG.beta * (torch.exp(d) - d - 1)
-        m = x["mask"].float()
-        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    return {"token_logprobs": lambda x: selective_log_softmax(x["logits"], x["targets"]),
+            "policy_loss": lambda x: _eager_loss(selective_log_softmax(x["logits"], x["targets"]), x)}
 
-    return {"token_logprobs": lambda x: selective_log_softmax(x["logits"], x["targets"]), "policy_loss": loss}
+
+def verl_torch_functional():
+    """verl 0.9.1's ``verl/utils/experimental/torch_functional.py`` loaded as a file (``import verl`` needs Ray)."""
+    root = importlib.util.find_spec("verl").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("_verl_torch_functional",
+                                                  f"{root}/utils/experimental/torch_functional.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _verl(fused: bool = False):
+    """verl's fused-kernel forward (``use_fused_kernels``, torch backend): ``FusedLinearForPPO``'s log-probs (and
+    entropies, unused) from the hidden states, then the cases' loss in eager torch; with ``fused`` fused_rl's drop-in
+    (:mod:`fused_rl.integrations.verl_lm_head`) in its place."""
+    if fused:
+        from fused_rl.integrations.verl_lm_head import FusedLinearForPPO
+    else:
+        FusedLinearForPPO = verl_torch_functional().FusedLinearForPPO
+    head = FusedLinearForPPO()
+
+    def linear(x):
+        logp, _ = head(x["hidden"], x["weight"], x["targets"])
+        return _eager_loss(logp, x)
+
+    return {"linear_policy_loss": linear}
 
 
 def _liger():
@@ -220,6 +251,10 @@ IMPLS = {
                          requires="liger_kernel", prepare=_liger_triton_inputs),
     "liger-api": Impl("liger-api", lambda: _liger_triton(fused=True), ops=("policy_loss",),
                       note="fused_rl.integrations.liger.triton_grpo_loss", prepare=_liger_triton_inputs),
+    "verl": Impl("verl", _verl, ops=("linear_policy_loss",), requires="verl",
+                 note="verl 0.9.1's FusedLinearForPPO (use_fused_kernels, torch) + the loss in eager torch"),
+    "verl-api": Impl("verl-api", lambda: _verl(fused=True), ops=("linear_policy_loss",),
+                     note="fused_rl.integrations.verl_lm_head.FusedLinearForPPO + the loss in eager torch"),
     "cce": Impl("cce", _cce, ops=("linear_policy_loss",), devices=("cuda",), requires="cut_cross_entropy",
                 note="advantage-weighted log-probs only: no clip, no KL"),
 }

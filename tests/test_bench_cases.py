@@ -164,3 +164,14 @@ def test_liger_row_computes_the_reference_loss():
     x = make_inputs("linear_policy_loss", Shape(n=64, v=50, h=16, batch=4), "cpu")
     expected = IMPLS["reference"].build()["linear_policy_loss"](x)
     torch.testing.assert_close(IMPLS["liger"].build()["linear_policy_loss"](x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["verl", "verl-api"])
+def test_verl_rows_compute_the_reference_loss(impl):
+    """verl's ``FusedLinearForPPO`` (loaded from its installed file) and fused_rl's drop-in, each + the cases' eager
+    loss: the same value as fused_rl's reference linear loss on a ragged batch."""
+    if impl == "verl" and cases.unavailable(IMPLS[impl], "linear_policy_loss", "cpu"):
+        pytest.skip("verl is not installed")
+    x = make_inputs("linear_policy_loss", Shape(n=64, v=50, h=16, batch=4), "cpu")
+    expected = IMPLS["reference"].build()["linear_policy_loss"](x)
+    torch.testing.assert_close(IMPLS[impl].build()["linear_policy_loss"](x), expected, rtol=1e-5, atol=1e-6)
