@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (H200 image: python3 3.12, torch 2.11 / CUDA 13 / triton 3.6, no liger-kernel).
 #
-#   bash bench/gpu_wheels.sh             # here, once: liger-kernel + cut-cross-entropy wheels into .whl/
+#   bash bench/gpu_wheels.sh             # here, once: liger-kernel, cut-cross-entropy, verl wheels into .whl/
 #   device run: command "bash bench/gpu_check.sh $OUT", carry [".whl"], timeout_s 600, kind "nvidia-h200"
 #   (without a kind the tool may start an H100, whose numbers do not compare with the issues' H200 goals)
 #
@@ -21,9 +21,9 @@
 #   linear_budget  bench/gpu_linear_budget.py (issue 4): the tiled fused linear by tile budget, and its GEMMs alone
 #   linear  bench.report --set gpu --ops linear_policy_loss --modes fwd+bwd: N=8192, H=4096, V=128256, bf16
 #   linear_profile  bench/gpu_linear_profile.py: torch.profiler of the tiled fused linear, kernel time by kind
-#   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening, variant, opcheck, linear fuzz, Liger and
-#           recompile tests (xdist); last, in the time the benchmarks leave (the caps add up to more than the budget, and
-#           the issues' rows must not be the ones cut)
+#   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening, variant, opcheck, linear fuzz, Liger,
+#           verl and recompile tests (xdist); last, in the time the benchmarks leave (the caps add up to more than
+#           the budget, and the issues' rows must not be the ones cut)
 # GPU_CHECK_STEPS (default all): the steps to run among pytest, logits, variants, linear, linear_budget,
 # linear_profile
 # (wheels and build always run; e.g. GPU_CHECK_STEPS="logits linear_budget" for a short confirmation).
@@ -135,7 +135,7 @@ wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pyte
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
   tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py \
-  tests/test_recompiles.py tests/test_liger_logits.py
+  tests/test_recompiles.py tests/test_liger_logits.py tests/test_verl_lm_head.py
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish

@@ -17,6 +17,10 @@ import torch
 from fused_rl.integrations.verl_lm_head import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 from helpers import fused_backends, supports
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on a GPU every test runs on CUDA tensors (the triton / cuda backends, verl's torch path on CUDA): part of -m cuda
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+
 FILES = {"verl.utils.kernel.linear_cross_entropy": "utils/kernel/linear_cross_entropy.py",
          "verl.utils.experimental.torch_functional": "utils/experimental/torch_functional.py",
          "verl.models.transformers.dense_common": "models/transformers/dense_common.py"}
@@ -59,14 +63,14 @@ def _inputs(seed: int, shape=(2, 37), hidden=48, vocab=1000, dtype=torch.float32
         h[..., 0] = 1.0
         w[:, 0] = -60.0
     ids = torch.randint(0, vocab, shape, generator=g)
-    return h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_(), ids
+    return h.to(DEVICE, dtype).requires_grad_(), w.to(DEVICE, dtype).requires_grad_(), ids.to(DEVICE)
 
 
 def _grads(outputs, inputs, seed: int):
     """Gradients of ``<g1, log_probs> + <g2, entropy>`` for random ``g1, g2``: both outputs' backward formulas."""
     g = torch.Generator().manual_seed(seed + 1)
     logp, entropy = outputs
-    g1, g2 = torch.randn(logp.shape, generator=g), torch.randn(entropy.shape, generator=g)
+    g1, g2 = (torch.randn(x.shape, generator=g).to(DEVICE) for x in (logp, entropy))
     return torch.autograd.grad((logp.double() * g1).sum() + (entropy.double() * g2).sum(), inputs)
 
 
@@ -89,7 +93,7 @@ def _no_worse_than_verl(ours, theirs, exact) -> None:
 
 
 @pytest.mark.parametrize("kind", ["randn", "peaked", "negative"])
-@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends(DEVICE))
 @pytest.mark.parametrize("shape,vocab", [((2, 37), 1000), ((45,), 4099), ((1, 1), 1000)])
 def test_fused_linear_for_ppo_matches_verl_fp32(verl_modules, backend, kind, shape, vocab):
     """verl's torch ``FusedLinearForPPO`` and ours: log-probs, entropies and the hidden / weight gradients of any
@@ -108,12 +112,12 @@ def test_fused_linear_for_ppo_matches_verl_fp32(verl_modules, backend, kind, sha
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends(DEVICE))
 def test_fused_linear_for_ppo_half_precision(verl_modules, backend, dtype):
     """bf16 / fp16: our log-probs and entropies (fp32 accumulation) are within fp32 rounding of the float64 values of
     the same rounded inputs; verl's round the logits to the input dtype first and are further off. Dtypes as verl's:
     fp32 log-probs, entropy in the input dtype."""
-    if not supports(backend, dtype):
+    if not supports(backend, dtype, DEVICE):
         pytest.skip(f"{backend} has no {dtype}")
     h, w, ids = _inputs(5, (3, 29), dtype=dtype)
     theirs = verl_modules.torch_functional.FusedLinearForPPO()(h, w, ids, temperature=0.9)
@@ -128,7 +132,7 @@ def test_fused_linear_for_ppo_half_precision(verl_modules, backend, dtype):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * b.float().abs().max().item())
 
 
-@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends(DEVICE))
 def test_linear_cross_entropy_is_verls_kernel_contract(verl_modules, backend):
     """verl's Triton ``linear_cross_entropy`` (CUDA only; its contract from its source): flattened ``(N,)`` fp32
     log-probs and entropies of the same values as verl's torch path, ``reduction`` sum / mean of the log-probs,
@@ -159,7 +163,7 @@ def test_autocast_casts_as_verls_matmul(verl_modules):
     the hidden states' dtype as verl's, and the values are those of both operands in bf16."""
     h, w, ids = _inputs(13, (2, 9))
     wb = w.detach().bfloat16().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         theirs = verl_modules.torch_functional.FusedLinearForPPO()(h, wb, ids)
         ours = FusedLinearForPPO()(h, wb, ids)
         flat = linear_cross_entropy(h, wb, ids)
@@ -237,8 +241,8 @@ def test_verl_model_forward_patched(verl_modules, forward, monkeypatch):
     """verl's own model forward (``dense_common``), patched: its triton route (CUDA only in verl) runs here, and both
     routes give verl's torch route's log-probs, entropies and model gradients; ``shift_labels`` as verl's engine passes
     them; restoring the returned pair undoes the patch."""
-    model = _tiny_llama(0)
-    ids = torch.randint(0, 611, (2, 19), generator=torch.Generator().manual_seed(1))
+    model = _tiny_llama(0).to(DEVICE)
+    ids = torch.randint(0, 611, (2, 19), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     kwargs = dict(input_ids=ids, return_dict=True, temperature=0.8)
     run = getattr(verl_modules.dense_common, "forward_with_torch_backend")
     theirs = run(model, **kwargs)
@@ -290,7 +294,7 @@ def test_autocast_fp32_head_and_fp64(verl_modules):
     h, w, ids = _inputs(17, (2, 9))
     plain = FusedLinearForPPO()(h.detach().bfloat16(), w.detach().bfloat16(), ids)
     for hidden in (h, h.detach().bfloat16().requires_grad_()):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             theirs = verl_modules.torch_functional.FusedLinearForPPO()(hidden, w, ids)
             ours = FusedLinearForPPO()(hidden, w, ids)
             flat = linear_cross_entropy(hidden, w, ids)
@@ -301,7 +305,7 @@ def test_autocast_fp32_head_and_fp64(verl_modules):
         grad_w = torch.autograd.grad(ours[0].sum() + ours[1].float().sum(), (w,))[0]
         assert grad_w.dtype == torch.float32 and grad_w.abs().max() > 0
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         ours = FusedLinearForPPO(backend="reference")(h64, w64, ids)
         theirs = verl_modules.torch_functional.FusedLinearForPPO()(h64, w64, ids)
     assert [x.dtype for x in ours] == [x.dtype for x in theirs] == [torch.float32, torch.float64]
