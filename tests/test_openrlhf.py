@@ -572,8 +572,38 @@ def test_patch_actor_swaps_the_two_functions_and_returns_the_old_ones():
     old = (lambda *a: None, lambda *a: None)
     actor = types.SimpleNamespace(log_probs_from_logits=old[0], compute_entropy=old[1])
     assert openrlhf.patch_actor(actor) == old
-    assert actor.log_probs_from_logits is openrlhf.log_probs_from_logits
-    assert actor.compute_entropy is openrlhf.compute_entropy
+    assert actor.log_probs_from_logits.func is openrlhf.log_probs_from_logits
+    assert actor.compute_entropy.func is openrlhf.compute_entropy
+    logits, labels = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    torch.testing.assert_close(actor.log_probs_from_logits(logits, labels),
+                               logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    p = logits.softmax(-1)
+    torch.testing.assert_close(actor.compute_entropy(logits), -(p * p.log()).sum(-1))
+
+
+def test_patch_actor_passes_its_options_on(monkeypatch):
+    """``backend`` and ``check_inputs`` reach the fused pass of both patched functions (``check_inputs=False``: no
+    host sync a call)."""
+    from fused_rl.integrations import openrlhf
+
+    seen = []
+    real = openrlhf.token_logprobs
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["backend"], kwargs["check_inputs"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(openrlhf, "token_logprobs", spy)
+    actor = types.SimpleNamespace(log_probs_from_logits=None, compute_entropy=None)
+    openrlhf.patch_actor(actor, backend="torch", check_inputs=False)
+    logits, labels = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    actor.log_probs_from_logits(logits, labels)
+    actor.compute_entropy(logits)
+    assert seen == [("torch", False), ("torch", False)]  # compute_entropy never checks (its ids are a placeholder)
+    labels[0, 0] = 7
+    openrlhf.patch_actor(actor)
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 7\)"):
+        actor.log_probs_from_logits(logits, labels)
 
 
 def test_patch_actor_reaches_openrlhf_actor_forward(upstream):

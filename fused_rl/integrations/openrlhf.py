@@ -60,6 +60,7 @@ Differences from OpenRLHF, all documented in ``docs/migration.md``:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import torch
@@ -391,17 +392,20 @@ def compute_entropy(logits: torch.Tensor, *, backend: str = "auto") -> torch.Ten
     return token_logprobs(logits, anchor, return_entropy=True, backend=backend, check_inputs=False)[1]
 
 
-def patch_actor(actor_module=None) -> tuple:
+def patch_actor(actor_module=None, *, backend: str = "auto", check_inputs: bool = True) -> tuple:
     """Make OpenRLHF's ``Actor.forward`` take its log-probs and entropies from :func:`log_probs_from_logits` and
     :func:`compute_entropy` (it calls the names ``openrlhf.models.actor`` imported from ``openrlhf.models.utils``;
-    ``actor_module``: that module, imported here when None). It patches this process only: call it in each Ray
-    worker that builds OpenRLHF's ``Actor``, not (only) in the driver. Returns the previous pair, to restore with
+    ``actor_module``: that module, imported here when None), with the given ``backend`` and ``check_inputs``
+    (``False``: no host sync a call, out-of-range labels unchecked). It patches this process only: call it in each
+    Ray worker that builds OpenRLHF's ``Actor``, not (only) in the driver. Returns the previous pair, to restore with
     ``actor_module.log_probs_from_logits, actor_module.compute_entropy = previous``. The actor still casts its
     logits to fp32 and scales them by the temperature before these run."""
     if actor_module is None:
         import openrlhf.models.actor as actor_module
     previous = (actor_module.log_probs_from_logits, actor_module.compute_entropy)
-    actor_module.log_probs_from_logits, actor_module.compute_entropy = log_probs_from_logits, compute_entropy
+    actor_module.log_probs_from_logits = functools.partial(log_probs_from_logits, backend=backend,
+                                                           check_inputs=check_inputs)
+    actor_module.compute_entropy = functools.partial(compute_entropy, backend=backend)
     return previous
 
 
