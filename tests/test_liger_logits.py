@@ -458,3 +458,141 @@ def test_bad_input_fuzz_raises_value_errors_only(backend):
             pass
 
     check()
+
+
+# ----------------------------------------------------------------------------- edge cases (mutation-testing round)
+@needs_liger
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_clip_boundaries_and_zero_advantages_match_liger(on_policy, level, reduce):
+    """``is_clipped`` / ``clip_ratio`` at the edges of Liger's strict comparisons: on-policy with ``eps = 0`` every
+    ratio is exactly ``1 = 1 - eps_low = 1 + eps_high`` (never clipped); off-policy with rows of ``A = 0`` whose
+    ratios leave the clip range (never clipped either: Liger needs ``A < 0`` / ``A > 0``)."""
+    case = make(seed=13)
+    case["mask"][:] = 1
+    case["adv"][:] = torch.tensor([0.0, -0.7, 0.9, 0.0])  # both signs on full rows, and two rows of A = 0
+    if on_policy:
+        kwargs = dict(old=None, eps_low=0.0, eps_high=0.0)
+    else:
+        kwargs = dict(eps_low=0.05, eps_high=0.05)
+        logp = torch.log_softmax(case["logits"][:, :-1].float() / 0.9, -1).gather(-1, case["ids"][..., None])[..., 0]
+        r = torch.exp(logp - case["old"])
+        assert ((r[0] - 1).abs() > 0.05).any() and ((r[3] - 1).abs() > 0.05).any()  # A = 0 rows out of range
+    kwargs.update(loss_type="grpo", importance_sampling_level=level)
+    assert_same(run(triton_grpo_loss, case, reduce, **dict(kwargs)), run(liger_grpo, case, reduce, **kwargs))
+
+
+@needs_liger
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_all_masked_batch_matches_liger(loss_type, reduce):
+    """``B > 0`` with every token masked: zero loss, KL, clip ratio (Liger's denominators clamped at 1, not 0 / 0)
+    and gradient, as Liger's."""
+    case = make(seed=14)
+    kwargs = dict(_kwargs(loss_type, "token", 0.04, False), mask=torch.zeros_like(case["mask"]))
+    got, want = run(triton_grpo_loss, case, reduce, **dict(kwargs)), run(liger_grpo, case, reduce, **kwargs)
+    assert_same(got, want)
+    assert all(torch.all(t == 0) for t in got[0] + [got[1]])
+
+
+@needs_liger
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("batch", [0, B])
+def test_output_structure_and_dtypes_are_ligers(batch, reduce, beta, dtype):
+    """The number of outputs / metrics, ``None`` for the KL at ``beta = 0``, shapes and dtypes (fp32 for fp32 and
+    bf16 logits, ``is_clipped`` a float tensor) equal Liger's, on a batch and on an empty one (``B = 0``)."""
+    case = {k: v[:batch] for k, v in make(seed=15, dtype=dtype).items()}
+    outs = []
+    for fn in (triton_grpo_loss, liger_grpo):
+        out = fn(case["logits"], case["old"], case["ref"], case["ids"], case["adv"], case["mask"], beta=beta,
+                 reduce=reduce, inplace=False)
+        flat = [out[0], *out[1]] if reduce else list(out)
+        outs.append([None if t is None else (tuple(t.shape), t.dtype) for t in flat])
+    assert outs[0] == outs[1]
+    if batch == 0:
+        got = fused_selective_log_softmax(case["logits"], case["ids"], 0.9, case["mask"])
+        want = liger_selective(case["logits"], case["ids"], 0.9, case["mask"])
+        assert (got.shape, got.dtype) == (want.shape, want.dtype) == ((0, L), torch.float32)
+
+
+@needs_liger
+@pytest.mark.parametrize("num_items", [None, 40, torch.tensor(40.0), 1.5, torch.tensor(1.5)],
+                         ids=["none", "int", "tensor", "small-float", "small-tensor"])
+def test_world_size_normalizer_matches_liger(monkeypatch, num_items):
+    """dapo's normalizer on a (faked) 2-rank job, read from ``torch.distributed`` by both: ``num_items_in_batch /
+    world_size`` clamped at 1 (1.5 / 2 -> 1), or the tokens of all ranks (``all_reduce``: here twice the local
+    count) over the world size; Liger's own ``_compute_dapo_normalizer`` runs under the same fake."""
+    calls = []
+
+    def all_reduce(t, op=None):
+        calls.append(t)
+        t.mul_(2)
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    case = make(seed=16)
+    kwargs = dict(loss_type="dapo", num_items_in_batch=num_items)
+    got = run(triton_grpo_loss, case, True, **dict(kwargs))
+    assert len(calls) == (num_items is None)  # one all_reduce (for the loss and its gradient), only without the count
+    assert_same(got, run(liger_grpo, case, True, **kwargs))
+
+
+@needs_liger
+@pytest.mark.parametrize("reduce", [True, False])
+def test_ref_logp_is_not_read_at_beta_zero(reduce):
+    """``beta = 0``: ``ref_logp`` is not read (Liger's kernel does not load it): a wrong-shaped or NaN one gives
+    Liger's outputs without it."""
+    case = make(seed=17)
+    want = run(liger_grpo, dict(case, ref=None), reduce, beta=0.0)
+    for ref in (torch.full((B, L), float("nan"), device=DEVICE), torch.zeros(B, 2, device=DEVICE)):
+        assert_same(run(triton_grpo_loss, dict(case, ref=ref), reduce, beta=0.0), want)
+
+
+@needs_liger
+@pytest.mark.parametrize("reduce", [True, False])
+def test_cispo_cap_of_one_matches_liger(reduce):
+    """cispo's smallest accepted cap, ``eps_high = 1`` (the ratio truncated at 1; ``clip_high = 0``), is Liger's."""
+    case = make(seed=18)
+    kwargs = dict(loss_type="cispo", eps_high=1.0)
+    assert_same(run(triton_grpo_loss, case, reduce, **dict(kwargs)), run(liger_grpo, case, reduce, **kwargs))
+
+
+@pytest.mark.parametrize("kwargs,exc,needle", [
+    (dict(vllm_is_ratio=torch.ones(B + 1)), ValueError, r"vllm_is_ratio must have shape \(4, 6\), \(4, 1\) or \(4,\)"),
+    (dict(vllm_is_ratio=torch.ones(B + 1, 1)), ValueError, r"vllm_is_ratio must have shape \(4, 6\), \(4, 1\)"),
+    (dict(logits=torch.randn(B, 0, V)), ValueError, r"logits must be a tensor of shape \(B, L\+1, V\)"),
+    (dict(logits=torch.zeros(0, L + 1, V, dtype=torch.long)), ValueError, "logits must be floating"),
+    (dict(logits=torch.zeros(1, L + 1, V, dtype=torch.long)), ValueError, "logits must be float32, bfloat16, float16"),
+    (dict(inplace="yes"), ValueError, "reduce and inplace must be bools"),
+    (dict(loss_type="dr_grpo", max_completion_length=0), ValueError, "max_completion_length"),
+    (dict(eps_high=0.5, delta=1.5), NotImplementedError, r"delta=1.5 <= 1 \+ epsilon_high"),
+])
+def test_bad_input_edges_raise(kwargs, exc, needle):
+    """Edges of the argument checks: a per-sequence ratio of the wrong batch, an empty logits length, integer logits
+    on an empty batch and on a one-row batch (checked before the other arguments), a non-bool ``inplace``,
+    ``max_completion_length=0`` (not ``L``), ``delta == 1 + eps_high``."""
+    case = make()
+    args = dict(logits=case["logits"], old_logp=case["old"], ref_logp=case["ref"], completion_ids=case["ids"],
+                advantages=case["adv"], completion_mask=case["mask"], reduce=True)
+    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    with pytest.raises(exc, match=needle):
+        triton_grpo_loss(**args)
+
+
+@needs_liger
+@pytest.mark.parametrize("reduce", [True, False])
+def test_ignore_index_ids_match_liger_with_those_tokens_masked(reduce):
+    """``-100`` in ``completion_ids`` (on rows of both advantage signs) is a masked token: loss, KL, clip ratio
+    (numerator and denominator) and gradient equal Liger's with the mask 0 there (and any valid id)."""
+    case = make(seed=19)
+    case["adv"][:] = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    case["mask"][:] = 1
+    drop = torch.zeros(B, L, dtype=torch.bool, device=DEVICE)
+    drop[:, 1::2] = True
+    want = run(liger_grpo, dict(case, mask=case["mask"].masked_fill(drop, 0)), reduce, loss_type="bnpo")
+    got = run(triton_grpo_loss, dict(case, ids=case["ids"].masked_fill(drop, -100)), reduce, loss_type="bnpo")
+    assert_same(got, want)
