@@ -308,6 +308,17 @@ def test_empty_batch_and_no_completion(reduce):
     (dict(logits=torch.randn(B, V)), ValueError, r"logits must be a tensor of shape \(B, L\+1, V\)"),
     (dict(logits=torch.randn(B, L + 1, V).to(torch.int64)), ValueError, "logits"),
     (dict(reduce=1), ValueError, "reduce and inplace must be bools"),
+    # edges of the checks (a mutation round): a per-sequence ratio of the wrong batch, an empty logits length, integer
+    # logits on an empty and a one-row batch (checked before the other arguments), max_completion_length=0 (not L),
+    # delta == 1 + eps_high
+    (dict(vllm_is_ratio=torch.ones(B + 1)), ValueError, r"vllm_is_ratio must have shape \(4, 6\), \(4, 1\) or \(4,\)"),
+    (dict(vllm_is_ratio=torch.ones(B + 1, 1)), ValueError, r"vllm_is_ratio must have shape \(4, 6\), \(4, 1\)"),
+    (dict(logits=torch.randn(B, 0, V)), ValueError, r"logits must be a tensor of shape \(B, L\+1, V\)"),
+    (dict(logits=torch.zeros(0, L + 1, V, dtype=torch.long)), ValueError, "logits must be floating"),
+    (dict(logits=torch.zeros(1, L + 1, V, dtype=torch.long)), ValueError, "logits must be float32, bfloat16, float16"),
+    (dict(inplace="yes"), ValueError, "reduce and inplace must be bools"),
+    (dict(loss_type="dr_grpo", max_completion_length=0), ValueError, "max_completion_length"),
+    (dict(eps_high=0.5, delta=1.5), NotImplementedError, r"delta=1.5 <= 1 \+ epsilon_high"),
 ])
 def test_bad_input_names_ligers_arguments(kwargs, exc, needle):
     """Bad input raises, naming Liger's argument; what Liger would compute wrongly (cispo's default 0.4 cap, vespo
@@ -559,28 +570,6 @@ def test_cispo_cap_of_one_matches_liger(reduce):
     case = make(seed=18)
     kwargs = dict(loss_type="cispo", eps_high=1.0)
     assert_same(run(triton_grpo_loss, case, reduce, **dict(kwargs)), run(liger_grpo, case, reduce, **kwargs))
-
-
-@pytest.mark.parametrize("kwargs,exc,needle", [
-    (dict(vllm_is_ratio=torch.ones(B + 1)), ValueError, r"vllm_is_ratio must have shape \(4, 6\), \(4, 1\) or \(4,\)"),
-    (dict(vllm_is_ratio=torch.ones(B + 1, 1)), ValueError, r"vllm_is_ratio must have shape \(4, 6\), \(4, 1\)"),
-    (dict(logits=torch.randn(B, 0, V)), ValueError, r"logits must be a tensor of shape \(B, L\+1, V\)"),
-    (dict(logits=torch.zeros(0, L + 1, V, dtype=torch.long)), ValueError, "logits must be floating"),
-    (dict(logits=torch.zeros(1, L + 1, V, dtype=torch.long)), ValueError, "logits must be float32, bfloat16, float16"),
-    (dict(inplace="yes"), ValueError, "reduce and inplace must be bools"),
-    (dict(loss_type="dr_grpo", max_completion_length=0), ValueError, "max_completion_length"),
-    (dict(eps_high=0.5, delta=1.5), NotImplementedError, r"delta=1.5 <= 1 \+ epsilon_high"),
-])
-def test_bad_input_edges_raise(kwargs, exc, needle):
-    """Edges of the argument checks: a per-sequence ratio of the wrong batch, an empty logits length, integer logits
-    on an empty batch and on a one-row batch (checked before the other arguments), a non-bool ``inplace``,
-    ``max_completion_length=0`` (not ``L``), ``delta == 1 + eps_high``."""
-    case = make()
-    args = dict(logits=case["logits"], old_logp=case["old"], ref_logp=case["ref"], completion_ids=case["ids"],
-                advantages=case["adv"], completion_mask=case["mask"], reduce=True)
-    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-    with pytest.raises(exc, match=needle):
-        triton_grpo_loss(**args)
 
 
 @needs_liger
