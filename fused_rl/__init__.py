@@ -3,7 +3,8 @@
 Public API: :class:`PolicyLossConfig`, :func:`token_logprobs`, :func:`policy_loss`,
 :func:`linear_policy_loss`, :func:`linear_token_logprobs`, the :mod:`fused_rl.reference` twins, and
 :mod:`fused_rl.advantages`; drop-in loss modules in :mod:`fused_rl.nn`; trainer integrations in
-:mod:`fused_rl.integrations` (imported on demand).
+:mod:`fused_rl.integrations` (imported on demand); a tensor-parallel LM head's log-probs in
+:mod:`fused_rl.vocab_parallel` (imported on demand).
 """
 
 from . import advantages, nn, reference

@@ -220,13 +220,26 @@ def test_errors(monkeypatch):
         linear_cross_entropy(h, w, ids[:, :4])
     with pytest.raises(ValueError, match="weight must have shape"):
         linear_cross_entropy(h, w[:, :40], ids)
-    with pytest.raises(ValueError, match="non-empty"):  # zero tokens (verl's return empty outputs)
-        FusedLinearForPPO()(h[:, :0], w, ids[:, :0])
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    with pytest.raises(NotImplementedError, match="vocabulary-parallel"):
-        linear_cross_entropy(h, w, ids, 1.0, "none", object())
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    with pytest.raises(ValueError, match=r"the weight must be a \(V, H=48\) tensor"):  # zero tokens, a bad weight
+        FusedLinearForPPO()(h[:, :0], w[:, :40], ids[:, :0])
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)  # a group of one process
     assert linear_cross_entropy(h, w, ids, 1.0, "none", object())[0].shape == (10,)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0,)])
+def test_zero_tokens_give_empty_outputs(shape):
+    """No token (verl's kernels return empty outputs): empty log-probs / entropies of verl's dtypes, and a backward
+    through them gives zero gradients to both operands."""
+    h, w, ids = _inputs(11, (2, 5))
+    hidden, labels = h[:, :0].reshape(*shape, 48), ids[:, :0].reshape(shape)
+    logp, entropy = FusedLinearForPPO()(hidden, w, labels)
+    assert logp.shape == entropy.shape == shape and logp.dtype == entropy.dtype == torch.float32
+    flat = linear_cross_entropy(hidden, w, labels, 1.0, "sum")
+    assert flat[0].shape == () and flat[0] == 0 and flat[1].shape == (0,)
+    grad_h, grad_w = torch.autograd.grad(logp.sum() + flat[0] + flat[1].sum(), (h, w))
+    assert not grad_h.any() and not grad_w.any()
+    half = FusedLinearForPPO()(hidden.detach().bfloat16(), w.detach().bfloat16(), labels)
+    assert half[0].dtype == torch.float32 and half[1].dtype == torch.bfloat16
 
 
 def _tiny_llama(seed: int):
@@ -364,6 +377,42 @@ def test_options_reach_the_kernel(monkeypatch):
     with pytest.raises(ValueError, match=r"targets must be in \[0, 1000\) or -100"):
         ids[0, 0] = 1000
         FusedLinearForPPO()(h, w, ids)
+
+
+def test_patch_rebinds_megatron_forwards_and_passes_the_group(monkeypatch):
+    """verl's Megatron forwards bind ``linear_cross_entropy`` at import: the patch rebinds it in those already
+    imported that hold verl's function (not in one holding anything else), and a tensor-parallel group reaches
+    :func:`fused_rl.vocab_parallel.linear_token_logprobs` with the patch's options (the group's values:
+    tests/test_vocab_parallel.py)."""
+    import fused_rl.integrations.verl_lm_head as module
+
+    def verls(*args):
+        raise AssertionError("verl's kernel called")
+
+    kernel = types.SimpleNamespace(linear_cross_entropy=verls)
+    functional = types.SimpleNamespace(FusedLinearForPPO=None)
+    fused, overlap = (types.ModuleType(name) for name in module.MCORE_MODULES)
+    fused.linear_cross_entropy, overlap.linear_cross_entropy = verls, len
+    for name, mod in zip(module.MCORE_MODULES, (fused, overlap)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    previous = patch_fused_kernels(kernel, functional, backend="torch", check_inputs=False)
+    assert previous[0] is verls and overlap.linear_cross_entropy is len
+    assert fused.linear_cross_entropy is kernel.linear_cross_entropy and fused.linear_cross_entropy.func is \
+        module.linear_cross_entropy
+    seen = []
+
+    def spy(hidden, weight, labels, **kwargs):
+        seen.append((tuple(hidden.shape), tuple(labels.shape), kwargs))
+        return torch.full(labels.shape, -1.0), torch.full(labels.shape, 2.0)
+
+    monkeypatch.setattr(module.vocab_parallel, "linear_token_logprobs", spy)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    h, w, ids = _inputs(29, (2, 5))
+    group = object()
+    logp, entropy = fused.linear_cross_entropy(h, w, ids, 0.5, "none", group)
+    assert torch.equal(logp, torch.full((10,), -1.0)) and torch.equal(entropy, torch.full((10,), 2.0))
+    assert seen == [((1, 10, 48), (1, 10), dict(group=group, temperature=0.5, return_entropy=True, backend="torch",
+                                                check_inputs=False, memory_budget_bytes=None))]
 
 
 def test_narrow_integer_input_ids_are_taken_as_int64():

@@ -15,39 +15,44 @@ logsumexp(z) - sum_j softmax(z)_j z_j``, both differentiable w.r.t. ``hidden`` a
 
 Differences from verl (each tested): a label ``-100`` gives log-prob 0, entropy 0 and no gradient (fused_rl's ignore
 index: the row is not read; verl's torch and Triton kernels have none, its ``"liger"`` path has the same), and an
-out-of-range label raises (``check_inputs=True``: one host sync a call); a ``dist_process_group`` of more than one
-process (verl's vocabulary-parallel Triton kernel) raises ``NotImplementedError``; ``chunk_size`` is checked but
-fused_rl chooses its own tiles (``memory_budget_bytes``); in bf16 / fp16 the log-probs are more accurate (verl's torch
-path rounds the logits to the input dtype before its fp32 softmax); zero tokens raise ``ValueError`` (verl's return
-empty outputs). Through the patch verl builds :class:`FusedLinearForPPO` and calls :func:`linear_cross_entropy`
-itself: ``backend``, ``check_inputs`` and ``memory_budget_bytes`` are :func:`patch_fused_kernels`' arguments there.
-Megatron's fused forward (``verl.models.mcore``) imports ``linear_cross_entropy`` at module import and passes its
-tensor-parallel group: not covered (it keeps verl's kernel unless the patch ran first, e.g. through
-``VERL_USE_EXTERNAL_MODULES``, and then a group of more than one process raises).
+out-of-range label raises (``check_inputs=True``: one host sync a call); ``chunk_size`` is checked but fused_rl
+chooses its own tiles (``memory_budget_bytes``); in bf16 / fp16 the log-probs are more accurate (verl's torch path
+rounds the logits to the input dtype before its fp32 softmax). Through the patch verl builds
+:class:`FusedLinearForPPO` and calls :func:`linear_cross_entropy` itself: ``backend``, ``check_inputs`` and
+``memory_budget_bytes`` are :func:`patch_fused_kernels`' arguments there.
+
+A ``dist_process_group`` of more than one process is verl's vocabulary-parallel case (Megatron's fused forward,
+``verl.models.mcore``, passes its tensor-parallel group with each rank's slice ``[rank V_r, (rank + 1) V_r)`` of the
+output layer): :func:`fused_rl.vocab_parallel.linear_token_logprobs` runs it, one fused pass over the rank's slice
+and one ``all_gather`` of three values per token, with verl's gradients (the weight slice's own, the hidden states'
+partial sum of this rank, which Megatron's sequence-parallel gather reduces in its backward). Megatron's forwards bind
+``linear_cross_entropy`` at their import: :func:`patch_fused_kernels` rebinds it there too.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Optional
 
 import torch
 
+from .. import vocab_parallel
 from ..ops import linear_token_logprobs
 
 REDUCTIONS = ("none", "sum", "mean")
+#: verl 0.9's Megatron model forwards, which bind ``linear_cross_entropy`` at their import (and pass the
+#: tensor-parallel group)
+MCORE_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 
 
-def _single_process(group: Any) -> None:
+def _tensor_parallel(group: Any) -> Any:
+    """``group`` where it has more than one process (a vocabulary-parallel LM head), else None."""
     if group is None:
-        return
+        return None
     import torch.distributed as dist
 
-    if dist.get_world_size(group) > 1:
-        raise NotImplementedError(
-            "linear_cross_entropy: a dist_process_group of more than one process (a vocabulary-parallel LM head, each "
-            "rank holding a slice of the vocabulary) is not supported by fused_rl; pass dist_process_group=None "
-            "with the whole LM-head weight (verl's FSDP models do)")
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def _operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,12 +67,27 @@ def _operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, backend: str,
-           check_inputs: bool, memory_budget_bytes: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_prob, entropy)`` of ``labels.shape`` for ``hidden (*labels.shape, H)``, one fused pass."""
+           check_inputs: bool, memory_budget_bytes: Optional[int], group: Any = None) -> tuple:
+    """``(log_prob, entropy)`` of ``labels.shape`` for ``hidden (*labels.shape, H)``, one fused pass (over this
+    process's vocabulary shard, :mod:`fused_rl.vocab_parallel`, with a tensor-parallel ``group``). Zero tokens give
+    empty outputs, as verl's, still tied to both operands (a backward through them gives zero gradients)."""
+    if labels.numel() == 0:
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] \
+                or weight.dtype != hidden.dtype or weight.shape[0] == 0:
+            raise ValueError(f"the weight must be a (V, H={hidden.shape[-1]}) tensor of the hidden states' dtype "
+                             f"{hidden.dtype}, got {getattr(weight, 'dtype', type(weight))} "
+                             f"{tuple(getattr(weight, 'shape', ()))}")
+        empty = (hidden.reshape(-1, hidden.shape[-1]) @ weight[:1].t()).reshape(labels.shape)
+        empty = empty.to(torch.float64 if empty.dtype == torch.float64 else torch.float32)
+        return empty, empty.clone()
     flat = hidden.reshape(1, -1, hidden.shape[-1])
-    logp, entropy = linear_token_logprobs(flat, weight, labels.reshape(1, -1), temperature=temperature,
-                                          return_entropy=True, backend=backend, check_inputs=check_inputs,
-                                          memory_budget_bytes=memory_budget_bytes)
+    options = dict(temperature=temperature, return_entropy=True, backend=backend, check_inputs=check_inputs,
+                   memory_budget_bytes=memory_budget_bytes)
+    if group is None:
+        logp, entropy = linear_token_logprobs(flat, weight, labels.reshape(1, -1), **options)
+    else:
+        logp, entropy = vocab_parallel.linear_token_logprobs(flat, weight, labels.reshape(1, -1), group=group,
+                                                             **options)
     return logp.view(labels.shape), entropy.view(labels.shape)
 
 
@@ -94,7 +114,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     reduction = "none" if reduction is None else reduction
     if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    _single_process(dist_process_group)
+    group = _tensor_parallel(dist_process_group)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         raise ValueError(f"hidden must be a tensor of shape (..., H), got {tuple(getattr(hidden, 'shape', ()))}")
     tokens = tuple(hidden.shape[:-1])
@@ -103,7 +123,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         labels = labels.reshape(tokens)
     _check_labels(hidden, labels, "labels", tokens)
     hidden, weight = _operands(hidden, weight)
-    logp, entropy = _fused(hidden, weight, labels, temperature, backend, check_inputs, memory_budget_bytes)
+    logp, entropy = _fused(hidden, weight, labels, temperature, backend, check_inputs, memory_budget_bytes, group)
     logp, entropy = logp.reshape(-1), entropy.reshape(-1)
     reduction = reduction.lower()
     if reduction == "sum":
@@ -157,8 +177,11 @@ def patch_fused_kernels(kernel_module: Any = None, functional_module: Any = None
     ``memory_budget_bytes``. verl imports both names where its forwards call them, so the patch takes effect on the
     next forward. It patches this process only: in verl's Ray workers, set ``actor_rollout_ref.model.external_lib=
     fused_rl.integrations.verl_patch`` (verl imports it in each worker; it patches with the defaults) or call this
-    there (from your own ``external_lib`` module, for other options). Returns the previous pair, to restore with
-    ``kernel_module.linear_cross_entropy, functional_module.FusedLinearForPPO = previous``."""
+    there (from your own ``external_lib`` module, for other options). verl's Megatron forwards
+    (:data:`MCORE_MODULES`) import ``linear_cross_entropy`` when they are imported: those already imported that still
+    hold verl's function are rebound too (one imported later takes the patched name). Returns the previous pair, to
+    restore with ``kernel_module.linear_cross_entropy, functional_module.FusedLinearForPPO = previous`` (and the
+    Megatron modules' ``linear_cross_entropy = previous[0]``)."""
     if kernel_module is None:
         import verl.utils.kernel.linear_cross_entropy as kernel_module
     if functional_module is None:
@@ -172,7 +195,11 @@ def patch_fused_kernels(kernel_module: Any = None, functional_module: Any = None
     previous = (kernel_module.linear_cross_entropy, functional_module.FusedLinearForPPO)
     kernel_module.linear_cross_entropy = functools.partial(linear_cross_entropy, **options)
     functional_module.FusedLinearForPPO = PatchedFusedLinearForPPO
+    for name in MCORE_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "linear_cross_entropy", None) is previous[0]:
+            module.linear_cross_entropy = kernel_module.linear_cross_entropy
     return previous
 
 
-__all__ = ["linear_cross_entropy", "FusedLinearForPPO", "patch_fused_kernels", "REDUCTIONS"]
+__all__ = ["linear_cross_entropy", "FusedLinearForPPO", "patch_fused_kernels", "REDUCTIONS", "MCORE_MODULES"]

@@ -1,0 +1,233 @@
+"""fused_rl.vocab_parallel: log-probs and entropy of a vocabulary-parallel LM head (each process a slice of the
+weight's rows) against float64 over the whole vocabulary: values, and the gradients the tensor-parallel convention
+gives (each process's weight slice its own, the hidden states' partial sums adding up to the whole gradient).
+In one process, the ranks simulated (each rank's statistics with their graph, the others' detached: what the
+gather's backward gives) on every backend; then real gloo process groups, through the public function and verl's
+``linear_cross_entropy`` with its ``dist_process_group``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fused_rl import vocab_parallel
+from fused_rl.integrations.verl_lm_head import linear_cross_entropy
+from helpers import fused_backends, supports
+
+TEMPERATURE = 0.7
+
+
+def _inputs(seed: int, tokens: tuple, hidden: int, vocab: int, dtype=torch.float32, kind: str = "randn",
+            shard: int = 0):
+    """Hidden states ``(B, T, H)``, a whole ``(V, H)`` head and token ids (two of them ``-100``, two more the last
+    row of the first ``shard`` rows and the next one) whose logits are of order 3 (``"randn"``), peaked (a few ids
+    far above the rest) or all near -86 (``"negative"``: a constant feature against a large negative column)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*tokens, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.4
+    if kind == "peaked":
+        w[torch.randint(0, vocab, (5,), generator=g)] *= 8.0
+    elif kind == "negative":
+        h[..., 0] = 1.0
+        w[:, 0] = -60.0
+    ids = torch.randint(0, vocab, tokens, generator=g)
+    if ids.numel() > 4:
+        ids.view(-1)[1] = ids.view(-1)[-1] = -100
+        ids.view(-1)[2:4] = torch.tensor([shard - 1, shard]) if shard else ids.view(-1)[2:4]
+    return h.to(dtype), w.to(dtype), ids
+
+
+def _upstream(shape, seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _exact(h, w, ids, g1, g2):
+    """float64 log-probs, entropies and the gradients of ``<g1, logp> + <g2, H>`` over the whole vocabulary, from the
+    same (rounded) inputs."""
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    logp_all = ((h64 @ w64.T) / TEMPERATURE).log_softmax(-1)
+    ignored = ids == -100
+    logp = logp_all.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)
+    entropy = (-(logp_all.exp() * logp_all).sum(-1)).masked_fill(ignored, 0.0)
+    grad_h, grad_w = torch.autograd.grad((logp * g1).sum() + (entropy * g2).sum(), (h64, w64))
+    return logp.detach(), entropy.detach(), grad_h, grad_w
+
+
+def _simulated(h, w, ids, world: int, backend: str, g1, g2):
+    """Rank by rank in one process: ``(logp, H, hidden gradient summed over ranks, weight gradient (all slices),
+    the ranks' hidden gradients)``; each rank's statistics keep their graph, the other ranks' are detached (the
+    gather's backward), and every rank gives the same values."""
+    shard = w.shape[0] // world
+    grads_h, grads_w, values = [], [], []
+    for rank in range(world):
+        hr = h.clone().requires_grad_()
+        wr = w[rank * shard:(rank + 1) * shard].clone().requires_grad_()
+        stats = []
+        for other in range(world):
+            if other == rank:
+                stats.append(vocab_parallel.shard_statistics(hr, wr, ids, rank * shard, TEMPERATURE, True, backend,
+                                                             None))
+            else:
+                with torch.no_grad():
+                    stats.append(vocab_parallel.shard_statistics(h, w[other * shard:(other + 1) * shard], ids,
+                                                                 other * shard, TEMPERATURE, True, backend, None))
+        logp, entropy = vocab_parallel.combine(torch.stack(stats), ids == -100, True)
+        ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
+        values.append((logp.detach(), entropy.detach()))
+        grads_h.append(hr.grad.double())
+        grads_w.append(wr.grad.double())
+    for logp, entropy in values[1:]:
+        assert torch.equal(logp, values[0][0]) and torch.equal(entropy, values[0][1])
+    return (*values[0], sum(grads_h), torch.cat(grads_w), grads_h)
+
+
+def _close(got, exact, dtype, h, w) -> None:
+    """Log-probs within a few fp32 roundings of the largest logit (the shard's ``lse`` comes from ``z_c - log p_c``),
+    entropies as tight; gradients within 1e-5 (fp32) / one 16-bit unit roundoff (two roundings: each rank's own and
+    the stand-in column's, which cancels) of their scale; in fp32 the hidden gradient within 5e-5 (as
+    tests/test_verl_lm_head.py allows the whole head's) of the largest of the ranks' partial sums (with all logits
+    near -86, a rank's partial sum over the constant feature is ~100 where their sum over the ranks is ~3: Megatron's
+    and verl's partial sums cancel alike; the whole head's fp32 gradient is 5e-5 of its scale off there too)."""
+    logp, entropy, grad_h, grad_w, partials = got
+    z_max = ((h.double() @ w.double().T) / TEMPERATURE).abs().max().item()
+    atol = 8 * torch.finfo(torch.float32).eps * max(z_max, 1.0)
+    torch.testing.assert_close(logp.double(), exact[0], rtol=0, atol=atol)
+    torch.testing.assert_close(entropy.double(), exact[1], rtol=0, atol=atol)
+    unit = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps  # eps: two unit roundoffs
+    unit_h = 5e-5 if dtype == torch.float32 else unit
+    scale_h = max([exact[2].abs().max().item()] + [x.abs().max().item() for x in partials])
+    torch.testing.assert_close(grad_h, exact[2], rtol=0, atol=unit_h * scale_h)
+    torch.testing.assert_close(grad_w, exact[3], rtol=0, atol=unit * exact[3].abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["randn", "peaked", "negative"])
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("tokens,world,shard", [((2, 19), 2, 500), ((1, 23), 3, 1367), ((1, 1), 2, 500)])
+def test_simulated_ranks_match_the_whole_vocabulary_fp32(backend, kind, tokens, world, shard):
+    """fp32, 2 or 3 ranks of 500 / 1367 rows (a whole vocabulary of 1000 / 4101: not a multiple of any block), one
+    token, two ignored tokens, temperature 0.7: values and both gradients against float64."""
+    h, w, ids = _inputs(3, tokens, 40, world * shard, kind=kind, shard=shard)
+    g1, g2 = _upstream(ids.shape, 3)
+    _close(_simulated(h, w, ids, world, backend, g1, g2), _exact(h, w, ids, g1, g2), torch.float32, h, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_simulated_ranks_half_precision(backend, dtype):
+    """bf16 / fp16 hidden states and head: values with fp32 accuracy, gradients within 16-bit rounding; 1024 tokens,
+    so that stand-in columns all in one place would not be (their cancelling one-hot gradients summed in one weight
+    row: measured 3.3 unit roundoffs of the scale off there where the spread columns are 0.3 off, and 1.1 at most)."""
+    if not supports(backend, dtype):
+        pytest.skip(f"{backend} has no {dtype}")
+    h, w, ids = _inputs(5, (8, 128), 40, 3 * 347, dtype=dtype, shard=347)
+    g1, g2 = _upstream(ids.shape, 5)
+    _close(_simulated(h, w, ids, 3, backend, g1, g2), _exact(h, w, ids, g1, g2), dtype, h, w)
+
+
+def test_targets_in_one_shard_and_a_single_rank():
+    """Every target in the last rank's slice (the others contribute only their normalizers), and one rank holding the
+    whole head: the log-probs / entropies of :func:`fused_rl.linear_token_logprobs` on the whole head."""
+    h, w, ids = _inputs(7, (2, 9), 24, 600)
+    ids = torch.where(ids == -100, ids, ids % 200 + 400)
+    g1, g2 = _upstream(ids.shape, 7)
+    _close(_simulated(h, w, ids, 3, "cpu", g1, g2), _exact(h, w, ids, g1, g2), torch.float32, h, w)
+    import fused_rl
+
+    whole = fused_rl.linear_token_logprobs(h, w, ids, temperature=TEMPERATURE, return_entropy=True)
+    one = _simulated(h, w, ids, 1, "cpu", g1, g2)
+    torch.testing.assert_close(one[0], whole[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(one[1], whole[1], rtol=0, atol=2e-6)
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        h, w, ids = _inputs(11, (2, 13), 32, world * shard, shard=shard)
+        g1, g2 = _upstream(ids.shape, 11)
+        out = {}
+        for name, run in (
+                ("public", lambda hr, wr: vocab_parallel.linear_token_logprobs(
+                    hr, wr, ids, temperature=TEMPERATURE, return_entropy=True)),
+                ("verl", lambda hr, wr: [x.view(ids.shape) for x in linear_cross_entropy(
+                    hr, wr, ids, TEMPERATURE, "none", dist.group.WORLD)])):
+            hr = h.clone().requires_grad_()
+            wr = w[rank * shard:(rank + 1) * shard].clone().requires_grad_()
+            logp, entropy = run(hr, wr)
+            ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
+            out[name] = (logp.detach(), entropy.detach(), hr.grad, wr.grad)
+        total, _ = linear_cross_entropy(h, w[rank * shard:(rank + 1) * shard], ids, TEMPERATURE, "sum",
+                                        dist.group.WORLD)
+        out["sum"] = total
+        errors = []
+        for bad_ids, bad_w in ((torch.where(ids == -100, ids, world * shard), w[:shard]),
+                               (ids, w[:shard + rank])):  # a target past the last shard; unequal shards
+            try:
+                vocab_parallel.linear_token_logprobs(h, bad_w, bad_ids)
+            except ValueError as exc:
+                errors.append(str(exc))
+        out["errors"] = errors
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,shard", [(2, 500), (3, 347)])
+def test_gloo_process_group(tmp_path, world, shard):
+    """Real processes: :func:`fused_rl.vocab_parallel.linear_token_logprobs` and verl's ``linear_cross_entropy``
+    with the group give every rank the whole vocabulary's values; the ranks' hidden gradients sum to the whole
+    gradient, their weight gradients are the slices of it; ``reduction="sum"`` is the log-probs' sum; a target past
+    the last slice and unequal slices raise on every rank."""
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path), shard), nprocs=world, join=True)
+    h, w, ids = _inputs(11, (2, 13), 32, world * shard, shard=shard)
+    g1, g2 = _upstream(ids.shape, 11)
+    exact = _exact(h, w, ids, g1, g2)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    for name in ("public", "verl"):
+        for rank in ranks[1:]:
+            assert torch.equal(rank[name][0], ranks[0][name][0]) and torch.equal(rank[name][1], ranks[0][name][1])
+        partials = [r[name][2].double() for r in ranks]
+        got = (ranks[0][name][0], ranks[0][name][1], sum(partials), torch.cat([r[name][3].double() for r in ranks]),
+               partials)
+        _close(got, exact, torch.float32, h, w)
+    torch.testing.assert_close(ranks[0]["sum"].double(), exact[0].sum(), rtol=0, atol=1e-4)
+    for rank in ranks:
+        assert len(rank["errors"]) == 2
+        assert f"targets must be in [0, {world * shard})" in rank["errors"][0]
+        assert "equal shards" in rank["errors"][1]
+
+
+def test_bad_arguments():
+    h, w, ids = _inputs(13, (2, 5), 16, 100)
+    with pytest.raises(ValueError, match="targets must be an int32 or int64 tensor"):
+        vocab_parallel.linear_token_logprobs(h, w, ids.float())
+    with pytest.raises(ValueError, match=r"targets must have shape \(2, 5\)"):
+        vocab_parallel.linear_token_logprobs(h, w, ids[:, :3])
+    with pytest.raises(ValueError, match="weight must have shape"):
+        vocab_parallel.linear_token_logprobs(h, w[:, :8], ids)
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel.linear_token_logprobs(h, w, ids, temperature=0.0)
+    with pytest.raises(ValueError, match="return_entropy"):
+        vocab_parallel.linear_token_logprobs(h, w, ids, return_entropy=1)
+
+
+def test_ignored_tokens_are_not_read(monkeypatch):
+    """A ``-100`` token reaches the shard's fused pass as ``-100`` (its row read nowhere), the others as local
+    columns: the target where the shard holds it, else the stand-in (the row index modulo ``V_r``)."""
+    seen = []
+    real = vocab_parallel._linear_token_logprobs
+
+    def spy(hidden, weight, targets, **kwargs):
+        seen.append(targets.clone())
+        return real(hidden, weight, targets, **kwargs)
+
+    monkeypatch.setattr(vocab_parallel, "_linear_token_logprobs", spy)
+    h, w, ids = _inputs(17, (2, 6), 16, 60, shard=30)
+    vocab_parallel.shard_statistics(h, w[30:], ids, 30, 1.0, False, "reference", None)
+    stand_in = torch.arange(12).view(2, 6) % 30
+    expected = torch.where(ids == -100, -100, torch.where((ids >= 30) & (ids < 60), ids - 30, stand_in))
+    assert torch.equal(seen[0], expected) and (seen[0] == -100).sum() == 2 and (ids >= 30).sum() > 2
