@@ -1,30 +1,35 @@
-"""Log-probs and entropy of a vocabulary-parallel (tensor-parallel) LM head, without the logits.
+"""Log-probs and entropy of a vocabulary-parallel (tensor-parallel) LM head: from each process's slice of the logits
+(:func:`token_logprobs`) or without the logits (:func:`linear_token_logprobs`).
 
-Each process ``r`` of ``group`` (``R`` of them) holds rows ``[r V_r, (r + 1) V_r)`` of the LM-head weight (Megatron's
-``ColumnParallelLinear`` output layer, verl's ``linear_cross_entropy`` with a tensor-parallel ``dist_process_group``)
-and the same hidden states and (global) token ids. With ``z = hidden @ W^T / temperature``:
+Each process ``r`` of ``group`` (``R`` of them) holds columns ``[r V_r, (r + 1) V_r)`` of the logits ``z`` (Megatron's
+``ColumnParallelLinear`` output without ``gather_output``), or the matching rows of the LM-head weight (verl's
+``linear_cross_entropy`` with a tensor-parallel ``dist_process_group``), and the same token ids (global) and hidden
+states. With ``z`` divided by the temperature:
 
-* each process runs one fused pass (:func:`fused_rl.linear_token_logprobs`) over its shard, reading its target where
-  the token is in its shard and otherwise a stand-in column ``c`` (the row index modulo ``V_r``), which gives the
-  shard's ``lse_r = logsumexp_{j in r} z_j = z_c - log p_r(c)`` (``z_c`` one dot product per row, in fp32) and, with
-  ``return_entropy``, its entropy ``H_r``;
+* each process runs one fused pass (:func:`fused_rl.token_logprobs` / :func:`fused_rl.linear_token_logprobs`) over
+  its slice, reading a column ``c`` whose log-prob gives the slice's ``lse_r = logsumexp_{j in r} z_j = z_c - log
+  p_r(c)`` (``z_c`` read or one dot product per row, in fp32) and, with ``return_entropy``, its entropy ``H_r``; its
+  logit ``z_t`` where the slice holds the target;
 * one ``all_gather`` of ``(lse_r, [z_t if t in r else 0], H_r)`` per token, and then, on every process alike:
   ``LSE = logsumexp_r lse_r``, ``w_r = exp(lse_r - LSE)``,
   ``log p(t) = z_t - LSE`` and ``H = sum_r w_r H_r + sum_r w_r (LSE - lse_r)`` (the entropy of a mixture: the
-  shards' entropies plus that of the shard weights ``w``).
+  slices' entropies plus that of the slice weights ``w``).
 
 Gradients follow Megatron's and verl's tensor-parallel convention: every process computes the same loss from the
-outputs, and each one's gradient is that loss's gradient through its own shard's statistics (the gather's backward
-hands each process its own row, no collective): the weight gradient is the shard's own, the hidden-state gradient is
-this process's partial sum, whose sum over the group is the whole gradient (Megatron's
+outputs, and each one's gradient is that loss's gradient through its own slice's statistics (the gather's backward
+hands each process its own row, no collective): the logits or weight gradient is the slice's own, the hidden-state
+gradient this process's partial sum, whose sum over the group is the whole gradient (Megatron's
 ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather all-reduce it in their backward). Only one
 ``all_gather`` (of ``2`` or ``3`` fp32 values per token) runs in the forward, none in the backward.
 
-The stand-in column's one-hot gradient cancels (the dot product adds what the fused pass's ``log p_r(c)`` takes away);
-spreading the stand-ins over the shard's columns keeps that cancellation to one row's contribution per column, within
-the rounding of a 16-bit gradient. Logits are finite here (no bias argument: Megatron's and verl's LM heads have none).
-Memory beyond the fused pass's: the dot products' backward forms its own ``(V_r, H)`` weight gradient (in the weight's
-dtype, added to the fused pass's by autograd) and ``(N, H)`` hidden gradient; the statistics are ``O(R N)``.
+The column ``c``. On logits: each row's largest (one more read of the slice, no write): ``log p_r(c)`` is then in
+``[-log V_r, 0]`` (no cancellation in ``lse_r``), and a row whose slice is all ``-inf`` is not read (``lse_r = -inf``,
+``w_r = 0``). Without logits (finite there; no bias argument: Megatron's and verl's LM heads have none): the target
+where the slice holds it, else a stand-in spread over the columns (the row index modulo ``V_r``); its one-hot gradient
+cancels (the dot product adds what ``log p_r(c)`` takes away), one row's contribution per column, within the rounding
+of a 16-bit gradient. Memory beyond the fused pass's: on logits, none (the gathers' gradients are added in place to the
+fused pass's logits gradient); without, the dot products' backward forms its own ``(V_r, H)`` weight gradient (in the
+weight's dtype, added to the fused pass's by autograd) and ``(N, H)`` hidden gradient; the statistics are ``O(R N)``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import torch.distributed as dist
 
 from .config import IGNORE_INDEX
 from .ops import _check_flags, _check_linear, _memory_budget, linear_token_logprobs as _linear_token_logprobs
-from .validation import INDEX_DTYPES, _is_compiling, check_temperature, run_value_checks
+from .ops import token_logprobs as _token_logprobs
+from .validation import INDEX_DTYPES, _is_compiling, check_temperature, run_value_checks, token_logprobs_checks
 
 #: Rows per chunk of :class:`_RowDot` (a ``(rows, H)`` fp32 product at a time).
 ROW_DOT_CHUNK = 4096
@@ -86,9 +92,9 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
-def shard_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                     temperature: float, return_entropy: bool, backend: str,
-                     memory_budget_bytes: Optional[int]) -> torch.Tensor:
+def linear_shard_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                            temperature: float, return_entropy: bool, backend: str,
+                            memory_budget_bytes: Optional[int]) -> torch.Tensor:
     """This shard's ``(lse_r, z_t or 0, [H_r])`` per token, ``(2 or 3, B, T)`` fp32 (fp64 for fp64 input),
     differentiable: one fused pass over the shard plus one dot product per row (module docstring). ``targets`` are
     global ids (``IGNORE_INDEX`` rows: 0 statistics' gradient, any value)."""
@@ -108,9 +114,66 @@ def shard_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return torch.stack(rows + [out[1]] if return_entropy else rows)
 
 
+class _LogitsShard(torch.autograd.Function):
+    """``(z_m, log p_r(m), H_r, z_t)`` of a logits shard ``(N, V_r)`` (``/ tau``, fp32 or fp64): ``m`` the row's
+    largest column (``kernel_targets``: ``m``, or ``IGNORE_INDEX`` on ignored rows and rows all ``-inf``, which the
+    fused pass does not read), ``t`` the local target where ``owner`` (else 0). One fused pass
+    (:func:`fused_rl.token_logprobs`) and two gathers; the backward is the fused pass's, with the gathers' one-hot
+    gradients added in place (no second ``(N, V_r)`` buffer)."""
+
+    @staticmethod
+    def forward(ctx, logits, kernel_targets, largest, target, owner, temperature, return_entropy, backend):
+        x = logits.detach().requires_grad_(logits.requires_grad)
+        with torch.enable_grad():
+            out = _token_logprobs(x, kernel_targets, temperature=temperature, return_entropy=return_entropy,
+                                  backend=backend, check_inputs=False)
+        logp, entropy = out if return_entropy else (out, out.new_zeros(0))
+        take = lambda index: logits.detach().gather(-1, index.unsqueeze(-1)).squeeze(-1).to(logp.dtype) / temperature
+        z_t = take(target)
+        z_t = torch.where(owner, z_t, torch.zeros_like(z_t))
+        ctx.graph = (x, logp, entropy if return_entropy else None)
+        ctx.save_for_backward(largest, target, owner)
+        ctx.temperature = temperature
+        return take(largest), logp.detach(), entropy.detach(), z_t
+
+    @staticmethod
+    def backward(ctx, g_largest, g_logp, g_entropy, g_target):
+        x, logp, entropy = ctx.graph
+        largest, target, owner = ctx.saved_tensors
+        outputs, grads = [logp], [g_logp]
+        if entropy is not None:
+            outputs.append(entropy)
+            grads.append(g_entropy)
+        (grad,) = torch.autograd.grad(outputs, x, grads)
+        rows = grad.view(-1, grad.shape[-1])
+        g_t = torch.where(owner, g_target, torch.zeros_like(g_target))
+        for index, g in ((largest, g_largest), (target, g_t)):
+            rows.scatter_add_(1, index.reshape(-1, 1), (g / ctx.temperature).reshape(-1, 1).to(rows.dtype))
+        return grad, None, None, None, None, None, None, None
+
+
+def logits_shard_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
+                            return_entropy: bool, backend: str) -> torch.Tensor:
+    """This logits shard's ``(lse_r, z_t or 0, [H_r])`` per token, ``(2 or 3, *targets.shape)``, differentiable: the
+    shard's ``logsumexp`` read at its largest column ``m`` (``lse_r = z_m - log p_r(m)``: no cancellation, and
+    ``-inf`` for a row whose shard is all ``-inf``), one read of the shard for ``m`` and one fused pass."""
+    vocab = logits.shape[-1]
+    local = targets.long() - vocab_start
+    owner = (local >= 0) & (local < vocab)
+    values, largest = logits.detach().max(dim=-1)
+    skip = (targets == IGNORE_INDEX) | (values == float("-inf"))
+    kernel_targets = torch.where(skip, IGNORE_INDEX, largest)
+    z_m, logp_m, entropy, z_t = _LogitsShard.apply(logits, kernel_targets, largest,
+                                                   torch.where(owner, local, torch.zeros_like(local)), owner,
+                                                   temperature, return_entropy, backend)
+    rows = [z_m - logp_m, z_t]
+    return torch.stack(rows + [entropy] if return_entropy else rows)
+
+
 def combine(gathered: torch.Tensor, ignored: torch.Tensor, return_entropy: bool):
-    """``(log p(t), H or None)`` of every shard's :func:`shard_statistics`, ``gathered (R, 2 or 3, B, T)`` (module
-    docstring's formulas); 0 at ``ignored`` tokens."""
+    """``(log p(t), H or None)`` of every shard's statistics (:func:`linear_shard_statistics`,
+    :func:`logits_shard_statistics`), ``gathered (R, 2 or 3, *shape)`` (module docstring's formulas); 0 at ``ignored``
+    tokens. A shard whose logits are all ``-inf`` on a row (``lse_r = -inf``, ``w_r = 0``) adds nothing there."""
     lse = gathered[:, 0]
     total = torch.logsumexp(lse, dim=0)
     zero = torch.zeros_like(total)
@@ -119,8 +182,22 @@ def combine(gathered: torch.Tensor, ignored: torch.Tensor, return_entropy: bool)
     if not return_entropy:
         return logp, None
     w = torch.exp(lse - total)
-    entropy = (w * (gathered[:, 2] + (total - lse))).sum(0)
+    term = gathered[:, 2] + (total - lse)
+    # where w = 0 the term may be inf (lse_r = -inf): 0, and so its gradient (not 0 * inf)
+    entropy = (w * torch.where(w > 0, term, torch.zeros_like(term))).sum(0)
     return logp, torch.where(ignored, zero, entropy)
+
+
+def _check_shards(targets: torch.Tensor, vocab: int, world: int, group: Any, shard: str) -> None:
+    """Every process's shard has ``vocab`` columns (one ``all_gather`` of the sizes) and the targets are in the
+    ``world * vocab`` columns of all shards or ``IGNORE_INDEX``: one host sync."""
+    sizes = [torch.empty(1, dtype=torch.int64, device=targets.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([vocab], device=targets.device), group=group)
+    whole = world * vocab
+    run_value_checks([
+        (f"every process's {shard} must be V_r = {vocab} (equal shards)", (torch.cat(sizes) == vocab).all()),
+        (f"targets must be in [0, {whole}) (the {world} shards' vocabulary) or {IGNORE_INDEX}",
+         (((targets >= 0) & (targets < whole)) | (targets == IGNORE_INDEX)).all())])
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, group: Any = None,
@@ -144,18 +221,32 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     check_temperature(temperature)
     world, rank, vocab = dist.get_world_size(group), dist.get_rank(group), weight.shape[0]
     if check_inputs and not _is_compiling():
-        sizes = [torch.empty(1, dtype=torch.int64, device=hidden.device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([vocab], device=hidden.device), group=group)
-        whole = world * vocab
-        run_value_checks([
-            (f"every process's weight shard must have V_r = {vocab} rows (equal shards)",
-             (torch.cat(sizes) == vocab).all()),
-            (f"targets must be in [0, {whole}) (the {world} shards' vocabulary) or {IGNORE_INDEX}",
-             (((targets >= 0) & (targets < whole)) | (targets == IGNORE_INDEX)).all())])
-    stats = shard_statistics(hidden, weight, targets, rank * vocab, float(temperature), bool(return_entropy),
-                             backend, memory_budget_bytes)
+        _check_shards(targets, vocab, world, group, "weight shard's row count")
+    stats = linear_shard_statistics(hidden, weight, targets, rank * vocab, float(temperature), bool(return_entropy),
+                                    backend, memory_budget_bytes)
     logp, entropy = combine(_GatherRows.apply(stats, group), targets == IGNORE_INDEX, return_entropy)
     return (logp, entropy) if return_entropy else logp
 
 
-__all__ = ["linear_token_logprobs", "shard_statistics", "combine"]
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, group: Any = None, temperature: float = 1.0,
+                   return_entropy: bool = False, backend: str = "auto", check_inputs: bool = True):
+    """:func:`fused_rl.token_logprobs` of vocabulary-parallel logits: ``logits (..., V_r)`` this process's columns
+    ``[rank V_r, (rank + 1) V_r)`` of the whole vocabulary (Megatron's ``ColumnParallelLinear`` output without
+    ``gather_output``), ``targets (...)`` global token ids (``-100`` ignored), the same on every process of ``group``.
+    Returns ``log p(t)`` (and ``H``) over the whole vocabulary, fp32 (fp64 for fp64 logits), the same on every
+    process; each process's logits gradient is its own columns' (Megatron's ``vocab_parallel_cross_entropy``:
+    ``-token_logprobs(logits, targets, group=tp_group)``). One read of the shard for each row's largest logit, one
+    fused pass, one ``all_gather``; with ``check_inputs``, one more of the shard sizes, which must be equal, and one
+    host sync. ``-inf`` logits (a vocabulary mask) are ``p = 0`` with gradient 0, a whole shard of them included; a
+    target at ``-inf`` has log-prob ``-inf``, its column's gradient ``g (1 - p) = g``, as on one process."""
+    _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
+    token_logprobs_checks(logits, targets, temperature, False)
+    world, rank, vocab = dist.get_world_size(group), dist.get_rank(group), logits.shape[-1]
+    if check_inputs and not _is_compiling():
+        _check_shards(targets, vocab, world, group, "logits shard's vocabulary size")
+    stats = logits_shard_statistics(logits, targets, rank * vocab, float(temperature), bool(return_entropy), backend)
+    logp, entropy = combine(_GatherRows.apply(stats, group), targets == IGNORE_INDEX, return_entropy)
+    return (logp, entropy) if return_entropy else logp
+
+
+__all__ = ["token_logprobs", "linear_token_logprobs", "logits_shard_statistics", "linear_shard_statistics", "combine"]

@@ -58,32 +58,42 @@ def _exact(h, w, ids, g1, g2):
     return logp.detach(), entropy.detach(), grad_h, grad_w
 
 
-def _simulated(h, w, ids, world: int, backend: str, g1, g2):
-    """Rank by rank in one process: ``(logp, H, hidden gradient summed over ranks, weight gradient (all slices),
-    the ranks' hidden gradients)``; each rank's statistics keep their graph, the other ranks' are detached (the
-    gather's backward), and every rank gives the same values."""
-    shard = w.shape[0] // world
-    grads_h, grads_w, values = [], [], []
+def _simulate(world: int, shard_stats, ignored, g1, g2):
+    """Rank by rank in one process: ``((logp, H), [each rank's leaves' gradients])`` of ``<g1, logp> + <g2, H>``, with
+    ``shard_stats(rank, grad) -> (statistics, leaves)``; each rank's own statistics keep their graph, the other
+    ranks' are detached (the gather's backward), and every rank gives the same values."""
+    grads, values = [], []
     for rank in range(world):
-        hr = h.clone().requires_grad_()
-        wr = w[rank * shard:(rank + 1) * shard].clone().requires_grad_()
-        stats = []
+        stats, leaves = [], []
         for other in range(world):
             if other == rank:
-                stats.append(vocab_parallel.shard_statistics(hr, wr, ids, rank * shard, TEMPERATURE, True, backend,
-                                                             None))
+                own, leaves = shard_stats(rank, True)
+                stats.append(own)
             else:
                 with torch.no_grad():
-                    stats.append(vocab_parallel.shard_statistics(h, w[other * shard:(other + 1) * shard], ids,
-                                                                 other * shard, TEMPERATURE, True, backend, None))
-        logp, entropy = vocab_parallel.combine(torch.stack(stats), ids == -100, True)
+                    stats.append(shard_stats(other, False)[0])
+        logp, entropy = vocab_parallel.combine(torch.stack(stats), ignored, True)
         ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
         values.append((logp.detach(), entropy.detach()))
-        grads_h.append(hr.grad.double())
-        grads_w.append(wr.grad.double())
+        grads.append([leaf.grad.double() for leaf in leaves])
     for logp, entropy in values[1:]:
         assert torch.equal(logp, values[0][0]) and torch.equal(entropy, values[0][1])
-    return (*values[0], sum(grads_h), torch.cat(grads_w), grads_h)
+    return values[0], grads
+
+
+def _simulated(h, w, ids, world: int, backend: str, g1, g2):
+    """The linear route simulated: ``(logp, H, hidden gradient summed over ranks, weight gradient (all slices),
+    the ranks' hidden gradients)``."""
+    shard = w.shape[0] // world
+
+    def stats(rank, grad):
+        hr, wr = h.clone().requires_grad_(grad), w[rank * shard:(rank + 1) * shard].clone().requires_grad_(grad)
+        return vocab_parallel.linear_shard_statistics(hr, wr, ids, rank * shard, TEMPERATURE, True, backend,
+                                                      None), (hr, wr)
+
+    (logp, entropy), grads = _simulate(world, stats, ids == -100, g1, g2)
+    partials = [g[0] for g in grads]
+    return logp, entropy, sum(partials), torch.cat([g[1] for g in grads]), partials
 
 
 def _close(got, exact, dtype, h, w) -> None:
@@ -144,6 +154,90 @@ def test_targets_in_one_shard_and_a_single_rank():
     torch.testing.assert_close(one[1], whole[1], rtol=0, atol=2e-6)
 
 
+def _logits(seed: int, tokens: tuple, world: int, shard: int, dtype=torch.float32, kind: str = "randn"):
+    """Whole logits ``(*tokens, world * shard)`` and token ids (two ``-100``, two at the first shard boundary) of
+    order 3 (``"randn"``), peaked, all near -80 (``"negative"``) or with ``-inf`` columns (``"masked"``: a vocabulary
+    mask, the last shard's half, one row's whole first shard, and a target on a masked column)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(*tokens, world * shard, generator=g) * 3
+    if kind == "peaked":
+        z[..., torch.randint(0, world * shard, (5,), generator=g)] += 30.0
+    elif kind == "negative":
+        z = z - 80.0
+    ids = torch.randint(0, world * shard, tokens, generator=g)
+    flat = ids.view(-1)
+    if flat.numel() > 4:
+        flat[1] = flat[-1] = -100
+        flat[2:4] = torch.tensor([shard - 1, shard])
+    if kind == "masked":
+        z[..., (world - 1) * shard + shard // 2:] = float("-inf")
+        z.view(-1, world * shard)[0, :shard] = float("-inf")
+        if flat.numel() > 4:
+            z.view(-1, world * shard)[-2, 7] = float("-inf")
+            flat[-2] = 7
+    return z.to(dtype), ids
+
+
+def _logits_exact(z, ids, g1, g2):
+    """float64 log-probs, entropies and the logits gradient of ``<g1, logp> + <g2, H>`` (``p log p = 0`` where ``p =
+    0``: 0 at ``-inf`` logits but a target's, ``g1 (1 - p) = g1``, as :func:`fused_rl.token_logprobs` gives)."""
+    z64 = z.double().requires_grad_()
+    logp_all = (z64 / TEMPERATURE).log_softmax(-1)
+    ignored = ids == -100
+    logp = logp_all.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)
+    p = logp_all.exp()
+    entropy = (-(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)).masked_fill(ignored, 0.0)
+    (grad,) = torch.autograd.grad((logp * g1).sum() + (entropy * g2).sum(), (z64,))
+    return logp.detach(), entropy.detach(), grad
+
+
+def _logits_simulated(z, ids, world: int, backend: str, g1, g2):
+    shard = z.shape[-1] // world
+
+    def stats(rank, grad):
+        zr = z[..., rank * shard:(rank + 1) * shard].clone().requires_grad_(grad)
+        return vocab_parallel.logits_shard_statistics(zr, ids, rank * shard, TEMPERATURE, True, backend), (zr,)
+
+    (logp, entropy), grads = _simulate(world, stats, ids == -100, g1, g2)
+    return logp, entropy, torch.cat([g[0] for g in grads], dim=-1)
+
+
+def _logits_close(got, exact, dtype, z, exact_targets) -> None:
+    """Log-probs and entropies within a few fp32 roundings of the largest finite logit; the logits gradient within
+    1e-5 (fp32) / one 16-bit unit roundoff of its scale, and exactly 0 at ``-inf`` logits but the targets'."""
+    finite = z[z.isfinite()].double()
+    atol = 8 * torch.finfo(torch.float32).eps * max(finite.abs().max().item() / TEMPERATURE, 1.0)
+    torch.testing.assert_close(got[0].double(), exact[0], rtol=0, atol=atol)
+    torch.testing.assert_close(got[1].double(), exact[1], rtol=0, atol=atol)
+    unit = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps / 2
+    torch.testing.assert_close(got[2], exact[2], rtol=0, atol=unit * exact[2].abs().max().item())
+    targets = torch.zeros(z.shape, dtype=torch.bool).scatter_(-1, exact_targets.clamp(min=0).unsqueeze(-1), True)
+    assert not got[2][z.isinf() & ~targets].any()
+
+
+@pytest.mark.parametrize("kind", ["randn", "peaked", "negative", "masked"])
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("tokens,world,shard", [((2, 19), 2, 500), ((23,), 3, 1367), ((1, 1), 2, 500)])
+def test_logits_simulated_ranks_match_the_whole_vocabulary_fp32(backend, kind, tokens, world, shard):
+    """Vocabulary-parallel logits, fp32: 2 or 3 ranks' columns (whole vocabularies of 1000 / 4101), 2-D and 1-D
+    token shapes, one token, ignored tokens, targets at a shard boundary, temperature 0.7, ``-inf`` columns (a whole
+    shard of them on one row, a target on one): values and the logits gradient against float64."""
+    z, ids = _logits(3, tokens, world, shard, kind=kind)
+    g1, g2 = _upstream(ids.shape, 3)
+    got = _logits_simulated(z, ids, world, backend, g1, g2)
+    _logits_close(got, _logits_exact(z, ids, g1, g2), torch.float32, z, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+def test_logits_simulated_ranks_half_precision(backend, dtype):
+    if not supports(backend, dtype):
+        pytest.skip(f"{backend} has no {dtype}")
+    z, ids = _logits(5, (4, 33), 3, 347, dtype=dtype, kind="masked")
+    g1, g2 = _upstream(ids.shape, 5)
+    _logits_close(_logits_simulated(z, ids, 3, backend, g1, g2), _logits_exact(z, ids, g1, g2), dtype, z, ids)
+
+
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -163,13 +257,20 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) 
         total, _ = linear_cross_entropy(h, w[rank * shard:(rank + 1) * shard], ids, TEMPERATURE, "sum",
                                         dist.group.WORLD)
         out["sum"] = total
+        z, z_ids = _logits(11, (2, 13), world, shard, kind="masked")
+        zr = z[..., rank * shard:(rank + 1) * shard].clone().requires_grad_()
+        logp, entropy = vocab_parallel.token_logprobs(zr, z_ids, temperature=TEMPERATURE, return_entropy=True)
+        ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
+        out["logits"] = (logp.detach(), entropy.detach(), zr.grad)
         errors = []
         for bad_ids, bad_w in ((torch.where(ids == -100, ids, world * shard), w[:shard]),
                                (ids, w[:shard + rank])):  # a target past the last shard; unequal shards
-            try:
-                vocab_parallel.linear_token_logprobs(h, bad_w, bad_ids)
-            except ValueError as exc:
-                errors.append(str(exc))
+            for call in (lambda: vocab_parallel.linear_token_logprobs(h, bad_w, bad_ids),
+                         lambda: vocab_parallel.token_logprobs(z[..., :bad_w.shape[0]], bad_ids)):
+                try:
+                    call()
+                except ValueError as exc:
+                    errors.append(str(exc))
         out["errors"] = errors
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -180,8 +281,9 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) 
 def test_gloo_process_group(tmp_path, world, shard):
     """Real processes: :func:`fused_rl.vocab_parallel.linear_token_logprobs` and verl's ``linear_cross_entropy``
     with the group give every rank the whole vocabulary's values; the ranks' hidden gradients sum to the whole
-    gradient, their weight gradients are the slices of it; ``reduction="sum"`` is the log-probs' sum; a target past
-    the last slice and unequal slices raise on every rank."""
+    gradient, their weight gradients are the slices of it; ``reduction="sum"`` is the log-probs' sum;
+    :func:`fused_rl.vocab_parallel.token_logprobs` of logits with ``-inf`` columns, each rank's logits gradient the
+    slice of the whole one; a target past the last slice and unequal slices raise on every rank, in both."""
     mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path), shard), nprocs=world, join=True)
     h, w, ids = _inputs(11, (2, 13), 32, world * shard, shard=shard)
     g1, g2 = _upstream(ids.shape, 11)
@@ -195,14 +297,27 @@ def test_gloo_process_group(tmp_path, world, shard):
                partials)
         _close(got, exact, torch.float32, h, w)
     torch.testing.assert_close(ranks[0]["sum"].double(), exact[0].sum(), rtol=0, atol=1e-4)
+    z, z_ids = _logits(11, (2, 13), world, shard, kind="masked")
+    for rank in ranks[1:]:
+        assert torch.equal(rank["logits"][0], ranks[0]["logits"][0])
+        assert torch.equal(rank["logits"][1], ranks[0]["logits"][1])
+    got = (*ranks[0]["logits"][:2], torch.cat([r["logits"][2].double() for r in ranks], dim=-1))
+    _logits_close(got, _logits_exact(z, z_ids, g1, g2), torch.float32, z, z_ids)
     for rank in ranks:
-        assert len(rank["errors"]) == 2
-        assert f"targets must be in [0, {world * shard})" in rank["errors"][0]
-        assert "equal shards" in rank["errors"][1]
+        assert len(rank["errors"]) == 4
+        assert all(f"targets must be in [0, {world * shard})" in e for e in rank["errors"][:2])
+        assert all("equal shards" in e for e in rank["errors"][2:])
 
 
 def test_bad_arguments():
     h, w, ids = _inputs(13, (2, 5), 16, 100)
+    z, _ = _logits(13, (2, 5), 1, 100)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        vocab_parallel.token_logprobs(z, ids[:, :3])
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel.token_logprobs(z, ids, temperature=float("nan"))
+    with pytest.raises(ValueError, match="check_inputs"):
+        vocab_parallel.token_logprobs(z, ids, check_inputs=None)
     with pytest.raises(ValueError, match="targets must be an int32 or int64 tensor"):
         vocab_parallel.linear_token_logprobs(h, w, ids.float())
     with pytest.raises(ValueError, match=r"targets must have shape \(2, 5\)"):
@@ -227,7 +342,7 @@ def test_ignored_tokens_are_not_read(monkeypatch):
 
     monkeypatch.setattr(vocab_parallel, "_linear_token_logprobs", spy)
     h, w, ids = _inputs(17, (2, 6), 16, 60, shard=30)
-    vocab_parallel.shard_statistics(h, w[30:], ids, 30, 1.0, False, "reference", None)
+    vocab_parallel.linear_shard_statistics(h, w[30:], ids, 30, 1.0, False, "reference", None)
     stand_in = torch.arange(12).view(2, 6) % 30
     expected = torch.where(ids == -100, -100, torch.where((ids >= 30) & (ids < 60), ids - 30, stand_in))
     assert torch.equal(seen[0], expected) and (seen[0] == -100).sum() == 2 and (ids >= 30).sum() > 2
