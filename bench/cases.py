@@ -6,8 +6,10 @@ Operations: ``token_logprobs``, ``policy_loss`` (vocabulary logits in) and ``lin
 Implementations: the reference eager and under ``torch.compile``, each fused_rl backend, and peers
 when installed: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (linear) and ``triton_grpo_loss``
 (logits, CUDA only), TRL's ``selective_log_softmax`` + its GRPO loss formula, verl's ``FusedLinearForPPO`` + the
-same formula (linear), Cut Cross-Entropy's ``linear_cross_entropy`` (the log-prob part of the linear loss only);
-and fused_rl's drop-ins for Liger's and verl's (``liger-api``, ``verl-api``).
+same formula (linear), Cut Cross-Entropy's ``linear_cross_entropy`` (the log-prob part of the linear loss only),
+Megatron-Core's ``vocab_parallel_cross_entropy`` (token log-probs; CPU, a one-process gloo group as the
+tensor-parallel one); and fused_rl's drop-ins for Liger's, verl's and Megatron's (``liger-api``, ``verl-api``,
+``megatron-api``).
 
 Byte / FLOP floors used for the throughput columns (``itemsize`` of the logits / hidden dtype):
 logits ops read ``N V`` elements forward and additionally write ``N V`` in fwd+bwd; the linear op
@@ -16,11 +18,18 @@ does ``2 N H V`` FLOPs forward and ``6 N H V`` in fwd+bwd.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import sys
+import tempfile
+import types
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 import fused_rl
 from fused_rl import PolicyLossConfig
@@ -173,6 +182,73 @@ def _verl(fused: bool = False):
     return {"linear_policy_loss": linear}
 
 
+def load_module_file(name: str, path: Path) -> types.ModuleType:
+    """The file at ``path`` imported as module ``name`` (registered in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    sys.modules[name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stand_in_package(name: str, path: Path) -> types.ModuleType:
+    """An empty package ``name`` whose submodules are found in ``path`` (in place of a peer's ``__init__``, which
+    imports the rest of its stack), registered in ``sys.modules``."""
+    sys.modules[name] = package = types.ModuleType(name)
+    package.__path__ = [str(path)]
+    return package
+
+
+@functools.cache
+def megatron_cross_entropy() -> types.ModuleType:
+    """Megatron-Core 0.16.1's ``megatron/core/tensor_parallel/cross_entropy.py`` (and the ``utils.py`` it imports)
+    loaded by path, with stand-ins for what they import: ``megatron.core.parallel_state`` (the default process group
+    as the tensor-parallel one) and the three names ``utils.py`` takes from ``megatron.core.utils``; the package
+    ``megatron.core.tensor_parallel`` then has ``vocab_parallel_cross_entropy`` (verl's Megatron functions import it
+    from there). Once a process (the stand-ins replace the installed package's modules)."""
+    core = Path(list(importlib.util.find_spec("megatron").submodule_search_locations)[0]) / "core"
+    stand_in_package("megatron", core.parent)
+    megatron_core = stand_in_package("megatron.core", core)
+    sys.modules["megatron"].core = megatron_core
+    state = types.ModuleType("megatron.core.parallel_state")
+    state.get_tensor_model_parallel_group = lambda: dist.group.WORLD
+    state.get_tensor_model_parallel_rank = lambda: dist.get_rank()
+    state.get_tensor_model_parallel_world_size = lambda: dist.get_world_size()
+    sys.modules[state.__name__] = megatron_core.parallel_state = state
+    utils = types.ModuleType("megatron.core.utils")
+    utils.divide = lambda a, b: a // b
+    utils.get_tensor_model_parallel_group_if_none = lambda group, **_: group
+    utils.is_torch_min_version = lambda version, check_equality=True: True
+    sys.modules[utils.__name__] = utils
+    tensor_parallel = stand_in_package("megatron.core.tensor_parallel", core / "tensor_parallel")
+    megatron_core.tensor_parallel = tensor_parallel
+    load_module_file("megatron.core.tensor_parallel.utils", core / "tensor_parallel" / "utils.py")
+    module = load_module_file("megatron.core.tensor_parallel.cross_entropy",
+                              core / "tensor_parallel" / "cross_entropy.py")
+    tensor_parallel.vocab_parallel_cross_entropy = module.vocab_parallel_cross_entropy
+    return module
+
+
+def _one_process_group() -> None:
+    """A gloo process group of this process alone (the tensor-parallel group of the Megatron rows), once."""
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="fused_rl_bench_"), "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+
+def _megatron(fused: bool = False):
+    """Megatron-Core's ``vocab_parallel_cross_entropy`` on the logits (their one tensor-parallel slice, a
+    one-process group: its fp32 copy, softmax and all-reduces all run), negated; with ``fused`` fused_rl's drop-in
+    (:mod:`fused_rl.integrations.megatron`)."""
+    _one_process_group()
+    if fused:
+        from fused_rl.integrations.megatron import vocab_parallel_cross_entropy
+
+        return {"token_logprobs": lambda x: -vocab_parallel_cross_entropy(x["logits"], x["targets"],
+                                                                          group=dist.group.WORLD)}
+    vocab_parallel_cross_entropy = megatron_cross_entropy().vocab_parallel_cross_entropy
+    return {"token_logprobs": lambda x: -vocab_parallel_cross_entropy(x["logits"], x["targets"])}
+
+
 def _liger():
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -255,6 +331,10 @@ IMPLS = {
                  note="verl 0.9.1's FusedLinearForPPO (use_fused_kernels, torch) + the loss in eager torch"),
     "verl-api": Impl("verl-api", lambda: _verl(fused=True), ops=("linear_policy_loss",),
                      note="fused_rl.integrations.verl_lm_head.FusedLinearForPPO + the loss in eager torch"),
+    "megatron": Impl("megatron", _megatron, ops=("token_logprobs",), devices=("cpu",), requires="megatron",
+                     note="Megatron-Core 0.16.1's vocab_parallel_cross_entropy, one process"),
+    "megatron-api": Impl("megatron-api", lambda: _megatron(fused=True), ops=("token_logprobs",), devices=("cpu",),
+                         note="fused_rl.integrations.megatron.vocab_parallel_cross_entropy, one process"),
     "cce": Impl("cce", _cce, ops=("linear_policy_loss",), devices=("cuda",), requires="cut_cross_entropy",
                 note="advantage-weighted log-probs only: no clip, no KL"),
 }

@@ -12,21 +12,26 @@ inputs and outputs (see bench/measure.py) and its ratio to the reference's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from .cases import IMPLS, MODES, OPS, SHAPE_SETS, describe, floor_bytes, floor_flops, unavailable
+from .cases import DTYPES, IMPLS, MODES, OPS, SHAPE_SETS, describe, floor_bytes, floor_flops, unavailable
 from .measure import peak_extra_memory, time_case
 
 
-def run(set_name: str, ops, impls, modes, repeats: int, memory: bool, device: str, sizes=None) -> list[dict]:
+def run(set_name: str, ops, impls, modes, repeats: int, memory: bool, device: str, sizes=None,
+        dtype: Optional[str] = None) -> list[dict]:
+    """The rows of the set's shapes (those of ``sizes`` tokens; in ``dtype`` where given)."""
     rows = []
     for shape in SHAPE_SETS[set_name]:
         if sizes and shape.n not in sizes:
             continue
+        shape = dataclasses.replace(shape, dtype=dtype) if dtype else shape
         for op in ops:
             if (op == "linear_policy_loss") != bool(shape.h) and set_name == "gpu":
                 continue
@@ -145,13 +150,14 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--n", default="", help="comma list of token counts N to keep from the set (default: all)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="the shapes' dtype (default: the set's)")
     p.add_argument("--out", type=Path, default=None, help="folder for report.md, results.json, report.png")
     args = p.parse_args(argv)
     if args.set == "gpu" and not torch.cuda.is_available():
         p.error("--set gpu needs a CUDA device (its shapes are far too large for the CPU)")
     device = "cuda" if args.set == "gpu" else "cpu"
     rows = run(args.set, args.ops.split(","), args.impls.split(","), args.modes.split(","), args.repeats,
-               not args.no_memory, device, sizes=[int(n) for n in args.n.split(",") if n])
+               not args.no_memory, device, sizes=[int(n) for n in args.n.split(",") if n], dtype=args.dtype)
     command = "python -m bench.report " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"`{command}` on {device} "
               f"({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} threads'}), "

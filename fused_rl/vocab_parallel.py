@@ -146,9 +146,11 @@ class _LogitsShard(torch.autograd.Function):
             grads.append(g_entropy)
         (grad,) = torch.autograd.grad(outputs, x, grads)
         rows = grad.view(-1, grad.shape[-1])
+        at = torch.arange(rows.shape[0], device=rows.device)
         g_t = torch.where(owner, g_target, torch.zeros_like(g_target))
+        # one entry a row each: an indexed add (scatter_add_ of 16-bit values on the CPU takes an fp32 copy of rows)
         for index, g in ((largest, g_largest), (target, g_t)):
-            rows.scatter_add_(1, index.reshape(-1, 1), (g / ctx.temperature).reshape(-1, 1).to(rows.dtype))
+            rows[at, index.reshape(-1)] += (g / ctx.temperature).reshape(-1).to(rows.dtype)
         return grad, None, None, None, None, None, None, None
 
 

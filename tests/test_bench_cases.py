@@ -175,3 +175,30 @@ def test_verl_rows_compute_the_reference_loss(impl):
     x = make_inputs("linear_policy_loss", Shape(n=64, v=50, h=16, batch=4), "cpu")
     expected = IMPLS["reference"].build()["linear_policy_loss"](x)
     torch.testing.assert_close(IMPLS[impl].build()["linear_policy_loss"](x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def own_process_group():
+    """The Megatron rows start a one-process gloo group in this process: ended after the test."""
+    before = torch.distributed.is_initialized()
+    yield
+    if torch.distributed.is_initialized() and not before:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("impl", ["megatron", "megatron-api"])
+def test_megatron_rows_compute_the_reference_log_probs(impl, own_process_group):
+    """Megatron-Core's ``vocab_parallel_cross_entropy`` (its installed file, a one-process group) and fused_rl's
+    drop-in, negated: the reference's token log-probs, and their logits gradient (Megatron's shifts its fp32 logits
+    in place by their max, which leaves the log-probs as they are)."""
+    if cases.unavailable(IMPLS[impl], "token_logprobs", "cpu"):
+        pytest.skip("megatron-core is not installed")
+    x = make_inputs("token_logprobs", Shape(n=64, v=50, batch=4), "cpu")
+    leaf = x["logits"].clone().requires_grad_()
+    expected = fused_rl.reference.token_logprobs(leaf, x["targets"])
+    (expected_grad,) = torch.autograd.grad(expected.sum(), leaf)
+    leaf = x["logits"].clone().requires_grad_()
+    got = IMPLS[impl].build()["token_logprobs"]({**x, "logits": leaf})
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+    (grad,) = torch.autograd.grad(got.sum(), leaf)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)

@@ -121,7 +121,7 @@ def test_table_figures_by_hand():
 def test_run_keeps_the_asked_sizes_repeats_and_memory(monkeypatch):
     """``run``: only the token counts asked for (``--n``), the set's shapes for the ops they are for on the GPU set
     (its logits shape has no H, its linear shape is for the linear op only), ``--repeats`` passed through, memory
-    measured unless ``--no-memory``."""
+    measured unless ``--no-memory``, ``--dtype`` in place of the set's."""
     from bench import report
 
     calls = []
@@ -140,6 +140,11 @@ def test_run_keeps_the_asked_sizes_repeats_and_memory(monkeypatch):
     rows = report.run("gpu", ops, ["reference"], ["fwd"], 3, False, "cuda")
     assert calls == [("time", "policy_loss", 16384, 3), ("time", "linear_policy_loss", 8192, 3)]
     assert all("peak_extra_bytes" not in r for r in rows)
+    calls.clear()
+    monkeypatch.setattr(report, "time_case", lambda op, impl, mode, shape, device, repeats, info: (
+        calls.append((shape.n, shape.dtype)), 0.5)[1])
+    rows = report.run("cpu", ["policy_loss"], ["reference"], ["fwd"], 1, False, "cpu", sizes=[2048], dtype="bf16")
+    assert calls == [(2048, "bf16")] and rows[0]["dtype"] == "bf16"  # --dtype: the set's shapes in that dtype
 
 
 def test_figure_lines_run_in_token_order():

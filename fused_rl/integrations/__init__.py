@@ -12,13 +12,16 @@
   returned values) on fused_rl's loss math, with the fused ``forward_from_hidden``, and the actor's
   ``log_probs_from_logits`` / ``compute_entropy`` on the fused kernels (``patch_actor``);
 * :mod:`fused_rl.integrations.liger`: Liger-Kernel's logits-level ``triton_grpo_loss`` and
-  ``fused_selective_log_softmax`` (same signatures and return values).
+  ``fused_selective_log_softmax`` (same signatures and return values);
+* :mod:`fused_rl.integrations.megatron`: Megatron-Core's ``vocab_parallel_cross_entropy`` and verl's Megatron-engine
+  log-prob / entropy functions on vocabulary-parallel logits (:mod:`fused_rl.vocab_parallel`), and
+  ``patch_verl_megatron``.
 
 :mod:`fused_rl.integrations.hf_models`: the check that a transformers model's logits are its plain LM
 head's (shared by the TRL adapter and the bundled trainer).
 
 The Liger-Kernel fused-linear drop-in (``FusedLinearGRPOLoss``) lives in :mod:`fused_rl.nn`. Submodules import
-their framework lazily: importing this package never needs TRL, verl or OpenRLHF.
+their framework lazily: importing this package never needs TRL, verl, OpenRLHF or Megatron.
 """
 
-__all__ = ["hf_models", "liger", "openrlhf", "trl", "verl", "verl_lm_head"]
+__all__ = ["hf_models", "liger", "megatron", "openrlhf", "trl", "verl", "verl_lm_head"]

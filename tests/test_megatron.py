@@ -1,0 +1,144 @@
+"""fused_rl.integrations.megatron against the peers' own code in real gloo process groups: Megatron-Core 0.16.1's
+``vocab_parallel_cross_entropy`` (``megatron/core/tensor_parallel/cross_entropy.py``) and verl 0.9.1's Megatron
+log-prob / entropy functions (``verl/utils/megatron/tensor_parallel.py``), each file loaded by path (their wheels
+installed with ``--no-deps`` by .ci/run), with stand-ins for what they import (``bench.cases.megatron_cross_entropy``:
+Megatron's ``parallel_state``, the default group as the tensor-parallel one) and for the packages' ``__init__``
+(which import the rest of their stacks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.cases import load_module_file, megatron_cross_entropy, stand_in_package
+from fused_rl.integrations import megatron as ours
+
+TOKENS, SHARD = (13, 2), 500
+
+
+def _root(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _peers_installed() -> None:
+    missing = [name for name in ("megatron", "verl") if importlib.util.find_spec(name) is None]
+    if missing:
+        if os.environ.get("FUSED_RL_REQUIRE_OPENRLHF") == "1":  # .ci/run installs the peers: missing is a failure
+            pytest.fail(f"{missing} not installed (pip install --no-deps megatron-core==0.16.1 verl==0.9.1)")
+        pytest.skip(f"{missing} not installed (pip install --no-deps megatron-core==0.16.1 verl==0.9.1)")
+
+
+def _load_peers():
+    """Megatron's cross entropy and verl's Megatron functions in this (worker) process, on the default group."""
+    cross_entropy = megatron_cross_entropy()
+    verl = _root("verl")
+    for name in ("verl", "verl.utils", "verl.utils.megatron"):
+        stand_in_package(name, verl.joinpath(*name.split(".")[1:]))
+    verl_tp = load_module_file("verl.utils.megatron.tensor_parallel",
+                               verl / "utils" / "megatron" / "tensor_parallel.py")
+    return cross_entropy, verl_tp
+
+
+def _inputs(world: int):
+    g = torch.Generator().manual_seed(world)
+    z = torch.randn(*TOKENS, world * SHARD, generator=g) * 3
+    z[..., torch.randint(0, world * SHARD, (4,), generator=g)] += 12.0  # a few likely tokens
+    ids = torch.randint(0, world * SHARD, TOKENS, generator=g)
+    ids[0, 0], ids[1, 0] = SHARD - 1, SHARD  # the first slice's last column and the second's first
+    g1, g2 = torch.randn(TOKENS, generator=g, dtype=torch.float64), torch.randn(TOKENS, generator=g,
+                                                                                dtype=torch.float64)
+    return z, ids, g1, g2
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # verl's entropy compiles a two-line helper at each call: eager here (inductor would build C++ per process)
+        torch.compile = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
+        cross_entropy, verl_tp = _load_peers()
+        z, ids, g1, g2 = _inputs(world)
+        mine = z[..., rank * SHARD:(rank + 1) * SHARD]
+        out = {}
+        calls = {
+            "megatron": lambda x: -cross_entropy.vocab_parallel_cross_entropy(x, ids),
+            "megatron-ours": lambda x: -ours.vocab_parallel_cross_entropy(x, ids),
+            "verl-logp": lambda x: verl_tp.vocab_parallel_log_probs_from_logits(x, ids),
+            "verl-logp-ours": lambda x: ours.vocab_parallel_log_probs_from_logits(x, ids),
+            "verl-entropy": lambda x: verl_tp.vocab_parallel_entropy(x),
+            "verl-entropy-ours": lambda x: ours.vocab_parallel_entropy(x),
+            "verl-chunked": lambda x: verl_tp.vocab_parallel_entropy_with_chunking(x, chunk_size=5),
+            "verl-chunked-ours": lambda x: ours.vocab_parallel_entropy_with_chunking(x, chunk_size=5),
+        }
+        for name, call in calls.items():
+            x = mine.clone().requires_grad_()
+            value = call(x)
+            ((value.double() * (g2 if "entropy" in name or "chunked" in name else g1)).sum()).backward()
+            out[name] = (value.detach(), x.grad, torch.equal(x.detach(), mine))
+        previous = ours.patch_verl_megatron(modules=("verl.utils.megatron.tensor_parallel",), backend="torch")
+        out["patched"] = (set(previous["verl.utils.megatron.tensor_parallel"]),
+                          verl_tp.vocab_parallel_entropy.func is ours.vocab_parallel_entropy,
+                          verl_tp.vocab_parallel_entropy.keywords,
+                          verl_tp.vocab_parallel_log_probs_from_logits(mine, ids).detach())
+        try:
+            ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=0.1)
+        except NotImplementedError as exc:
+            out["smoothing"] = str(exc)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_against_megatron_and_verl(tmp_path, world):
+    """Per rank, from its slice of the logits: Megatron's cross entropy and verl's log-probs / entropies (plain and
+    chunked) against fused_rl's drop-ins: values and each rank's logits gradient (of random upstream gradients) the
+    peers' within fp32 rounding, both against float64 over the whole vocabulary; fused_rl leaves the logits as they
+    were;
+    the verl patch rebinds the three names with its options; label smoothing raises."""
+    _peers_installed()
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    z, ids, g1, g2 = _inputs(world)
+    z64 = z.double().requires_grad_()
+    logp_all = z64.log_softmax(-1)
+    exact_logp = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    exact_entropy = -(logp_all.exp() * logp_all).sum(-1)
+    exact = {"logp": (exact_logp.detach(), torch.autograd.grad((exact_logp * g1).sum(), z64, retain_graph=True)[0]),
+             "entropy": (exact_entropy.detach(), torch.autograd.grad((exact_entropy * g2).sum(), z64)[0])}
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    for peer, kind in (("megatron", "logp"), ("verl-logp", "logp"), ("verl-entropy", "entropy"),
+                       ("verl-chunked", "entropy")):
+        value, grad = exact[kind]
+        # fused_rl leaves the logits as they were (Megatron's fp32 logits are shifted in place by their max)
+        assert all(r[peer + "-ours"][2] for r in ranks)
+        for name in (peer, peer + "-ours"):
+            assert all(torch.equal(r[name][0], ranks[0][name][0]) for r in ranks)
+            got = torch.cat([r[name][1].double() for r in ranks], dim=-1)
+            torch.testing.assert_close(ranks[0][name][0].double(), value, rtol=0, atol=2e-5)
+            torch.testing.assert_close(got, grad, rtol=0, atol=1e-5 * grad.abs().max().item())
+        theirs = torch.cat([r[peer][1] for r in ranks], dim=-1)
+        mine = torch.cat([r[peer + "-ours"][1] for r in ranks], dim=-1)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
+        torch.testing.assert_close(ranks[0][peer + "-ours"][0], ranks[0][peer][0], rtol=0, atol=2e-5)
+    for r in ranks:
+        names, is_ours, keywords, patched = r["patched"]
+        assert names == {"vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
+                         "vocab_parallel_entropy_with_chunking"}
+        assert is_ours and keywords == dict(group=None, backend="torch")
+        torch.testing.assert_close(patched.double(), exact["logp"][0], rtol=0, atol=2e-5)
+        assert "label_smoothing=0.1" in r["smoothing"]
+
+
+def test_chunked_entropy_arguments():
+    z = torch.zeros(2, 3, 10)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            ours.vocab_parallel_entropy_with_chunking(z, chunk_size=bad)
+    with pytest.raises(ValueError, match=r"\(batch, seq, V / tp\) logits, got shape \(6, 10\)"):
+        ours.vocab_parallel_entropy_with_chunking(z.view(6, 10))
