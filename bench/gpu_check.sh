@@ -22,7 +22,7 @@
 #   linear  bench.report --set gpu --ops linear_policy_loss --modes fwd+bwd: N=8192, H=4096, V=128256, bf16
 #   linear_profile  bench/gpu_linear_profile.py: torch.profiler of the tiled fused linear, kernel time by kind
 #   pytest  pytest -m cuda over the triton, native, tiled/linear, hardening, variant, opcheck, linear fuzz, Liger,
-#           verl and recompile tests (xdist); last, in the time the benchmarks leave (the caps add up to more than
+#           verl, vocabulary-parallel and recompile tests (xdist); last, in the time the benchmarks leave (the caps add up to more than
 #           the budget, and the issues' rows must not be the ones cut)
 # GPU_CHECK_STEPS (default all): the steps to run among pytest, logits, variants, linear, linear_budget,
 # linear_profile
@@ -135,7 +135,7 @@ wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pyte
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
   tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py \
-  tests/test_recompiles.py tests/test_liger_logits.py tests/test_verl_lm_head.py
+  tests/test_recompiles.py tests/test_liger_logits.py tests/test_verl_lm_head.py tests/test_vocab_parallel.py
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish

@@ -18,9 +18,13 @@ states. With ``z`` divided by the temperature:
 Gradients follow Megatron's and verl's tensor-parallel convention: every process computes the same loss from the
 outputs, and each one's gradient is that loss's gradient through its own slice's statistics (the gather's backward
 hands each process its own row, no collective): the logits or weight gradient is the slice's own, the hidden-state
-gradient this process's partial sum, whose sum over the group is the whole gradient (Megatron's
-``copy_to_tensor_model_parallel_region`` / sequence-parallel gather all-reduce it in their backward). Only one
-``all_gather`` (of ``2`` or ``3`` fp32 values per token) runs in the forward, none in the backward.
+gradient this process's partial sum, whose sum over the group is the whole gradient (verl's Megatron forwards gather
+the hidden states with ``gather_from_sequence_parallel_region``, whose backward reduce-scatters it; verl turns sequence
+parallelism on whenever the tensor-parallel group has more than one process; a caller without it must all-reduce the
+hidden states' gradient). One ``all_gather`` (of ``2`` or ``3`` values per token, fp32, fp64 for fp64 input) runs in
+the forward, and with ``check_inputs`` one more of the slice sizes (and a host sync); none in the backward. The
+arguments are checked on each process before the first collective: one whose own arguments are wrong raises while
+the others wait in the collective (as with any collective call).
 
 The column ``c``. On logits: each row's largest (one more read of the slice, no write): ``log p_r(c)`` is then in
 ``[-log V_r, 0]`` (no cancellation in ``lse_r``), and a row whose slice is all ``-inf`` is not read (``lse_r = -inf``,
@@ -177,14 +181,19 @@ def combine(gathered: torch.Tensor, ignored: torch.Tensor, return_entropy: bool)
     :func:`logits_shard_statistics`), ``gathered (R, 2 or 3, *shape)`` (module docstring's formulas); 0 at ``ignored``
     tokens. A shard whose logits are all ``-inf`` on a row (``lse_r = -inf``, ``w_r = 0``) adds nothing there."""
     lse = gathered[:, 0]
-    total = torch.logsumexp(lse, dim=0)
+    # shifted by the largest slice's (a constant): the gradient's weights exp(lse_r - LSE) then sum to 1 within a
+    # rounding, not within eps |LSE|, which the ranks' partial hidden gradients (large, cancelling) would carry
+    top = lse.detach().amax(0)
+    shifted = lse - top
+    log_mass = torch.logsumexp(shifted, dim=0)
+    total = log_mass + top
     zero = torch.zeros_like(total)
     # <= 0 as computed: the owner's lse_r = z_t - log p_r(t) >= z_t (the fused pass's log-probs are <= 0), LSE >= lse_r
     logp = torch.where(ignored, zero, gathered[:, 1].sum(0) - total)
     if not return_entropy:
         return logp, None
-    w = torch.exp(lse - total)
-    term = gathered[:, 2] + (total - lse)
+    w = torch.softmax(shifted, dim=0)
+    term = gathered[:, 2] + (log_mass - shifted)
     # where w = 0 the term may be inf (lse_r = -inf): 0, and so its gradient (not 0 * inf)
     entropy = (w * torch.where(w > 0, term, torch.zeros_like(term))).sum(0)
     return logp, torch.where(ignored, zero, entropy)

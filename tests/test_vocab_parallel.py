@@ -19,6 +19,13 @@ from fused_rl.integrations.verl_lm_head import linear_cross_entropy
 from helpers import fused_backends, supports
 
 TEMPERATURE = 0.7
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(test):
+    """The simulated-rank tests run on DEVICE's backends (on a GPU: marked cuda, in bench/gpu_check.sh's list); the
+    gloo tests on the CPU."""
+    return pytest.mark.cuda(test) if DEVICE == "cuda" else test
 
 
 def _inputs(seed: int, tokens: tuple, hidden: int, vocab: int, dtype=torch.float32, kind: str = "randn",
@@ -46,11 +53,11 @@ def _upstream(shape, seed: int):
     return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
 
 
-def _exact(h, w, ids, g1, g2):
+def _exact(h, w, ids, g1, g2, temperature: float = TEMPERATURE):
     """float64 log-probs, entropies and the gradients of ``<g1, logp> + <g2, H>`` over the whole vocabulary, from the
     same (rounded) inputs."""
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
-    logp_all = ((h64 @ w64.T) / TEMPERATURE).log_softmax(-1)
+    logp_all = ((h64 @ w64.T) / temperature).log_softmax(-1)
     ignored = ids == -100
     logp = logp_all.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)
     entropy = (-(logp_all.exp() * logp_all).sum(-1)).masked_fill(ignored, 0.0)
@@ -73,22 +80,23 @@ def _simulate(world: int, shard_stats, ignored, g1, g2):
                 with torch.no_grad():
                     stats.append(shard_stats(other, False)[0])
         logp, entropy = vocab_parallel.combine(torch.stack(stats), ignored, True)
-        ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
-        values.append((logp.detach(), entropy.detach()))
-        grads.append([leaf.grad.double() for leaf in leaves])
+        ((logp.double() * g1.to(logp.device)).sum() + (entropy.double() * g2.to(logp.device)).sum()).backward()
+        values.append((logp.detach().cpu(), entropy.detach().cpu()))
+        grads.append([leaf.grad.double().cpu() for leaf in leaves])
     for logp, entropy in values[1:]:
         assert torch.equal(logp, values[0][0]) and torch.equal(entropy, values[0][1])
     return values[0], grads
 
 
-def _simulated(h, w, ids, world: int, backend: str, g1, g2):
+def _simulated(h, w, ids, world: int, backend: str, g1, g2, temperature: float = TEMPERATURE):
     """The linear route simulated: ``(logp, H, hidden gradient summed over ranks, weight gradient (all slices),
     the ranks' hidden gradients)``."""
     shard = w.shape[0] // world
+    h, w, ids = h.to(DEVICE), w.to(DEVICE), ids.to(DEVICE)
 
     def stats(rank, grad):
         hr, wr = h.clone().requires_grad_(grad), w[rank * shard:(rank + 1) * shard].clone().requires_grad_(grad)
-        return vocab_parallel.linear_shard_statistics(hr, wr, ids, rank * shard, TEMPERATURE, True, backend,
+        return vocab_parallel.linear_shard_statistics(hr, wr, ids, rank * shard, temperature, True, backend,
                                                       None), (hr, wr)
 
     (logp, entropy), grads = _simulate(world, stats, ids == -100, g1, g2)
@@ -96,28 +104,27 @@ def _simulated(h, w, ids, world: int, backend: str, g1, g2):
     return logp, entropy, sum(partials), torch.cat([g[1] for g in grads]), partials
 
 
-def _close(got, exact, dtype, h, w) -> None:
-    """Log-probs within a few fp32 roundings of the largest logit (the shard's ``lse`` comes from ``z_c - log p_c``),
-    entropies as tight; gradients within 1e-5 (fp32) / one 16-bit unit roundoff (two roundings: each rank's own and
-    the stand-in column's, which cancels) of their scale; in fp32 the hidden gradient within 5e-5 (as
-    tests/test_verl_lm_head.py allows the whole head's) of the largest of the ranks' partial sums (with all logits
-    near -86, a rank's partial sum over the constant feature is ~100 where their sum over the ranks is ~3: Megatron's
-    and verl's partial sums cancel alike; the whole head's fp32 gradient is 5e-5 of its scale off there too)."""
-    logp, entropy, grad_h, grad_w, partials = got
-    z_max = ((h.double() @ w.double().T) / TEMPERATURE).abs().max().item()
-    atol = 8 * torch.finfo(torch.float32).eps * max(z_max, 1.0)
+def _close(got, exact, dtype, h, w, temperature: float = TEMPERATURE) -> None:
+    """Log-probs within a few roundings of the largest logit (the shard's ``lse`` comes from ``z_c - log p_c``),
+    entropies as tight; gradients (the ranks' hidden partial sums summed) within as many roundings of the largest
+    logit, at least 1e-5 (fp32), or one 16-bit unit roundoff (two roundings: each rank's own and the stand-in
+    column's, which cancels) of their own scale (with all logits near -86 a rank's partial sum over the constant
+    feature is ~100 where their sum is ~3: the slice weights ``w_r`` must sum to 1 within a rounding, as the whole
+    head's softmax and verl's global max / sum do)."""
+    logp, entropy, grad_h, grad_w, _ = got
+    z_max = ((h.double() @ w.double().T) / temperature).abs().max().item()
+    atol = 8 * torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps * max(z_max, 1.0)
     torch.testing.assert_close(logp.double(), exact[0], rtol=0, atol=atol)
     torch.testing.assert_close(entropy.double(), exact[1], rtol=0, atol=atol)
-    unit = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps  # eps: two unit roundoffs
-    unit_h = 5e-5 if dtype == torch.float32 else unit
-    scale_h = max([exact[2].abs().max().item()] + [x.abs().max().item() for x in partials])
-    torch.testing.assert_close(grad_h, exact[2], rtol=0, atol=unit_h * scale_h)
+    unit = max(1e-5, atol) if dtype == torch.float32 else atol if dtype == torch.float64 else torch.finfo(dtype).eps
+    torch.testing.assert_close(grad_h, exact[2], rtol=0, atol=unit * exact[2].abs().max().item())
     torch.testing.assert_close(grad_w, exact[3], rtol=0, atol=unit * exact[3].abs().max().item())
 
 
 @pytest.mark.parametrize("kind", ["randn", "peaked", "negative"])
-@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends(DEVICE))
 @pytest.mark.parametrize("tokens,world,shard", [((2, 19), 2, 500), ((1, 23), 3, 1367), ((1, 1), 2, 500)])
+@on_device
 def test_simulated_ranks_match_the_whole_vocabulary_fp32(backend, kind, tokens, world, shard):
     """fp32, 2 or 3 ranks of 500 / 1367 rows (a whole vocabulary of 1000 / 4101: not a multiple of any block), one
     token, two ignored tokens, temperature 0.7: values and both gradients against float64."""
@@ -127,16 +134,30 @@ def test_simulated_ranks_match_the_whole_vocabulary_fp32(backend, kind, tokens, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends(DEVICE))
+@on_device
 def test_simulated_ranks_half_precision(backend, dtype):
     """bf16 / fp16 hidden states and head: values with fp32 accuracy, gradients within 16-bit rounding; 1024 tokens,
     so that stand-in columns all in one place would not be (their cancelling one-hot gradients summed in one weight
     row: measured 3.3 unit roundoffs of the scale off there where the spread columns are 0.3 off, and 1.1 at most)."""
-    if not supports(backend, dtype):
+    if not supports(backend, dtype, DEVICE):
         pytest.skip(f"{backend} has no {dtype}")
     h, w, ids = _inputs(5, (8, 128), 40, 3 * 347, dtype=dtype, shard=347)
     g1, g2 = _upstream(ids.shape, 5)
     _close(_simulated(h, w, ids, 3, backend, g1, g2), _exact(h, w, ids, g1, g2), dtype, h, w)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@on_device
+def test_simulated_ranks_fp64(backend, monkeypatch):
+    """fp64 head, temperature 1.3: values and gradients within fp64 roundings (the row dot products in fp64, not
+    fp32), the row dot products in chunks of 7 rows (38 tokens: five chunks and a partial one)."""
+    monkeypatch.setattr(vocab_parallel, "ROW_DOT_CHUNK", 7)
+    h, w, ids = _inputs(9, (2, 19), 40, 3 * 347, dtype=torch.float64, shard=347)
+    g1, g2 = _upstream(ids.shape, 9)
+    got = _simulated(h, w, ids, 3, backend, g1, g2, temperature=1.3)
+    assert got[0].dtype == got[1].dtype == torch.float64
+    _close(got, _exact(h, w, ids, g1, g2, temperature=1.3), torch.float64, h, w, temperature=1.3)
 
 
 def test_targets_in_one_shard_and_a_single_rank():
@@ -193,6 +214,7 @@ def _logits_exact(z, ids, g1, g2):
 
 def _logits_simulated(z, ids, world: int, backend: str, g1, g2):
     shard = z.shape[-1] // world
+    z, ids = z.to(DEVICE), ids.to(DEVICE)
 
     def stats(rank, grad):
         zr = z[..., rank * shard:(rank + 1) * shard].clone().requires_grad_(grad)
@@ -216,8 +238,9 @@ def _logits_close(got, exact, dtype, z, exact_targets) -> None:
 
 
 @pytest.mark.parametrize("kind", ["randn", "peaked", "negative", "masked"])
-@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends(DEVICE))
 @pytest.mark.parametrize("tokens,world,shard", [((2, 19), 2, 500), ((23,), 3, 1367), ((1, 1), 2, 500)])
+@on_device
 def test_logits_simulated_ranks_match_the_whole_vocabulary_fp32(backend, kind, tokens, world, shard):
     """Vocabulary-parallel logits, fp32: 2 or 3 ranks' columns (whole vocabularies of 1000 / 4101), 2-D and 1-D
     token shapes, one token, ignored tokens, targets at a shard boundary, temperature 0.7, ``-inf`` columns (a whole
@@ -229,9 +252,10 @@ def test_logits_simulated_ranks_match_the_whole_vocabulary_fp32(backend, kind, t
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends(DEVICE))
+@on_device
 def test_logits_simulated_ranks_half_precision(backend, dtype):
-    if not supports(backend, dtype):
+    if not supports(backend, dtype, DEVICE):
         pytest.skip(f"{backend} has no {dtype}")
     z, ids = _logits(5, (4, 33), 3, 347, dtype=dtype, kind="masked")
     g1, g2 = _upstream(ids.shape, 5)
@@ -263,8 +287,9 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) 
         ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
         out["logits"] = (logp.detach(), entropy.detach(), zr.grad)
         errors = []
+        # a target past the last shard, a target -1, unequal shards
         for bad_ids, bad_w in ((torch.where(ids == -100, ids, world * shard), w[:shard]),
-                               (ids, w[:shard + rank])):  # a target past the last shard; unequal shards
+                               (torch.where(ids == -100, ids, -1), w[:shard]), (ids, w[:shard + rank])):
             for call in (lambda: vocab_parallel.linear_token_logprobs(h, bad_w, bad_ids),
                          lambda: vocab_parallel.token_logprobs(z[..., :bad_w.shape[0]], bad_ids)):
                 try:
@@ -272,6 +297,22 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) 
                 except ValueError as exc:
                     errors.append(str(exc))
         out["errors"] = errors
+        if world == 3:  # a sub-group (Megatron's tensor-parallel group): group ranks 0, 1 are global ranks 1, 2
+            sub = dist.new_group([1, 2])
+            if rank > 0:
+                hr = h.clone().requires_grad_()
+                wr = w[(rank - 1) * shard:rank * shard].clone().requires_grad_()
+                sub_ids = torch.where(ids == -100, ids, ids % (2 * shard))
+                logp, entropy = vocab_parallel.linear_token_logprobs(hr, wr, sub_ids, group=sub,
+                                                                     temperature=TEMPERATURE, return_entropy=True)
+                ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
+                out["sub"] = (logp.detach(), entropy.detach(), hr.grad, wr.grad)
+                zr = z[..., (rank - 1) * shard:rank * shard].clone().requires_grad_()
+                sub_z_ids = torch.where(z_ids == -100, z_ids, z_ids % (2 * shard))
+                logp, entropy = vocab_parallel.token_logprobs(zr, sub_z_ids, group=sub, temperature=TEMPERATURE,
+                                                              return_entropy=True)
+                ((logp.double() * g1).sum() + (entropy.double() * g2).sum()).backward()
+                out["sub-logits"] = (logp.detach(), entropy.detach(), zr.grad)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -283,7 +324,9 @@ def test_gloo_process_group(tmp_path, world, shard):
     with the group give every rank the whole vocabulary's values; the ranks' hidden gradients sum to the whole
     gradient, their weight gradients are the slices of it; ``reduction="sum"`` is the log-probs' sum;
     :func:`fused_rl.vocab_parallel.token_logprobs` of logits with ``-inf`` columns, each rank's logits gradient the
-    slice of the whole one; a target past the last slice and unequal slices raise on every rank, in both."""
+    slice of the whole one; a target past the last slice, a target -1 and unequal slices raise on every rank, in
+    both; with 3 processes, both again on a sub-group of global ranks 1 and 2 (Megatron's tensor-parallel group:
+    group ranks are not global ranks)."""
     mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path), shard), nprocs=world, join=True)
     h, w, ids = _inputs(11, (2, 13), 32, world * shard, shard=shard)
     g1, g2 = _upstream(ids.shape, 11)
@@ -304,9 +347,19 @@ def test_gloo_process_group(tmp_path, world, shard):
     got = (*ranks[0]["logits"][:2], torch.cat([r["logits"][2].double() for r in ranks], dim=-1))
     _logits_close(got, _logits_exact(z, z_ids, g1, g2), torch.float32, z, z_ids)
     for rank in ranks:
-        assert len(rank["errors"]) == 4
-        assert all(f"targets must be in [0, {world * shard})" in e for e in rank["errors"][:2])
-        assert all("equal shards" in e for e in rank["errors"][2:])
+        assert len(rank["errors"]) == 6
+        assert all(f"targets must be in [0, {world * shard})" in e for e in rank["errors"][:4])
+        assert all("equal shards" in e for e in rank["errors"][4:])
+    if world == 3:  # the sub-group of global ranks 1, 2: the first two slices' vocabulary
+        sub_ids = torch.where(ids == -100, ids, ids % (2 * shard))
+        partials = [r["sub"][2].double() for r in ranks[1:]]
+        got = (ranks[1]["sub"][0], ranks[1]["sub"][1], sum(partials),
+               torch.cat([r["sub"][3].double() for r in ranks[1:]]), partials)
+        _close(got, _exact(h, w[:2 * shard], sub_ids, g1, g2), torch.float32, h, w[:2 * shard])
+        sub_z_ids = torch.where(z_ids == -100, z_ids, z_ids % (2 * shard))
+        got = (*ranks[1]["sub-logits"][:2], torch.cat([r["sub-logits"][2].double() for r in ranks[1:]], dim=-1))
+        _logits_close(got, _logits_exact(z[..., :2 * shard], sub_z_ids, g1, g2), torch.float32, z[..., :2 * shard],
+                      sub_z_ids)
 
 
 def test_bad_arguments():

@@ -7,7 +7,8 @@ fp32 copy of the slice, its softmax kept for the backward, three all-reduces. ve
 (``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits``) and the entropy from its own
 ``vocab_parallel_entropy`` (another fp32 softmax, on a clone of the logits). Here each is one
 :func:`fused_rl.vocab_parallel.token_logprobs` pass: the logits' slice is read by the fused kernel (its largest entry
-once more), no ``(..., V / tp)`` buffer but the gradient, one ``all_gather`` of three values per token.
+once more), no ``(..., V / tp)`` buffer but the gradient, one ``all_gather`` of three values per token (and, with
+``check_inputs``, one of the slice sizes and a host sync).
 
 The tensor-parallel group is Megatron's (``megatron.core.parallel_state.get_tensor_model_parallel_group()`` at each
 call) unless a ``group`` is given. Gradients are Megatron's: each rank's logits gradient its own slice's.
