@@ -135,26 +135,43 @@ class _LogitsShard(torch.autograd.Function):
         take = lambda index: logits.detach().gather(-1, index.unsqueeze(-1)).squeeze(-1).to(logp.dtype) / temperature
         z_t = take(target)
         z_t = torch.where(owner, z_t, torch.zeros_like(z_t))
-        ctx.graph = (x, logp, entropy if return_entropy else None)
-        ctx.save_for_backward(largest, target, owner)
-        ctx.temperature = temperature
+        # the inner graph through save_for_backward, not a ctx attribute: released with the outer graph's saved
+        # tensors (a ctx attribute kept x, an alias of the logits, alive as long as the outputs)
+        ctx.save_for_backward(x, logp, entropy, kernel_targets, largest, target, owner)
+        ctx.temperature, ctx.return_entropy = temperature, return_entropy
         return take(largest), logp.detach(), entropy.detach(), z_t
 
     @staticmethod
     def backward(ctx, g_largest, g_logp, g_entropy, g_target):
-        x, logp, entropy = ctx.graph
-        largest, target, owner = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            raise NotImplementedError("fused_rl.vocab_parallel.token_logprobs: no double backward (create_graph=True)")
+        x, logp, entropy, kernel_targets, largest, target, owner = ctx.saved_tensors
+        if logp.grad_fn is None:
+            raise RuntimeError("fused_rl.vocab_parallel: the logits path's backward needs its forward run eagerly "
+                               "(not traced by torch.compile)")
         outputs, grads = [logp], [g_logp]
-        if entropy is not None:
+        if ctx.return_entropy:
             outputs.append(entropy)
             grads.append(g_entropy)
-        (grad,) = torch.autograd.grad(outputs, x, grads)
+        # retain_graph: a retained outer graph may run this again; the inner graph goes with the saved tensors
+        (grad,) = torch.autograd.grad(outputs, x, grads, retain_graph=True)
         rows = grad.view(-1, grad.shape[-1])
         at = torch.arange(rows.shape[0], device=rows.device)
+        tau = ctx.temperature
+        # at m the fused pass's g_logp (1 - p_m) and the one-hot g_largest cancel to about g p_m: written from the
+        # row statistics (fp32 / fp64), not summed in the gradient's dtype (16-bit: off by 2^-8 g, not 2^-8 g p_m)
+        m, gl, gp = largest.reshape(-1), g_largest.reshape(-1), g_logp.reshape(-1)
+        lp = logp.detach().reshape(-1)
+        p = lp.exp()
+        value = (gl + gp) - gp * p
+        if ctx.return_entropy:
+            value = value - g_entropy.reshape(-1) * p * (lp + entropy.detach().reshape(-1))
+        skip = kernel_targets.reshape(-1) == IGNORE_INDEX  # rows the fused pass did not read (its gradient 0)
+        value = torch.where(skip, rows[at, m].to(value.dtype) * tau + gl, value)
+        rows[at, m] = (value / tau).to(rows.dtype)
+        # one entry a row: an indexed add (scatter_add_ of 16-bit values on the CPU takes an fp32 copy of rows)
         g_t = torch.where(owner, g_target, torch.zeros_like(g_target))
-        # one entry a row each: an indexed add (scatter_add_ of 16-bit values on the CPU takes an fp32 copy of rows)
-        for index, g in ((largest, g_largest), (target, g_t)):
-            rows[at, index.reshape(-1)] += (g / ctx.temperature).reshape(-1).to(rows.dtype)
+        rows[at, target.reshape(-1)] += (g_t / tau).reshape(-1).to(rows.dtype)
         return grad, None, None, None, None, None, None, None
 
 
@@ -180,7 +197,8 @@ def combine(gathered: torch.Tensor, ignored: torch.Tensor, return_entropy: bool)
     """``(log p(t), H or None)`` of every shard's statistics (:func:`linear_shard_statistics`,
     :func:`logits_shard_statistics`), ``gathered (R, 2 or 3, *shape)`` (module docstring's formulas); 0 at ``ignored``
     tokens. A shard whose logits are all ``-inf`` on a row (``lse_r = -inf``, ``w_r = 0``) adds nothing there."""
-    lse = gathered[:, 0]
+    # ignored rows: lse 0 (an ignored row all -inf in every shard would give -inf - -inf = nan, and a nan gradient)
+    lse = torch.where(ignored, torch.zeros_like(gathered[:, 0]), gathered[:, 0])
     # shifted by the largest slice's (a constant): the gradient's weights exp(lse_r - LSE) then sum to 1 within a
     # rounding, not within eps |LSE|, which the ranks' partial hidden gradients (large, cancelling) would carry
     top = lse.detach().amax(0)
@@ -239,6 +257,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     return (logp, entropy) if return_entropy else logp
 
 
+@torch.compiler.disable  # the logits path runs an inner autograd graph: eager under torch.compile (a graph break)
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, group: Any = None, temperature: float = 1.0,
                    return_entropy: bool = False, backend: str = "auto", check_inputs: bool = True):
     """:func:`fused_rl.token_logprobs` of vocabulary-parallel logits: ``logits (..., V_r)`` this process's columns
@@ -249,7 +268,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, group: Any = 
     ``-token_logprobs(logits, targets, group=tp_group)``). One read of the shard for each row's largest logit, one
     fused pass, one ``all_gather``; with ``check_inputs``, one more of the shard sizes, which must be equal, and one
     host sync. ``-inf`` logits (a vocabulary mask) are ``p = 0`` with gradient 0, a whole shard of them included; a
-    target at ``-inf`` has log-prob ``-inf``, its column's gradient ``g (1 - p) = g``, as on one process."""
+    target at ``-inf`` has log-prob ``-inf``, its column's gradient ``g (1 - p) = g``, as on one process. A retained
+    graph may be run backward again; no double backward (``create_graph=True`` raises NotImplementedError); under
+    ``torch.compile`` it runs eagerly (``torch.compiler.disable``: a graph break, an error with ``fullgraph=True``)."""
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
     token_logprobs_checks(logits, targets, temperature, False)
     world, rank, vocab = dist.get_world_size(group), dist.get_rank(group), logits.shape[-1]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,38 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=0.1)
         except NotImplementedError as exc:
             out["smoothing"] = str(exc)
+        # the default modules: verl's engine module (a stand-in binding the three names, as its import does) too;
+        # the options reach each name, the previous functions are returned
+        for attr, function in previous["verl.utils.megatron.tensor_parallel"].items():
+            setattr(verl_tp, attr, function)
+        engine = types.ModuleType("verl.workers.engine.megatron.transformer_impl")
+        for attr in previous["verl.utils.megatron.tensor_parallel"]:
+            setattr(engine, attr, getattr(verl_tp, attr))
+        sys.modules[engine.__name__] = engine
+        originals = dict(previous["verl.utils.megatron.tensor_parallel"])
+        previous = ours.patch_verl_megatron(backend="torch", check_inputs=False)
+        beyond = torch.full_like(ids, world * SHARD + 3)  # in no slice: raises with check_inputs only
+        out["default"] = (
+            {name: previous[name] == originals for name in previous},
+            [getattr(engine, attr).keywords for attr in sorted(originals)],
+            torch.isfinite(engine.vocab_parallel_log_probs_from_logits(mine, beyond)).all().item())
+        raised = []
+        for call in (ours.vocab_parallel_cross_entropy, ours.vocab_parallel_log_probs_from_logits):
+            try:
+                call(mine, beyond)
+            except ValueError:
+                raised.append(True)
+            raised.append(call(mine, beyond, check_inputs=False).shape == ids.shape)
+        out["check_inputs"] = raised
+        if world == 3:  # Megatron's tensor-parallel group a sub-group (global ranks 1, 2), resolved at each call
+            sub = dist.new_group([1, 2])
+            state = sys.modules["megatron.core.parallel_state"]
+            state.get_tensor_model_parallel_group = lambda: sub
+            if rank > 0:
+                sub_z = z[..., (rank - 1) * SHARD:rank * SHARD]
+                out["sub"] = (ours.vocab_parallel_log_probs_from_logits(sub_z, ids % (2 * SHARD)),
+                              ours.vocab_parallel_entropy(sub_z))
+            state.get_tensor_model_parallel_group = lambda: dist.group.WORLD
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -133,6 +167,19 @@ def test_against_megatron_and_verl(tmp_path, world):
         assert is_ours and keywords == dict(group=None, backend="torch")
         torch.testing.assert_close(patched.double(), exact["logp"][0], rtol=0, atol=2e-5)
         assert "label_smoothing=0.1" in r["smoothing"]
+        same, keywords, finite = r["default"]
+        assert same == {"verl.utils.megatron.tensor_parallel": True,
+                        "verl.workers.engine.megatron.transformer_impl": True}
+        assert keywords == [dict(group=None, backend="torch")] * 2 + [dict(check_inputs=False, group=None,
+                                                                          backend="torch")]
+        assert finite and r["check_inputs"] == [True, True, True, True]
+    if world == 3:
+        sub = z[..., :2 * SHARD].double().log_softmax(-1)
+        for r in ranks[1:]:
+            logp, entropy = r["sub"]
+            expected = sub.gather(-1, (ids % (2 * SHARD)).unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(logp.double(), expected, rtol=0, atol=2e-5)
+            torch.testing.assert_close(entropy.double(), -(sub.exp() * sub).sum(-1), rtol=0, atol=2e-5)
 
 
 def test_chunked_entropy_arguments():

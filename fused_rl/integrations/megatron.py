@@ -5,10 +5,10 @@ With tensor parallelism, Megatron's output layer leaves each rank the logits of 
 fp32 copy of the slice, its softmax kept for the backward, three all-reduces. verl's Megatron engine
 (``verl.workers.engine.megatron.transformer_impl``) takes each token's log-prob as its negation
 (``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits``) and the entropy from its own
-``vocab_parallel_entropy`` (another fp32 softmax, on a clone of the logits). Here each is one
-:func:`fused_rl.vocab_parallel.token_logprobs` pass: the logits' slice is read by the fused kernel (its largest entry
-once more), no ``(..., V / tp)`` buffer but the gradient, one ``all_gather`` of three values per token (and, with
-``check_inputs``, one of the slice sizes and a host sync).
+``vocab_parallel_entropy`` (another softmax of the slice, in the logits' dtype, on a clone of the logits). Here each
+is one :func:`fused_rl.vocab_parallel.token_logprobs` pass: the logits' slice is read by the fused kernel (its largest
+entry once more), no ``(..., V / tp)`` buffer but the gradient, one ``all_gather`` of two values per token (three with
+the entropy; and, with ``check_inputs``, one of the slice sizes and a host sync).
 
 The tensor-parallel group is Megatron's (``megatron.core.parallel_state.get_tensor_model_parallel_group()`` at each
 call) unless a ``group`` is given. Gradients are Megatron's: each rank's logits gradient its own slice's.
@@ -16,12 +16,15 @@ call) unless a ``group`` is given. Gradients are Megatron's: each rank's logits 
 Differences from Megatron's (each tested): a target ``-100`` gives 0 and no gradient, any other target outside the
 whole vocabulary raises (``check_inputs=True``, one host sync; Megatron's gives ``log sum exp`` for a target in no
 slice); ``label_smoothing > 0`` raises ``NotImplementedError``; the log-probs are those of the slices' exact
-``logsumexp`` in fp32 (Megatron's and verl's work in fp32 too).
+``logsumexp`` in fp32 (Megatron's work in fp32 too; verl's ``vocab_parallel_entropy`` works in the logits' dtype and
+returns it: bf16 for bf16 logits, fp32 here); no double backward (``create_graph=True`` raises); under
+``torch.compile`` the call runs eagerly (a graph break).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from typing import Any, Optional
 
@@ -90,12 +93,11 @@ def patch_verl_megatron(*, group: Any = None, backend: str = "auto", check_input
     """Make verl's Megatron engine take log-probs and entropies from fused_rl: rebinds
     ``vocab_parallel_log_probs_from_logits``, ``vocab_parallel_entropy`` and ``vocab_parallel_entropy_with_chunking``
     in each of ``modules`` (default :data:`VERL_MODULES`; ``verl.utils.megatron.tensor_parallel`` is imported, the
-    engine module is patched if imported: import it first, or call this again after) to this module's, with the
-    given options. It patches this process only: call it in verl's workers (e.g. from an ``external_lib`` module).
-    Returns ``{module name: {name: previous}}`` for restoring."""
+    engine module is patched if imported: one imported later takes the patched names from the first) to this
+    module's, with the given options. It patches this process only: call it in verl's workers (e.g. from an
+    ``external_lib`` module). Returns ``{module name: {name: previous}}`` for restoring."""
     if modules is None:
-        import verl.utils.megatron.tensor_parallel  # noqa: F401  (the module the engine imports the names from)
-
+        importlib.import_module(VERL_MODULES[0])  # the module the engine imports the names from
         modules = VERL_MODULES
     options = dict(group=group, backend=backend)
     replacements = {
