@@ -87,6 +87,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
         out["patched"] = (set(previous["verl.utils.megatron.tensor_parallel"]),
                           verl_tp.vocab_parallel_entropy.func is ours.vocab_parallel_entropy,
                           verl_tp.vocab_parallel_entropy.keywords,
+                          verl_tp.vocab_parallel_log_probs_from_logits.keywords,
                           verl_tp.vocab_parallel_log_probs_from_logits(mine, ids).detach())
         try:
             ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=0.1)
@@ -161,7 +162,8 @@ def test_against_megatron_and_verl(tmp_path, world):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
         torch.testing.assert_close(ranks[0][peer + "-ours"][0], ranks[0][peer][0], rtol=0, atol=2e-5)
     for r in ranks:
-        names, is_ours, keywords, patched = r["patched"]
+        names, is_ours, keywords, logp_keywords, patched = r["patched"]
+        assert logp_keywords == dict(check_inputs=True, group=None, backend="torch")  # the default check_inputs
         assert names == {"vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
                          "vocab_parallel_entropy_with_chunking"}
         assert is_ours and keywords == dict(group=None, backend="torch")
@@ -187,5 +189,5 @@ def test_chunked_entropy_arguments():
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="chunk_size must be a positive int"):
             ours.vocab_parallel_entropy_with_chunking(z, chunk_size=bad)
-    with pytest.raises(ValueError, match=r"\(batch, seq, V / tp\) logits, got shape \(6, 10\)"):
+    with pytest.raises(ValueError, match=r"\(batch, seq, \.\.\., V / tp\) logits, got shape \(6, 10\)"):
         ours.vocab_parallel_entropy_with_chunking(z.view(6, 10))

@@ -77,13 +77,13 @@ def vocab_parallel_entropy(vocab_parallel_logits: torch.Tensor, *, group: Any = 
 
 def vocab_parallel_entropy_with_chunking(vocab_parallel_logits: torch.Tensor, chunk_size: int = 2048, *,
                                          group: Any = None, backend: str = "auto") -> torch.Tensor:
-    """verl's ``vocab_parallel_entropy_with_chunking`` (``(batch, seq, V / tp)`` logits, ``chunk_size`` tokens of the
-    sequence at a time): :func:`vocab_parallel_entropy`, whose fused pass has no ``(..., V)`` buffer to chunk;
+    """verl's ``vocab_parallel_entropy_with_chunking`` (``(batch, seq, ..., V / tp)`` logits, ``chunk_size`` tokens of
+    the sequence at a time): :func:`vocab_parallel_entropy`, whose fused pass has no ``(..., V)`` buffer to chunk;
     ``chunk_size`` must be a positive int."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if vocab_parallel_logits.dim() != 3:
-        raise ValueError("vocab_parallel_entropy_with_chunking takes (batch, seq, V / tp) logits, got shape "
+    if vocab_parallel_logits.dim() < 3:  # verl's slices the second dimension: of 2-D logits, the vocabulary
+        raise ValueError("vocab_parallel_entropy_with_chunking takes (batch, seq, ..., V / tp) logits, got shape "
                          f"{tuple(vocab_parallel_logits.shape)}")
     return vocab_parallel_entropy(vocab_parallel_logits, group=group, backend=backend)
 
