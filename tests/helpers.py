@@ -420,6 +420,21 @@ def triton_interpreter_reason() -> Optional[str]:
     return triton_backend._import_error() or triton_backend._interpreter_error()
 
 
+def lm_head_inputs(seed: int, tokens: tuple, hidden: int, vocab: int, kind: str = "randn"):
+    """fp32 CPU hidden states ``(*tokens, hidden)``, an LM head ``(vocab, hidden)`` and token ids ``tokens``, whose
+    logits are of order 3 (``"randn"``), peaked (a few ids far above the rest) or all near ``-60 / tau``
+    (``"negative"``: a constant hidden feature against a large negative weight column, a bias folded in)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*tokens, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.4
+    if kind == "peaked":
+        w[torch.randint(0, vocab, (5,), generator=g)] *= 8.0
+    elif kind == "negative":
+        h[..., 0] = 1.0
+        w[:, 0] = -60.0
+    return h, w, torch.randint(0, vocab, tokens, generator=g)
+
+
 def fused_backends(device: str = "cpu") -> list[str]:
     """Every backend other than the reference that can run on ``device`` in this installation."""
     return [name for name, reason in fused_rl.available_backends(torch.device(device)).items()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fused_rl.integrations.verl_lm_head import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
-from helpers import fused_backends, supports
+from helpers import fused_backends, lm_head_inputs, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # on a GPU every test runs on CUDA tensors (the triton / cuda backends, verl's torch path on CUDA): part of -m cuda
@@ -52,17 +52,8 @@ def verl_modules(monkeypatch):
 
 
 def _inputs(seed: int, shape=(2, 37), hidden=48, vocab=1000, dtype=torch.float32, kind="randn"):
-    """Hidden states and an LM head whose logits are of order 3 (``"randn"``), peaked (a few ids far above the
-    rest) or all negative (a bias-like offset folded into a constant hidden feature)."""
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(*shape, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g) * 0.4
-    if kind == "peaked":
-        w[torch.randint(0, vocab, (5,), generator=g)] *= 8.0
-    elif kind == "negative":
-        h[..., 0] = 1.0
-        w[:, 0] = -60.0
-    ids = torch.randint(0, vocab, shape, generator=g)
+    """:func:`helpers.lm_head_inputs` on ``DEVICE`` in ``dtype``, hidden states and head requiring grad."""
+    h, w, ids = lm_head_inputs(seed, shape, hidden, vocab, kind)
     return h.to(DEVICE, dtype).requires_grad_(), w.to(DEVICE, dtype).requires_grad_(), ids.to(DEVICE)
 
 

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from fused_rl import vocab_parallel
 from fused_rl.integrations.verl_lm_head import linear_cross_entropy
-from helpers import fused_backends, supports
+from helpers import fused_backends, lm_head_inputs, supports
 
 TEMPERATURE = 0.7
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,18 +30,9 @@ def on_device(test):
 
 def _inputs(seed: int, tokens: tuple, hidden: int, vocab: int, dtype=torch.float32, kind: str = "randn",
             shard: int = 0):
-    """Hidden states ``(B, T, H)``, a whole ``(V, H)`` head and token ids (two of them ``-100``, two more the last
-    row of the first ``shard`` rows and the next one) whose logits are of order 3 (``"randn"``), peaked (a few ids
-    far above the rest) or all near -86 (``"negative"``: a constant feature against a large negative column)."""
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(*tokens, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g) * 0.4
-    if kind == "peaked":
-        w[torch.randint(0, vocab, (5,), generator=g)] *= 8.0
-    elif kind == "negative":
-        h[..., 0] = 1.0
-        w[:, 0] = -60.0
-    ids = torch.randint(0, vocab, tokens, generator=g)
+    """:func:`helpers.lm_head_inputs` (a whole ``(V, H)`` head) in ``dtype``, two token ids ``-100`` and two more the
+    last row of the first ``shard`` rows and the next one."""
+    h, w, ids = lm_head_inputs(seed, tokens, hidden, vocab, kind)
     if ids.numel() > 4:
         ids.view(-1)[1] = ids.view(-1)[-1] = -100
         ids.view(-1)[2:4] = torch.tensor([shard - 1, shard]) if shard else ids.view(-1)[2:4]
