@@ -93,6 +93,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=0.1)
         except NotImplementedError as exc:
             out["smoothing"] = str(exc)
+        out["no smoothing"] = torch.equal(ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=-0.1),
+                                          ours.vocab_parallel_cross_entropy(mine, ids))  # <= 0: none, as Megatron's
         # the default modules: verl's engine module (a stand-in binding the three names, as its import does) too;
         # the options reach each name, the previous functions are returned
         for attr, function in previous["verl.utils.megatron.tensor_parallel"].items():
@@ -168,7 +170,7 @@ def test_against_megatron_and_verl(tmp_path, world):
                          "vocab_parallel_entropy_with_chunking"}
         assert is_ours and keywords == dict(group=None, backend="torch")
         torch.testing.assert_close(patched.double(), exact["logp"][0], rtol=0, atol=2e-5)
-        assert "label_smoothing=0.1" in r["smoothing"]
+        assert "label_smoothing=0.1" in r["smoothing"] and r["no smoothing"]
         same, keywords, finite = r["default"]
         assert same == {"verl.utils.megatron.tensor_parallel": True,
                         "verl.workers.engine.megatron.transformer_impl": True}
@@ -191,3 +193,25 @@ def test_chunked_entropy_arguments():
             ours.vocab_parallel_entropy_with_chunking(z, chunk_size=bad)
     with pytest.raises(ValueError, match=r"\(batch, seq, \.\.\., V / tp\) logits, got shape \(6, 10\)"):
         ours.vocab_parallel_entropy_with_chunking(z.view(6, 10))
+
+
+def test_options_reach_the_fused_pass(monkeypatch):
+    """Each drop-in passes its group, ``backend`` and (log-probs) ``check_inputs`` on; the entropies read no target
+    check (their stand-in targets are always in range)."""
+    seen = []
+
+    def spy(logits, targets, **kwargs):
+        seen.append(kwargs)
+        logp = torch.zeros(targets.shape)
+        return (logp, logp) if kwargs.get("return_entropy") else logp
+
+    monkeypatch.setattr(ours.vocab_parallel, "token_logprobs", spy)
+    z, ids, group = torch.zeros(2, 3, 10), torch.zeros(2, 3, dtype=torch.long), object()
+    ours.vocab_parallel_cross_entropy(z, ids, group=group, backend="torch", check_inputs=False)
+    ours.vocab_parallel_log_probs_from_logits(z, ids, group=group, backend="cpu")
+    ours.vocab_parallel_entropy(z, group=group, backend="triton")
+    ours.vocab_parallel_entropy_with_chunking(z.unsqueeze(2), chunk_size=2, group=group, backend="reference")
+    assert seen == [dict(group=group, backend="torch", check_inputs=False),
+                    dict(group=group, backend="cpu", check_inputs=True),
+                    dict(group=group, return_entropy=True, backend="triton", check_inputs=False),
+                    dict(group=group, return_entropy=True, backend="reference", check_inputs=False)]
