@@ -587,19 +587,20 @@ def test_patch_actor_passes_its_options_on(monkeypatch):
     from fused_rl.integrations import openrlhf
 
     seen = []
-    real = openrlhf.token_logprobs
+    real = openrlhf.token_logprobs, openrlhf.token_entropy
 
     def spy(*args, **kwargs):
-        seen.append((kwargs["backend"], kwargs["check_inputs"]))
-        return real(*args, **kwargs)
+        seen.append((kwargs["backend"], kwargs.get("check_inputs")))
+        return real[len(args) == 1](*args, **kwargs)
 
     monkeypatch.setattr(openrlhf, "token_logprobs", spy)
+    monkeypatch.setattr(openrlhf, "token_entropy", spy)
     actor = types.SimpleNamespace(log_probs_from_logits=None, compute_entropy=None)
     openrlhf.patch_actor(actor, backend="torch", check_inputs=False)
     logits, labels = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
     actor.log_probs_from_logits(logits, labels)
     actor.compute_entropy(logits)
-    assert seen == [("torch", False), ("torch", False)]  # compute_entropy never checks (its ids are a placeholder)
+    assert seen == [("torch", False), ("torch", None)]  # compute_entropy reads no ids
     labels[0, 0] = 7
     openrlhf.patch_actor(actor)
     with pytest.raises(ValueError, match=r"targets must be in \[0, 7\)"):

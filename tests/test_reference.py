@@ -7,7 +7,7 @@ import torch
 
 import fused_rl
 from fused_rl import PolicyLossConfig
-from helpers import CONFIGS, make_case
+from helpers import CONFIGS, assert_close, fused_backends, make_case, make_logits, supports
 
 
 # cispo's sg(min(r, 1+eps)) weight has no finite-difference twin; test_loss_math checks it instead.
@@ -282,3 +282,28 @@ def test_default_config_is_ppo_clip_at_0_2_with_a_token_mean_by_hand():
     torch.testing.assert_close(out.loss, want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(xr.grad, xh.grad, rtol=1e-10, atol=1e-12)
     assert out.metrics["clip_frac"].item() == pytest.approx(2 / 5)  # (0, 0) above 1.2 at A > 0, (0, 2) below at A < 0
+
+
+@pytest.mark.parametrize("backend", ["reference"] + fused_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_entropy_every_backend(backend, dtype):
+    """``fused_rl.token_entropy``: ``-sum_j p_j log p_j`` of ``softmax(logits / 0.7)`` (peaked logits, a row with
+    ``-inf`` columns, ``V = 1001``) and its logits gradient (random upstream gradient) within the dtype's tolerance
+    of float64 of the same rounded logits; fp32 values whatever the logits' dtype."""
+    if not supports(backend, dtype):
+        pytest.skip(f"{backend} does not take {dtype}")
+    g = torch.Generator().manual_seed(0)
+    z = make_logits((3, 4, 1001), kind="peaked", generator=g)
+    z[1, 2, 500:] = float("-inf")
+    z = z.to(dtype)
+    upstream = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    x, exact_x = z.clone().requires_grad_(), z.double().requires_grad_()
+    entropy = fused_rl.token_entropy(x, temperature=0.7, backend=backend)
+    scaled = exact_x / 0.7
+    finite = torch.where(torch.isinf(scaled), 0.0, scaled)  # the -inf columns: p = 0, nothing added
+    exact = scaled.logsumexp(-1) - (scaled.softmax(-1) * finite).sum(-1)
+    assert entropy.dtype == torch.float32 and entropy.shape == (3, 4)
+    assert_close(entropy.double(), exact, torch.float32, "entropy", scale=3.0)
+    (entropy.double() * upstream).sum().backward()
+    (exact * upstream).sum().backward()
+    assert_close(x.grad.double(), exact_x.grad, dtype, "gradient", grad=True, scale=3.0)

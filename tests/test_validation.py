@@ -113,6 +113,12 @@ def test_token_logprobs_rejects(backend):
         fused_rl.token_logprobs(x, torch.zeros(2, 3, dtype=torch.long), temperature=0.0, backend=backend)
     with pytest.raises(ValueError, match="logits must be float"):
         fused_rl.token_logprobs(x.to(torch.complex64), torch.zeros(2, 3, dtype=torch.long), backend=backend)
+    with pytest.raises(ValueError, match="logits must have shape"):  # token_entropy: the same checks
+        fused_rl.token_entropy(x[0, 0], backend=backend)
+    with pytest.raises(ValueError, match="logits is empty"):
+        fused_rl.token_entropy(x[:, :, :0], backend=backend)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_rl.token_entropy(x, temperature=-1.0, backend=backend)
 
 
 def test_linear_policy_loss_rejects():

@@ -280,15 +280,18 @@ def test_verl_model_forward_patched(verl_modules, forward, monkeypatch):
 
 def test_verl_patch_module_patches_on_import(verl_modules, monkeypatch):
     """``actor_rollout_ref.model.external_lib=fused_rl.integrations.verl_patch``: importing it patches verl's two
-    names (verl imports the module in each worker) and keeps verl's own pair."""
+    names (verl imports the module in each worker) and keeps verl's own pair (the logits functions' patch, which it
+    runs too, stood in: tests/test_verl_logits.py)."""
     import fused_rl.integrations.verl_lm_head as ours
+    from fused_rl.integrations import verl_logits
 
+    monkeypatch.setattr(verl_logits, "patch_torch_functional", dict)
     own = (verl_modules.linear_cross_entropy.linear_cross_entropy, verl_modules.torch_functional.FusedLinearForPPO)
     monkeypatch.delitem(sys.modules, "fused_rl.integrations.verl_patch", raising=False)
     monkeypatch.setattr(verl_modules.linear_cross_entropy, "linear_cross_entropy", own[0])
     monkeypatch.setattr(verl_modules.torch_functional, "FusedLinearForPPO", own[1])
     patch = importlib.import_module("fused_rl.integrations.verl_patch")
-    assert patch.PREVIOUS == own
+    assert patch.PREVIOUS == {"fused_kernels": own, "torch_functional": {}}
     assert verl_modules.linear_cross_entropy.linear_cross_entropy.func is ours.linear_cross_entropy
     assert issubclass(verl_modules.torch_functional.FusedLinearForPPO, ours.FusedLinearForPPO)
     monkeypatch.delitem(sys.modules, "fused_rl.integrations.verl_patch")

@@ -7,7 +7,9 @@
   on fused_rl's loss math, ``global_batch_info`` included, and the mapping of verl actor options onto
   :class:`fused_rl.PolicyLossConfig`; :mod:`fused_rl.integrations.verl_lm_head`: verl's fused LM-head kernels
   (``use_fused_kernels``: ``FusedLinearForPPO``, ``linear_cross_entropy``) on one fused pass, and
-  ``patch_fused_kernels`` (importing :mod:`fused_rl.integrations.verl_patch` runs it: verl's ``external_lib``);
+  ``patch_fused_kernels``; :mod:`fused_rl.integrations.verl_logits`: verl's ``logprobs_from_logits`` /
+  ``entropy_from_logits`` (its default path) on the fused kernels, and ``patch_torch_functional`` (importing
+  :mod:`fused_rl.integrations.verl_patch` runs both patches: verl's ``external_lib``);
 * :mod:`fused_rl.integrations.openrlhf`: OpenRLHF's ``PolicyLoss`` (constructor, ``forward`` and its five
   returned values) on fused_rl's loss math, with the fused ``forward_from_hidden``, and the actor's
   ``log_probs_from_logits`` / ``compute_entropy`` on the fused kernels (``patch_actor``);
@@ -24,4 +26,4 @@ The Liger-Kernel fused-linear drop-in (``FusedLinearGRPOLoss``) lives in :mod:`f
 their framework lazily: importing this package never needs TRL, verl, OpenRLHF or Megatron.
 """
 
-__all__ = ["hf_models", "liger", "megatron", "openrlhf", "trl", "verl", "verl_lm_head"]
+__all__ = ["hf_models", "liger", "megatron", "openrlhf", "patching", "trl", "verl", "verl_lm_head", "verl_logits"]

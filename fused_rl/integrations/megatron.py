@@ -24,13 +24,13 @@ returns it: bf16 for bf16 logits, fp32 here); no double backward (``create_graph
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 from typing import Any, Optional
 
 import torch
 
 from .. import vocab_parallel
+from .patching import rebind
+from .verl_logits import check_chunk_size
 
 #: verl 0.9's modules that bind the three names at their import (:func:`patch_verl_megatron`)
 VERL_MODULES = ("verl.utils.megatron.tensor_parallel", "verl.workers.engine.megatron.transformer_impl")
@@ -80,8 +80,7 @@ def vocab_parallel_entropy_with_chunking(vocab_parallel_logits: torch.Tensor, ch
     """verl's ``vocab_parallel_entropy_with_chunking`` (``(batch, seq, ..., V / tp)`` logits, ``chunk_size`` tokens of
     the sequence at a time): :func:`vocab_parallel_entropy`, whose fused pass has no ``(..., V)`` buffer to chunk;
     ``chunk_size`` must be a positive int."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     if vocab_parallel_logits.dim() < 3:  # verl's slices the second dimension: of 2-D logits, the vocabulary
         raise ValueError("vocab_parallel_entropy_with_chunking takes (batch, seq, ..., V / tp) logits, got shape "
                          f"{tuple(vocab_parallel_logits.shape)}")
@@ -96,24 +95,13 @@ def patch_verl_megatron(*, group: Any = None, backend: str = "auto", check_input
     engine module is patched if imported: one imported later takes the patched names from the first) to this
     module's, with the given options. It patches this process only: call it in verl's workers (e.g. from an
     ``external_lib`` module). Returns ``{module name: {name: previous}}`` for restoring."""
-    if modules is None:
-        importlib.import_module(VERL_MODULES[0])  # the module the engine imports the names from
-        modules = VERL_MODULES
     options = dict(group=group, backend=backend)
-    replacements = {
+    return rebind({
         "vocab_parallel_log_probs_from_logits": functools.partial(vocab_parallel_log_probs_from_logits,
                                                                   check_inputs=check_inputs, **options),
         "vocab_parallel_entropy": functools.partial(vocab_parallel_entropy, **options),
-        "vocab_parallel_entropy_with_chunking": functools.partial(vocab_parallel_entropy_with_chunking, **options)}
-    previous = {}
-    for name in modules:
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        previous[name] = {attr: getattr(module, attr) for attr in replacements if hasattr(module, attr)}
-        for attr in previous[name]:
-            setattr(module, attr, replacements[attr])
-    return previous
+        "vocab_parallel_entropy_with_chunking": functools.partial(vocab_parallel_entropy_with_chunking, **options)},
+        modules, VERL_MODULES)
 
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",

@@ -68,7 +68,7 @@ import torch
 from ..config import PolicyLossConfig, naming_arguments
 from ..loss_math import (ROLLOUT_LOG_RHO_BOUND, compute_policy_loss as _compute_policy_loss, importance_ratio,
                          masked_mean, ratio_bounds, responses_factor)
-from ..ops import _check_linear_targets, linear_policy_loss, token_logprobs
+from ..ops import _check_linear_targets, linear_policy_loss, token_entropy, token_logprobs
 from ..outputs import PolicyLossOutput
 from ..validation import _fail, adapter_inputs, positive_integer
 
@@ -388,8 +388,7 @@ def compute_entropy(logits: torch.Tensor, *, backend: str = "auto") -> torch.Ten
     last dimension, differentiable, from :func:`fused_rl.token_logprobs`'s entropy (one fused pass; OpenRLHF's is
     compiled with ``torch.compile``, which fuses it too and keeps only the logits and per-row statistics); fp32 (fp64
     for fp64 logits). A row with ``-inf`` logits has a finite entropy (OpenRLHF's: NaN, ``0 * -inf``)."""
-    anchor = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)  # any valid id: unused
-    return token_logprobs(logits, anchor, return_entropy=True, backend=backend, check_inputs=False)[1]
+    return token_entropy(logits, backend=backend)
 
 
 def patch_actor(actor_module=None, *, backend: str = "auto", check_inputs: bool = True) -> tuple:
