@@ -22,9 +22,11 @@ gradient this process's partial sum, whose sum over the group is the whole gradi
 the hidden states with ``gather_from_sequence_parallel_region``, whose backward reduce-scatters it; verl turns sequence
 parallelism on whenever the tensor-parallel group has more than one process; a caller without it must all-reduce the
 hidden states' gradient). One ``all_gather`` (of ``2`` or ``3`` values per token, fp32, fp64 for fp64 input) runs in
-the forward, and with ``check_inputs`` one more of the slice sizes (and a host sync); none in the backward. The
-arguments are checked on each process before the first collective: one whose own arguments are wrong raises while
-the others wait in the collective (as with any collective call).
+the forward, and with ``check_inputs`` one more of the slice sizes and each process's check results (and a host
+sync); none in the backward. With ``check_inputs`` the processes agree on the checks: a process whose own
+arguments are wrong raises its error and the others raise too (the check's ``all_gather`` carries a flag of each
+process's checks), none is left waiting in a collective; without, it raises alone before the first collective while
+the others wait in it (as with any collective call).
 
 The column ``c``. On logits: each row's largest (one more read of the slice, no write): ``log p_r(c)`` is then in
 ``[-log V_r, 0]`` (no cancellation in ``lse_r``), and a row whose slice is all ``-inf`` is not read (``lse_r = -inf``,
@@ -38,7 +40,7 @@ weight's dtype, added to the fused pass's by autograd) and ``(N, H)`` hidden gra
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,8 @@ import torch.distributed as dist
 from .config import IGNORE_INDEX
 from .ops import _check_flags, _check_linear, _memory_budget, linear_token_logprobs as _linear_token_logprobs
 from .ops import token_logprobs as _token_logprobs
-from .validation import INDEX_DTYPES, _is_compiling, check_temperature, run_value_checks, token_logprobs_checks
+from .validation import (INDEX_DTYPES, _fail, _is_compiling, check_temperature, target_range_ok,
+                         token_logprobs_checks)
 
 #: Rows per chunk of :class:`_RowDot` (a ``(rows, H)`` fp32 product at a time).
 ROW_DOT_CHUNK = 4096
@@ -217,16 +220,55 @@ def combine(gathered: torch.Tensor, ignored: torch.Tensor, return_entropy: bool)
     return logp, torch.where(ignored, zero, entropy)
 
 
-def _check_shards(targets: torch.Tensor, vocab: int, world: int, group: Any, shard: str) -> None:
-    """Every process's shard has ``vocab`` columns (one ``all_gather`` of the sizes) and the targets are in the
-    ``world * vocab`` columns of all shards or ``IGNORE_INDEX``: one host sync."""
-    sizes = [torch.empty(1, dtype=torch.int64, device=targets.device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([vocab], device=targets.device), group=group)
-    whole = world * vocab
-    run_value_checks([
-        (f"every process's {shard} must be V_r = {vocab} (equal shards)", (torch.cat(sizes) == vocab).all()),
-        (f"targets must be in [0, {whole}) (the {world} shards' vocabulary) or {IGNORE_INDEX}",
-         (((targets >= 0) & (targets < whole)) | (targets == IGNORE_INDEX)).all())])
+def _agree_on_inputs(error: Optional[Exception], operand: Any, targets: Optional[torch.Tensor], vocab: int,
+                     group: Any, shard: str) -> None:
+    """The argument checks, agreed by every process of ``group``: one ``all_gather`` of ``(V_r, whether this process's
+    own checks failed, whether its targets are in [0, R V_r) or -100)`` and one host sync, then every process raises
+    if any process's checks failed (that process its own ``error``), the shards differ in size or any targets are
+    out of range: a process with wrong arguments does not leave the others waiting in the next collective."""
+    world = dist.get_world_size(group)
+    device = getattr(operand, "device", torch.device("cpu"))
+    if error is None:
+        in_range = target_range_ok(targets, world * vocab)
+        mine = torch.stack([torch.tensor(vocab, device=device), torch.tensor(0, device=device),
+                            in_range.to(device=device, dtype=torch.int64)])
+    else:
+        mine = torch.tensor([0, 1, 1], device=device)
+    rows = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows).tolist()
+    if error is not None:
+        raise error
+    failed = [rank for rank, row in enumerate(table) if row[1]]
+    if failed:
+        _fail(f"fused_rl.vocab_parallel: the arguments of process(es) {failed} of the group are invalid (each raised "
+              "its own error)")
+    problems = []
+    if any(row[0] != vocab for row in table):
+        problems.append(f"every process's {shard} must be V_r = {vocab} (equal shards), got "
+                        f"{[row[0] for row in table]}")
+    out_of_range = [rank for rank, row in enumerate(table) if not row[2]]
+    if out_of_range:
+        problems.append(f"targets must be in [0, {world * vocab}) (the {world} shards' vocabulary) or {IGNORE_INDEX} "
+                        f"(not on process(es) {out_of_range})")
+    if problems:
+        _fail("; ".join(problems))
+
+
+def _checked(checks: Callable[[], Any], operand: Any, targets: Any, group: Any, shard: str,
+             check_inputs: bool) -> Any:
+    """``checks()`` (this process's argument checks, returning its ``V_r``), then with ``check_inputs`` (not while
+    ``torch.compile`` traces) :func:`_agree_on_inputs`; without, a failed check raises here alone."""
+    agree = check_inputs and not _is_compiling() and dist.is_initialized()  # no group: nobody to agree with
+    try:
+        vocab = checks()
+    except (ValueError, TypeError) as exc:
+        if not agree:
+            raise
+        _agree_on_inputs(exc, operand, None, 0, group, shard)
+    if agree:
+        _agree_on_inputs(None, operand, targets, vocab, group, shard)
+    return vocab
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, group: Any = None,
@@ -240,17 +282,22 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     Every process of ``group`` must call it (one ``all_gather``; with ``check_inputs`` one more of the shard
     sizes, which must be equal, and one host sync for the target range)."""
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
-    _check_linear(hidden, weight, None)
+
+    def checks() -> int:
+        _check_linear(hidden, weight, None)
+        _memory_budget(memory_budget_bytes)
+        if not isinstance(targets, torch.Tensor) or targets.dtype not in INDEX_DTYPES:
+            raise ValueError("targets must be an int32 or int64 tensor, got "
+                             f"{getattr(targets, 'dtype', type(targets))}")
+        if tuple(targets.shape) != tuple(hidden.shape[:2]) or targets.device != hidden.device:
+            raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} on {hidden.device}, "
+                             f"got {tuple(targets.shape)} on {targets.device}")
+        check_temperature(temperature)
+        return weight.shape[0]
+
+    vocab = _checked(checks, hidden, targets, group, "weight shard's row count", check_inputs)
     memory_budget_bytes = _memory_budget(memory_budget_bytes)
-    if not isinstance(targets, torch.Tensor) or targets.dtype not in INDEX_DTYPES:
-        raise ValueError(f"targets must be an int32 or int64 tensor, got {getattr(targets, 'dtype', type(targets))}")
-    if tuple(targets.shape) != tuple(hidden.shape[:2]) or targets.device != hidden.device:
-        raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} on {hidden.device}, "
-                         f"got {tuple(targets.shape)} on {targets.device}")
-    check_temperature(temperature)
-    world, rank, vocab = dist.get_world_size(group), dist.get_rank(group), weight.shape[0]
-    if check_inputs and not _is_compiling():
-        _check_shards(targets, vocab, world, group, "weight shard's row count")
+    rank = dist.get_rank(group)
     stats = linear_shard_statistics(hidden, weight, targets, rank * vocab, float(temperature), bool(return_entropy),
                                     backend, memory_budget_bytes)
     logp, entropy = combine(_GatherRows.apply(stats, group), targets == IGNORE_INDEX, return_entropy)
@@ -266,16 +313,20 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, group: Any = 
     Returns ``log p(t)`` (and ``H``) over the whole vocabulary, fp32 (fp64 for fp64 logits), the same on every
     process; each process's logits gradient is its own columns' (Megatron's ``vocab_parallel_cross_entropy``:
     ``-token_logprobs(logits, targets, group=tp_group)``). One read of the shard for each row's largest logit, one
-    fused pass, one ``all_gather``; with ``check_inputs``, one more of the shard sizes, which must be equal, and one
-    host sync. ``-inf`` logits (a vocabulary mask) are ``p = 0`` with gradient 0, a whole shard of them included; a
-    target at ``-inf`` has log-prob ``-inf``, its column's gradient ``g (1 - p) = g``, as on one process. A retained
-    graph may be run backward again; no double backward (``create_graph=True`` raises NotImplementedError); under
-    ``torch.compile`` it runs eagerly (``torch.compiler.disable``: a graph break, an error with ``fullgraph=True``)."""
+    fused pass, one ``all_gather``; with ``check_inputs``, one more of the shard sizes, which must be equal, and of the
+    checks' results (a process's bad argument raises on every process), and one host sync. ``-inf`` logits (a vocabulary
+    mask) are ``p = 0`` with gradient 0, a whole shard of them included; a target at ``-inf`` has log-prob ``-inf``, its
+    column's gradient ``g (1 - p) = g``, as on one process. A retained graph may be run backward again; no double
+    backward (``create_graph=True`` raises NotImplementedError); under ``torch.compile`` it runs eagerly
+    (``torch.compiler.disable``: a graph break, an error with ``fullgraph=True``)."""
     _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
-    token_logprobs_checks(logits, targets, temperature, False)
-    world, rank, vocab = dist.get_world_size(group), dist.get_rank(group), logits.shape[-1]
-    if check_inputs and not _is_compiling():
-        _check_shards(targets, vocab, world, group, "logits shard's vocabulary size")
+
+    def checks() -> int:
+        token_logprobs_checks(logits, targets, temperature, False)
+        return logits.shape[-1]
+
+    vocab = _checked(checks, logits, targets, group, "logits shard's vocabulary size", check_inputs)
+    rank = dist.get_rank(group)
     stats = logits_shard_statistics(logits, targets, rank * vocab, float(temperature), bool(return_entropy), backend)
     logp, entropy = combine(_GatherRows.apply(stats, group), targets == IGNORE_INDEX, return_entropy)
     return (logp, entropy) if return_entropy else logp

@@ -7,6 +7,7 @@ gather's backward gives) on every backend; then real gloo process groups, throug
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import pytest
@@ -254,7 +255,9 @@ def test_logits_simulated_ranks_half_precision(backend, dtype):
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a collective left waiting (a process raising alone) fails after 2 minutes instead of hanging the suite
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         h, w, ids = _inputs(11, (2, 13), 32, world * shard, shard=shard)
         g1, g2 = _upstream(ids.shape, 11)
@@ -287,6 +290,17 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) 
                     call()
                 except ValueError as exc:
                     errors.append(str(exc))
+        # one process's own arguments wrong (its targets' shape, its temperature, its targets alone out of range):
+        # it raises its own error, the others raise too, none is left waiting in a collective
+        beyond = ids.clone()
+        beyond[0, 1] = world * shard
+        for call in (lambda: vocab_parallel.linear_token_logprobs(h, w[:shard], ids[:, :3] if rank == 1 else ids),
+                     lambda: vocab_parallel.token_logprobs(z[..., :shard], z_ids, temperature=0.0 if rank else 1.0),
+                     lambda: vocab_parallel.token_logprobs(z[..., :shard], beyond if rank == 1 else z_ids)):
+            try:
+                call()
+            except ValueError as exc:
+                errors.append(str(exc))
         out["errors"] = errors
         if world == 3:  # a sub-group (Megatron's tensor-parallel group): group ranks 0, 1 are global ranks 1, 2
             sub = dist.new_group([1, 2])
@@ -315,9 +329,9 @@ def test_gloo_process_group(tmp_path, world, shard):
     with the group give every rank the whole vocabulary's values; the ranks' hidden gradients sum to the whole
     gradient, their weight gradients are the slices of it; ``reduction="sum"`` is the log-probs' sum;
     :func:`fused_rl.vocab_parallel.token_logprobs` of logits with ``-inf`` columns, each rank's logits gradient the
-    slice of the whole one; a target past the last slice, a target -1 and unequal slices raise on every rank, in
-    both; with 3 processes, both again on a sub-group of global ranks 1 and 2 (Megatron's tensor-parallel group:
-    group ranks are not global ranks)."""
+    slice of the whole one; a target past the last slice, a target -1 and unequal slices raise on every rank, in both,
+    and so does one process's own bad argument (the others told which process); with 3 processes, both again on a
+    sub-group of global ranks 1 and 2 (Megatron's tensor-parallel group: group ranks are not global ranks)."""
     mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path), shard), nprocs=world, join=True)
     h, w, ids = _inputs(11, (2, 13), 32, world * shard, shard=shard)
     g1, g2 = _upstream(ids.shape, 11)
@@ -337,10 +351,14 @@ def test_gloo_process_group(tmp_path, world, shard):
         assert torch.equal(rank["logits"][1], ranks[0]["logits"][1])
     got = (*ranks[0]["logits"][:2], torch.cat([r["logits"][2].double() for r in ranks], dim=-1))
     _logits_close(got, _logits_exact(z, z_ids, g1, g2), torch.float32, z, z_ids)
-    for rank in ranks:
-        assert len(rank["errors"]) == 6
+    for number, rank in enumerate(ranks):
+        assert len(rank["errors"]) == 9
         assert all(f"targets must be in [0, {world * shard})" in e for e in rank["errors"][:4])
-        assert all("equal shards" in e for e in rank["errors"][4:])
+        assert all("equal shards" in e for e in rank["errors"][4:6])
+        own = ("targets must have shape", "temperature must be")
+        for error, message, bad in zip(rank["errors"][6:8], own, ([1], list(range(1, world)))):
+            assert message in error if number in bad else f"arguments of process(es) {bad} of the group" in error
+        assert rank["errors"][8].endswith("(not on process(es) [1])")
     if world == 3:  # the sub-group of global ranks 1, 2: the first two slices' vocabulary
         sub_ids = torch.where(ids == -100, ids, ids % (2 * shard))
         partials = [r["sub"][2].double() for r in ranks[1:]]

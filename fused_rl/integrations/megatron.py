@@ -8,7 +8,8 @@ fp32 copy of the slice, its softmax kept for the backward, three all-reduces. ve
 ``vocab_parallel_entropy`` (another softmax of the slice, in the logits' dtype, on a clone of the logits). Here each
 is one :func:`fused_rl.vocab_parallel.token_logprobs` pass: the logits' slice is read by the fused kernel (its largest
 entry once more), no ``(..., V / tp)`` buffer but the gradient, one ``all_gather`` of two values per token (three with
-the entropy; and, with ``check_inputs``, one of the slice sizes and a host sync).
+the entropy; and, with ``check_inputs``, one of the slice sizes and each process's check results, and a host sync:
+a process's bad argument raises on every process).
 
 The tensor-parallel group is Megatron's (``megatron.core.parallel_state.get_tensor_model_parallel_group()`` at each
 call) unless a ``group`` is given. Gradients are Megatron's: each rank's logits gradient its own slice's.
