@@ -1,14 +1,15 @@
 """Benchmark cases: shapes, inputs and one callable per (operation, implementation, mode).
 
-Operations: ``token_logprobs``, ``policy_loss`` (vocabulary logits in) and ``linear_policy_loss``
-(hidden states + LM-head weight in). Modes: ``fwd`` (no autograd) and ``fwd+bwd``.
+Operations: ``token_logprobs``, ``token_entropy``, ``policy_loss`` (vocabulary logits in) and
+``linear_policy_loss`` (hidden states + LM-head weight in). Modes: ``fwd`` (no autograd) and ``fwd+bwd``.
 
-Implementations: the reference eager and under ``torch.compile``, each fused_rl backend, and peers
-when installed: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (linear) and ``triton_grpo_loss``
-(logits, CUDA only), TRL's ``selective_log_softmax`` + its GRPO loss formula, verl's ``FusedLinearForPPO`` + the
-same formula (linear), Cut Cross-Entropy's ``linear_cross_entropy`` (the log-prob part of the linear loss only),
-Megatron-Core's ``vocab_parallel_cross_entropy`` (token log-probs; CPU, a one-process gloo group as the
-tensor-parallel one); and fused_rl's drop-ins for Liger's, verl's and Megatron's (``liger-api``, ``verl-api``,
+Implementations: the reference eager and under ``torch.compile``, each fused_rl backend, and peers when installed:
+Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (linear) and ``triton_grpo_loss`` (logits, CUDA only), TRL's
+``selective_log_softmax`` (+ its GRPO loss formula) and ``entropy_from_logits``, verl's ``logprobs_from_logits`` /
+``entropy_from_logits`` (its engines without fused kernels), verl's ``FusedLinearForPPO`` + the same formula
+(linear), Cut Cross-Entropy's ``linear_cross_entropy`` (the log-prob part of the linear loss only), Megatron-Core's
+``vocab_parallel_cross_entropy`` (token log-probs; CPU, a one-process gloo group as the tensor-parallel one); and
+fused_rl's drop-ins for Liger's, verl's and Megatron's (``liger-api``, ``verl-api``, ``verl-logits-api``,
 ``megatron-api``).
 
 Byte / FLOP floors used for the throughput columns (``itemsize`` of the logits / hidden dtype):
@@ -19,6 +20,7 @@ does ``2 N H V`` FLOPs forward and ``6 N H V`` in fwd+bwd.
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -34,7 +36,7 @@ import torch.distributed as dist
 import fused_rl
 from fused_rl import PolicyLossConfig
 
-OPS = ("token_logprobs", "policy_loss", "linear_policy_loss")
+OPS = ("token_logprobs", "token_entropy", "policy_loss", "linear_policy_loss")
 MODES = ("fwd", "fwd+bwd")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -123,6 +125,7 @@ def _fused(backend: str, compiled: bool = False):
     fns = {
         "token_logprobs": lambda x: fused_rl.token_logprobs(x["logits"], x["targets"], backend=backend,
                                                             check_inputs=False),
+        "token_entropy": lambda x: fused_rl.token_entropy(x["logits"], backend=backend),
         "policy_loss": lambda x: fused_rl.policy_loss(
             x["logits"], x["targets"], x["advantages"], x["mask"], old_logprobs=x["old"], ref_logprobs=x["ref"],
             config=CONFIG, backend=backend, check_inputs=False).loss,
@@ -149,9 +152,10 @@ def _eager_loss(logp: torch.Tensor, x: dict) -> torch.Tensor:
 
 
 def _trl():
-    from trl.trainer.utils import selective_log_softmax
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     return {"token_logprobs": lambda x: selective_log_softmax(x["logits"], x["targets"]),
+            "token_entropy": lambda x: entropy_from_logits(x["logits"]),
             "policy_loss": lambda x: _eager_loss(selective_log_softmax(x["logits"], x["targets"]), x)}
 
 
@@ -180,6 +184,40 @@ def _verl(fused: bool = False):
         return _eager_loss(logp, x)
 
     return {"linear_policy_loss": linear}
+
+
+def installed_path(package: str) -> Optional[Path]:
+    """The installed ``package``'s directory (found on ``sys.path``: an empty stand-in in ``sys.modules`` is not
+    asked), or None."""
+    spec = importlib.machinery.PathFinder.find_spec(package)
+    return None if spec is None else Path(list(spec.submodule_search_locations)[0])
+
+
+def verl_functional() -> types.ModuleType:
+    """verl 0.9.1's ``verl/utils/torch_functional.py`` (``logprobs_from_logits``, ``entropy_from_logits``: verl's
+    engines without fused kernels) imported under its own name, with empty stand-ins for the packages ``verl`` and
+    ``verl.utils`` (``import verl`` needs Ray) and, where it is not installed, ``tensordict`` (imported for other
+    functions), unless already imported."""
+    root = installed_path("verl")
+    for name in ("verl", "verl.utils"):
+        if name not in sys.modules:
+            stand_in_package(name, root.joinpath(*name.split(".")[1:]))
+    if "tensordict" not in sys.modules and importlib.machinery.PathFinder.find_spec("tensordict") is None:
+        sys.modules["tensordict"] = types.SimpleNamespace(TensorDict=type("TensorDict", (), {}))
+    return importlib.import_module("verl.utils.torch_functional")
+
+
+def _verl_logits(fused: bool = False):
+    """verl's log-probs and entropies from the logits (its engines without fused kernels; ``logprobs_from_logits``
+    takes its ``logsumexp`` / ``log_softmax`` path where flash-attn is not installed); with ``fused`` fused_rl's
+    drop-ins (:mod:`fused_rl.integrations.verl_logits`, ``inplace_backward`` left True as verl's engines call it
+    without the entropy: the rows' logits are a leaf, left intact)."""
+    if fused:
+        from fused_rl.integrations import verl_logits as functional
+    else:
+        functional = verl_functional()
+    return {"token_logprobs": lambda x: functional.logprobs_from_logits(x["logits"], x["targets"]),
+            "token_entropy": lambda x: functional.entropy_from_logits(x["logits"])}
 
 
 def load_module_file(name: str, path: Path) -> types.ModuleType:
@@ -321,7 +359,7 @@ IMPLS = {
     "cpu": Impl("cpu", lambda: _fused("cpu"), devices=("cpu",), backend="cpu"),
     "triton": Impl("triton", lambda: _fused("triton"), devices=("cuda",), backend="triton"),
     "cuda": Impl("cuda", lambda: _fused("cuda"), devices=("cuda",), backend="cuda"),
-    "trl": Impl("trl", _trl, ops=("token_logprobs", "policy_loss"), requires="trl"),
+    "trl": Impl("trl", _trl, ops=("token_logprobs", "token_entropy", "policy_loss"), requires="trl"),
     "liger": Impl("liger", _liger, ops=("linear_policy_loss",), requires="liger_kernel"),
     "liger-triton": Impl("liger-triton", _liger_triton, ops=("policy_loss",), devices=("cuda",),
                          requires="liger_kernel", prepare=_liger_triton_inputs),
@@ -331,6 +369,10 @@ IMPLS = {
                  note="verl 0.9.1's FusedLinearForPPO (use_fused_kernels, torch) + the loss in eager torch"),
     "verl-api": Impl("verl-api", lambda: _verl(fused=True), ops=("linear_policy_loss",),
                      note="fused_rl.integrations.verl_lm_head.FusedLinearForPPO + the loss in eager torch"),
+    "verl-logits": Impl("verl-logits", _verl_logits, ops=("token_logprobs", "token_entropy"), requires="verl",
+                        note="verl 0.9.1's logprobs_from_logits / entropy_from_logits (no flash-attn)"),
+    "verl-logits-api": Impl("verl-logits-api", lambda: _verl_logits(fused=True),
+                            ops=("token_logprobs", "token_entropy"), note="fused_rl.integrations.verl_logits"),
     "megatron": Impl("megatron", _megatron, ops=("token_logprobs",), devices=("cpu",), requires="megatron",
                      note="Megatron-Core 0.16.1's vocab_parallel_cross_entropy, one process"),
     "megatron-api": Impl("megatron-api", lambda: _megatron(fused=True), ops=("token_logprobs",), devices=("cpu",),

@@ -533,3 +533,19 @@ def check_token_logprobs_inplace(backend: str, shape: tuple = (3, 5, 1000), dtyp
     writes = backend != "reference"
     assert torch.equal(buf.detach(), leaf.grad if writes else x0)
     assert torch.all(leaf.grad.view(-1, shape[-1])[1] == 0)
+
+
+@contextlib.contextmanager
+def peer_modules(*packages: str):
+    """Modules of ``packages`` (top-level names: a peer's stand-ins and what was loaded under them) imported inside
+    the block are dropped after it and those present before restored: a stand-in ``verl`` package left in
+    ``sys.modules`` would be found by the next test's imports."""
+    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in packages}
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] in packages]:
+            del sys.modules[name]
+        sys.modules.update(saved)

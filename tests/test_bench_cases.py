@@ -7,6 +7,7 @@ import torch
 import fused_rl
 from bench import cases
 from bench.cases import IMPLS, SHAPE_SETS, Impl, Shape, floor_bytes, floor_flops, make_callable, make_inputs
+from helpers import peer_modules
 
 
 def test_floor_bytes_by_hand():
@@ -114,7 +115,7 @@ def test_each_fused_impl_runs_its_own_backend(monkeypatch):
     def fake(name):
         def f(*args, backend, **kwargs):
             called.append((name, backend))
-            return torch.zeros(()) if name == "token_logprobs" else Out()
+            return torch.zeros(()) if name.startswith("token_") else Out()
         return f
 
     for name in cases.OPS:
@@ -175,6 +176,26 @@ def test_verl_rows_compute_the_reference_loss(impl):
     x = make_inputs("linear_policy_loss", Shape(n=64, v=50, h=16, batch=4), "cpu")
     expected = IMPLS["reference"].build()["linear_policy_loss"](x)
     torch.testing.assert_close(IMPLS[impl].build()["linear_policy_loss"](x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["trl", "verl-logits", "verl-logits-api"])
+def test_log_prob_and_entropy_rows_compute_the_references(impl):
+    """TRL's and verl's log-probs and entropies from the logits (verl's installed ``torch_functional.py``) and
+    fused_rl's verl drop-ins: the reference's values and logits gradients."""
+    if cases.unavailable(IMPLS[impl], "token_entropy", "cpu"):
+        pytest.skip(f"{IMPLS[impl].requires} is not installed")
+    x = make_inputs("token_logprobs", Shape(n=64, v=50, batch=4), "cpu")
+    with peer_modules("verl", "tensordict"):
+        fns = IMPLS[impl].build()
+        for op in ("token_logprobs", "token_entropy"):
+            leaf = x["logits"].clone().requires_grad_()
+            expected = IMPLS["reference"].build()[op]({**x, "logits": leaf})
+            (expected_grad,) = torch.autograd.grad(expected.sum(), leaf)
+            leaf = x["logits"].clone().requires_grad_()
+            got = fns[op]({**x, "logits": leaf})
+            torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+            (grad,) = torch.autograd.grad(got.sum(), leaf)
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture

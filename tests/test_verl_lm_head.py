@@ -9,11 +9,11 @@ import importlib.util
 import os
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench.cases import installed_path
 from fused_rl.integrations.verl_lm_head import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 from helpers import fused_backends, lm_head_inputs, supports
 
@@ -32,12 +32,11 @@ PACKAGES = ("verl", "verl.utils", "verl.utils.kernel", "verl.utils.experimental"
 def verl_modules(monkeypatch):
     """verl's three files, loaded under their own names with empty stand-ins for their packages (``verl``'s
     ``__init__`` imports Ray and the rest of verl's stack): the model forwards' call-time imports find them."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None:
+    root = installed_path("verl")  # not find_spec: a stand-in left in sys.modules has no spec
+    if root is None:
         if os.environ.get("FUSED_RL_REQUIRE_OPENRLHF") == "1":  # .ci/run installs the peers: missing is a failure
             pytest.fail("verl is not installed (pip install --no-deps verl==0.9.1)")
         pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
-    root = Path(spec.submodule_search_locations[0])
     for name in PACKAGES:
         package = types.ModuleType(name)
         package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]

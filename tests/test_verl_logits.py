@@ -1,13 +1,13 @@
 """fused_rl.integrations.verl_logits against verl 0.9.1's own ``verl/utils/torch_functional.py``
-(``logprobs_from_logits`` and the entropy functions of its engines without fused kernels; the wheel installed ``--no-deps`` by .ci/run, the
-``verl`` package's ``__init__`` replaced by empty stand-ins since it imports Ray, ``tensordict`` by a stand-in where it
-is not installed: ``torch_functional`` imports it for other functions) and verl's prefix-grouper forward
-(``verl/trainer/ppo/prefix_grouper_utils.py``, the ``prefix_grouper`` package stood in), patched."""
+(``logprobs_from_logits`` and the entropy functions of its engines without fused kernels; the wheel installed
+``--no-deps`` by .ci/run, the ``verl`` package's ``__init__`` replaced by empty stand-ins since it imports Ray,
+``tensordict`` by a stand-in where it is not installed: ``torch_functional`` imports it for other functions) and
+verl's prefix-grouper forward (``verl/trainer/ppo/prefix_grouper_utils.py``, the ``prefix_grouper`` package stood
+in), patched."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 import types
@@ -16,40 +16,33 @@ import pytest
 import torch
 
 import fused_rl
+from bench.cases import installed_path, stand_in_package, verl_functional
 from fused_rl.integrations import verl_logits as ours
-from helpers import LOGIT_KINDS, assert_close, fused_backends, make_logits, supports
+from helpers import LOGIT_KINDS, assert_close, fused_backends, make_logits, peer_modules, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # on a GPU every test runs on CUDA tensors (the triton / cuda backends, verl's functions on CUDA): part of -m cuda
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 BACKENDS = ["reference"] + fused_backends(DEVICE)
-STOOD_IN = ("verl", "tensordict", "prefix_grouper")
 
 
 @pytest.fixture
-def verl(monkeypatch):
-    """verl's ``torch_functional`` and ``prefix_grouper_utils`` imported under their own names from the installed
-    wheel, with empty stand-ins for their packages; every module this imports is dropped afterwards."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None:
+def verl():
+    """verl's ``torch_functional`` (``bench.cases.verl_functional``: stand-ins for its packages and ``tensordict``)
+    and ``prefix_grouper_utils`` (``prefix_grouper`` stood in) imported under their own names from the installed
+    wheel; every module this imports is dropped afterwards."""
+    root = installed_path("verl")
+    if root is None:
         if os.environ.get("FUSED_RL_REQUIRE_OPENRLHF") == "1":  # .ci/run installs the peers: missing is a failure
             pytest.fail("verl is not installed (pip install --no-deps verl==0.9.1)")
         pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
-    root = spec.submodule_search_locations[0]
-    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in STOOD_IN}
-    for name in ("verl", "verl.utils", "verl.trainer", "verl.trainer.ppo"):
-        sys.modules[name] = package = types.ModuleType(name)
-        package.__path__ = [os.path.join(root, *name.split(".")[1:])]
-    if importlib.util.find_spec("tensordict") is None:
-        sys.modules["tensordict"] = types.SimpleNamespace(TensorDict=type("TensorDict", (), {}))
-    sys.modules["prefix_grouper"] = types.SimpleNamespace(PrefixGrouper=type("PrefixGrouper", (), {}))
-    try:
-        yield types.SimpleNamespace(F=importlib.import_module("verl.utils.torch_functional"),
+    with peer_modules("verl", "tensordict", "prefix_grouper"):
+        functional = verl_functional()
+        for name in ("verl.trainer", "verl.trainer.ppo"):
+            stand_in_package(name, root.joinpath(*name.split(".")[1:]))
+        sys.modules["prefix_grouper"] = types.SimpleNamespace(PrefixGrouper=type("PrefixGrouper", (), {}))
+        yield types.SimpleNamespace(F=functional,
                                     grouper=importlib.import_module("verl.trainer.ppo.prefix_grouper_utils"))
-    finally:
-        for name in [name for name in sys.modules if name.split(".")[0] in STOOD_IN]:
-            del sys.modules[name]
-        sys.modules.update(saved)
 
 
 def _inputs(seed: int, shape=(2, 37, 1000), kind: str = "randn", dtype=torch.float32):
