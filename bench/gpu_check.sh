@@ -135,7 +135,8 @@ wanted pytest && FUSED_RL_REQUIRE_NATIVE=1 TAIL=40 step pytest 270 "$PY" -m pyte
   -W ignore::RuntimeWarning --junitxml="$WORK/pytest_junit.xml" \
   tests/test_triton.py tests/test_native.py tests/test_linear.py tests/test_tiled_linear.py \
   tests/test_hardening.py tests/test_variants.py tests/test_opcheck.py tests/test_linear_fuzz.py \
-  tests/test_recompiles.py tests/test_liger_logits.py tests/test_verl_lm_head.py tests/test_vocab_parallel.py
+  tests/test_recompiles.py tests/test_liger_logits.py tests/test_verl_lm_head.py tests/test_verl_logits.py \
+  tests/test_vocab_parallel.py
 
 echo "== done in $SECONDS s" | tee -a "$SUMMARY"
 publish
