@@ -83,6 +83,16 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             value = call(x)
             ((value.double() * (g2 if "entropy" in name or "chunked" in name else g1)).sum()).backward()
             out[name] = (value.detach(), x.grad, torch.equal(x.detach(), mine))
+        # (batch, seq, 1, V / tp) logits in two chunks of the second dimension: verl's backward writes into each
+        # chunk's saved view of the logits and fails on the next chunk's
+        x = mine.clone().requires_grad_()
+        value = ours.vocab_parallel_entropy_with_chunking(x.unsqueeze(2), chunk_size=1).squeeze(2)
+        ((value.double() * g2).sum()).backward()
+        out["chunked4d"] = (value.detach(), x.grad)
+        try:
+            verl_tp.vocab_parallel_entropy_with_chunking(mine.clone().requires_grad_().unsqueeze(2), 1).sum().backward()
+        except RuntimeError as exc:
+            out["verl two chunks"] = "modified by an inplace operation" in str(exc)
         previous = ours.patch_verl_megatron(modules=("verl.utils.megatron.tensor_parallel",), backend="torch")
         out["patched"] = (set(previous["verl.utils.megatron.tensor_parallel"]),
                           verl_tp.vocab_parallel_entropy.func is ours.vocab_parallel_entropy,
@@ -138,7 +148,8 @@ def test_against_megatron_and_verl(tmp_path, world):
     chunked) against fused_rl's drop-ins: values and each rank's logits gradient (of random upstream gradients) the
     peers' within fp32 rounding, both against float64 over the whole vocabulary; fused_rl leaves the logits as they
     were;
-    the verl patch rebinds the three names with its options; label smoothing raises."""
+    the chunked entropy of 4-D logits in two chunks against float64 (verl's backward raises there); the verl patch
+    rebinds the three names with its options; label smoothing raises."""
     _peers_installed()
     mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
     z, ids, g1, g2 = _inputs(world)
@@ -163,6 +174,11 @@ def test_against_megatron_and_verl(tmp_path, world):
         mine = torch.cat([r[peer + "-ours"][1] for r in ranks], dim=-1)
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
         torch.testing.assert_close(ranks[0][peer + "-ours"][0], ranks[0][peer][0], rtol=0, atol=2e-5)
+    value, grad = exact["entropy"]
+    torch.testing.assert_close(ranks[0]["chunked4d"][0].double(), value, rtol=0, atol=2e-5)
+    got = torch.cat([r["chunked4d"][1].double() for r in ranks], dim=-1)
+    torch.testing.assert_close(got, grad, rtol=0, atol=1e-5 * grad.abs().max().item())
+    assert all(r["verl two chunks"] for r in ranks)
     for r in ranks:
         names, is_ours, keywords, logp_keywords, patched = r["patched"]
         assert logp_keywords == dict(check_inputs=True, group=None, backend="torch")  # the default check_inputs
