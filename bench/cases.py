@@ -161,9 +161,8 @@ def _trl():
 
 def verl_torch_functional():
     """verl 0.9.1's ``verl/utils/experimental/torch_functional.py`` loaded as a file (``import verl`` needs Ray)."""
-    root = importlib.util.find_spec("verl").submodule_search_locations[0]
     spec = importlib.util.spec_from_file_location("_verl_torch_functional",
-                                                  f"{root}/utils/experimental/torch_functional.py")
+                                                  installed_path("verl") / "utils/experimental/torch_functional.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -243,7 +242,7 @@ def megatron_cross_entropy() -> types.ModuleType:
     as the tensor-parallel one) and the three names ``utils.py`` takes from ``megatron.core.utils``; the package
     ``megatron.core.tensor_parallel`` then has ``vocab_parallel_cross_entropy`` (verl's Megatron functions import it
     from there). Once a process (the stand-ins replace the installed package's modules)."""
-    core = Path(list(importlib.util.find_spec("megatron").submodule_search_locations)[0]) / "core"
+    core = installed_path("megatron") / "core"
     stand_in_package("megatron", core.parent)
     megatron_core = stand_in_package("megatron.core", core)
     sys.modules["megatron"].core = megatron_core
@@ -386,7 +385,8 @@ def unavailable(impl: Impl, op: str, device: str) -> Optional[str]:
     """Why ``impl`` cannot run ``op`` on ``device`` (``None`` if it can)."""
     if device not in impl.devices:
         return f"{impl.name} does not run on {device}"
-    if impl.requires and importlib.util.find_spec(impl.requires) is None:
+    # on sys.path (find_spec would ask a stand-in package an earlier row left in sys.modules, which has no spec)
+    if impl.requires and importlib.machinery.PathFinder.find_spec(impl.requires) is None:
         return f"{impl.requires} is not installed"
     if impl.backend is not None:
         reason = fused_rl.available_backends(torch.device(device)).get(impl.backend)

@@ -7,30 +7,23 @@ Megatron's ``parallel_state``, the default group as the tensor-parallel one) and
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.cases import load_module_file, megatron_cross_entropy, stand_in_package
+from bench.cases import installed_path, load_module_file, megatron_cross_entropy, stand_in_package
 from fused_rl.integrations import megatron as ours
 
 TOKENS, SHARD = (13, 2), 500
 
 
-def _root(package: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def _peers_installed() -> None:
-    missing = [name for name in ("megatron", "verl") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("megatron", "verl") if installed_path(name) is None]
     if missing:
         if os.environ.get("FUSED_RL_REQUIRE_OPENRLHF") == "1":  # .ci/run installs the peers: missing is a failure
             pytest.fail(f"{missing} not installed (pip install --no-deps megatron-core==0.16.1 verl==0.9.1)")
@@ -40,7 +33,7 @@ def _peers_installed() -> None:
 def _load_peers():
     """Megatron's cross entropy and verl's Megatron functions in this (worker) process, on the default group."""
     cross_entropy = megatron_cross_entropy()
-    verl = _root("verl")
+    verl = installed_path("verl")
     for name in ("verl", "verl.utils", "verl.utils.megatron"):
         stand_in_package(name, verl.joinpath(*name.split(".")[1:]))
     verl_tp = load_module_file("verl.utils.megatron.tensor_parallel",
