@@ -63,8 +63,8 @@ def token_logprobs(
 def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto") -> torch.Tensor:
     """Each position's entropy ``H = -sum_j p_j log p_j = logsumexp(z) - sum_j p_j z_j`` of ``p = softmax(z)``,
     ``z = logits / temperature``, over the last dimension: of the logits' leading shape, fp32 (fp64 for fp64
-    logits), differentiable; :func:`token_logprobs`' entropy (one fused pass, no target read). A row with ``-inf``
-    logits has a finite entropy (the ``-inf`` columns have ``p_j = 0`` and add nothing)."""
+    logits), differentiable; :func:`token_logprobs`' entropy (one fused pass, no target read). A row with some ``-inf``
+    logits has a finite entropy (the ``-inf`` columns have ``p_j = 0`` and add nothing); a row of only ``-inf``: NaN."""
     anchor = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)  # any valid id: unused
     return token_logprobs(logits, anchor, temperature=temperature, return_entropy=True, backend=backend,
                           check_inputs=False)[1]

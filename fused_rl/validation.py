@@ -203,6 +203,13 @@ def weights_check(weights: torch.Tensor, valid: torch.Tensor, name: str = "rollo
             ((torch.isfinite(weights) & (weights >= 0)) | ~where).all())
 
 
+def check_chunk_size(chunk_size) -> None:
+    """A peer's ``chunk_size`` that fused_rl's fused pass does not use (verl's chunked entropies, its
+    ``FusedLinearForPPO``): a positive int."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        _fail(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
 def positive_integer(value, name: str):
     """A peer's process count or length option (``dp_size``, ``loss_scale_factor``): a positive integer (``3.0`` is
     3); a tensor passes unread (no host sync)."""

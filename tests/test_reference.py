@@ -286,14 +286,15 @@ def test_default_config_is_ppo_clip_at_0_2_with_a_token_mean_by_hand():
 
 @pytest.mark.parametrize("backend", ["reference"] + fused_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_entropy_every_backend(backend, dtype):
+@pytest.mark.parametrize("kind", ["randn", "peaked"])  # peaked rows' entropies are ~1e-9: below the tolerance
+def test_token_entropy_every_backend(backend, dtype, kind):
     """``fused_rl.token_entropy``: ``-sum_j p_j log p_j`` of ``softmax(logits / 0.7)`` (peaked logits, a row with
     ``-inf`` columns, ``V = 1001``) and its logits gradient (random upstream gradient) within the dtype's tolerance
     of float64 of the same rounded logits; fp32 values whatever the logits' dtype."""
     if not supports(backend, dtype):
         pytest.skip(f"{backend} does not take {dtype}")
     g = torch.Generator().manual_seed(0)
-    z = make_logits((3, 4, 1001), kind="peaked", generator=g)
+    z = make_logits((3, 4, 1001), kind=kind, generator=g)
     z[1, 2, 500:] = float("-inf")
     z = z.to(dtype)
     upstream = torch.randn(3, 4, generator=g, dtype=torch.float64)
@@ -307,3 +308,14 @@ def test_token_entropy_every_backend(backend, dtype):
     (entropy.double() * upstream).sum().backward()
     (exact * upstream).sum().backward()
     assert_close(x.grad.double(), exact_x.grad, dtype, "gradient", grad=True, scale=3.0)
+
+
+def test_token_entropy_reads_no_targets(monkeypatch):
+    """``fused_rl.token_entropy`` runs :func:`fused_rl.token_logprobs` on in-range placeholder ids without checking
+    them (no host sync a call), with its ``temperature`` and ``backend``."""
+    from fused_rl import ops
+
+    seen, real = [], ops.token_logprobs
+    monkeypatch.setattr(ops, "token_logprobs", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    fused_rl.token_entropy(torch.randn(2, 5), temperature=0.5, backend="torch")
+    assert seen == [dict(temperature=0.5, return_entropy=True, backend="torch", check_inputs=False)]

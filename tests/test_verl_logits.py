@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import types
 
@@ -117,13 +118,14 @@ def test_entropy_matches_verl(verl, backend, kind, chunked):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_logits_give_fp32_values_closer_than_verls(verl, backend, dtype):
+@pytest.mark.parametrize("kind", ["randn", "peaked"])  # peaked rows' entropies (~1e-5) are below the tolerance
+def test_16_bit_logits_give_fp32_values_closer_than_verls(verl, backend, dtype, kind):
     """bf16 / fp16 logits: fp32 log-probs and entropies within fp32 rounding of the float64 values of the same
     rounded logits (verl's log-probs and ``entropy_from_logits`` are in the logits' dtype, from a 16-bit softmax),
     closer than verl's; the gradients are the logits' dtype, within its rounding of float64's."""
     if not supports(backend, dtype, DEVICE):
         pytest.skip(f"{backend} does not take {dtype}")
-    z, labels, upstream = _inputs(3, (3, 11, 1000), "peaked", dtype)
+    z, labels, upstream = _inputs(3, (3, 11, 1000), kind, dtype)
     for fn, theirs_fn, exact_fn in (
             (lambda x: ours.logprobs_from_logits(x, labels, backend=backend),
              lambda x: verl.F.logprobs_from_logits(x, labels), lambda x: _fp64_logprobs(x, labels)),
@@ -185,7 +187,7 @@ def test_inplace_logprobs_beside_the_entropy_of_the_same_logits(backend):
 def test_ignore_index_out_of_range_and_inf_rows(verl):
     """A label ``-100`` gives log-prob 0 and no gradient (flash-attn's ignore index); any other label outside
     ``[0, V)`` raises, unless ``check_inputs=False``; a row with ``-inf`` logits has the entropy of its finite ones
-    (verl's: NaN)."""
+    (verl's: NaN); a row of only ``-inf``, NaN as verl's."""
     z, labels, upstream = _inputs(6, (2, 6, 300))
     labels[0, 2] = fused_rl.IGNORE_INDEX
     got, grad = _value_and_grad(lambda x: ours.logprobs_from_logits(x, labels, False), z, upstream)
@@ -200,11 +202,13 @@ def test_ignore_index_out_of_range_and_inf_rows(verl):
     entropy = ours.entropy_from_logits(masked)
     torch.testing.assert_close(entropy[0, 0].double(), _fp64_entropy(z[0, 0, :100]), atol=1e-5, rtol=1e-5)
     assert torch.isnan(verl.F.entropy_from_logits(masked)[0, 0])
+    masked[1, 1] = float("-inf")  # no finite logit: no distribution, NaN on both
+    assert torch.isnan(ours.entropy_from_logits(masked)[1, 1]) and torch.isnan(verl.F.entropy_from_logits(masked)[1, 1])
 
 
 def test_chunked_entropy_takes_any_leading_shape_and_checks_chunk_size(verl):
     """``entropy_from_logits_with_chunking`` of ``(B, T, V)`` logits gives the entropy of each position (verl's takes
-    only ``(N, V)``); ``chunk_size`` must be a positive int; ``inplace_backward`` a bool."""
+    only ``(N, V)``); ``chunk_size`` must be a positive int; ``inplace_backward`` a bool; zero tokens raise."""
     z, labels, _ = _inputs(7, (2, 5, 300))
     torch.testing.assert_close(ours.entropy_from_logits_with_chunking(z, chunk_size=3).double(), _fp64_entropy(z),
                                atol=1e-5, rtol=1e-5)
@@ -213,7 +217,10 @@ def test_chunked_entropy_takes_any_leading_shape_and_checks_chunk_size(verl):
     for bad in (0, -2, 2.0, True, "8"):
         with pytest.raises(ValueError, match="chunk_size must be a positive int"):
             ours.entropy_from_logits_with_chunking(z, chunk_size=bad)
-    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+    for fn in (ours.entropy_from_logits, ours.entropy_from_logits_with_chunking):  # verl's entropy: empty
+        with pytest.raises(ValueError, match="logits is empty"):
+            fn(z[:0])
+    with pytest.raises(ValueError, match="inplace_backward must be a bool"):
         ours.logprobs_from_logits(z, labels, 1)
 
 
@@ -245,7 +252,9 @@ def test_patch_rebinds_every_module_that_holds_the_names(verl, monkeypatch):
         assert module.logprobs_from_logits.func is ours.logprobs_from_logits
         assert module.logprobs_from_logits.keywords == {"backend": "torch", "check_inputs": False}
     assert verl.F.entropy_from_logits.func is ours.entropy_from_logits
-    assert verl.F.entropy_from_logits_with_chunking.keywords == {"backend": "torch"}
+    assert verl.F.entropy_from_logits_with_chunking.func is ours.entropy_from_logits_with_chunking
+    assert verl.F.entropy_from_logits.keywords == verl.F.entropy_from_logits_with_chunking.keywords == {
+        "backend": "torch"}
     late = types.ModuleType("late")  # a module imported after the patch, as verl's engines import the name
     exec("from verl.utils.torch_functional import logprobs_from_logits", late.__dict__)
     assert late.logprobs_from_logits is verl.F.logprobs_from_logits
@@ -329,3 +338,63 @@ def test_patch_imports_torch_functional(verl):
     ours.patch_torch_functional()
     fresh = sys.modules["verl.utils.torch_functional"]
     assert fresh is not verl.F and fresh.entropy_from_logits.func is ours.entropy_from_logits
+
+
+def test_verl_modules_lists_every_module_that_imports_the_names():
+    """Every module of the installed verl that imports one of the three names from ``torch_functional`` (binding it at
+    its import) is in ``VERL_MODULES``: read from the wheel's source, so a verl release that adds one fails here."""
+    root = installed_path("verl")
+    if root is None:
+        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    root = str(root)
+    pattern = re.compile(r"from\s+verl\.utils\.torch_functional\s+import\s+(\([^)]*\)|[^\n]*)")
+    names = {"logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking"}
+    importing = set()
+    for directory, _, files in os.walk(root):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(directory, file)
+                with open(path, encoding="utf-8") as f:
+                    imported = {word for match in pattern.findall(f.read()) for word in re.findall(r"\w+", match)}
+                if imported & names:
+                    module = os.path.relpath(path[:-3], os.path.dirname(root)).replace(os.sep, ".")
+                    importing.add(module.removesuffix(".__init__"))
+    assert importing and importing <= set(ours.VERL_MODULES[1:]), sorted(importing - set(ours.VERL_MODULES))
+
+
+def test_patched_names_take_verls_call_forms(verl):
+    """After the patch, verl's own calls: ``logprobs_from_logits(logits=, labels=, inplace_backward=)`` (its engines'
+    keywords) and the entropy functions as the engines build them (``torch.compile(..., dynamic=True)`` of the name
+    read from ``torch_functional``, the chunked one called with ``chunk_size=``) give the float64 values."""
+    z, labels, upstream = _inputs(11, (13, 1000))
+    previous = ours.patch_torch_functional(modules=("verl.utils.torch_functional",))
+    try:
+        for inplace in (True, False):
+            got, grad = _value_and_grad(lambda x: verl.F.logprobs_from_logits(
+                logits=x * 1, labels=labels, inplace_backward=inplace), z, upstream)
+            exact, exact_grad = _value_and_grad(lambda x: _fp64_logprobs(x, labels), z, upstream, torch.float64)
+            torch.testing.assert_close(got.double(), exact, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(grad.double(), exact_grad, atol=1e-6, rtol=1e-5)
+        exact = _fp64_entropy(z)
+        compiled = torch.compile(verl.F.entropy_from_logits_with_chunking, dynamic=True)
+        torch.testing.assert_close(compiled(z, chunk_size=2048).double(), exact, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(verl.F.entropy_from_logits(z).double(), exact, atol=2e-5, rtol=2e-5)
+    finally:
+        for name, functions in previous.items():
+            for attr, function in functions.items():
+                setattr(sys.modules[name], attr, function)
+
+
+def test_backend_reaches_the_fused_pass(monkeypatch):
+    """Each drop-in hands its ``backend`` (and ``logprobs_from_logits`` its ``check_inputs`` and ``inplace_backward``)
+    on to the fused pass."""
+    seen = []
+    real = {"token_logprobs": ours.token_logprobs, "token_entropy": ours.token_entropy}
+    for name in real:
+        monkeypatch.setattr(ours, name, lambda *a, _name=name, **kw: seen.append((_name, kw)) or real[_name](*a, **kw))
+    z, labels, _ = _inputs(12, (3, 50))
+    ours.logprobs_from_logits(z, labels, False, backend="torch", check_inputs=False)
+    ours.entropy_from_logits(z, backend="torch")
+    ours.entropy_from_logits_with_chunking(z, 7, backend="torch")
+    assert seen == [("token_logprobs", dict(backend="torch", check_inputs=False, inplace=False)),
+                    ("token_entropy", dict(backend="torch")), ("token_entropy", dict(backend="torch"))]

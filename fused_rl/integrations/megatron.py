@@ -30,8 +30,8 @@ from typing import Any, Optional
 import torch
 
 from .. import vocab_parallel
+from ..validation import check_chunk_size
 from .patching import rebind
-from .verl_logits import check_chunk_size
 
 #: verl 0.9's modules that bind the three names at their import (:func:`patch_verl_megatron`)
 VERL_MODULES = ("verl.utils.megatron.tensor_parallel", "verl.workers.engine.megatron.transformer_impl")

@@ -39,6 +39,7 @@ import torch
 
 from .. import vocab_parallel
 from ..ops import linear_token_logprobs
+from ..validation import check_chunk_size
 
 REDUCTIONS = ("none", "sum", "mean")
 #: verl 0.9's Megatron model forwards, which bind ``linear_cross_entropy`` at their import (and pass the
@@ -149,8 +150,7 @@ class FusedLinearForPPO(torch.nn.Module):
         super().__init__()
         if impl_backend not in ("torch", "liger"):
             raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'.")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_chunk_size(chunk_size)
         self.chunk_size, self.impl_backend = chunk_size, impl_backend
         self.backend, self.check_inputs, self.memory_budget_bytes = backend, check_inputs, memory_budget_bytes
 

@@ -14,12 +14,13 @@ import ``logprobs_from_logits`` by name (:data:`VERL_MODULES`); importing :mod:`
 (verl's ``external_lib``) runs it.
 
 Differences from verl's (each tested): the log-probs and entropies are fp32 (fp64 for fp64 logits) whatever the
-logits' dtype (verl's ``entropy_from_logits`` and its non-flash-attn log-probs keep bf16 logits' dtype, computing the
-softmax in bf16); a label ``-100`` gives 0 and no gradient (flash-attn's ignore index; verl's fallback would index
-with it) and any other label outside ``[0, V)`` raises (``check_inputs=True``, one host sync a call); a row with
-``-inf`` logits has a finite entropy (verl's: NaN, ``0 * -inf``); ``entropy_from_logits_with_chunking`` takes any
-leading shape (verl's only ``(N, V)``), ``chunk_size`` checked but unused (the fused pass has no ``(chunk, V)``
-buffer to bound).
+logits' dtype (verl's ``entropy_from_logits`` and its non-flash-attn log-probs keep bf16 logits' dtype, computing
+the softmax in bf16); a label ``-100`` gives 0 and no gradient (flash-attn's ignore index; verl's fallback would
+index with it) and any other label outside ``[0, V)`` raises (``check_inputs=True``, one host sync a call); a row
+with some ``-inf`` logits has a finite entropy (verl's: NaN, ``0 * -inf``; a row of only ``-inf``: NaN on both);
+``entropy_from_logits_with_chunking`` takes any leading shape (verl's only ``(N, V)``), ``chunk_size`` checked but
+unused (the fused pass has no ``(chunk, V)`` buffer to bound); zero tokens raise (verl's entropy gives an empty
+tensor).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..ops import token_entropy, token_logprobs
+from ..validation import check_chunk_size, check_flag
 from .patching import rebind
 
 #: verl 0.9's modules holding the names: ``torch_functional`` defines them (the engines read the entropy functions
@@ -39,12 +41,6 @@ VERL_MODULES = ("verl.utils.torch_functional", "verl.workers.engine.fsdp.transfo
                 "verl.trainer.ppo.prefix_grouper_utils", "verl.workers.rollout.naive.naive_rollout")
 
 
-def check_chunk_size(chunk_size) -> None:
-    """verl's ``chunk_size`` of its chunked entropy functions: a positive int (the fused pass does not use it)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True, *,
                          backend: str = "auto", check_inputs: bool = True) -> torch.Tensor:
     """verl's ``logprobs_from_logits``: ``log softmax(logits)[labels]`` over the last dimension, of ``labels``' shape,
@@ -52,8 +48,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     it also takes the entropy of the same logits) writes the logits' gradient over them, as flash-attn's kernel does
     (:func:`fused_rl.token_logprobs`'s ``inplace``: a leaf is left intact, and a backward that would read the
     overwritten logits raises instead of reading the gradient)."""
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+    check_flag(inplace_backward, "inplace_backward")
     return token_logprobs(logits, labels, backend=backend, check_inputs=check_inputs, inplace=inplace_backward)
 
 
@@ -89,4 +84,4 @@ def patch_torch_functional(*, backend: str = "auto", check_inputs: bool = True,
 
 
 __all__ = ["logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking",
-           "patch_torch_functional", "check_chunk_size", "VERL_MODULES"]
+           "patch_torch_functional", "VERL_MODULES"]
