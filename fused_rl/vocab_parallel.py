@@ -24,9 +24,11 @@ parallelism on whenever the tensor-parallel group has more than one process; a c
 hidden states' gradient). One ``all_gather`` (of ``2`` or ``3`` values per token, fp32, fp64 for fp64 input) runs in
 the forward, and with ``check_inputs`` one more of the slice sizes and each process's check results (and a host
 sync); none in the backward. With ``check_inputs`` the processes agree on the checks: a process whose own
-arguments are wrong raises its error and the others raise too (the check's ``all_gather`` carries a flag of each
-process's checks), none is left waiting in a collective; without, it raises alone before the first collective while
-the others wait in it (as with any collective call).
+arguments are wrong (the checks, its backend included) raises its error and the others raise too (the check's
+``all_gather`` carries a flag of each process's checks, and the number of tokens, ``return_entropy``, whether the input
+is fp64 and the temperature, which must be the same on every process), none is left waiting in a collective; without,
+it raises alone before the first collective while the others wait in it (as with any collective call), and so it does
+while ``torch.compile`` traces :func:`linear_token_logprobs`.
 
 The column ``c``. On logits: each row's largest (one more read of the slice, no write): ``log p_r(c)`` is then in
 ``[-log V_r, 0]`` (no cancellation in ``lse_r``), and a row whose slice is all ``-inf`` is not read (``lse_r = -inf``,
@@ -45,6 +47,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .backends import get_backend
 from .config import IGNORE_INDEX
 from .ops import _check_flags, _check_linear, _memory_budget, linear_token_logprobs as _linear_token_logprobs
 from .ops import token_logprobs as _token_logprobs
@@ -220,54 +223,82 @@ def combine(gathered: torch.Tensor, ignored: torch.Tensor, return_entropy: bool)
     return logp, torch.where(ignored, zero, entropy)
 
 
-def _agree_on_inputs(error: Optional[Exception], operand: Any, targets: Optional[torch.Tensor], vocab: int,
-                     group: Any, shard: str) -> None:
+#: What every process must pass alike besides the shard size (a mismatch makes the gathers' sizes or dtypes differ,
+#: or the combination wrong), agreed with ``check_inputs``: one column each of the check's ``all_gather``.
+AGREED = ("number of tokens", "return_entropy", "fp64-ness of the input", "temperature")
+
+
+def _table_device(operand: Any, group: Any) -> torch.device:
+    """Where the check's ``all_gather`` runs: NCCL takes CUDA tensors (the current device, whatever this process's
+    possibly wrong operand is on: a meta or CPU operand must not make its gather fail), gloo / MPI CPU ones."""
+    name = str(dist.get_backend(group)).lower()
+    if name == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if "gloo" in name or "mpi" in name:
+        return torch.device("cpu")
+    device = getattr(operand, "device", None)
+    return device if isinstance(device, torch.device) and device.type != "meta" else torch.device("cpu")
+
+
+def _agree_on_inputs(error: Optional[BaseException], operand: Any, targets: Optional[torch.Tensor], vocab: int,
+                     agreed: tuple, group: Any, shard: str) -> None:
     """The argument checks, agreed by every process of ``group``: one ``all_gather`` of ``(V_r, whether this process's
-    own checks failed, whether its targets are in [0, R V_r) or -100)`` and one host sync, then every process raises
-    if any process's checks failed (that process its own ``error``), the shards differ in size or any targets are
-    out of range: a process with wrong arguments does not leave the others waiting in the next collective."""
+    own checks failed, whether its targets are in [0, R V_r) or -100, *agreed)`` (fp64) and one host sync, then every
+    process raises if any process's checks failed (that process its own ``error``), the shards differ in size, any
+    targets are out of range or the :data:`AGREED` values differ: a process with wrong arguments does not leave the
+    others waiting in the next collective."""
     world = dist.get_world_size(group)
-    device = getattr(operand, "device", torch.device("cpu"))
+    device = _table_device(operand, group)
     if error is None:
-        in_range = target_range_ok(targets, world * vocab)
-        mine = torch.stack([torch.tensor(vocab, device=device), torch.tensor(0, device=device),
-                            in_range.to(device=device, dtype=torch.int64)])
+        in_range = target_range_ok(targets, world * vocab).to(device=device, dtype=torch.float64).view(1)
+        mine = torch.cat([torch.tensor([vocab, 0.0], dtype=torch.float64, device=device), in_range,
+                          torch.tensor([float(v) for v in agreed], dtype=torch.float64, device=device)])
     else:
-        mine = torch.tensor([0, 1, 1], device=device)
-    rows = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world)]
+        mine = torch.tensor([0.0, 1.0, 1.0] + [0.0] * len(AGREED), dtype=torch.float64, device=device)
+    rows = [torch.empty(3 + len(AGREED), dtype=torch.float64, device=device) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
     table = torch.stack(rows).tolist()
     if error is not None:
         raise error
     failed = [rank for rank, row in enumerate(table) if row[1]]
     if failed:
-        _fail(f"fused_rl.vocab_parallel: the arguments of process(es) {failed} of the group are invalid (each raised "
-              "its own error)")
+        _fail(f"fused_rl.vocab_parallel: the arguments of process(es) {failed} of the group (group ranks) are invalid "
+              "(each raised its own error)")
     problems = []
     if any(row[0] != vocab for row in table):
         problems.append(f"every process's {shard} must be V_r = {vocab} (equal shards), got "
-                        f"{[row[0] for row in table]}")
+                        f"{[int(row[0]) for row in table]}")
     out_of_range = [rank for rank, row in enumerate(table) if not row[2]]
     if out_of_range:
         problems.append(f"targets must be in [0, {world * vocab}) (the {world} shards' vocabulary) or {IGNORE_INDEX} "
                         f"(not on process(es) {out_of_range})")
+    for column, name in enumerate(AGREED, start=3):
+        values = [row[column] if name == "temperature" else int(row[column]) for row in table]
+        if any(value != values[0] for value in values):
+            problems.append(f"every process must pass the same {name}, got {values}")
     if problems:
         _fail("; ".join(problems))
 
 
-def _checked(checks: Callable[[], Any], operand: Any, targets: Any, group: Any, shard: str,
-             check_inputs: bool) -> Any:
-    """``checks()`` (this process's argument checks, returning its ``V_r``), then with ``check_inputs`` (not while
-    ``torch.compile`` traces) :func:`_agree_on_inputs`; without, a failed check raises here alone."""
-    agree = check_inputs and not _is_compiling() and dist.is_initialized()  # no group: nobody to agree with
+def _checked(checks: Callable[[], tuple], operand: Any, targets: Any, group: Any, shard: str,
+             check_inputs: Any) -> int:
+    """``checks()`` (this process's argument checks, returning its ``V_r`` and :data:`AGREED` values), then with
+    ``check_inputs`` (not while ``torch.compile`` traces) :func:`_agree_on_inputs`; without, a failed check raises
+    here alone. Any exception of the checks is agreed on (a backend's RuntimeError too); an invalid ``check_inputs``
+    is taken as true, so that its own check's error is agreed on."""
     try:
-        vocab = checks()
-    except (ValueError, TypeError) as exc:
+        wanted = bool(check_inputs)
+    except Exception:  # noqa: BLE001 - an invalid flag: its check below raises, agreed
+        wanted = True
+    agree = wanted and not _is_compiling() and dist.is_initialized()  # no group: nobody to agree with
+    try:
+        vocab, agreed = checks()
+    except Exception as exc:  # noqa: BLE001 - re-raised on this process, agreed on the others
         if not agree:
             raise
-        _agree_on_inputs(exc, operand, None, 0, group, shard)
+        _agree_on_inputs(exc, operand, None, 0, (), group, shard)
     if agree:
-        _agree_on_inputs(None, operand, targets, vocab, group, shard)
+        _agree_on_inputs(None, operand, targets, vocab, agreed, group, shard)
     return vocab
 
 
@@ -281,9 +312,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     same on every process; gradients per the module docstring (the hidden states' is this process's partial sum).
     Every process of ``group`` must call it (one ``all_gather``; with ``check_inputs`` one more of the shard
     sizes, which must be equal, and one host sync for the target range)."""
-    _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
-
-    def checks() -> int:
+    def checks() -> tuple:
+        _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
         _check_linear(hidden, weight, None)
         _memory_budget(memory_budget_bytes)
         if not isinstance(targets, torch.Tensor) or targets.dtype not in INDEX_DTYPES:
@@ -293,7 +323,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
             raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} on {hidden.device}, "
                              f"got {tuple(targets.shape)} on {targets.device}")
         check_temperature(temperature)
-        return weight.shape[0]
+        get_backend(backend, hidden.device, hidden.dtype, linear=True)
+        return weight.shape[0], (targets.numel(), return_entropy, hidden.dtype == torch.float64, temperature)
 
     vocab = _checked(checks, hidden, targets, group, "weight shard's row count", check_inputs)
     memory_budget_bytes = _memory_budget(memory_budget_bytes)
@@ -319,11 +350,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, group: Any = 
     column's gradient ``g (1 - p) = g``, as on one process. A retained graph may be run backward again; no double
     backward (``create_graph=True`` raises NotImplementedError); under ``torch.compile`` it runs eagerly
     (``torch.compiler.disable``: a graph break, an error with ``fullgraph=True``)."""
-    _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
-
-    def checks() -> int:
+    def checks() -> tuple:
+        _check_flags(return_entropy=return_entropy, check_inputs=check_inputs)
         token_logprobs_checks(logits, targets, temperature, False)
-        return logits.shape[-1]
+        get_backend(backend, logits.device, logits.dtype)
+        return logits.shape[-1], (targets.numel(), return_entropy, logits.dtype == torch.float64, temperature)
 
     vocab = _checked(checks, logits, targets, group, "logits shard's vocabulary size", check_inputs)
     rank = dist.get_rank(group)
