@@ -301,14 +301,16 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) 
                 call()
             except ValueError as exc:
                 errors.append(str(exc))
-        # process 1's own backend, flag or meta logits, then what must be the same on every process: the number of
-        # tokens, return_entropy, the temperature (each raised on every process: before, the others were left in a
-        # collective or a gloo process aborted on the gathers' differing sizes)
+        # process 1's own backend, flag, meta logits or memory budget, then what must be the same on every process:
+        # the number of tokens, return_entropy, the temperature (each raised on every process: before, the others
+        # were left in a collective or a gloo process aborted on the gathers' differing sizes)
         zs, bad = z[..., :shard], rank == 1
         flag = 1 if bad else False  # not a bool on process 1
         for call in (lambda: vocab_parallel.token_logprobs(zs, z_ids, backend="bogus" if bad else "auto"),
                      lambda: vocab_parallel.linear_token_logprobs(h, w[:shard], ids, return_entropy=flag),
                      lambda: vocab_parallel.token_logprobs(zs.to("meta") if bad else zs, z_ids),
+                     lambda: vocab_parallel.linear_token_logprobs(h, w[:shard], ids,
+                                                                  memory_budget_bytes=-1 if bad else None),
                      lambda: vocab_parallel.token_logprobs(zs[:1] if bad else zs, z_ids[:1] if bad else z_ids),
                      lambda: vocab_parallel.linear_token_logprobs(h, w[:shard], ids, return_entropy=bad),
                      lambda: vocab_parallel.token_logprobs(zs, z_ids, temperature=2.0 if bad else 1.0)):
@@ -367,11 +369,12 @@ def test_gloo_process_group(tmp_path, world, shard):
     got = (*ranks[0]["logits"][:2], torch.cat([r["logits"][2].double() for r in ranks], dim=-1))
     _logits_close(got, _logits_exact(z, z_ids, g1, g2), torch.float32, z, z_ids)
     for number, rank in enumerate(ranks):
-        assert len(rank["errors"]) == 15
-        own = ("backend must be one of", "return_entropy must be a bool", "on the meta device")
-        for error, message in zip(rank["errors"][9:12], own):
+        assert len(rank["errors"]) == 16
+        own = ("backend must be one of", "return_entropy must be a bool", "on the meta device",
+               "memory_budget_bytes must be a positive int")
+        for error, message in zip(rank["errors"][9:13], own):
             assert message in error if number == 1 else "arguments of process(es) [1] of the group" in error
-        for error, name in zip(rank["errors"][12:], ("number of tokens", "return_entropy", "temperature")):
+        for error, name in zip(rank["errors"][13:], ("number of tokens", "return_entropy", "temperature")):
             assert f"every process must pass the same {name}" in error
         assert all(f"targets must be in [0, {world * shard})" in e for e in rank["errors"][:4])
         assert all("equal shards" in e for e in rank["errors"][4:6])
