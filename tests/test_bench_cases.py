@@ -200,6 +200,26 @@ def test_log_prob_and_entropy_rows_compute_the_references(impl):
             torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
+def test_verl_logits_api_row_runs_the_drop_ins(monkeypatch):
+    """The ``verl-logits-api`` row calls fused_rl's drop-ins (verl's own functions would give the same values)."""
+    from fused_rl.integrations import verl_logits
+
+    seen = []
+    for name in ("logprobs_from_logits", "entropy_from_logits"):
+        real = getattr(verl_logits, name)
+        monkeypatch.setattr(verl_logits, name,
+                            lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k))
+    x = make_inputs("token_logprobs", Shape(n=16, v=50, batch=4), "cpu")
+    fns = IMPLS["verl-logits-api"].build()
+    fns["token_logprobs"](x), fns["token_entropy"](x)
+    assert seen == ["logprobs_from_logits", "entropy_from_logits"]
+
+
+def test_every_op_is_benchmarked():
+    """``OPS`` (what the suite and the report run) holds every operation the reference row builds."""
+    assert set(IMPLS["reference"].build()) == set(cases.OPS)
+
+
 @pytest.fixture
 def own_process_group():
     """The Megatron rows start a one-process gloo group in this process: ended after the test."""
