@@ -385,7 +385,7 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
 
 def compute_entropy(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """OpenRLHF's ``openrlhf.models.utils.compute_entropy``: ``H = logsumexp(z) - sum_j softmax(z)_j z_j`` over the
-    last dimension, differentiable, from :func:`fused_rl.token_logprobs`'s entropy (one fused pass; OpenRLHF's is
+    last dimension, differentiable, from :func:`fused_rl.token_entropy` (one fused pass; OpenRLHF's is
     compiled with ``torch.compile``, which fuses it too and keeps only the logits and per-row statistics); fp32 (fp64
     for fp64 logits). A row with ``-inf`` logits has a finite entropy (OpenRLHF's: NaN, ``0 * -inf``)."""
     return token_entropy(logits, backend=backend)
