@@ -229,20 +229,21 @@ def test_chunked_entropy_takes_any_leading_shape_and_checks_chunk_size(verl):
 
 def test_compile_and_checkpoint_as_verls_engines_call_them():
     """verl's engines wrap the entropy function in ``torch.compile(..., dynamic=True)`` (``use_torch_compile``) and
-    ``torch.utils.checkpoint`` (``entropy_checkpointing``): both give the eager values and gradients."""
+    ``torch.utils.checkpoint`` (``entropy_checkpointing``): both give the float64 values and gradients within fp32
+    rounding."""
     z, _, upstream = _inputs(8, (19, 1000))
-    value, grad = _value_and_grad(ours.entropy_from_logits, z, upstream)
+    value, grad = _value_and_grad(_fp64_entropy, z, upstream, torch.float64)
     compiled = torch.compile(ours.entropy_from_logits, dynamic=True)
     for fn in (compiled, lambda x: torch.utils.checkpoint.checkpoint(ours.entropy_from_logits, x, use_reentrant=False)):
         got, got_grad = _value_and_grad(fn, z, upstream)
-        torch.testing.assert_close(got, value, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(got_grad, grad, atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(got.double(), value, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got_grad.double(), grad, atol=1e-6, rtol=1e-5)
 
 
 def test_patch_rebinds_every_module_that_holds_the_names(verl, monkeypatch):
     """``patch_torch_functional()`` rebinds the three names in ``torch_functional`` and ``logprobs_from_logits`` in
     the modules that imported it (the prefix-grouper forward; an engine module stood in, as its import binds it),
-    with the options; it returns verl's functions; a module imported later takes the patched names."""
+    with the options; it returns verl's functions."""
     engine = types.ModuleType("verl.workers.engine.fsdp.transformer_impl")
     engine.logprobs_from_logits = verl.F.logprobs_from_logits
     monkeypatch.setitem(sys.modules, engine.__name__, engine)
@@ -258,9 +259,6 @@ def test_patch_rebinds_every_module_that_holds_the_names(verl, monkeypatch):
     assert verl.F.entropy_from_logits_with_chunking.func is ours.entropy_from_logits_with_chunking
     assert verl.F.entropy_from_logits.keywords == verl.F.entropy_from_logits_with_chunking.keywords == {
         "backend": "torch"}
-    late = types.ModuleType("late")  # a module imported after the patch, as verl's engines import the name
-    exec("from verl.utils.torch_functional import logprobs_from_logits", late.__dict__)
-    assert late.logprobs_from_logits is verl.F.logprobs_from_logits
     z, labels, _ = _inputs(9, (2, 3, 50))
     labels[0, 0] = 50
     ours.patch_torch_functional(modules=(engine.__name__,))  # the default options: the labels checked
