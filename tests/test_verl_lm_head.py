@@ -74,11 +74,12 @@ def _fp64(h, w, ids, temperature):
 
 def _no_worse_than_verl(ours, theirs, exact) -> None:
     """Each of ``ours`` within 1.5x verl's own distance to the float64 values (at most 5e-5 of their scale, at least
-    1; plus 1e-6 of it), and verl's within 1e-3 of that scale (so that the float64 formula is verl's)."""
+    1; plus 1e-6 of it), and verl's within 2e-3 of that scale (so that the float64 formula is verl's; its fp32
+    hidden gradient's cancellation gave 1.06e-3 on an AMD EPYC machine on 2026-12-08, under 1e-3 on CI's before)."""
     for a, b, e in zip(ours, theirs, exact):
         scale = max(e.abs().max().item(), 1.0)
         theirs_off = (b.double() - e).abs().max().item()
-        assert theirs_off <= 1e-3 * scale
+        assert theirs_off <= 2e-3 * scale
         torch.testing.assert_close(a.double(), e, rtol=0, atol=min(1.5 * theirs_off, 5e-5 * scale) + 1e-6 * scale)
 
 
