@@ -280,17 +280,37 @@ def _agree_on_inputs(error: Optional[BaseException], operand: Any, targets: Opti
         _fail("; ".join(problems))
 
 
+def _agreeing(check_inputs: Any) -> bool:
+    """Whether the checks are agreed: with ``check_inputs`` (an invalid one taken as true, so that its own check's
+    error is agreed on), not while ``torch.compile`` traces, and only with a process group (else nobody to agree
+    with)."""
+    try:
+        wanted = bool(check_inputs)
+    except Exception:  # noqa: BLE001 - an invalid flag: its check raises, agreed
+        wanted = True
+    return wanted and not _is_compiling() and dist.is_initialized()
+
+
+def agreed_checks(checks: Callable[[], Any], operand: Any, group: Any, check_inputs: Any) -> Any:
+    """``checks()``: a caller's own argument checks before it calls :func:`linear_token_logprobs` or
+    :func:`token_logprobs` with the same ``group`` and ``check_inputs`` (a drop-in's checks of its own options).
+    Where that call's checks are agreed, so is an exception of these: this process raises it after the agreement's
+    ``all_gather``, the others in their call's (told which process failed), instead of this process raising alone and
+    leaving the others waiting in a collective. Returns what ``checks()`` returns."""
+    try:
+        return checks()
+    except Exception as exc:  # noqa: BLE001 - re-raised on this process, agreed on the others
+        if not _agreeing(check_inputs):
+            raise
+        _agree_on_inputs(exc, operand, None, 0, (), group, "")
+
+
 def _checked(checks: Callable[[], tuple], operand: Any, targets: Any, group: Any, shard: str,
              check_inputs: Any) -> int:
     """``checks()`` (this process's argument checks, returning its ``V_r`` and :data:`AGREED` values), then with
-    ``check_inputs`` (not while ``torch.compile`` traces) :func:`_agree_on_inputs`; without, a failed check raises
-    here alone. Any exception of the checks is agreed on (a backend's RuntimeError too); an invalid ``check_inputs``
-    is taken as true, so that its own check's error is agreed on."""
-    try:
-        wanted = bool(check_inputs)
-    except Exception:  # noqa: BLE001 - an invalid flag: its check below raises, agreed
-        wanted = True
-    agree = wanted and not _is_compiling() and dist.is_initialized()  # no group: nobody to agree with
+    ``check_inputs`` (:func:`_agreeing`) :func:`_agree_on_inputs`; without, a failed check raises here alone. Any
+    exception of the checks is agreed on (a backend's RuntimeError too)."""
+    agree = _agreeing(check_inputs)
     try:
         vocab, agreed = checks()
     except Exception as exc:  # noqa: BLE001 - re-raised on this process, agreed on the others
@@ -363,4 +383,5 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, group: Any = 
     return (logp, entropy) if return_entropy else logp
 
 
-__all__ = ["token_logprobs", "linear_token_logprobs", "logits_shard_statistics", "linear_shard_statistics", "combine"]
+__all__ = ["token_logprobs", "linear_token_logprobs", "logits_shard_statistics", "linear_shard_statistics", "combine",
+           "agreed_checks"]

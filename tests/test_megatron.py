@@ -96,6 +96,10 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=0.1)
         except NotImplementedError as exc:
             out["smoothing"] = str(exc)
+        try:  # process 1's alone: raised there, and on the others (not left waiting in the check's all_gather)
+            ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=0.1 if rank == 1 else 0.0)
+        except (NotImplementedError, ValueError) as exc:
+            out["one smoothing"] = f"{type(exc).__name__}: {exc}"
         out["no smoothing"] = torch.equal(ours.vocab_parallel_cross_entropy(mine, ids, label_smoothing=-0.1),
                                           ours.vocab_parallel_cross_entropy(mine, ids))  # <= 0: none, as Megatron's
         # the default modules: verl's engine module (a stand-in binding the three names, as its import does) too;
@@ -180,6 +184,11 @@ def test_against_megatron_and_verl(tmp_path, world):
         assert is_ours and keywords == dict(group=None, backend="torch")
         torch.testing.assert_close(patched.double(), exact["logp"][0], rtol=0, atol=2e-5)
         assert "label_smoothing=0.1" in r["smoothing"] and r["no smoothing"]
+    for number, r in enumerate(ranks):
+        assert r["one smoothing"].startswith("NotImplementedError: vocab_parallel_cross_entropy: label_smoothing=0.1"
+                                             if number == 1 else
+                                             "ValueError: fused_rl.vocab_parallel: the arguments of process(es) [1]")
+    for r in ranks:
         same, keywords, finite = r["default"]
         assert same == {"verl.utils.megatron.tensor_parallel": True,
                         "verl.workers.engine.megatron.transformer_impl": True}

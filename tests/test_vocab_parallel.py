@@ -313,7 +313,13 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, shard: int) 
                                                                   memory_budget_bytes=-1 if bad else None),
                      lambda: vocab_parallel.token_logprobs(zs[:1] if bad else zs, z_ids[:1] if bad else z_ids),
                      lambda: vocab_parallel.linear_token_logprobs(h, w[:shard], ids, return_entropy=bad),
-                     lambda: vocab_parallel.token_logprobs(zs, z_ids, temperature=2.0 if bad else 1.0)):
+                     lambda: vocab_parallel.token_logprobs(zs, z_ids, temperature=2.0 if bad else 1.0),
+                     # verl's drop-in's own checks before it: process 1's reduction, labels' dtype, labels' shape
+                     lambda: linear_cross_entropy(h, w[:shard], ids, 1.0, "max" if bad else "none", dist.group.WORLD),
+                     lambda: linear_cross_entropy(h, w[:shard], ids.float() if bad else ids, 1.0, "none",
+                                                  dist.group.WORLD),
+                     lambda: linear_cross_entropy(h, w[:shard], ids[:, :3] if bad else ids, 1.0, "none",
+                                                  dist.group.WORLD)):
             try:
                 call()
             except ValueError as exc:
@@ -347,7 +353,8 @@ def test_gloo_process_group(tmp_path, world, shard):
     gradient, their weight gradients are the slices of it; ``reduction="sum"`` is the log-probs' sum;
     :func:`fused_rl.vocab_parallel.token_logprobs` of logits with ``-inf`` columns, each rank's logits gradient the
     slice of the whole one; a target past the last slice, a target -1 and unequal slices raise on every rank, in both,
-    and so does one process's own bad argument (the others told which process); with 3 processes, both again on a
+    and so does one process's own bad argument (verl's drop-in's reduction and labels too; the others told which
+    process); with 3 processes, both again on a
     sub-group of global ranks 1 and 2 (Megatron's tensor-parallel group: group ranks are not global ranks)."""
     mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path), shard), nprocs=world, join=True)
     h, w, ids = _inputs(11, (2, 13), 32, world * shard, shard=shard)
@@ -369,7 +376,10 @@ def test_gloo_process_group(tmp_path, world, shard):
     got = (*ranks[0]["logits"][:2], torch.cat([r["logits"][2].double() for r in ranks], dim=-1))
     _logits_close(got, _logits_exact(z, z_ids, g1, g2), torch.float32, z, z_ids)
     for number, rank in enumerate(ranks):
-        assert len(rank["errors"]) == 16
+        assert len(rank["errors"]) == 19
+        own = ("reduction must be one of", "labels must be an int32 or int64 tensor", "labels must have shape")
+        for error, message in zip(rank["errors"][16:], own):
+            assert message in error if number == 1 else "arguments of process(es) [1] of the group" in error
         own = ("backend must be one of", "return_entropy must be a bool", "on the meta device",
                "memory_budget_bytes must be a positive int")
         for error, message in zip(rank["errors"][9:13], own):

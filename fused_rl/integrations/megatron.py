@@ -51,10 +51,15 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     """Megatron's ``vocab_parallel_cross_entropy``: ``-log softmax(logits)[target]`` over the whole vocabulary,
     fp32 (fp64 for fp64 logits) of ``target``'s shape, from this rank's slice ``vocab_parallel_logits (..., V / tp)``
     and the global ``target (...)``."""
-    if label_smoothing > 0.0:  # Megatron's takes a value <= 0 as none
-        raise NotImplementedError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing!r} is not "
-                                  "supported by fused_rl (policy losses take the log-prob of the sampled token)")
-    return -vocab_parallel.token_logprobs(vocab_parallel_logits, target, group=_group(group), backend=backend,
+    group = _group(group)
+
+    def checks() -> None:
+        if label_smoothing > 0.0:  # Megatron's takes a value <= 0 as none
+            raise NotImplementedError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing!r} is not "
+                                      "supported by fused_rl (policy losses take the log-prob of the sampled token)")
+
+    vocab_parallel.agreed_checks(checks, vocab_parallel_logits, group, check_inputs)  # raised on every process
+    return -vocab_parallel.token_logprobs(vocab_parallel_logits, target, group=group, backend=backend,
                                           check_inputs=check_inputs)
 
 

@@ -113,16 +113,25 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     entropy stays ``(N,)``. ``temperature`` / ``reduction`` ``None`` mean 1 / ``"none"``, as verl's."""
     temperature = 1.0 if temperature is None else temperature
     reduction = "none" if reduction is None else reduction
-    if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     group = _tensor_parallel(dist_process_group)
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-        raise ValueError(f"hidden must be a tensor of shape (..., H), got {tuple(getattr(hidden, 'shape', ()))}")
-    tokens = tuple(hidden.shape[:-1])
-    if isinstance(labels, torch.Tensor) and tuple(labels.shape) != tokens and labels.numel() == hidden[..., 0].numel():
-        # verl's kernel flattens hidden and labels separately (Megatron's fused forward: (s, 1, h) with (1, s))
-        labels = labels.reshape(tokens)
-    _check_labels(hidden, labels, "labels", tokens)
+
+    def checks() -> torch.Tensor:
+        """The labels, of the hidden states' leading shape; raises on a bad reduction, hidden or labels (with a
+        group, on every process: :func:`fused_rl.vocab_parallel.agreed_checks`)."""
+        if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+            raise ValueError(f"hidden must be a tensor of shape (..., H), got {tuple(getattr(hidden, 'shape', ()))}")
+        tokens = tuple(hidden.shape[:-1])
+        shaped = labels
+        if isinstance(labels, torch.Tensor) and tuple(labels.shape) != tokens \
+                and labels.numel() == hidden[..., 0].numel():
+            # verl's kernel flattens hidden and labels separately (Megatron's fused forward: (s, 1, h) with (1, s))
+            shaped = labels.reshape(tokens)
+        _check_labels(hidden, shaped, "labels", tokens)
+        return shaped
+
+    labels = checks() if group is None else vocab_parallel.agreed_checks(checks, hidden, group, check_inputs)
     hidden, weight = _operands(hidden, weight)
     logp, entropy = _fused(hidden, weight, labels, temperature, backend, check_inputs, memory_budget_bytes, group)
     logp, entropy = logp.reshape(-1), entropy.reshape(-1)
