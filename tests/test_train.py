@@ -1971,6 +1971,48 @@ def test_cli_plot_out_eval_points_and_blank_lines(tmp_path, capsys, monkeypatch)
     assert "needs 'matplotlib.pyplot', from the [train] extra" in capsys.readouterr().err
 
 
+def test_cli_plot_out_without_an_extension_prints_the_file_written_and_a_bad_one_is_a_one_line_error(tmp_path,
+                                                                                                      capsys):
+    """``--out NAME`` without an extension: matplotlib writes ``NAME.png``, and that is the path printed (it printed
+    ``NAME``, a file that does not exist); an extension matplotlib cannot write is a one-line error, exit 2 (it was a
+    ValueError traceback) (review)."""
+    from fused_rl.train.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5, "length": 3}) + "\n")
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "curve")]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'curve.png'}\n"
+    assert (tmp_path / "curve.png").stat().st_size > 1000 and not (tmp_path / "curve").exists()
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "curve.foo")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fused-rl plot: error: cannot write") and "png" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "curve.foo").exists()
+
+
+def test_a_model_or_tokenizer_that_cannot_be_loaded_is_a_one_line_error(tmp_path, capsys):
+    """A model directory without weights and a ``tokenizer`` that is no directory nor a cached hub id (transformers'
+    OSError) stop the run with one line naming the field, exit 2, as a bad value does (they were OSError
+    tracebacks) (review)."""
+    from fused_rl.train.cli import main
+
+    path, _ = _hf_model_dir(tmp_path / "m")
+    (tmp_path / "no_weights").mkdir()
+    shutil.copy(tmp_path / "m" / "config.json", tmp_path / "no_weights" / "config.json")
+    common = ["--task", "reverse", "--steps", "1", "--warmup_steps", "0", "--eval_every", "0", "--plot", "false",
+              "--progress", "false", "--run_dir", str(tmp_path / "run")]
+    capsys.readouterr()
+
+    def error_line() -> str:  # the line the CLI prints (transformers' progress bars go to stderr too)
+        lines = [line for line in capsys.readouterr().err.splitlines() if "fused-rl" in line]
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert main(["train", "--model", str(tmp_path / "no_weights"), *common]) == 2
+    assert error_line().startswith(f"fused-rl train: error: model {str(tmp_path / 'no_weights')!r} cannot be loaded")
+    missing = str(tmp_path / "no_such_tokenizer")
+    assert main(["train", "--model", path, "--tokenizer", missing, *common]) == 2
+    assert error_line().startswith(f"fused-rl train: error: config field 'tokenizer' = {missing!r} cannot be loaded")
+
+
 def test_plain_lm_head_problems_of_each_logit_transform():
     """Soft-capping or any logit scale other than 1 (above or below) is named; a scale of exactly 1 or None is
     plain; a multimodal config is judged by its text config."""

@@ -169,14 +169,23 @@ def load_policy(cfg, task, device: torch.device):
     else:
         raise ValueError(f"model must be 'tiny', a local model directory or a .gguf file; {cfg.model!r} is none "
                          "(nothing is downloaded at run time)")
-    model = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, **kwargs, **extra)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, **kwargs, **extra)
+    except OSError as exc:  # a directory without weights, an unreadable file: a one-line error, as a bad value is
+        raise ValueError(f"model {cfg.model!r} cannot be loaded: {' '.join(str(exc).split())}") from exc
     problems = plain_lm_head_problems(model.config)
     if problems:  # the loss reads lm_head.weight: it would train other logits than the model samples from
         raise ValueError(f"model {cfg.model!r}: its logits are not the plain LM head's ({'; '.join(problems)}); "
                          "fused_rl's loss computes hidden @ lm_head.weight^T")
     tok_src = src if cfg.tokenizer == "auto" else cfg.tokenizer
     tok_extra = extra if cfg.tokenizer == "auto" else {}
-    tok = AutoTokenizer.from_pretrained(tok_src, local_files_only=True, **tok_extra)
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_src, local_files_only=True, **tok_extra)
+    except OSError as exc:  # a tokenizer path that is no directory (a typo) or a hub id not in the local cache
+        which = f"the tokenizer of model {cfg.model!r}" if cfg.tokenizer == "auto" else \
+            f"config field 'tokenizer' = {cfg.tokenizer!r}"
+        raise ValueError(f"{which} cannot be loaded (a local tokenizer directory, or a Hugging Face hub id in the "
+                         f"local cache: nothing is downloaded): {' '.join(str(exc).split())}") from exc
     if tok_extra:
         _gguf_eos(tok, model.config)
     stop = model.generation_config.eos_token_id

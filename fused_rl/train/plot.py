@@ -11,6 +11,10 @@ class MetricsError(ValueError):
     """``RUN_DIR/metrics.jsonl`` has a malformed line, or nothing to plot."""
 
 
+class PlotError(MetricsError):
+    """The plot's output file has an extension matplotlib cannot write."""
+
+
 def read_metrics(run_dir) -> list[dict]:
     """The records of ``RUN_DIR/metrics.jsonl``; a last line cut short (a run killed while writing it) is
     dropped, a malformed line elsewhere raises :class:`MetricsError` naming it."""
@@ -30,7 +34,9 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def plot_run(run_dir, out: Optional[str] = None) -> Path:
-    """Write ``RUN_DIR/reward_curve.png`` (or ``out``) and return its path."""
+    """Write ``RUN_DIR/reward_curve.png`` (or ``out``) and return its path (``out`` without an extension gets
+    matplotlib's default format's, ``.png``, as ``savefig`` writes it; an extension matplotlib cannot write raises
+    :class:`PlotError`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,6 +69,14 @@ def plot_run(run_dir, out: Optional[str] = None) -> Path:
     fig.suptitle(f"{Path(run_dir).name}: {last['step']} steps, {last.get('elapsed_s', 0):.0f} s", fontsize=10)
     fig.tight_layout()
     path = Path(out) if out else Path(run_dir) / "reward_curve.png"
+    fmt = path.suffix[1:].lower()
+    if not fmt:  # savefig appends the default format's extension: return the file it writes
+        fmt = str(matplotlib.rcParams["savefig.format"])
+        path = path.with_name(f"{path.name}.{fmt}")
+    supported = fig.canvas.get_supported_filetypes()
+    if fmt not in supported:
+        plt.close(fig)
+        raise PlotError(f"cannot write {str(path)!r}: matplotlib writes {', '.join(sorted(supported))} files")
     fig.savefig(path)
     plt.close(fig)
     return path
